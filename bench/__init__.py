@@ -1,0 +1,1 @@
+"""crossrl bench layer (see ../shared/DESIGN.md)."""

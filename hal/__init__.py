@@ -1,0 +1,1 @@
+"""crossrl hal layer (see ../shared/DESIGN.md)."""

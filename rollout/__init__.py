@@ -1,0 +1,1 @@
+"""crossrl rollout layer (see ../shared/DESIGN.md)."""

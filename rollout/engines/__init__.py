@@ -1,0 +1,1 @@
+"""Generation engines behind one interface (see base.py)."""

@@ -1,0 +1,86 @@
+"""The engine interface every rollout engine implements.
+
+An engine turns token-id prompts into sampled token ids with the log-probability of each
+sampled token. Log-probabilities are taken from ``log_softmax(logits / temperature)`` before
+top-p / top-k filtering, the same distribution the trainer evaluates, so rollout and
+training logprobs are comparable.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings shared by every request of one ``generate`` call.
+
+    ``max_new_tokens`` counts tokens. ``top_k = 0`` and ``top_p = 1.0`` switch those filters off.
+    ``stop_token_ids`` end a sequence when sampled (the stop token is kept in the output).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1 token")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature}: must be > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 switches it off)")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt to continue. ``seed`` seeds this request's own sampler, so what it samples
+    does not depend on which other requests share the batch."""
+
+    prompt_ids: list[int]
+    seed: int
+
+
+@dataclass
+class GenerationResult:
+    """Sampled continuation: ``token_ids`` (stop token included when one was sampled),
+    ``logprobs`` (one per token) and why generation ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    extra: dict = field(default_factory=dict)
+
+
+class Engine(ABC):
+    """A generation engine (HF transformers, vLLM, vllm-ascend)."""
+
+    @abstractmethod
+    def generate(
+        self, requests: list[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        """Continue every request; results are in request order."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new policy weights (HF parameter names), possibly in several buckets."""
+
+    def sleep(self) -> None:  # noqa: B027 - optional hook, default no-op
+        """Release device memory while the trainer uses the device (colocated mode)."""
+
+    def wake_up(self) -> None:  # noqa: B027 - optional hook, default no-op
+        """Retake device memory released by ``sleep``."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook, default no-op
+        """Free every resource the engine holds."""

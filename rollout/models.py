@@ -1,0 +1,119 @@
+"""Model loading: shipped tiny Qwen2-style configs (``builtin:tiny``, ``builtin:small``) or a local
+HF model directory.
+
+Builtin weights are random-initialised from ``seed`` on the CPU at first use and cached as
+safetensors under ``$CROSSRL_CACHE`` (default ``~/.cache/crossrl``); later loads read the cache, so
+every process and machine sees identical weights. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+BUILTIN_MODELS_DIR = Path(__file__).resolve().parent / "assets" / "models"
+BUILTIN_MODELS = ("tiny", "small")  # tiny: 0.1M params (tests), small: 19M params (benchmarks)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``torch.float32`` from ``"float32"``/``"fp32"`` etc.; a torch.dtype passes through."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"model.dtype={dtype!r}: use one of {sorted(_DTYPES)} or a torch.dtype")
+
+
+def cache_root() -> Path:
+    """Where builtin weights are cached: ``$CROSSRL_CACHE`` or ``~/.cache/crossrl``."""
+    return Path(os.environ.get("CROSSRL_CACHE", "~/.cache/crossrl")).expanduser()
+
+
+def builtin_config_dir(name: str) -> Path:
+    """Directory of the shipped ``config.json`` for ``builtin:<name>``."""
+    short = name.split(":", 1)[1] if name.startswith("builtin:") else name
+    if short not in BUILTIN_MODELS:
+        raise ValueError(
+            f"model.path={name!r}: unknown builtin model; use one of "
+            f"{[f'builtin:{m}' for m in BUILTIN_MODELS]} or a local model directory"
+        )
+    return BUILTIN_MODELS_DIR / short
+
+
+def builtin_weights_dir(name: str, seed: int) -> Path:
+    """Cache directory of ``builtin:<name>`` weights for ``seed``, materialised on first call.
+
+    The key includes a digest of the shipped config, so editing a config never reuses stale
+    weights. The directory is written under a temporary name and renamed, so a concurrent or
+    interrupted writer never leaves a half-written cache behind.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed={seed!r}: builtin model weights need an integer seed >= 0")
+    config_dir = builtin_config_dir(name)
+    digest = hashlib.sha256((config_dir / "config.json").read_bytes()).hexdigest()[:12]
+    final = cache_root() / "models" / f"{config_dir.name}-{digest}-seed{seed}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    config = AutoConfig.from_pretrained(str(config_dir), local_files_only=True)
+    # Initialise on the CPU from a private RNG state: same seed -> same weights on any machine,
+    # and the caller's global RNG stream is left untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(tmp))
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if not (final / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race; its copy is equal
+    return final
+
+
+def load_model(
+    path_or_name: str | Path,
+    *,
+    dtype: str | torch.dtype = torch.float32,
+    seed: int = 0,
+    attn_implementation: str | None = None,
+    device: str | torch.device = "cpu",
+) -> PreTrainedModel:
+    """Load a causal LM offline and move it to ``device``.
+
+    ``path_or_name``: ``builtin:tiny`` / ``builtin:small`` (weights from ``seed``, cached) or a
+    local directory with ``config.json`` + safetensors weights (``seed`` is then unused).
+    ``attn_implementation``: None keeps the model's default (sdpa); the training path passes the
+    HAL's varlen attention name.
+    """
+    name = str(path_or_name)
+    if name.startswith("builtin:"):
+        directory = builtin_weights_dir(name, seed)
+    else:
+        directory = Path(name).expanduser()
+        if not (directory / "config.json").is_file():
+            raise ValueError(
+                f"model.path={name!r}: no config.json there; pass a local HF model directory or "
+                f"one of {[f'builtin:{m}' for m in BUILTIN_MODELS]} (nothing is downloaded)"
+            )
+    kwargs = {"dtype": parse_dtype(dtype), "local_files_only": True}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs)
+    return model.to(torch.device(device))

@@ -1,0 +1,1 @@
+"""crossrl trainer layer (see ../shared/DESIGN.md)."""

@@ -1,0 +1,91 @@
+"""The ``crossrl`` command line: train, devices, plot, bench.
+
+Every subcommand validates its input before starting anything heavy; a bad argument or
+config exits with status 2 and one message naming the key, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXIT_BAD_INPUT = 2
+
+
+def _cmd_devices(args: argparse.Namespace) -> int:
+    from hal import describe
+    from hal.cli_devices import format_devices
+
+    print(format_devices(describe()))
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from trainer.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"crossrl train: config error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from trainer.controller import run_training
+
+    return run_training(cfg)
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from trainer.plot import plot_run
+
+    try:
+        paths = plot_run(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"crossrl plot: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for path in paths:
+        print(path)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from bench.__main__ import main as bench_main
+
+    return bench_main(args.which + (["--quick"] if args.quick else []))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every ``crossrl`` subcommand."""
+    parser = argparse.ArgumentParser(prog="crossrl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run a training job (default: configs/cpu/tiny.yaml)")
+    train.add_argument("--config", default=None, help="job YAML; omitted: the CPU default job")
+    train.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.lr=1e-5")
+    train.set_defaults(func=_cmd_train)
+
+    devices = sub.add_parser("devices", help="what the device layer sees")
+    devices.set_defaults(func=_cmd_devices)
+
+    plot = sub.add_parser("plot", help="PNG curves from RUN_DIR/metrics.jsonl")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", default=None, help="output folder (default: RUN_DIR/plots)")
+    plot.set_defaults(func=_cmd_plot)
+
+    bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
+    bench.add_argument("which", nargs="*", default=["all"])
+    bench.add_argument("--quick", action="store_true", help="smaller workloads")
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``crossrl`` console script; returns the process exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on bad arguments already
+        return int(exc.code or 0)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Ray plumbing: start or join Ray, place workers through the HAL, wait without hanging.
+
+The controller never blocks on a plain ``ray.get`` of many workers: if one worker dies
+mid-collective the others wait forever inside the process group, so ``wait_all`` watches
+every reference, reports the first failure with the worker's name at once, and gives up
+after a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+class WorkerFailedError(RuntimeError):
+    """A Ray worker died or raised; the message names the worker."""
+
+
+def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
+    """Start a local Ray (``address=None``) or join a cluster (``auto`` or ``host:port``)."""
+    if ray.is_initialized():
+        return
+    # Local runs need no token; a cluster the user started keeps its own settings.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": "ERROR",
+                              "log_to_driver": True}
+    if address is None:
+        ray.init(num_cpus=num_cpus, **kwargs)
+    else:
+        ray.init(address=address, **kwargs)
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for the process-group rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Placement:
+    """A placement group with one bundle per data-parallel rank."""
+
+    group: PlacementGroup
+    resource: str
+    per_bundle: float
+
+    def strategy(self, bundle_index: int) -> PlacementGroupSchedulingStrategy:
+        """Scheduling strategy that pins an actor to one bundle."""
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=bundle_index
+        )
+
+
+def make_placement(resource: str, num_bundles: int, *, timeout_s: float) -> Placement:
+    """Reserve ``num_bundles`` bundles of one device each (``resource`` is the HAL's Ray
+    resource name: CPU, GPU or NPU), packed on as few nodes as possible.
+
+    Raises ``WorkerFailedError`` naming the resource when the cluster cannot provide the
+    bundles within ``timeout_s`` seconds, instead of waiting forever.
+    """
+    bundle = {resource: 1.0} if resource == "CPU" else {resource: 1.0, "CPU": 1.0}
+    group = placement_group([dict(bundle) for _ in range(num_bundles)], strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        available = ray.available_resources().get(resource, 0)
+        remove_placement_group(group)
+        raise WorkerFailedError(
+            f"could not reserve {num_bundles} x {resource} within {timeout_s:.0f} s "
+            f"(Ray reports {available:g} {resource} free): lower train.dp_size, free the "
+            f"devices, or raise ray.placement_timeout_s"
+        )
+    return Placement(group=group, resource=resource, per_bundle=1.0)
+
+
+def wait_all(refs: Sequence[ray.ObjectRef], names: Sequence[str], *, timeout_s: float,
+             what: str) -> list[Any]:
+    """Results of ``refs`` in order; the first failure raises ``WorkerFailedError`` naming
+    the worker (``names[i]`` for ``refs[i]``) without waiting for the others."""
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    pending = list(refs)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            late = ", ".join(names[index[r]] for r in pending)
+            raise WorkerFailedError(f"{what}: no answer from {late} within {timeout_s:.0f} s")
+        done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
+        for ref in done:
+            i = index[ref]
+            try:
+                results[i] = ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                raise WorkerFailedError(f"{what}: worker {names[i]} died ({_first_line(err)})") from err
+            except ray.exceptions.RayTaskError as err:
+                raise WorkerFailedError(f"{what}: worker {names[i]} raised {_first_line(err)}") from err
+    return results
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[-1] if text else type(err).__name__
