@@ -37,8 +37,8 @@ def grpo_advantages(
     index, num_groups = group_index(group_ids)
     count, mean, std = group_mean_std(s, index, num_groups)
     adv = s - mean[index]  # s_i - mean(s)
+    # A singleton group already gives s - s = 0; keep it 0 (not 0/0) even when eps = 0.
+    multi = count[index] > 1
     if norm_adv_by_std:
-        adv = adv / (std[index] + eps)
-    # A singleton group already gives s - s = 0; where() makes that explicit
-    # and independent of eps.
-    return np.where(count[index] > 1, adv, 0.0)
+        adv = adv / np.where(multi, std[index] + eps, 1.0)
+    return np.where(multi, adv, 0.0)

@@ -1,0 +1,251 @@
+"""The device backend interface: what crossrl needs from a device type, and nothing more.
+
+A backend holds only what really differs between devices (a handful of class attributes and the
+varlen attention kernel); everything else is forwarded to `torch.<device_type>` (the module that
+`torch.get_device_module` returns) and to `torch.distributed`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hal.sdpa import segmented_sdpa
+
+TensorFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class DeviceNotAvailableError(RuntimeError):
+    """Raised by `hal.get_backend` when the asked-for device type is absent on this machine."""
+
+
+class DeviceBackend:
+    """One device type (cpu, cuda, npu). Subclasses set the class attributes below.
+
+    Instances are cheap and never touch the device when created: `hal.get_backend` checks that
+    the device is present before handing one out.
+    """
+
+    name: str = ""
+    """crossrl's name for the device type: the value of the `device` config key."""
+    device_type: str = ""
+    """torch's device type string (`torch.device(device_type, i)`)."""
+    process_group_backend: str = ""
+    """torch.distributed backend: gloo, nccl or hccl."""
+    visible_devices_env: str | None = None
+    """Env var that selects which devices a process sees (None on cpu)."""
+    ray_resource: str = ""
+    """Ray resource key a worker asks for: CPU, GPU or NPU."""
+    ray_noset_env_var: str | None = None
+    """Env var that stops Ray from overwriting `visible_devices_env` in its workers."""
+    is_accelerator: bool = True
+
+    # ---- device placement -------------------------------------------------------------------
+
+    def device_module(self):
+        """The `torch.<device_type>` module (torch.cuda, torch.npu) the backend forwards to."""
+        return torch.get_device_module(self.device_type)
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        """The torch device for the process with this node-local rank (one device per rank)."""
+        return torch.device(self.device_type, local_rank)
+
+    def device_count(self) -> int:
+        """Number of devices this process sees (after `visible_devices_env` filtering)."""
+        return int(self.device_module().device_count())
+
+    def set_device(self, local_rank: int) -> None:
+        """Make device `local_rank` the current one for this process."""
+        self.device_module().set_device(local_rank)
+
+    def synchronize(self) -> None:
+        """Wait for all queued work on the current device."""
+        self.device_module().synchronize()
+
+    def empty_cache(self) -> None:
+        """Return cached, unused device memory to the driver."""
+        self.device_module().empty_cache()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Current device's memory in bytes: allocated, reserved, max_allocated."""
+        mod = self.device_module()
+        return {
+            "allocated": int(mod.memory_allocated()),
+            "reserved": int(mod.memory_reserved()),
+            "max_allocated": int(mod.max_memory_allocated()),
+        }
+
+    # ---- seeds and determinism --------------------------------------------------------------
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed python's `random`, numpy, torch (CPU) and every device of this type."""
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        if self.is_accelerator:
+            self.device_module().manual_seed_all(seed)
+
+    def deterministic_env(self) -> dict[str, str]:
+        """Env vars this device needs for run-to-run determinism (set before any kernel runs)."""
+        return {}
+
+    def set_deterministic(self, seed: int) -> dict[str, str]:
+        """Seed everything and switch to deterministic kernels and collectives.
+
+        Call it before `init_process_group` and before the first kernel: some of the env vars
+        (cuBLAS workspace, HCCL) are read once, when the library initialises.
+        Returns every env var and torch setting it applied, as strings, so the run can record them.
+        """
+        applied: dict[str, str] = {}
+        for key, value in self.deterministic_env().items():
+            os.environ[key] = value
+            applied[key] = value
+        self.manual_seed(seed)
+        applied["seed"] = str(seed)
+        torch.use_deterministic_algorithms(True)
+        applied["torch.use_deterministic_algorithms"] = "True"
+        applied.update(self._set_deterministic_torch_flags())
+        return applied
+
+    def _set_deterministic_torch_flags(self) -> dict[str, str]:
+        """Device-specific torch switches beyond `use_deterministic_algorithms` (none by default)."""
+        return {}
+
+    # ---- distributed ------------------------------------------------------------------------
+
+    def init_process_group(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        master_addr: str,
+        master_port: int,
+        timeout_s: float = 600.0,
+        local_rank: int | None = None,
+    ) -> None:
+        """Join the default torch.distributed group with this device's backend.
+
+        rank, world_size: global process rank and count. local_rank: the device index on this node
+        (default: env LOCAL_RANK, else rank modulo the visible device count). The device is set
+        before the group is created so that collectives use the right one.
+        """
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"init_process_group: rank={rank}, world_size={world_size} is not a valid pair; "
+                "need world_size >= 1 and 0 <= rank < world_size"
+            )
+        if timeout_s <= 0:
+            raise ValueError(f"init_process_group: timeout_s={timeout_s} must be > 0 seconds")
+        if self.is_accelerator:
+            if local_rank is None:
+                env_local = os.environ.get("LOCAL_RANK")
+                local_rank = int(env_local) if env_local else rank % max(self.device_count(), 1)
+            self.set_device(local_rank)
+        host = f"[{master_addr}]" if ":" in master_addr else master_addr
+        dist.init_process_group(
+            backend=self.process_group_backend,
+            init_method=f"tcp://{host}:{int(master_port)}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+
+    # ---- memory offload ---------------------------------------------------------------------
+
+    def offload(self, obj: torch.nn.Module | torch.optim.Optimizer) -> None:
+        """Move a module's params/buffers/grads, or an optimizer's state, to (pinned) CPU memory.
+
+        In place; pair with `onload`. A no-op on cpu.
+        """
+        if not self.is_accelerator:
+            return
+        walk_tensors(obj, _to_pinned_cpu)
+        self.synchronize()  # the pinned copies are non-blocking; finish before the caller frees
+
+    def onload(self, obj: torch.nn.Module | torch.optim.Optimizer, local_rank: int | None = None):
+        """Move what `offload` moved back to the device (default: the current device)."""
+        if not self.is_accelerator:
+            return
+        index = self.device_module().current_device() if local_rank is None else local_rank
+        target = self.device(index)
+        walk_tensors(obj, lambda t: t.to(target, non_blocking=True))
+
+    # ---- attention --------------------------------------------------------------------------
+
+    @property
+    def attention_impl_name(self) -> str:
+        """Human name of the varlen attention kernel this backend uses (for `crossrl devices`)."""
+        return "sdpa-segmented"
+
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        *,
+        max_seqlen: int,
+        scale: float,
+        dropout: float = 0.0,
+        cu_seqlens_host: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Causal attention over packed rows in TND layout.
+
+        q: [T, H, D]; k, v: [T, Hkv, D] with H % Hkv == 0 (GQA); cu_seqlens: [R+1] token offsets
+        from 0 to T; max_seqlen: longest segment in tokens; scale: softmax scale.
+        cu_seqlens_host: the same offsets as a python list when the caller already has them.
+        Returns [T, H, D]; a token attends only to earlier tokens of its own segment.
+        """
+        offsets = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.tolist()
+        return segmented_sdpa(q, k, v, offsets, scale=scale, dropout=dropout)
+
+
+# ---- tensor walking for offload/onload (device-free logic, tested on cpu) ----------------------
+
+
+def walk_tensors(obj: torch.nn.Module | torch.optim.Optimizer, fn: TensorFn) -> int:
+    """Replace, in place, every tensor `obj` owns with `fn(tensor)`; returns how many were replaced.
+
+    Module: parameters, their grads, and buffers. Optimizer: every tensor with at least one
+    dimension in its per-parameter state. 0-d state tensors (Adam's `step`) stay where they are:
+    torch keeps them on CPU unless `capturable`, and moving them would break that contract.
+    """
+    if isinstance(obj, torch.nn.Module):
+        count = 0
+        for param in obj.parameters():
+            param.data = fn(param.data)
+            count += 1
+            if param.grad is not None:
+                param.grad = fn(param.grad)
+                count += 1
+        for buf in obj.buffers():
+            buf.data = fn(buf.data)
+            count += 1
+        return count
+    if isinstance(obj, torch.optim.Optimizer):
+        count = 0
+        for state in obj.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[key] = fn(value)
+                    count += 1
+        return count
+    raise ValueError(
+        f"offload/onload: got {type(obj).__name__}; pass a torch.nn.Module or a torch.optim.Optimizer"
+    )
+
+
+def _to_pinned_cpu(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t
+    if type(t) is not torch.Tensor:  # DTensor and other subclasses: let them move their shards
+        return t.to("cpu")
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out

@@ -1,0 +1,171 @@
+"""The npu backend: Huawei Ascend through torch_npu, HCCL and `npu_fusion_attention`.
+
+torch_npu is imported only here, lazily, and only after `importlib.util.find_spec` says it is
+installed: a torch_npu without CANN breaks `import torch` itself, so nothing else may touch it.
+The argument builders below are plain functions so they can be checked on any machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+from hal.base import DeviceBackend
+
+NPU_CAUSAL_MASK_SIZE = 2048
+"""Side of the compressed causal mask `npu_fusion_attention` takes with sparse_mode=3."""
+NPU_MAX_SEGMENTS_PER_CALL = 1024
+"""torch_npu documents at most 1K entries in `actual_seq_qlen` for TND; longer rows are split."""
+NPU_SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
+
+
+def torch_npu_installed() -> bool:
+    """True when the torch_npu package is importable (checked without importing it)."""
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def import_torch_npu():
+    """Import torch_npu (registers the `npu` device with torch); raises ImportError when absent."""
+    return importlib.import_module("torch_npu")
+
+
+def npu_causal_mask(device: torch.device | str | None = None) -> torch.Tensor:
+    """The compressed causal mask for sparse_mode=3: a [2048, 2048] bool, True above the diagonal.
+
+    True means "masked out" for torch_npu, the opposite of SDPA's boolean masks.
+    """
+    size = NPU_CAUSAL_MASK_SIZE
+    return torch.ones(size, size, dtype=torch.bool, device=device).triu(diagonal=1)
+
+
+def npu_fusion_attention_args(
+    cu_seqlens: torch.Tensor | list[int],
+    num_heads: int,
+    scale: float,
+    *,
+    dropout: float = 0.0,
+    atten_mask: torch.Tensor | None = None,
+) -> dict:
+    """Keyword arguments for `torch_npu.npu_fusion_attention(q, k, v, **kwargs)`, causal TND.
+
+    cu_seqlens: [R+1] token offsets starting at 0 (R <= NPU_MAX_SEGMENTS_PER_CALL); num_heads:
+    query heads (key/value heads are read from k's shape, GQA allowed); scale: softmax scale.
+    torch_npu wants the cumulative *end* offsets as python ints (no leading 0) for both q and kv,
+    and causality as sparse_mode=3 (right-down causal) with the compressed 2048x2048 mask.
+    atten_mask: that mask already on the device; built on the CPU when not given.
+    """
+    offsets = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if not offsets or offsets[0] != 0:
+        raise ValueError(f"cu_seqlens={offsets[:8]}... must start at 0; prepend 0 to the offsets")
+    ends = [int(x) for x in offsets[1:]]
+    if len(ends) > NPU_MAX_SEGMENTS_PER_CALL:
+        raise ValueError(
+            f"cu_seqlens holds {len(ends)} segments; npu_fusion_attention takes at most "
+            f"{NPU_MAX_SEGMENTS_PER_CALL} per call: split the row (NpuBackend.varlen_attention does)"
+        )
+    return {
+        "head_num": int(num_heads),
+        "input_layout": "TND",
+        "atten_mask": npu_causal_mask() if atten_mask is None else atten_mask,
+        "scale": float(scale),
+        "keep_prob": 1.0 - float(dropout),
+        "actual_seq_qlen": ends,
+        "actual_seq_kvlen": ends,
+        "sparse_mode": NPU_SPARSE_MODE_RIGHT_DOWN_CAUSAL,
+    }
+
+
+def split_segments(offsets: list[int], max_segments: int) -> list[tuple[int, int, list[int]]]:
+    """Split packed-row offsets into chunks of at most `max_segments` segments.
+
+    Returns (first_token, end_token, offsets rebased to start at 0) per chunk, in order.
+    """
+    chunks = []
+    for i in range(0, max(len(offsets) - 1, 0), max_segments):
+        part = offsets[i : i + max_segments + 1]
+        chunks.append((part[0], part[-1], [x - part[0] for x in part]))
+    return chunks
+
+
+class NpuBackend(DeviceBackend):
+    """Ascend NPUs through torch.npu (after `import torch_npu`) and HCCL."""
+
+    name = "npu"
+    device_type = "npu"
+    process_group_backend = "hccl"
+    visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
+    ray_resource = "NPU"
+    ray_noset_env_var = "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"
+
+    def __init__(self) -> None:
+        self._masks: dict[torch.device, torch.Tensor] = {}
+
+    def device_module(self):
+        import_torch_npu()  # registers torch.npu; a no-op after the first call
+        return super().device_module()
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        import_torch_npu()  # torch learns the "npu" device type from torch_npu
+        return super().device(local_rank)
+
+    def device_names(self) -> list[str]:
+        """Chip name of every visible NPU (e.g. Ascend910B3)."""
+        mod = self.device_module()
+        return [mod.get_device_name(i) for i in range(mod.device_count())]
+
+    def init_process_group(self, *args, **kwargs) -> None:
+        import_torch_npu()  # the hccl backend is registered by torch_npu
+        super().init_process_group(*args, **kwargs)
+
+    def deterministic_env(self) -> dict[str, str]:
+        """CANN's switches for reproducible collectives and matmuls (verl/vllm-ascend use these).
+
+        HCCL/LCCL: deterministic reductions; CLOSE_MATMUL_K_SHIFT and ATB_MATMUL_SHUFFLE_K_ENABLE:
+        fixed K-axis accumulation order in matmuls; ATB_LLM_LCOC_ENABLE: no fused comm+compute.
+        `torch.use_deterministic_algorithms(True)` turns on ACL's deterministic operators.
+        """
+        return {
+            "HCCL_DETERMINISTIC": "true",
+            "LCCL_DETERMINISTIC": "1",
+            "CLOSE_MATMUL_K_SHIFT": "1",
+            "ATB_MATMUL_SHUFFLE_K_ENABLE": "0",
+            "ATB_LLM_LCOC_ENABLE": "0",
+        }
+
+    @property
+    def attention_impl_name(self) -> str:
+        return "npu_fusion_attention TND (sparse_mode=3)"
+
+    def _causal_mask(self, device: torch.device) -> torch.Tensor:
+        if device not in self._masks:  # 4 MiB per device; build it once
+            self._masks[device] = npu_causal_mask(device)
+        return self._masks[device]
+
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        *,
+        max_seqlen: int,
+        scale: float,
+        dropout: float = 0.0,
+        cu_seqlens_host: list[int] | None = None,
+    ) -> torch.Tensor:
+        """`torch_npu.npu_fusion_attention` in TND layout, split every 1024 segments."""
+        torch_npu = import_torch_npu()
+        offsets = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.tolist()
+        mask = self._causal_mask(q.device)
+        outputs = []
+        for start, end, local in split_segments(offsets, NPU_MAX_SEGMENTS_PER_CALL):
+            kwargs = npu_fusion_attention_args(
+                local, q.shape[1], scale, dropout=dropout, atten_mask=mask
+            )
+            out = torch_npu.npu_fusion_attention(q[start:end], k[start:end], v[start:end], **kwargs)
+            outputs.append(out[0])
+        if not outputs:  # an empty row
+            return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

@@ -1,0 +1,311 @@
+"""The multi-turn agent loop: environments x engine -> training rows.
+
+``run_rollouts`` drives every trajectory of a step at once: each turn, the prompts of all live
+trajectories go to ONE ``engine.generate`` call. It emits either one row per trajectory
+(``step_wise=False``) or one row per turn (``step_wise=True``), following DESIGN.md:
+
+a. step-wise: the chat history is re-tokenized FIRST and only then checked against
+   ``max_input_len``; a turn whose prompt is longer is not generated and the trajectory ends
+   (``rollout/truncated_trajectories``).
+b. a turn that did not end with EOS (length cut, or another stop token) gets an EOS appended so
+   the chat stays well-formed; that EOS is in ``response_ids`` with mask 0 and logprob 0.
+c. a step row's response is the tokens generated in that turn only; the observation that
+   followed goes into the next turn's prompt. The engine is asked for ``max_new_tokens - 1``
+   tokens, so a response including an appended EOS is at most ``max_new_tokens`` tokens and
+   every step row at most ``max_input_len + max_new_tokens`` tokens.
+
+Rewards: a trajectory's ``score`` is the reward of its LAST env step (an env reports its
+outcome there, see ``rollout/envs/base.py``; 0 if no step happened). It is copied to every
+step row and placed in ``token_rewards`` on the last generated (mask 1) token of the last row;
+every other token reward is 0. Each row keeps its own env reward as ``step_reward``.
+
+Env faults (an exception, a non-string observation, a reward that is not a finite number in
+[0, 1]) end that trajectory with score 0; its rows so far are KEPT (so GRPO groups keep their
+size and the failure counts as a bad outcome) and ``rollout/env_errors`` counts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from batching import Row
+from rollout.engines.base import Engine, GenerationRequest, SamplingParams
+from rollout.envs.prompts import PromptItem
+from rollout.seeding import stable_seed
+from rollout.tokenizer import chat_token_ids, eos_token_ids
+
+
+@dataclass
+class RolloutOutput:
+    """Rows for the trainer plus ``rollout/*`` metrics (floats)."""
+
+    rows: list[Row]
+    metrics: dict[str, float]
+
+
+@dataclass
+class _Turn:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    reward: float = 0.0
+    obs_ids: list[int] = field(default_factory=list)  # whole mode: template + observation after it
+
+
+@dataclass
+class _Trajectory:
+    uid: int
+    trajectory_id: int
+    item: PromptItem
+    sample: int
+    env: object = None
+    messages: list[dict] = field(default_factory=list)
+    seq: list[int] = field(default_factory=list)  # whole mode: the running token sequence
+    turns: list[_Turn] = field(default_factory=list)
+    done: bool = False
+    truncated: bool = False
+    error: str | None = None
+
+
+class EnvError(ValueError):
+    """An environment broke its contract (wrong type, bad reward); ends that trajectory."""
+
+
+def _check_step(out: object) -> tuple[str, float, bool]:
+    if not isinstance(out, tuple) or len(out) != 4:
+        raise EnvError(f"step() must return (obs, reward, done, info), got {out!r:.80}")
+    obs, reward, done, _info = out
+    if not isinstance(obs, str):
+        raise EnvError(f"step() observation must be str, got {type(obs).__name__}")
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        raise EnvError(f"step() reward must be a float, got {type(reward).__name__}")
+    reward = float(reward)
+    if not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
+        raise EnvError(f"step() reward {reward!r} is not a finite number in [0, 1]")
+    return obs, reward, bool(done)
+
+
+def _observation_ids(tokenizer, messages: list[dict], obs: str) -> list[int]:
+    """Tokens the chat template puts after the assistant's EOS and around the observation, up to
+    and including the next generation prompt (whole-trajectory mode)."""
+    before = chat_token_ids(tokenizer, messages, add_generation_prompt=False)
+    after = chat_token_ids(
+        tokenizer, messages + [{"role": "user", "content": obs}], add_generation_prompt=True
+    )
+    if after[: len(before)] != before:
+        # Templates that rewrite earlier turns: measure the delta on a neutral history instead.
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        before = chat_token_ids(tokenizer, base, add_generation_prompt=False)
+        after = chat_token_ids(
+            tokenizer, base + [{"role": "user", "content": obs}], add_generation_prompt=True
+        )
+    eos = set(eos_token_ids(tokenizer))
+    last_eos = max((i for i, t in enumerate(before) if t in eos), default=len(before) - 1)
+    return before[last_eos + 1 :] + after[len(before) :]
+
+
+def run_rollouts(
+    engine: Engine,
+    tokenizer,
+    env_factory: Callable[..., object],
+    prompts: Sequence[PromptItem | int],
+    *,
+    n: int = 1,
+    max_turns: int = 1,
+    step_wise: bool = True,
+    merge_stepwise: bool = False,
+    max_input_len: int = 512,
+    max_new_tokens: int = 16,
+    sampling: SamplingParams | None = None,
+    seed: int = 0,
+    step: int = 0,
+) -> RolloutOutput:
+    """Roll out ``n`` trajectories per prompt for up to ``max_turns`` turns.
+
+    ``prompts``: ``PromptItem``s (or plain env seeds); the n samples of prompt j form GRPO group
+    ``uid = j`` and get ``trajectory_id = j * n + sample``. ``max_input_len`` (tokens) bounds
+    every generation prompt; ``max_new_tokens`` (tokens) bounds every turn's response including
+    an appended EOS. ``sampling`` supplies temperature / top-p / top-k / extra stop tokens.
+    Request seeds are ``stable_seed(seed, step, prompt index, sample, turn)``.
+    """
+    if n < 1:
+        raise ValueError(f"rollout.n={n}: must be >= 1 sample per prompt")
+    if max_turns < 1:
+        raise ValueError(f"rollout.max_turns={max_turns}: must be >= 1")
+    if max_new_tokens < 2:
+        raise ValueError(
+            f"rollout.max_new_tokens={max_new_tokens}: must be >= 2 (one token is reserved for "
+            "the EOS that closes a turn)"
+        )
+    if max_input_len < 1:
+        raise ValueError(f"rollout.max_input_len={max_input_len}: must be >= 1 token")
+    sampling = sampling or SamplingParams()
+    eos_ids = eos_token_ids(tokenizer)
+    if not eos_ids:
+        raise ValueError("the tokenizer has no eos_token; the agent loop needs one to end turns")
+    eos = eos_ids[0]
+    stops = tuple(dict.fromkeys(eos_ids + tuple(sampling.stop_token_ids)))
+    params = dataclasses.replace(sampling, max_new_tokens=max_new_tokens - 1, stop_token_ids=stops)
+
+    items = [p if isinstance(p, PromptItem) else PromptItem(index=i, seed=int(p)) for i, p in enumerate(prompts)]
+    trajs = [
+        _Trajectory(uid=j, trajectory_id=j * n + k, item=item, sample=k)
+        for j, item in enumerate(items)
+        for k in range(n)
+    ]
+    for t in trajs:
+        try:
+            t.env = env_factory(**t.item.env_kwargs)
+            obs = t.env.reset(t.item.seed)
+            if not isinstance(obs, str):
+                raise EnvError(f"reset() must return str, got {type(obs).__name__}")
+        except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
+            t.error, t.done = f"reset: {exc}", True
+            continue
+        t.messages = [{"role": "user", "content": obs}]
+        if not step_wise:
+            t.seq = chat_token_ids(tokenizer, t.messages)
+
+    for turn in range(max_turns):
+        live, requests = [], []
+        for t in trajs:
+            if t.done:
+                continue
+            # Rule a: re-tokenize the history first, then check the length.
+            prompt = chat_token_ids(tokenizer, t.messages) if step_wise else list(t.seq)
+            if len(prompt) > max_input_len:
+                t.truncated, t.done = True, True
+                continue
+            live.append((t, prompt))
+            req_seed = stable_seed(seed, step, t.item.index, t.sample, turn)
+            requests.append(GenerationRequest(prompt_ids=prompt, seed=req_seed))
+        if not requests:
+            break
+        results = engine.generate(requests, params)
+        for (t, prompt), res in zip(live, results):
+            gen, lps = list(res.token_ids), [float(x) for x in res.logprobs]
+            mask = [1] * len(gen)
+            if not gen or gen[-1] != eos:  # rule b: close the turn with an untrained EOS
+                gen, lps, mask = gen + [eos], lps + [0.0], mask + [0]
+            content = gen[:-1]
+            text = tokenizer.decode(content, skip_special_tokens=True)
+            record = _Turn(prompt_ids=prompt, response_ids=gen, mask=mask, logprobs=lps)
+            t.turns.append(record)
+            t.messages.append({"role": "assistant", "content": text})
+            try:
+                obs, reward, done = _check_step(t.env.step(text))
+            except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
+                t.error, t.done = f"step {turn}: {exc}", True
+                continue
+            record.reward = reward
+            if done:
+                t.done = True
+                continue
+            t.messages.append({"role": "user", "content": obs})
+            if not step_wise:
+                record.obs_ids = _observation_ids(tokenizer, t.messages[:-1], obs)
+                t.seq = prompt + gen + record.obs_ids
+
+    rows: list[Row] = []
+    for t in trajs:
+        rows.extend(_rows_of(t, step_wise=step_wise, merge=merge_stepwise))
+    return RolloutOutput(rows=rows, metrics=_metrics(trajs, rows))
+
+
+def _score(t: _Trajectory) -> float:
+    if t.error is not None or not t.turns:
+        return 0.0
+    return t.turns[-1].reward
+
+
+def _rows_of(t: _Trajectory, *, step_wise: bool, merge: bool) -> list[Row]:
+    if not t.turns:
+        return []
+    score = _score(t)
+    if not step_wise:
+        resp, mask, lps = [], [], []
+        for i, turn in enumerate(t.turns):
+            resp += turn.response_ids
+            mask += turn.mask
+            lps += turn.logprobs
+            if i + 1 < len(t.turns):  # the observation between two generated turns, untrained
+                resp += turn.obs_ids
+                mask += [0] * len(turn.obs_ids)
+                lps += [0.0] * len(turn.obs_ids)
+        parts = [(t.turns[0].prompt_ids, resp, mask, lps, 0, sum(x.reward for x in t.turns))]
+    else:
+        parts = [(x.prompt_ids, x.response_ids, x.mask, x.logprobs, i, x.reward) for i, x in enumerate(t.turns)]
+        if merge:
+            parts = _merge(parts)
+    rows = []
+    for k, (prompt, resp, mask, lps, step_index, step_reward) in enumerate(parts):
+        last = k == len(parts) - 1
+        token_rewards = [0.0] * len(resp)
+        if last:
+            where = max((i for i, m in enumerate(mask) if m), default=len(resp) - 1)
+            token_rewards[where] = score
+        rows.append(
+            Row(
+                prompt_ids=list(prompt),
+                response_ids=list(resp),
+                response_mask=list(mask),
+                response_logprobs=list(lps),
+                uid=t.uid,
+                trajectory_id=t.trajectory_id,
+                step_index=step_index,
+                is_last_step=last,
+                score=score,
+                step_reward=step_reward if step_wise else score,
+                token_rewards=token_rewards,
+            )
+        )
+    return rows
+
+
+def _merge(parts: list[tuple]) -> list[tuple]:
+    """Merge consecutive turns when turn i's prompt + response is a token prefix of turn i+1's
+    prompt; the gap (template + observation) joins the response with mask 0 and logprob 0. The
+    merged row keeps the first turn's step_index and the sum of the merged turns' rewards."""
+    merged = [parts[0]]
+    for prompt, resp, mask, lps, idx, reward in parts[1:]:
+        p0, r0, m0, l0, i0, w0 = merged[-1]
+        head = p0 + r0
+        if prompt[: len(head)] == head:
+            gap = prompt[len(head) :]
+            merged[-1] = (
+                p0,
+                r0 + gap + resp,
+                m0 + [0] * len(gap) + mask,
+                l0 + [0.0] * len(gap) + lps,
+                i0,
+                w0 + reward,
+            )
+        else:
+            merged.append((prompt, resp, mask, lps, idx, reward))
+    return merged
+
+
+def _metrics(trajs: list[_Trajectory], rows: list[Row]) -> dict[str, float]:
+    num = len(trajs)
+    with_rows = [t for t in trajs if t.turns]
+    return {
+        "rollout/num_trajectories": float(num),
+        "rollout/num_rows": float(len(rows)),
+        "rollout/mean_turns": sum(len(t.turns) for t in trajs) / max(num, 1),
+        "rollout/truncated_trajectories": float(sum(t.truncated for t in trajs)),
+        "rollout/env_errors": float(sum(t.error is not None for t in trajs)),
+        "rollout/unfinished_trajectories": float(
+            sum(not t.truncated and t.error is None and bool(t.turns) and not _finished(t) for t in trajs)
+        ),
+        "rollout/mean_response_length": sum(len(r.response_ids) for r in rows) / max(len(rows), 1),
+        "rollout/score_mean": sum(_score(t) for t in with_rows) / max(len(with_rows), 1),
+    }
+
+
+def _finished(t: _Trajectory) -> bool:
+    return t.done and not t.truncated and t.error is None

@@ -1,0 +1,58 @@
+"""The environment interface and the reward-shaping helper the built-in envs share.
+
+An environment is a multi-turn text game:
+
+- ``reset(seed) -> str``: start a new episode deterministically from ``seed``; the first
+  observation (the user's first message).
+- ``step(action_text) -> (observation, reward, done, info)``: the model's reply (decoded text,
+  special tokens removed); the next observation (ignored when ``done``), a reward in [0, 1],
+  whether the episode ended, and free-form info.
+
+Convention for the trajectory outcome: the reward of the FINAL step is the trajectory's score
+(the agent loop copies it to every step row), so an env that wants to credit several turns
+reports their aggregate on its last step. Rewards of earlier steps are per-turn progress
+signals kept as ``step_reward``.
+
+Model output is untrusted input: envs and their tools parse it with plain string code, never
+``eval``/``exec`` or a shell.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class Env(ABC):
+    """A multi-turn text environment (see module docstring for the contract)."""
+
+    @abstractmethod
+    def reset(self, seed: int) -> str:
+        """Start an episode from ``seed``; return the first observation."""
+
+    @abstractmethod
+    def step(self, action_text: str) -> tuple[str, float, bool, dict]:
+        """Apply the model's reply; return (observation, reward in [0, 1], done, info)."""
+
+
+def _char_class(ch: str) -> int:
+    return 0 if ch.isdigit() else 1 if ch.isalpha() else 2 if ch.isspace() else 3
+
+
+def match_credit(response: str, target: str) -> float:
+    """Partial credit in [0, 1] for answering ``target`` (a short string) with ``response``.
+
+    0.3 x the fraction of the first ``len(target)`` response characters in the same class
+    (digit / letter / space / other) as the target's (format),
+    + 0.2 / (1 + |len(stripped response) - len(target)|) (length, graded so near misses count),
+    + 0.5 x the fraction of positions where response and target agree (content).
+    For a digit target a uniform random policy over ~100 characters scores about 0.03-0.1;
+    preferring digits alone reaches ~0.35 and stopping at the right length ~0.55, so a tiny
+    model sees a gradient long before it can solve the task.
+    """
+    if not target:
+        raise ValueError("match_credit target is empty; give the expected answer string")
+    text = response.strip()
+    form = sum(_char_class(a) == _char_class(b) for a, b in zip(text, target)) / len(target)
+    length = 1.0 / (1 + abs(len(text) - len(target)))
+    agree = sum(a == b for a, b in zip(text, target)) / len(target)
+    return 0.3 * form + 0.2 * length + 0.5 * agree

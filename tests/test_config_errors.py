@@ -1,0 +1,170 @@
+"""Bad configs fail at load time with a ConfigError naming the key to fix."""
+
+from __future__ import annotations
+
+import pytest
+
+import hal
+import trainer.config as config_mod
+from trainer.config import ConfigError, load_config
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only_machine(monkeypatch):
+    """Pretend this machine has a CPU and nothing else, whatever it really has."""
+    monkeypatch.setattr(hal, "available_backends", lambda: ["cpu"], raising=False)
+
+
+def _vllm_installed(monkeypatch):
+    real = config_mod._module_available
+    monkeypatch.setattr(config_mod, "_module_available", lambda name: name == "vllm" or real(name))
+
+
+# (overrides on top of configs/cpu/tiny.yaml, key the error must name, text the message must hold)
+BAD = [
+    # unknown keys, with the closest valid key suggested
+    (["trian.lr=1e-3"], "trian.lr", "did you mean 'train.lr'"),
+    (["train.lrr=1e-3"], "train.lrr", "did you mean 'train.lr'"),
+    (["rollout.temprature=0.5"], "rollout.temprature", "did you mean 'rollout.temperature'"),
+    (["algorithm.kl_coeff=0.1"], "algorithm.kl_coeff", "did you mean 'algorithm.kl_coef'"),
+    (["devcie=cpu"], "devcie", "did you mean 'device'"),
+    # wrong types
+    (["train.batch_size=eight"], "train.batch_size", "'eight'"),
+    (["train.batch_size=8.5"], "train.batch_size", "8.5"),
+    (["train.batch_size=true"], "train.batch_size", "integer"),
+    (["rollout.step_wise=maybe"], "rollout.step_wise", "boolean"),
+    (["train.lr=null"], "train.lr", "null"),
+    (["train=5"], "train", "mapping"),
+    # words outside the allowed set
+    (["device=tpu"], "device", "'npu'"),
+    (["model.dtype=fp16"], "model.dtype", "'bfloat16'"),
+    (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator", "'gae'"),
+    (["algorithm.kl_estimator=k4"], "algorithm.kl_estimator", "'k3'"),
+    (["train.lr_schedule=linear"], "train.lr_schedule", "'cosine'"),
+    (["train.param_dtype=float16"], "train.param_dtype", "'bfloat16'"),
+    (["algorithm.loss_agg=sum"], "algorithm.loss_agg", "'token-mean'"),
+    # out of range
+    (["rollout.temperature=0"], "rollout.temperature", "greater than 0"),
+    (["rollout.temperature=-1.0"], "rollout.temperature", "greater than 0"),
+    (["rollout.top_p=1.5"], "rollout.top_p", "1.5"),
+    (["rollout.top_k=-1"], "rollout.top_k", "-1"),
+    (["rollout.n=0"], "rollout.n", "0"),
+    (["rollout.memory_fraction=1.0"], "rollout.memory_fraction", "less than 1"),
+    (["algorithm.clip_ratio_low=1.2"], "algorithm.clip_ratio_low", "1.2"),
+    (["algorithm.clip_ratio_high=0"], "algorithm.clip_ratio_high", "greater than 0"),
+    (["algorithm.clip_ratio_c=0.5"], "algorithm.clip_ratio_c", "greater than 1"),
+    (["algorithm.gamma=1.5"], "algorithm.gamma", "1.5"),
+    (["train.max_tokens_per_micro_batch=1"], "train.max_tokens_per_micro_batch", "2"),
+    (["train.grad_clip=0"], "train.grad_clip", "greater than 0"),
+    (["seed=-1"], "seed", "-1"),
+    (["ray.address=nohost"], "ray.address", "host:port"),
+    (["ray.address=node1:99999"], "ray.address", "host:port"),
+    (["run.dir=' '"], "run.dir", "empty"),
+    (["rollout.env=not a spec!"], "rollout.env", "module.path:ClassName"),
+    (["model.path=builtin:huge"], "model.path", "builtin:tiny"),
+    (["data.source=prompts.csv"], "data.source", ".jsonl"),
+    # inconsistent combinations
+    (["train.mini_batch_size=16"], "train.mini_batch_size", "train.batch_size (8)"),
+    (["train.mini_batch_size=3"], "train.batch_size", "multiple of train.mini_batch_size (3)"),
+    (["algorithm.adv_estimator=gae"], "critic.enable", "critic.enable=true"),
+    (["critic.enable=true"], "critic.enable", "only gae"),
+    (["rollout.merge_stepwise=true", "rollout.step_wise=false"], "rollout.merge_stepwise", ""),
+    (
+        ["algorithm.loss_agg=seq-mean-token-sum-norm", "rollout.step_wise=false"],
+        "algorithm.loss_agg_horizon",
+        "horizon",
+    ),
+    (["rollout.n=1"], "rollout.n", "grpo"),
+    (["algorithm.adv_estimator=rloo", "rollout.n=1"], "rollout.n", "rloo"),
+    (["rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size", "hf engine"),
+    (["algorithm.use_kl_loss=true", "algorithm.kl_coef=0.0"], "algorithm.kl_coef", "> 0"),
+    (["train.warmup_steps=1000"], "train.warmup_steps", "optimizer steps"),
+    # this machine: devices, packages, files
+    (["device=npu"], "device", "found: cpu"),
+    (["device=cuda"], "device", "found: cpu"),
+    (["model.path=/nonexistent/Qwen2.5-7B-Instruct"], "model.path", "download the model"),
+    (["data.source=/nonexistent/prompts.jsonl"], "data.source", "not found"),
+    (["run.resume=/nonexistent/step_3"], "run.resume", "existing checkpoint"),
+    (["rollout.env=no_such_module_xyz:Env"], "rollout.env", "not importable"),
+    (["rollout.env=json:NoSuchClass"], "rollout.env", "NoSuchClass"),
+    (["rollout.env=json:JSONDecoder"], "rollout.env", "reset"),
+    (["rollout.env=recal"], "rollout.env", "did you mean 'recall'"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "text"), BAD, ids=lambda v: str(v))
+def test_bad_config_names_the_key(overrides, key, text):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    err = info.value
+    message = str(err)
+    assert err.key == key
+    assert message.startswith(key + ":"), message
+    assert text in message
+    assert "\n" not in message
+    assert isinstance(err, ValueError)
+
+
+def test_vllm_engine_needs_vllm_importable(monkeypatch):
+    monkeypatch.setattr(config_mod, "_module_available", lambda name: False)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["rollout.engine=vllm"])
+    assert info.value.key == "rollout.engine"
+    assert "rollout.engine=hf" in str(info.value)
+
+
+def test_vllm_tensor_parallel_must_divide_dp_size(monkeypatch):
+    _vllm_installed(monkeypatch)
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            None, ["rollout.engine=vllm", "rollout.tensor_parallel_size=3", "train.dp_size=4"]
+        )
+    assert info.value.key == "rollout.tensor_parallel_size"
+    assert "train.dp_size (4)" in str(info.value)
+    cfg = load_config(
+        None, ["rollout.engine=vllm", "rollout.tensor_parallel_size=2", "train.dp_size=4"]
+    )
+    assert cfg.rollout.tensor_parallel_size == 2
+
+
+def test_user_environment_class_is_accepted():
+    cfg = load_config(None, ["rollout.env=rollout.envs.recall:RecallEnv"])
+    assert cfg.rollout.env == "rollout.envs.recall:RecallEnv"
+
+
+def test_present_device_passes(monkeypatch):
+    monkeypatch.setattr(hal, "available_backends", lambda: ["cpu", "npu"], raising=False)
+    assert load_config(None, ["device=npu"]).device == "npu"
+
+
+def test_environment_checks_can_be_skipped():
+    cfg = load_config(
+        None,
+        ["device=npu", "model.path=/nonexistent/model", "data.source=/nonexistent/p.jsonl"],
+        check_environment=False,
+    )
+    assert (cfg.device, cfg.model.path) == ("npu", "/nonexistent/model")
+
+
+def test_model_directory_needs_config_json(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"model.path={tmp_path}"])
+    assert info.value.key == "model.path"
+    assert "config.json" in str(info.value)
+    (tmp_path / "config.json").write_text("{}")
+    assert load_config(None, [f"model.path={tmp_path}"]).model.path == str(tmp_path)
+
+
+def test_every_problem_is_reported():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["rollout.temperature=0", "train.lr=-1.0", "trian.x=1"])
+    keys = {key for key, _value, _message in info.value.problems}
+    assert keys == {"rollout.temperature", "train.lr", "trian.x"}
+    assert "and 2 more problems" in str(info.value)
+
+
+def test_legal_but_odd_settings_only_warn(caplog):
+    with caplog.at_level("WARNING", logger="crossrl.config"):
+        cfg = load_config(None, ["train.max_tokens_per_micro_batch=16"])
+    assert cfg.train.max_tokens_per_micro_batch == 16
+    assert "gets a micro-batch alone" in caplog.text

@@ -1,0 +1,439 @@
+"""Checkpoints: atomic commit, crash safety, corruption detection, state round trips."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.checkpoint import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    MODEL_FILE,
+    TRAINER_STATE_FILE,
+    CheckpointError,
+    atomic_write_bytes,
+    atomic_write_text,
+    begin_checkpoint,
+    commit_checkpoint,
+    find_latest,
+    list_checkpoints,
+    load_json,
+    load_safetensors,
+    load_torch,
+    optim_file,
+    resolve_resume,
+    rng_file,
+    rng_state,
+    save_json,
+    save_safetensors,
+    save_torch,
+    set_rng_state,
+    verify_checkpoint,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+POSIX_ONLY = pytest.mark.skipif(os.name != "posix", reason="needs POSIX signals (SIGKILL)")
+
+
+def _model_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(8, 4, generator=g), "b": torch.randn(4, generator=g)}
+
+
+def _write_checkpoint(run_dir: Path, step: int, *, ranks: int = 2, keep_last: int | None = 2):
+    """What the controller and workers do together: stage every piece, then commit."""
+    staging = begin_checkpoint(run_dir, step)
+    save_safetensors(_model_state(step), staging / MODEL_FILE)
+    for rank in range(ranks):
+        save_torch({"exp_avg": torch.full((3,), float(step + rank))}, staging / optim_file(rank))
+        save_torch(rng_state(), staging / rng_file(rank))
+    save_json({"step": step, "data_position": step * 4}, staging / TRAINER_STATE_FILE)
+    expect = [MODEL_FILE, TRAINER_STATE_FILE] + [optim_file(r) for r in range(ranks)]
+    return commit_checkpoint(run_dir, step, staging, keep_last=keep_last, expect_files=expect)
+
+
+def _assert_whole(ckpt: Path, step: int) -> None:
+    verify_checkpoint(ckpt)
+    assert load_json(ckpt / TRAINER_STATE_FILE)["step"] == step
+    loaded = load_safetensors(ckpt / MODEL_FILE)
+    for name, tensor in _model_state(step).items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)
+    assert load_torch(ckpt / optim_file(1))["exp_avg"][0].item() == step + 1
+
+
+# ------------------------------------------------------------------ atomic writes
+
+
+def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):
+    target = tmp_path / "sub" / "f.txt"
+    atomic_write_text(target, "old")
+    atomic_write_bytes(target, b"new contents")
+    assert target.read_bytes() == b"new contents"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["f.txt"]
+
+
+def test_atomic_write_failure_keeps_old_file(tmp_path, monkeypatch):
+    target = tmp_path / "f.txt"
+    atomic_write_text(target, "old")
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_text(target, "new")
+    monkeypatch.undo()
+    assert target.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.txt"]
+
+
+# ------------------------------------------------------------------ commit protocol
+
+
+def test_commit_makes_verified_checkpoint_and_latest(tmp_path):
+    assert find_latest(tmp_path) is None
+    ckpt = _write_checkpoint(tmp_path, 3)
+    assert ckpt == tmp_path / "checkpoints" / "step_3"
+    assert (tmp_path / "checkpoints" / LATEST_NAME).read_text().strip() == "step_3"
+    assert find_latest(tmp_path) == ckpt
+    manifest = verify_checkpoint(ckpt)
+    assert set(manifest["files"]) == {
+        MODEL_FILE,
+        TRAINER_STATE_FILE,
+        optim_file(0),
+        optim_file(1),
+        rng_file(0),
+        rng_file(1),
+    }
+    for rel, info in manifest["files"].items():
+        assert info["size"] == (ckpt / rel).stat().st_size
+    _assert_whole(ckpt, 3)
+    # nothing but the committed dir and `latest` is left behind
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [LATEST_NAME, "step_3"]
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    for step in (1, 2, 3, 4):
+        _write_checkpoint(tmp_path, step, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_3", "step_4"]
+    assert find_latest(tmp_path).name == "step_4"
+    for step in (5, 6):
+        _write_checkpoint(tmp_path, step, keep_last=None)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_3", "step_4", "step_5", "step_6"]
+
+
+def test_recommit_same_step_replaces_it(tmp_path):
+    _write_checkpoint(tmp_path, 2)
+    staging = begin_checkpoint(tmp_path, 2)
+    save_json({"step": 2, "data_position": 999}, staging / TRAINER_STATE_FILE)
+    ckpt = commit_checkpoint(tmp_path, 2, staging)
+    verify_checkpoint(ckpt)
+    assert load_json(ckpt / TRAINER_STATE_FILE)["data_position"] == 999
+    assert not (ckpt / MODEL_FILE).exists()  # the old dir was replaced, not merged
+
+
+def test_commit_rejects_bad_input(tmp_path):
+    staging = begin_checkpoint(tmp_path, 1)
+    with pytest.raises(CheckpointError, match="nothing was written"):
+        commit_checkpoint(tmp_path, 1, staging)
+    save_json({"step": 1}, staging / TRAINER_STATE_FILE)
+    with pytest.raises(CheckpointError, match=r"optim_rank0\.pt"):
+        commit_checkpoint(tmp_path, 1, staging, expect_files=[optim_file(0)])
+    with pytest.raises(ValueError, match="not made for step 2"):
+        commit_checkpoint(tmp_path, 2, staging)
+    with pytest.raises(ValueError, match="begin_checkpoint"):
+        commit_checkpoint(tmp_path, 1, tmp_path)
+    with pytest.raises(ValueError, match="keep_last"):
+        commit_checkpoint(tmp_path, 1, staging, keep_last=0)
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        begin_checkpoint(tmp_path, -1)
+    assert find_latest(tmp_path) is None
+
+
+def test_stale_staging_dirs_ignored_then_cleaned(tmp_path):
+    _write_checkpoint(tmp_path, 1)
+    stale = begin_checkpoint(tmp_path, 2)
+    (stale / "partial.bin").write_bytes(b"x" * 100)
+    future = begin_checkpoint(tmp_path, 9)  # may belong to a writer still running
+    assert find_latest(tmp_path).name == "step_1"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_1"]
+    _write_checkpoint(tmp_path, 2)
+    assert not stale.exists()
+    assert future.exists()
+
+
+# ------------------------------------------------------------------ crashes
+
+
+def _run_child(code: str, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+@POSIX_ONLY
+def test_writer_killed_mid_write_leaves_previous_checkpoint(tmp_path):
+    _write_checkpoint(tmp_path, 1)
+    staging = begin_checkpoint(tmp_path, 2)
+    child = _run_child(
+        """
+        import sys
+        with open(sys.argv[1], "wb") as fh:
+            chunk = b"\\xab" * (1 << 20)
+            fh.write(chunk)
+            fh.flush()
+            print("started", flush=True)
+            while True:  # a model too big to finish before the kill
+                fh.write(chunk)
+        """,
+        str(staging / MODEL_FILE),
+    )
+    assert child.stdout.readline().strip() == "started"
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+    assert (staging / MODEL_FILE).stat().st_size > 0  # the torn piece is really there
+
+    latest = find_latest(tmp_path)
+    assert latest.name == "step_1"
+    _assert_whole(latest, 1)
+    # the resumed run saves step 2 again; the torn staging dir is cleaned up
+    _write_checkpoint(tmp_path, 2)
+    assert not staging.exists()
+    _assert_whole(find_latest(tmp_path), 2)
+
+
+@POSIX_ONLY
+def test_kill_after_rename_before_latest_keeps_previous_checkpoint(tmp_path):
+    _write_checkpoint(tmp_path, 1)
+    staging = begin_checkpoint(tmp_path, 2)
+    save_safetensors(_model_state(2), staging / MODEL_FILE)
+    save_json({"step": 2, "data_position": 8}, staging / TRAINER_STATE_FILE)
+    child = _run_child(
+        """
+        import os, signal, sys
+        import trainer.checkpoint as ck
+
+        def die(*args, **kwargs):  # the process dies exactly between rename and `latest`
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        ck._write_latest = die
+        ck.commit_checkpoint(sys.argv[1], 2, sys.argv[2])
+        """,
+        str(tmp_path),
+        str(staging),
+    )
+    child.wait(timeout=120)
+    child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+    assert (tmp_path / "checkpoints" / "step_2" / MANIFEST_NAME).is_file()  # renamed...
+
+    latest = find_latest(tmp_path)  # ...but never committed
+    assert latest.name == "step_1"
+    _assert_whole(latest, 1)
+    assert resolve_resume(tmp_path, "auto") == latest
+
+    _write_checkpoint(tmp_path, 2)  # the resumed run redoes step 2 and replaces the orphan
+    _assert_whole(find_latest(tmp_path), 2)
+
+
+def test_latest_naming_missing_dir_falls_back_to_older_whole_one(tmp_path):
+    _write_checkpoint(tmp_path, 1)
+    _write_checkpoint(tmp_path, 2)
+    # a crash while replacing step_2: the old dir was moved aside, the new one not yet in
+    (tmp_path / "checkpoints" / "step_2").rename(tmp_path / "checkpoints" / ".tmp_replaced_x")
+    assert find_latest(tmp_path).name == "step_1"
+
+
+# ------------------------------------------------------------------ corruption
+
+
+def _corrupt_truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _corrupt_flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("how", "expect"),
+    [(_corrupt_truncate, "bytes"), (_corrupt_flip, "sha256"), (Path.unlink, "missing")],
+)
+@pytest.mark.parametrize("victim", [MODEL_FILE, "optim_rank1.pt"])
+def test_corrupted_file_named_in_error(tmp_path, how, expect, victim):
+    ckpt = _write_checkpoint(tmp_path, 5)
+    how(ckpt / victim)
+    with pytest.raises(CheckpointError) as info:
+        verify_checkpoint(ckpt)
+    msg = str(info.value)
+    assert victim in msg and str(ckpt) in msg and expect in msg
+    assert "run.resume" in msg  # the fix is in the message
+    with pytest.raises(CheckpointError):
+        resolve_resume(tmp_path, "latest")
+
+
+def test_missing_or_bad_manifest(tmp_path):
+    ckpt = _write_checkpoint(tmp_path, 1)
+    (ckpt / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(CheckpointError, match="manifest.json is unreadable"):
+        verify_checkpoint(ckpt)
+    (ckpt / MANIFEST_NAME).unlink()
+    with pytest.raises(CheckpointError, match="never committed"):
+        verify_checkpoint(ckpt)
+
+
+def test_loaders_wrap_errors_naming_file(tmp_path):
+    garbage = tmp_path / "optim_rank0.pt"
+    garbage.write_bytes(b"\x00not a torch file")
+    with pytest.raises(CheckpointError, match="optim_rank0.pt"):
+        load_torch(garbage)
+    bad_st = tmp_path / "model.safetensors"
+    bad_st.write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_safetensors(bad_st)
+    with pytest.raises(CheckpointError, match="missing"):
+        load_torch(tmp_path / "absent.pt")
+    with pytest.raises(CheckpointError, match="trainer_state.json"):
+        (tmp_path / "trainer_state.json").write_text("[1,")
+        load_json(tmp_path / "trainer_state.json")
+
+
+def test_load_torch_refuses_arbitrary_objects(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"obj": Path("x")}, path)  # not loadable with weights_only=True
+    with pytest.raises(CheckpointError, match="evil.pt"):
+        load_torch(path)
+
+
+def test_latest_with_garbage_names_file(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / LATEST_NAME).write_text("../../etc")
+    with pytest.raises(CheckpointError, match="expected 'step_<N>'"):
+        find_latest(tmp_path)
+
+
+# ------------------------------------------------------------------ state round trips
+
+
+def test_safetensors_tied_and_noncontiguous_weights(tmp_path):
+    emb = torch.randn(6, 4)
+    base = torch.randn(4, 8)
+    state = {
+        "embed.weight": emb,
+        "lm_head.weight": emb,  # tied
+        "proj.weight": base.t(),  # non-contiguous view
+        "half": torch.randn(3, dtype=torch.bfloat16),
+        "slice": base[1],  # a view into a larger buffer
+    }
+    path = save_safetensors(state, tmp_path / MODEL_FILE)
+    loaded = load_safetensors(path)
+    assert set(loaded) == set(state)
+    for name, tensor in state.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)
+        assert loaded[name].dtype == tensor.dtype
+    loaded["embed.weight"][0, 0] += 1  # independent copies after loading
+    assert loaded["lm_head.weight"][0, 0] == emb[0, 0]
+    with pytest.raises(ValueError, match=r"state_dict\['step'\]"):
+        save_safetensors({"step": 3}, tmp_path / "x.safetensors")
+
+
+def test_optimizer_state_round_trip_with_weights_only(tmp_path):
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    save_torch(opt.state_dict(), tmp_path / "optim_rank0.pt")
+    loaded = load_torch(tmp_path / "optim_rank0.pt")
+    fresh = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters(), lr=1e-3)
+    fresh.load_state_dict(loaded)
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(
+            fresh.state_dict()["state"][0][key], opt.state_dict()["state"][0][key]
+        )
+
+
+def _draws() -> tuple:
+    return (
+        [random.random() for _ in range(3)],
+        random.gauss(0, 1),
+        np.random.rand(3).tolist(),
+        np.random.normal(),
+        torch.rand(3).tolist(),
+    )
+
+
+def test_rng_round_trip_reproduces_draws(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    random.gauss(0, 1)  # leave a cached gaussian in the state
+    np.random.normal()
+    device = {"state": torch.tensor([7, 8, 9], dtype=torch.uint8)}
+    restored_device = []
+    save_torch(rng_state(lambda: device["state"]), tmp_path / "rng_rank0.pt")
+    expected = _draws()
+    _draws()  # move every generator on
+    set_rng_state(load_torch(tmp_path / "rng_rank0.pt"), restored_device.append)
+    assert _draws() == expected
+    assert restored_device[0].tolist() == [7, 8, 9]
+
+
+def test_rng_state_without_device_setter_still_restores_host(tmp_path, caplog):
+    state = rng_state(lambda: torch.zeros(2))
+    expected = _draws()
+    set_rng_state(state)
+    assert _draws() == expected
+    assert "no setter" in caplog.text
+    with pytest.raises(CheckpointError, match="'numpy'"):
+        set_rng_state({"python": state["python"], "torch": state["torch"]})
+
+
+def test_resolve_resume_forms(tmp_path):
+    assert resolve_resume(tmp_path, None) is None
+    assert resolve_resume(tmp_path, "auto") is None  # nothing saved yet: start fresh
+    _write_checkpoint(tmp_path, 1)
+    _write_checkpoint(tmp_path, 2)
+    assert resolve_resume(tmp_path, "auto").name == "step_2"
+    assert resolve_resume(tmp_path, 1).name == "step_1"
+    assert resolve_resume(tmp_path, "step_1").name == "step_1"
+    assert resolve_resume(tmp_path, str(tmp_path / "checkpoints" / "step_2")).name == "step_2"
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_resume(tmp_path, 7)
+    with pytest.raises(ValueError, match="run.resume"):
+        resolve_resume(tmp_path, 1.5)
+
+
+def test_manifest_is_json_with_sizes_and_hashes(tmp_path):
+    ckpt = _write_checkpoint(tmp_path, 4)
+    manifest = json.loads((ckpt / MANIFEST_NAME).read_text())
+    assert manifest["step"] == 4
+    assert all(len(info["sha256"]) == 64 for info in manifest["files"].values())
+
+
+def test_resume_from_older_step_drops_abandoned_newer_checkpoints(tmp_path):
+    for step in (1, 2, 3):
+        _write_checkpoint(tmp_path, step, keep_last=None)
+    # the user resumes from step_1 (run.resume=1) and the run saves step 2 again
+    assert resolve_resume(tmp_path, 1).name == "step_1"
+    _write_checkpoint(tmp_path, 2, keep_last=None)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_1", "step_2"]
+    assert find_latest(tmp_path).name == "step_2"

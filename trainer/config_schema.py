@@ -1,0 +1,344 @@
+"""The typed job config: one pydantic model per section, every field with its unit.
+
+Only the *shape* of each value is checked here (type, range, allowed words). Checks that
+relate two fields, or look at the machine (devices, files, packages), live in
+``trainer/config.py`` so that they can name the key that has to change.
+
+Key names are a contract (see DESIGN.md "Config"): rename nothing without updating the
+configs, the docs and every reader.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from hal.registry import BACKEND_NAMES
+
+# Values every section shares: unknown keys are errors (a typo must fail in the first
+# second, not after an hour of rollout) and no silent type coercion ("8" is not 8).
+_SECTION = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+# Exactly the names hal.get_backend accepts: one name per device, owned by the HAL.
+DeviceName = Literal[BACKEND_NAMES]
+ModelDtype = Literal["float32", "bfloat16", "float16"]
+TrainDtype = Literal["float32", "bfloat16"]
+BUILTIN_MODELS = ("tiny", "small")
+
+_ENV_SPEC = re.compile(r"^(?:[A-Za-z_][\w-]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+_HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
+
+
+class ModelConfig(BaseModel):
+    """What to train."""
+
+    model_config = _SECTION
+
+    path: str = Field(
+        "builtin:tiny",
+        description="policy weights: builtin:tiny, builtin:small or a local HF model directory "
+        "(config.json + safetensors); nothing is downloaded",
+    )
+    dtype: ModelDtype = Field(
+        "float32", description="dtype of the rollout engine's weights and of saved checkpoints"
+    )
+    critic_path: str | None = Field(
+        None, description="critic initial weights (same forms as path); null = model.path"
+    )
+
+    @field_validator("path", "critic_path")
+    @classmethod
+    def _known_builtin(cls, value: str | None) -> str | None:
+        if value is not None and value.startswith("builtin:"):
+            name = value.removeprefix("builtin:")
+            if name not in BUILTIN_MODELS:
+                allowed = ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
+                raise ValueError(f"unknown built-in model; allowed: {allowed} or a directory")
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+
+class DataConfig(BaseModel):
+    """Where prompts come from."""
+
+    model_config = _SECTION
+
+    source: str = Field(
+        "env",
+        description="env (prompts from the environment's own generator) or a path to a "
+        ".jsonl / .parquet file of prompts",
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _env_or_file(cls, value: str) -> str:
+        if value != "env" and not value.endswith((".jsonl", ".parquet")):
+            raise ValueError("must be 'env' or a path ending in .jsonl or .parquet")
+        return value
+
+
+class RolloutConfig(BaseModel):
+    """How trajectories are sampled."""
+
+    model_config = _SECTION
+
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="generation engine: hf (transformers, runs anywhere) or vllm"
+    )
+    env: str = Field(
+        "recall", description="environment: a built-in name, or module:Class for your own"
+    )
+    n: int = Field(4, ge=1, description="samples (trajectories) per prompt")
+    max_turns: int = Field(3, ge=1, description="model turns per trajectory, at most")
+    step_wise: bool = Field(True, description="one training row per turn (else one per trajectory)")
+    merge_stepwise: bool = Field(
+        False,
+        description="merge consecutive step rows of a trajectory into one row when a turn's "
+        "prompt+response is a token prefix of the next turn's prompt (needs step_wise)",
+    )
+    max_input_len: int = Field(
+        512, ge=1, description="tokens: longest prompt a turn may send; longer ends the trajectory"
+    )
+    max_new_tokens: int = Field(
+        16, ge=1, description="tokens generated per turn, at most (the response horizon)"
+    )
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (> 0)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass; 1.0 = off")
+    top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0 = off")
+    memory_fraction: float = Field(
+        0.5, gt=0, lt=1, description="fraction of each accelerator's memory the engine may take"
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="devices per engine replica (vllm only; must divide train.dp_size)"
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _env_spec(cls, value: str) -> str:
+        if not _ENV_SPEC.match(value):
+            raise ValueError(
+                "must be a built-in environment name (e.g. recall) or module.path:ClassName"
+            )
+        return value
+
+
+class AlgorithmConfig(BaseModel):
+    """Advantages and the policy loss."""
+
+    model_config = _SECTION
+
+    adv_estimator: Literal["grpo", "rloo", "gae", "reinforce_pp"] = Field(
+        "grpo", description="advantage estimator (gae needs critic.enable)"
+    )
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = Field("token-mean", description="how per-token losses are averaged over a mini-batch")
+    loss_agg_horizon: int | None = Field(
+        None,
+        ge=1,
+        description="tokens: the constant divisor of seq-mean-token-sum-norm; null = "
+        "rollout.max_new_tokens (must be set when a row can hold several turns)",
+    )
+    norm_adv_by_std: bool = Field(
+        True, description="grpo: divide by the group's reward std (false = Dr. GRPO)"
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="discount per token (gae, reinforce_pp)")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (gae)")
+    clip_ratio_low: float = Field(
+        0.2, gt=0, lt=1, description="PPO clip: ratio floor is 1 - clip_ratio_low"
+    )
+    clip_ratio_high: float = Field(
+        0.2, gt=0, description="PPO clip: ratio ceiling is 1 + clip_ratio_high"
+    )
+    clip_ratio_c: float = Field(
+        3.0, gt=1, description="dual-clip bound on the ratio for negative advantages (> 1)"
+    )
+    kl_coef: float = Field(0.0, ge=0, description="weight of KL(policy || reference); 0 = none")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="per-token KL estimator (k3 = low-variance)"
+    )
+    use_kl_loss: bool = Field(
+        False, description="KL as a loss term (true) or as a per-token reward penalty (false)"
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus; 0 = none")
+    cliprange_value: float = Field(
+        0.2, gt=0, description="critic value clipping around the old values (gae)"
+    )
+
+
+class CriticConfig(BaseModel):
+    """The value model (used by gae)."""
+
+    model_config = _SECTION
+
+    enable: bool = Field(False, description="train a critic (required by gae, only gae uses it)")
+    lr: float = Field(1e-5, gt=0, description="critic learning rate (peak)")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear lr warm-up")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float | None = Field(
+        1.0, gt=0, description="max global grad norm; null = no clipping"
+    )
+
+
+class TrainConfig(BaseModel):
+    """Batch sizes, parallelism and the optimizer."""
+
+    model_config = _SECTION
+
+    batch_size: int = Field(8, ge=1, description="prompts per training step")
+    mini_batch_size: int = Field(
+        4, ge=1, description="prompts per mini-batch (one optimizer step); divides batch_size"
+    )
+    dp_size: int = Field(1, ge=1, description="data-parallel ranks (devices) of the trainer")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=2,
+        description="tokens per micro-batch per rank (a longer row goes alone); "
+        "null = one micro-batch per rank",
+    )
+    total_steps: int = Field(30, ge=1, description="training steps (rollout + update)")
+    lr: float = Field(1e-6, gt=0, description="actor learning rate (peak)")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear lr warm-up")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="lr after warm-up: constant, or cosine down to min_lr_ratio * lr"
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: final lr as a fraction of lr")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float | None = Field(
+        1.0, gt=0, description="max global grad norm; null = no clipping"
+    )
+    ppo_epochs: int = Field(1, ge=1, description="passes over each step's batch")
+    param_offload: bool = Field(
+        False, description="keep sharded parameters in host memory between uses"
+    )
+    optimizer_offload: bool = Field(
+        False, description="keep optimizer state in host memory between steps"
+    )
+    param_dtype: TrainDtype = Field(
+        "float32", description="dtype of parameters in forward/backward (mixed precision)"
+    )
+    reduce_dtype: TrainDtype = Field(
+        "float32", description="dtype in which gradients are reduced across ranks"
+    )
+
+
+class RunConfig(BaseModel):
+    """The run directory, checkpoints and records."""
+
+    model_config = _SECTION
+
+    dir: str = Field("runs/tiny", description="run directory (config, metrics, checkpoints)")
+    save_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    resume: str = Field(
+        "auto",
+        description="auto (latest checkpoint in run.dir if any), never, or a checkpoint path",
+    )
+    deterministic: bool = Field(
+        False, description="deterministic kernels and seeds (slower; for parity checks)"
+    )
+    record_rollouts: bool = Field(
+        False, description="save each step's rollout batch for replay (parity checks)"
+    )
+    fingerprint_every: int = Field(
+        1, ge=0, description="steps between fingerprint.jsonl records; 0 = never"
+    )
+
+    @field_validator("dir", "resume")
+    @classmethod
+    def _not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+
+class RayConfig(BaseModel):
+    """Where the Ray workers run."""
+
+    model_config = _SECTION
+
+    address: str | None = Field(
+        None, description="null: start a local Ray; auto or host:port: join a running cluster"
+    )
+    placement_timeout_s: float = Field(
+        300.0, gt=0, description="seconds to wait for devices before failing"
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, description="CPUs of a local Ray (null = all); ignored when joining"
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is None or value == "auto":
+            return value
+        match = _HOST_PORT.match(value.removeprefix("ray://"))
+        if not match or not 1 <= int(match.group(1)) <= 65535:
+            raise ValueError("must be null, auto or host:port (port 1-65535)")
+        return value
+
+
+class Config(BaseModel):
+    """A whole job. Build it with ``trainer.config.load_config``, which also runs the
+    cross-field and environment checks."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+    device: DeviceName = Field(
+        "auto", description="device backend: auto picks the best accelerator present, else cpu"
+    )
+    seed: int = Field(1, ge=0, description="seed of everything random in the run")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="what to train")
+    data: DataConfig = Field(default_factory=DataConfig, description="prompt source")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="RL math")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="value model")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="optimisation")
+    run: RunConfig = Field(default_factory=RunConfig, description="outputs")
+    ray: RayConfig = Field(default_factory=RayConfig, description="cluster")
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML text that ``load_config`` reads back unchanged."""
+        import yaml
+
+        return yaml.safe_dump(self.model_dump(mode="python"), sort_keys=False)
+
+    def flat(self) -> dict[str, object]:
+        """Every leaf value by its dotted key, e.g. ``{"train.lr": 1e-6, ...}``."""
+        out: dict[str, object] = {}
+        for name, value in self.model_dump(mode="python").items():
+            if isinstance(value, dict):
+                out.update({f"{name}.{k}": v for k, v in value.items()})
+            else:
+                out[name] = value
+        return out
+
+    def get(self, key: str) -> object:
+        """The value at a dotted key such as ``"train.lr"``; KeyError if there is none."""
+        flat = self.flat()
+        if key not in flat:
+            raise KeyError(key)
+        return flat[key]
+
+    def loss_horizon_tokens(self) -> int:
+        """Tokens: the divisor of seq-mean-token-sum-norm (``algorithm.loss_agg_horizon``,
+        else ``rollout.max_new_tokens``, the longest response a step row can have)."""
+        return self.algorithm.loss_agg_horizon or self.rollout.max_new_tokens
+
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer steps per training step: mini-batches per batch times ppo_epochs."""
+        return (self.train.batch_size // self.train.mini_batch_size) * self.train.ppo_epochs
+
+
+SECTIONS: dict[str, type[BaseModel]] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "algorithm": AlgorithmConfig,
+    "critic": CriticConfig,
+    "train": TrainConfig,
+    "run": RunConfig,
+    "ray": RayConfig,
+}

@@ -1,0 +1,413 @@
+"""Per-step metrics: ``metrics.jsonl``, ``fingerprint.jsonl``, TensorBoard and a progress bar.
+
+Steps count optimizer steps from 1: the line with ``"step": k`` describes the k-th step, and
+checkpoint ``step_<k>`` holds the state after it. A run resumed from ``step_<k>`` opens its
+loggers with ``start_step=k``: lines with step > k came from the lost future of the crashed
+run and are removed before the resumed run writes them again, so each step appears once.
+
+Each line is flushed and fsynced as it is written, so a crash loses at most the line being
+written; a torn last line is dropped (with a warning) when the file is reopened on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.checkpoint import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+FINGERPRINT_FILE = "fingerprint.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+# The keys every metrics.jsonl line carries at least (DESIGN.md "Run directory").
+REQUIRED_KEYS = (
+    "step",
+    "reward/mean",
+    "batch/num_rows",
+    "batch/num_padding_rows",
+    "batch/token_efficiency",
+    "batch/dp_imbalance",
+    "batch/max_seq_len",
+    "actor/loss",
+    "actor/grad_norm",
+    "timing/step_s",
+    "throughput/tokens_per_s",
+)
+
+
+class MetricsFileError(ValueError):
+    """A jsonl file in the run dir has a malformed line; the message names file and line."""
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _parse_lines(path: Path, text: str, *, allow_torn_tail: bool) -> list[tuple[str, dict]]:
+    """(raw line, record) pairs; a torn last line is dropped when ``allow_torn_tail``."""
+    lines = text.split("\n")
+    # A file written by us ends with "\n", so the last split piece is "" unless torn.
+    out: list[tuple[str, dict]] = []
+    for lineno, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        is_last = lineno == len(lines)
+        try:
+            record = json.loads(raw)
+            if not isinstance(record, dict):
+                raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        except ValueError as err:
+            if allow_torn_tail and is_last:
+                log.warning(
+                    "%s:%d: dropping torn last line (crash mid-write): %.80r", path, lineno, raw
+                )
+                continue
+            raise MetricsFileError(
+                f"{path}:{lineno}: malformed line ({err}): {raw[:80]!r}; fix or delete that line"
+            ) from None
+        out.append((raw, record))
+    return out
+
+
+def read_jsonl(path: str | os.PathLike, *, allow_torn_tail: bool = False) -> list[dict]:
+    """Read a jsonl file (one JSON object per line) into a list of dicts.
+
+    A missing file raises FileNotFoundError naming it; a malformed line raises
+    ``MetricsFileError`` naming file and line number. With ``allow_torn_tail`` an unparsable
+    last line (a crash mid-write) is dropped with a warning instead.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    return [rec for _, rec in _parse_lines(path, text, allow_torn_tail=allow_torn_tail)]
+
+
+def truncate_jsonl(path: str | os.PathLike, keep_through_step: int) -> int:
+    """Atomically drop the lines of ``path`` whose ``step`` is > ``keep_through_step``.
+
+    Also drops a torn last line. Missing file: nothing to do. Returns the lines kept.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return 0
+    pairs = _parse_lines(path, text, allow_torn_tail=True)
+    kept = []
+    for raw, record in pairs:
+        step = record.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise MetricsFileError(
+                f"{path}: line {raw[:80]!r} has no integer 'step'; fix or delete that line"
+            )
+        if step <= keep_through_step:
+            kept.append(raw)
+    new_text = "".join(line + "\n" for line in kept)
+    if new_text != text:
+        atomic_write_text(path, new_text)
+    return len(kept)
+
+
+# --------------------------------------------------------------------------- value cleaning
+
+
+def _scalar(key: str, value: Any, step: int) -> int | float | None:
+    """A finite JSON number (or None) from a Python/numpy/torch scalar."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor | np.ndarray):
+        numel = value.numel() if isinstance(value, torch.Tensor) else value.size
+        if numel != 1:
+            raise ValueError(
+                f"metric {key!r} at step {step} is an array of shape {tuple(value.shape)}; "
+                "log a scalar (e.g. .mean() or .item())"
+            )
+        value = value.item()
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        log.warning("metric %r at step %d is %s: written as null", key, step, value)
+        return None
+    raise ValueError(
+        f"metric {key!r} at step {step} is a {type(value).__name__} ({value!r:.60}); "
+        "metrics must be int/float scalars (put text in the log, not in metrics.jsonl)"
+    )
+
+
+def _nested(key: str, value: Any, step: int) -> Any:
+    """Fingerprint values: scalars, strings, and lists/dicts of them (tensors -> lists)."""
+    if isinstance(value, str) or value is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        value = value.detach().to("cpu").double().numpy()
+    if isinstance(value, np.ndarray):
+        if value.ndim == 0:
+            return _scalar(key, value.item(), step)
+        return [_nested(key, v, step) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _nested(f"{key}.{k}", v, step) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_nested(key, v, step) for v in value]
+    return _scalar(key, value, step)
+
+
+# --------------------------------------------------------------------------- writers
+
+
+class _JsonlWriter:
+    """Append-only jsonl with one fsync per line and truncation on resume."""
+
+    def __init__(self, path: Path, start_step: int) -> None:
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(
+                f"start_step must be an int >= 0 (the step of the checkpoint resumed from, 0 "
+                f"for a fresh run), got {start_step!r}"
+            )
+        self.path = path
+        self.start_step = start_step
+        self.last_step = start_step
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = truncate_jsonl(path, start_step)
+        if kept:
+            log.info("%s: kept %d lines up to step %d", path, kept, start_step)
+        self._fh = open(path, "a", encoding="utf-8")  # held open for the whole run
+
+    def _check_step(self, step: Any) -> int:
+        if isinstance(step, np.integer):
+            step = int(step)
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"{self.path.name}: step must be an int, got {step!r}")
+        if step <= self.last_step:
+            raise ValueError(
+                f"{self.path.name}: step {step} is not after the last step written "
+                f"({self.last_step}); steps count from 1 and increase, and a resumed run "
+                "passes start_step=<checkpoint step>"
+            )
+        return step
+
+    def _write(self, record: dict) -> None:
+        line = json.dumps(record, allow_nan=False, separators=(",", ":"))
+        self._fh.write(line + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self.last_step = record["step"]
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+
+class FingerprintLogger(_JsonlWriter):
+    """Writes ``<run_dir>/fingerprint.jsonl``: per step, the plan digest and numeric
+    fingerprints (logprob sums, losses, grad norms, parameter checksums) for parity checks."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, start_step: int = 0) -> None:
+        super().__init__(Path(run_dir) / FINGERPRINT_FILE, start_step)
+
+    def log(self, step: int, fingerprint: Mapping[str, Any]) -> dict:
+        """Append one line ``{"step": step, **fingerprint}``; tensors become (nested) lists of
+        floats, non-finite values null. Returns the record written."""
+        step = self._check_step(step)
+        record: dict[str, Any] = {"step": step}
+        for key, value in fingerprint.items():
+            if key == "step":
+                continue
+            record[str(key)] = _nested(str(key), value, step)
+        self._write(record)
+        return record
+
+    def __enter__(self) -> FingerprintLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class MetricsLogger(_JsonlWriter):
+    """Writes ``<run_dir>/metrics.jsonl``, mirrors scalars to TensorBoard and drives a
+    progress bar (step, reward, tokens/s, ETA).
+
+    ``total_steps``: optimizer steps in the run (the bar's length). ``start_step``: the
+    checkpoint step resumed from (0 for a fresh run); later lines are removed. TensorBoard
+    logs go to ``<run_dir>/tensorboard`` when ``tensorboard`` is True and the package
+    imports; otherwise they are skipped silently.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        total_steps: int,
+        tensorboard: bool = True,
+        *,
+        start_step: int = 0,
+        progress: bool = True,
+    ) -> None:
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0:
+            raise ValueError(
+                f"total_steps must be an int >= 0 (optimizer steps), got {total_steps!r}"
+            )
+        super().__init__(Path(run_dir) / METRICS_FILE, start_step)
+        self.total_steps = total_steps
+        self._tb = (
+            _open_tensorboard(Path(run_dir) / TENSORBOARD_DIR, start_step) if tensorboard else None
+        )
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(
+            total=total_steps,
+            initial=min(start_step, total_steps),
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not progress,
+        )
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict:
+        """Append ``{"step": step, **metrics}`` as one line (flushed and fsynced).
+
+        Values: Python/numpy/torch scalars, converted to int/float; NaN/inf are written as
+        null with a warning; None is written as null. Anything else is a ValueError naming
+        the key. Returns the record written.
+        """
+        step = self._check_step(step)
+        record: dict[str, Any] = {"step": step}
+        for key, value in metrics.items():
+            if not isinstance(key, str):
+                raise ValueError(f"metric names must be str, got {key!r} at step {step}")
+            if key == "step":
+                if value != step:
+                    raise ValueError(f"metrics['step']={value!r} disagrees with step={step}")
+                continue
+            record[key] = _scalar(key, value, step)
+        self._write(record)
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        self._update_bar(record)
+        return record
+
+    def _update_bar(self, record: dict) -> None:
+        postfix = {}
+        if record.get("reward/mean") is not None:
+            postfix["reward"] = f"{record['reward/mean']:.3f}"
+        if record.get("throughput/tokens_per_s") is not None:
+            postfix["tok/s"] = f"{record['throughput/tokens_per_s']:.0f}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(max(0, min(record["step"], self.total_steps) - self._bar.n))
+
+    def close(self) -> None:
+        """Close the file, the TensorBoard writer and the progress bar (idempotent)."""
+        super().close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        self._bar.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _open_tensorboard(log_dir: Path, start_step: int) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        log.debug("tensorboard is not installed: TensorBoard logging skipped")
+        return None
+    # purge_step drops events a crashed run wrote after the checkpoint we resume from.
+    return SummaryWriter(log_dir=str(log_dir), purge_step=start_step + 1 if start_step else None)
+
+
+# --------------------------------------------------------------------------- timings
+
+
+def summarize_timings(
+    sections: Mapping[str, float], total_s: float | None = None
+) -> dict[str, float]:
+    """Metrics for where a step's time went.
+
+    ``sections`` maps a section name (e.g. ``rollout``) to seconds. Returns
+    ``timing/<section>_s`` and ``timing/<section>_share`` (fraction of the total) per
+    section. ``total_s``: the step's wall time in seconds; when given it is also returned as
+    ``timing/step_s``, with the unaccounted rest as ``timing/other_s``/``timing/other_share``;
+    when omitted, shares are of the sections' sum.
+    """
+    secs: dict[str, float] = {}
+    for name, value in sections.items():
+        if not isinstance(name, str) or not name or "/" in name or name.strip() != name:
+            raise ValueError(f"timing section name {name!r} must be a non-empty str without '/'")
+        if total_s is not None and name in ("step", "other"):
+            raise ValueError(
+                f"timing section name {name!r} is reserved when total_s is given; rename it"
+            )
+        value = float(value)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(
+                f"timing section {name!r} has {value} s; seconds must be finite and >= 0"
+            )
+        secs[name] = value
+    out: dict[str, float] = {}
+    if total_s is not None:
+        total = float(total_s)
+        if not math.isfinite(total) or total < 0:
+            raise ValueError(f"total_s={total_s!r} must be finite and >= 0 (seconds)")
+        secs["other"] = max(0.0, total - sum(secs.values()))
+        out["timing/step_s"] = total
+    else:
+        total = sum(secs.values())
+    for name, value in secs.items():
+        out[f"timing/{name}_s"] = value
+        out[f"timing/{name}_share"] = value / total if total > 0 else 0.0
+    return out
+
+
+class StepTimer:
+    """Collects wall seconds per named section of one step.
+
+    >>> timer = StepTimer()
+    >>> with timer.section("rollout"):
+    ...     pass
+    >>> sorted(timer.metrics())[:2]
+    ['timing/other_s', 'timing/other_share']
+    """
+
+    def __init__(self) -> None:
+        self.sections: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Time the ``with`` body; repeated sections add up."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sections[name] = self.sections.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        """``summarize_timings`` of the sections, with the wall time since creation as total."""
+        return summarize_timings(self.sections, time.perf_counter() - self._start)

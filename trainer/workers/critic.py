@@ -1,0 +1,79 @@
+"""The critic worker: a causal-LM backbone with a scalar value head, for GAE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+import hal
+from batching import LossNormalizers, StepBatch
+from trainer.workers.forward import shift_to_targets
+from trainer.workers.fsdp_worker import FSDPWorker
+
+
+class CriticWorker(FSDPWorker):
+    """Predicts per-token values and fits them to the GAE returns with a clipped value loss.
+
+    The value of token ``t`` is read from the hidden state at ``t - 1``, the same alignment as
+    log-probabilities, so it is the value of the state in which token ``t`` was chosen.
+    """
+
+    def build_model(self) -> torch.nn.Module:
+        """The backbone from ``critic_path`` (or the policy's path) with a zero-initialised
+        one-output head replacing the LM head."""
+        from rollout.models import load_model
+
+        hal.register_attention()
+        model = load_model(self.spec.model_path, dtype=self.spec.dtype, seed=self.spec.seed,
+                           attn_implementation=hal.ATTN_IMPLEMENTATION)
+        hidden = model.config.hidden_size
+        model.config.tie_word_embeddings = False
+        head = torch.nn.Linear(hidden, 1, bias=True, dtype=model.lm_head.weight.dtype)
+        torch.nn.init.zeros_(head.weight)
+        torch.nn.init.zeros_(head.bias)
+        model.lm_head = head
+        return model
+
+    def _values(self, mb: StepBatch) -> torch.Tensor:
+        out = hal.packed_forward(self.model, self.to_device(mb.input_ids),
+                                 self.to_device(mb.position_ids), self.to_device(mb.cu_seqlens))
+        return shift_to_targets(out[:, 0].float(), self.to_device(mb.cu_seqlens))
+
+    @torch.no_grad()
+    def compute_values(self, micro_batches: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Values of this rank's rows: ``(rows, values)`` like ``PolicyWorker.compute_logprobs``."""
+        rows_out: list[int] = []
+        pieces: list[np.ndarray] = []
+        for rows in micro_batches:
+            mb = self.micro_batch(rows)
+            values = self._values(mb).cpu().numpy()
+            cu = mb.cu_seqlens.numpy()
+            for j, r in enumerate(rows):
+                if r >= 0:
+                    rows_out.append(r)
+                    pieces.append(values[cu[j]:cu[j + 1]])
+        flat = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
+        return np.asarray(rows_out, dtype=np.int64), flat
+
+    def train_mini_batch(self, micro_batches: list[list[int]], normalizers: LossNormalizers,
+                         options: dict[str, Any]) -> dict[str, float]:
+        """One optimizer step of the value loss on this rank's micro-batches."""
+        from trainer.losses import value_loss_for_micro_batch
+
+        self.model.train()
+
+        def loss_fn(mb: StepBatch):
+            field = mb.token_fields
+            return value_loss_for_micro_batch(
+                values=self._values(mb),
+                old_values=self.to_device(field["values"]),
+                returns=self.to_device(field["returns"]),
+                loss_mask=self.to_device(mb.loss_mask),
+                cu_seqlens=self.to_device(mb.cu_seqlens),
+                normalizers=normalizers,
+                **options,
+            )
+
+        return self.run_micro_batches(micro_batches, loss_fn)

@@ -1,0 +1,263 @@
+"""What every FSDP2 training worker shares: process group, sharded model, optimizer, batch
+store, checkpoint pieces.
+
+A worker is one data-parallel rank. It is a plain class (tests drive it in-process); the
+controller wraps it with ``ray.remote``. The device comes from the HAL only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+import hal
+from batching import StepBatch
+from trainer.optim import build_optimizer
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs to start; plain data so it pickles into Ray."""
+
+    role: str                      # "actor", "reference" or "critic"
+    rank: int
+    world_size: int                # data-parallel ranks of this role
+    master_addr: str
+    master_port: int
+    device: str                    # HAL backend name: auto | cpu | <accelerator>
+    model_path: str
+    dtype: str                     # parameter storage dtype
+    seed: int
+    trainable: bool = True
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    warmup_steps: int = 0          # optimizer steps
+    total_optimizer_steps: int = 1
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+    param_dtype: str | None = None   # FSDP mixed precision compute dtype (None: as stored)
+    reduce_dtype: str | None = None  # gradient reduction dtype
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    deterministic: bool = False
+    threads: int = 1               # CPU threads of this process
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    from rollout.models import parse_dtype
+
+    return parse_dtype(name)
+
+
+class FSDPWorker:
+    """Base class of the actor, reference and critic workers."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.backend = hal.get_backend(spec.device)
+        self.batch: StepBatch | None = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer = None
+        self.scheduler = None
+        self.deterministic_settings: dict[str, str] = {}
+
+    # ---------------------------------------------------------------- setup
+    def setup(self) -> dict[str, Any]:
+        """Join the process group, build and shard the model, build the optimizer.
+
+        Returns facts for the controller (parameter count, deterministic settings applied).
+        """
+        spec = self.spec
+        torch.set_num_threads(max(1, spec.threads))
+        if spec.deterministic:
+            self.deterministic_settings = self.backend.set_deterministic(spec.seed)
+        self.backend.init_process_group(
+            spec.rank, spec.world_size, master_addr=spec.master_addr,
+            master_port=spec.master_port, timeout_s=600,
+        )
+        self.device = self.backend.device(self.local_rank())
+        # Every rank starts from identical weights: same path, same seed.
+        self.backend.manual_seed(spec.seed)
+        model = self.build_model()
+        model.to(self.device)
+        mp = MixedPrecisionPolicy(param_dtype=_dtype(spec.param_dtype),
+                                  reduce_dtype=_dtype(spec.reduce_dtype))
+        for layer in self._layers(model):
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        self.model = model
+        if spec.trainable:
+            self.optimizer, self.scheduler = build_optimizer(
+                [p for p in model.parameters() if p.requires_grad],
+                lr=spec.lr, weight_decay=spec.weight_decay, warmup_steps=spec.warmup_steps,
+                total_steps=spec.total_optimizer_steps, schedule=spec.lr_schedule,
+                min_lr_ratio=spec.min_lr_ratio,
+            )
+        else:
+            model.requires_grad_(False)
+            model.eval()
+        # Different ranks draw different dropout / sampling noise from here on.
+        self.backend.manual_seed(spec.seed + 1000 * (spec.rank + 1))
+        num_params = sum(p.numel() for p in model.parameters())
+        return {"rank": spec.rank, "num_params": int(num_params),
+                "deterministic": self.deterministic_settings}
+
+    def local_rank(self) -> int:
+        """This process's device index on its node (Ray sets the visible devices)."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    def build_model(self) -> torch.nn.Module:
+        """The unsharded model of this role (subclasses override)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+        inner = getattr(model, "model", model)
+        layers = getattr(inner, "layers", None)
+        return list(layers) if layers is not None else []
+
+    # ---------------------------------------------------------------- data
+    def load_batch(self, refs: list) -> int:
+        """Take this step's batch from the object store (``refs[0]`` holds ``to_numpy()``)."""
+        import ray
+
+        arrays = ray.get(refs[0]) if not isinstance(refs[0], dict) else refs[0]
+        self.batch = StepBatch.from_numpy(arrays)
+        return self.batch.num_rows
+
+    def set_token_field(self, name: str, pieces: list) -> None:
+        """Fill token field ``name`` of the whole batch from every rank's ``(rows, values)``
+        pieces (object refs or plain tuples), so all ranks hold the same full field."""
+        import ray
+
+        batch = self.batch
+        full = torch.zeros(batch.num_tokens, dtype=torch.float32)
+        cu = batch.cu_seqlens
+        for piece in pieces:
+            rows, values = ray.get(piece) if isinstance(piece, ray.ObjectRef) else piece
+            offset = 0
+            for r in rows:
+                start, end = int(cu[r]), int(cu[r + 1])
+                full[start:end] = torch.from_numpy(values[offset:offset + end - start])
+                offset += end - start
+        batch.set_token_field(name, full)
+
+    def micro_batch(self, rows: list[int]) -> StepBatch:
+        """Rows of one micro-batch (``-1`` = padding row), ready on this worker's device."""
+        return self.batch.select(rows)
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Move a batch tensor to this worker's device."""
+        return tensor.to(self.device, non_blocking=True)
+
+    # ---------------------------------------------------------------- update helpers
+    def run_micro_batches(self, micro_batches: list[list[int]], loss_fn) -> dict[str, float]:
+        """Forward/backward every micro-batch, then clip and step the optimizer.
+
+        ``loss_fn(micro_batch) -> (loss, metric_sums)``; ``loss`` is this micro-batch's share of
+        the mini-batch loss (global normalizers), metric sums are added up over micro-batches.
+        Gradients are synchronised only on the last micro-batch.
+        """
+        model = self.model
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for k, rows in enumerate(micro_batches):
+            if isinstance(model, FSDPModule):
+                model.set_requires_gradient_sync(k == len(micro_batches) - 1)
+            mb = self.micro_batch(rows)
+            loss, metric_sums = loss_fn(mb)
+            # FSDP averages gradients over ranks; each rank's loss is already a share of the
+            # global mini-batch loss, so scale by dp size to turn that average into the sum.
+            (loss * self.spec.world_size).backward()
+            for key, value in metric_sums.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.spec.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        if np.isfinite(grad_norm):
+            self.optimizer.step()
+        self.scheduler.step()
+        sums["grad_norm"] = grad_norm
+        sums["lr"] = float(self.scheduler.get_last_lr()[0])
+        return sums
+
+    # ---------------------------------------------------------------- state
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole unsharded model state on CPU (a collective: every rank must call)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+
+    def save_pieces(self, staging_dir: str) -> list[str]:
+        """Write this rank's part of a checkpoint into ``staging_dir``; returns file names."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        from trainer.checkpoint import rng_state, save_safetensors, save_torch
+
+        staging = Path(staging_dir)
+        written = []
+        prefix = self.spec.role
+        state = self.full_state_dict()
+        optim = None
+        if self.optimizer is not None:
+            optim = get_optimizer_state_dict(
+                self.model, self.optimizer,
+                options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+            )
+        if self.spec.rank == 0:
+            save_safetensors(state, staging / f"{prefix}_model.safetensors")
+            written.append(f"{prefix}_model.safetensors")
+            if optim is not None:
+                save_torch(optim, staging / f"{prefix}_optim.pt")
+                save_torch(self.scheduler.state_dict(), staging / f"{prefix}_scheduler.pt")
+                written += [f"{prefix}_optim.pt", f"{prefix}_scheduler.pt"]
+        rng_name = f"{prefix}_rng_rank{self.spec.rank}.pt"
+        save_torch(rng_state(), staging / rng_name)
+        written.append(rng_name)
+        return written
+
+    def load_pieces(self, ckpt_dir: str) -> None:
+        """Restore model, optimizer, scheduler and this rank's RNG from a checkpoint."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from trainer.checkpoint import load_safetensors, load_torch, set_rng_state
+
+        ckpt = Path(ckpt_dir)
+        prefix = self.spec.role
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        set_model_state_dict(self.model, load_safetensors(ckpt / f"{prefix}_model.safetensors"),
+                             options=options)
+        if self.optimizer is not None:
+            set_optimizer_state_dict(self.model, self.optimizer,
+                                     load_torch(ckpt / f"{prefix}_optim.pt"), options=options)
+            self.scheduler.load_state_dict(load_torch(ckpt / f"{prefix}_scheduler.pt"))
+        rng_file = ckpt / f"{prefix}_rng_rank{self.spec.rank}.pt"
+        if rng_file.exists():  # a different dp size resumes with fresh per-rank streams
+            set_rng_state(load_torch(rng_file))
+
+    def shutdown(self) -> None:
+        """Leave the process group."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
