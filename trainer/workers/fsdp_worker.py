@@ -160,6 +160,51 @@ class FSDPWorker:
         """Move a batch tensor to this worker's device."""
         return tensor.to(self.device, non_blocking=True)
 
+    def compute_advantages(self, options: dict[str, Any]) -> dict[str, float]:
+        """Advantages and returns for the whole batch, identical on every rank and role.
+
+        Every worker holds the whole batch, so each computes the same advantages locally
+        instead of shipping them around. ``options``: ``estimator``, ``gamma``, ``lam``,
+        ``norm_adv_by_std``, ``kl_penalty_coef`` (KL to the reference as a reward penalty,
+        needs ``ref_logprobs``), ``kl_estimator``. Returns statistics over real loss tokens.
+        """
+        from trainer.algorithms import compute_advantages
+        from trainer.losses import apply_kl_penalty
+
+        batch = self.batch
+        options = dict(options)
+        kl_coef = float(options.pop("kl_penalty_coef", 0.0))
+        kl_estimator = options.pop("kl_estimator", "k1")
+        if kl_coef and "ref_logprobs" in batch.token_fields:
+            batch.set_token_field("token_rewards", apply_kl_penalty(
+                batch.token_fields["token_rewards"], batch.token_fields["old_logprobs"],
+                batch.token_fields["ref_logprobs"], kl_coef, kl_estimator,
+                loss_mask=batch.loss_mask))
+        advantages, returns = compute_advantages(batch, **options)
+        batch.set_token_field("advantages", advantages.float())
+        batch.set_token_field("returns", returns.float())
+        mask = batch.loss_mask > 0
+        if not bool(mask.any()):
+            return {"advantage/mean": 0.0, "advantage/std": 0.0}
+        adv = advantages[mask].double()
+        return {"advantage/mean": float(adv.mean()),
+                "advantage/std": float(adv.std(unbiased=False))}
+
+    @torch.no_grad()
+    def param_checksum(self, max_params: int = 8) -> dict[str, float]:
+        """Float64 sums of the first ``max_params`` parameters (by name) and of all of them:
+        a cheap fingerprint of the weights (a collective: every rank must call)."""
+        out: dict[str, float] = {}
+        total = 0.0
+        for i, (name, param) in enumerate(sorted(self.model.named_parameters())):
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            value = float(full.detach().double().sum())
+            total += value
+            if i < max_params:
+                out[name] = value
+        out["__all__"] = total
+        return out
+
     # ---------------------------------------------------------------- update helpers
     def run_micro_batches(self, micro_batches: list[list[int]], loss_fn) -> dict[str, float]:
         """Forward/backward every micro-batch, then clip and step the optimizer.

@@ -110,3 +110,16 @@ def wait_all(refs: Sequence[ray.ObjectRef], names: Sequence[str], *, timeout_s: 
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[-1] if text else type(err).__name__
+
+
+def actor_options(placement: Placement, bundle_index: int, share: float) -> dict[str, Any]:
+    """Ray actor options that take ``share`` of one bundle's device (colocated workers split a
+    bundle: actor, reference, critic and rollout host share one device per rank)."""
+    opts: dict[str, Any] = {"scheduling_strategy": placement.strategy(bundle_index)}
+    if placement.resource == "CPU":
+        opts["num_cpus"] = share
+    elif placement.resource == "GPU":  # Ray refuses GPU inside `resources`
+        opts.update(num_gpus=share, num_cpus=0)
+    else:
+        opts.update(resources={placement.resource: share}, num_cpus=0)
+    return opts

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import hal
-from batching import LossNormalizers, StepBatch
+from batching import StepBatch, loss_normalizers
 from trainer.workers.forward import token_entropy, token_logprobs
 from trainer.workers.fsdp_worker import FSDPWorker
 
@@ -54,58 +54,51 @@ class PolicyWorker(FSDPWorker):
         flat = np.concatenate(values).astype(np.float32) if values else np.zeros(0, np.float32)
         return np.asarray(rows_out, dtype=np.int64), flat
 
-    def compute_advantages(self, options: dict[str, Any]) -> dict[str, float]:
-        """Advantages and returns for the whole batch, identical on every rank.
-
-        Every rank holds the whole batch, so each computes the same advantages locally instead
-        of shipping them around. Returns advantage statistics (real loss tokens only).
-        """
-        from trainer.algorithms import compute_advantages
-
-        batch = self.batch
-        advantages, returns = compute_advantages(batch, **options)
-        batch.set_token_field("advantages", advantages.float())
-        batch.set_token_field("returns", returns.float())
-        mask = batch.loss_mask > 0
-        if not bool(mask.any()):
-            return {"advantage/mean": 0.0, "advantage/std": 0.0}
-        adv = advantages[mask].double()
-        return {"advantage/mean": float(adv.mean()), "advantage/std": float(adv.std(unbiased=False))}
-
-    def train_mini_batch(self, micro_batches: list[list[int]], normalizers: LossNormalizers,
+    def train_mini_batch(self, micro_batches: list[list[int]], mini_batch_rows: list[int],
                          options: dict[str, Any]) -> dict[str, float]:
         """One optimizer step of the actor on this rank's micro-batches of one mini-batch.
 
-        ``normalizers`` are the mini-batch's global counts (identical on every rank), so the
-        update does not depend on dp size, micro-batch split or padding. Returns metric sums
+        ``mini_batch_rows`` are all real rows of the mini-batch (every rank's); the loss is
+        normalised by their global counts, so the update does not depend on dp size,
+        micro-batch split or padding. Returns metric sums
         (divide by the global counts) plus ``grad_norm`` and ``lr``.
         """
-        from trainer.losses import loss_for_micro_batch
+        from trainer.losses import loss_for_micro_batch, masked_sums, policy_loss_terms
 
+        normalizers = loss_normalizers(self.batch, mini_batch_rows)
         self.model.train()
         temperature = float(self.spec.extra.get("temperature", 1.0))
-        need_entropy = float(options.get("entropy_coef", 0.0)) != 0.0 or options.get("log_entropy", True)
+        entropy_coef = float(options.get("entropy_coef", 0.0))
+        use_kl_loss = bool(options.get("use_kl_loss", False))
 
         def loss_fn(mb: StepBatch):
             logits = self._logits(mb)
             cu = self.to_device(mb.cu_seqlens)
+            mask = self.to_device(mb.loss_mask)
             logprobs = token_logprobs(logits, self.to_device(mb.input_ids), cu,
                                       temperature=temperature)
-            entropy = token_entropy(logits.detach() if options.get("entropy_coef", 0.0) == 0
-                                    else logits, cu, temperature=temperature) if need_entropy else None
+            # Entropy is always logged; it carries gradient only when it is in the loss.
+            entropy = token_entropy(logits if entropy_coef else logits.detach(), cu,
+                                    temperature=temperature)
             field = mb.token_fields
-            ref = field.get("ref_logprobs")
-            return loss_for_micro_batch(
-                logprobs=logprobs,
-                old_logprobs=self.to_device(field["old_logprobs"]),
-                advantages=self.to_device(field["advantages"]),
-                loss_mask=self.to_device(mb.loss_mask),
-                cu_seqlens=cu,
-                normalizers=normalizers,
+            terms = policy_loss_terms(
+                logprobs, self.to_device(field["old_logprobs"]),
+                self.to_device(field["advantages"]),
+                ref_logprobs=self.to_device(field["ref_logprobs"]) if use_kl_loss else None,
                 entropy=entropy,
-                ref_logprobs=None if ref is None else self.to_device(ref),
-                **options["loss"],
+                kl_estimator=options.get("kl_estimator", "k3"),
+                clip_ratio_low=options["clip_ratio_low"],
+                clip_ratio_high=options["clip_ratio_high"],
+                clip_ratio_c=options["clip_ratio_c"],
             )
+            loss = loss_for_micro_batch(
+                terms, mask, cu, normalizers, mode=options["loss_agg"],
+                kl_loss_coef=float(options.get("kl_coef", 0.0)) if use_kl_loss else 0.0,
+                entropy_coef=entropy_coef, horizon=options.get("horizon"),
+            )
+            sums = {k: float(v) for k, v in masked_sums(terms, mask).items()}
+            sums["loss"] = float(loss.detach())
+            return loss, sums
 
         return self.run_micro_batches(micro_batches, loss_fn)
 

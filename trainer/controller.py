@@ -1,0 +1,374 @@
+"""The controller: one short loop over training steps.
+
+    rollout -> old/ref logprobs (+ values) -> advantages -> plan_minibatches
+    -> actor (and critic) updates for ppo_epochs -> weight sync -> metrics, fingerprint, checkpoint
+
+The controller holds metadata and plans only. The batch goes from the rollout host to the
+training workers through Ray's object store; per-token results (logprobs, values) go from
+worker to worker the same way. Each concern lives in its own module: the plan in
+``batching``, the math in ``trainer.algorithms`` / ``trainer.losses``, the device in ``hal``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from batching import plan_minibatches, plan_stats
+from trainer.config import Config
+from trainer.workers.group import WorkerFailedError, wait_all
+
+CALL_TIMEOUT_S = 1800.0
+
+
+class WorkerGroup:
+    """The Ray actors of one role, one per data-parallel rank, called together."""
+
+    def __init__(self, role: str, handles: list) -> None:
+        self.role = role
+        self.handles = handles
+        self.names = [f"{role} rank {r}" for r in range(len(handles))]
+
+    def call(self, method: str, *args, per_rank: list | None = None,
+             timeout_s: float = CALL_TIMEOUT_S) -> list:
+        """Call ``method`` on every rank (``per_rank[r]`` prepended to rank r's args) and wait,
+        failing fast with the worker's name."""
+        refs = self.submit(method, *args, per_rank=per_rank)
+        return wait_all(refs, self.names, timeout_s=timeout_s, what=f"{self.role}.{method}")
+
+    def submit(self, method: str, *args, per_rank: list | None = None) -> list:
+        """Start ``method`` on every rank; returns the object refs."""
+        return [getattr(h, method).remote(*(([per_rank[r]] if per_rank else []) + list(args)))
+                for r, h in enumerate(self.handles)]
+
+
+def _flatten_rank_micro_batches(plan, rank: int) -> list[list[int]]:
+    """Every micro-batch of one rank across all mini-batches (for the no-grad passes)."""
+    return [mb for mini in plan.mini_batches for mb in mini.micro_batches[rank]]
+
+
+class Trainer:
+    """Builds the workers for a config and runs the training loop."""
+
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.start_step = 0
+
+    # ------------------------------------------------------------------ start-up
+    def start(self) -> None:
+        """Reserve devices, start rollout host and training workers, resume if asked."""
+        import ray
+
+        import hal
+        from trainer.workers.critic import CriticWorker
+        from trainer.workers.fsdp_worker import WorkerSpec
+        from trainer.workers.group import actor_options, free_port, make_placement
+        from trainer.workers.policy import PolicyWorker
+        from trainer.workers.rollout_host import RolloutHost
+
+        cfg = self.cfg
+        dp = cfg.train.dp_size
+        backend = hal.get_backend(cfg.device)
+        placement = make_placement(backend.ray_resource, dp,
+                                   timeout_s=cfg.ray.placement_timeout_s)
+        threads = max(1, (os.cpu_count() or 1) // dp) if backend.name == "cpu" else 4
+        cfg_dict = cfg.model_dump()
+        self.use_ref = cfg.algorithm.kl_coef > 0
+        self.use_critic = cfg.critic.enable
+        shares = {"actor": 0.4, "reference": 0.2, "critic": 0.2, "rollout": 0.2}
+
+        host_cls = ray.remote(RolloutHost)
+        self.rollout = host_cls.options(**actor_options(placement, 0, shares["rollout"])).remote(
+            cfg_dict, threads=os.cpu_count() or 1)
+        wait_all([self.rollout.setup.remote()], ["rollout host"], timeout_s=CALL_TIMEOUT_S,
+                 what="rollout.setup")
+
+        steps_per_opt = cfg.optimizer_steps_per_step()
+        total_opt = steps_per_opt * cfg.train.total_steps
+
+        def spawn(role: str, cls, trainable: bool, **over) -> WorkerGroup:
+            port = free_port()
+            handles = []
+            for rank in range(dp):
+                spec = WorkerSpec(
+                    role=role, rank=rank, world_size=dp, master_addr="127.0.0.1",
+                    master_port=port, device=cfg.device, model_path=over.get("path", cfg.model.path),
+                    dtype=over.get("dtype", cfg.train.param_dtype), seed=cfg.seed,
+                    trainable=trainable, lr=over.get("lr", cfg.train.lr),
+                    weight_decay=over.get("weight_decay", cfg.train.weight_decay),
+                    warmup_steps=over.get("warmup_steps", cfg.train.warmup_steps),
+                    total_optimizer_steps=total_opt, lr_schedule=cfg.train.lr_schedule,
+                    min_lr_ratio=cfg.train.min_lr_ratio,
+                    grad_clip=over.get("grad_clip", cfg.train.grad_clip) or 1e9,
+                    param_dtype=cfg.train.param_dtype, reduce_dtype=cfg.train.reduce_dtype,
+                    deterministic=cfg.run.deterministic, threads=threads,
+                    extra={"temperature": cfg.rollout.temperature},
+                )
+                remote_cls = ray.remote(cls).options(**actor_options(placement, rank, shares[role]))
+                handles.append(remote_cls.remote(spec))
+            group = WorkerGroup(role, handles)
+            group.setup_info = group.call("setup")
+            return group
+
+        self.actor = spawn("actor", PolicyWorker, True)
+        self.ref = spawn("reference", PolicyWorker, False) if self.use_ref else None
+        self.critic = None
+        if self.use_critic:
+            c = cfg.critic
+            self.critic = spawn("critic", CriticWorker, True, path=cfg.model.critic_path or cfg.model.path,
+                                lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps,
+                                grad_clip=c.grad_clip)
+        self.deterministic_settings = self.actor.setup_info[0]["deterministic"]
+        self._resume()
+
+    def _resume(self) -> None:
+        from trainer.checkpoint import load_json, resolve_resume
+
+        ckpt = resolve_resume(self.run_dir, self.cfg.run.resume)
+        if ckpt is None:
+            return
+        state = load_json(ckpt / "trainer_state.json")
+        for group in self._training_groups():
+            group.call("load_pieces", str(ckpt))
+        self.start_step = int(state["step"])
+        self._sync_weights()
+        print(f"crossrl: resumed from {ckpt} (step {self.start_step})", file=sys.stderr)
+
+    def _training_groups(self) -> list[WorkerGroup]:
+        return [g for g in (self.actor, self.critic) if g is not None]
+
+    def _all_groups(self) -> list[WorkerGroup]:
+        return [g for g in (self.actor, self.ref, self.critic) if g is not None]
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Run training step ``step`` (1-based); returns (metrics, fingerprint)."""
+        from trainer.metrics import StepTimer
+
+        cfg, timer = self.cfg, StepTimer()
+        record = str(self.run_dir / "rollouts") if cfg.run.record_rollouts else None
+
+        with timer.section("rollout"):
+            meta, batch_ref = wait_all([self.rollout.rollout.remote(step, record)],
+                                       ["rollout host"], timeout_s=CALL_TIMEOUT_S,
+                                       what="rollout")[0]
+        plan = plan_minibatches(
+            meta["trajectory_ids"], meta["seq_lens"],
+            mini_batch_size=cfg.train.mini_batch_size, dp_size=cfg.train.dp_size,
+            max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+            group_ids=meta["group_ids"],
+        )
+        rank_mbs = [_flatten_rank_micro_batches(plan, r) for r in range(cfg.train.dp_size)]
+
+        with timer.section("prepare"):
+            for group in self._all_groups():
+                group.call("load_batch", batch_ref)
+            old = self.actor.submit("compute_logprobs", per_rank=rank_mbs)
+            self._share("old_logprobs", old)
+            if self.ref is not None:
+                self._share("ref_logprobs", self.ref.submit("compute_logprobs", per_rank=rank_mbs))
+            if self.critic is not None:
+                self._share("values", self.critic.submit("compute_values", per_rank=rank_mbs))
+            adv_options = self._advantage_options()
+            adv_metrics = [g.call("compute_advantages", adv_options)[0]
+                           for g in self._training_groups()][0]
+
+        with timer.section("update"):
+            sums = self._update(plan)
+
+        with timer.section("sync"):
+            self._sync_weights()
+
+        metrics = self._metrics(step, meta, plan, sums, adv_metrics, timer)
+        fingerprint = self._fingerprint(step, plan, sums, metrics)
+        return metrics, fingerprint
+
+    def _share(self, field: str, piece_refs: list) -> None:
+        """Give every worker that needs it the full token field computed piecewise by ranks."""
+        for group in self._training_groups():
+            group.call("set_token_field", field, piece_refs)
+
+    def _advantage_options(self) -> dict[str, Any]:
+        a = self.cfg.algorithm
+        return {"estimator": a.adv_estimator, "gamma": a.gamma, "lam": a.lam,
+                "norm_adv_by_std": a.norm_adv_by_std,
+                "kl_penalty_coef": 0.0 if a.use_kl_loss else a.kl_coef,
+                "kl_estimator": a.kl_estimator}
+
+    def _loss_options(self) -> dict[str, Any]:
+        a = self.cfg.algorithm
+        return {"loss_agg": a.loss_agg, "horizon": self.cfg.loss_horizon_tokens(),
+                "clip_ratio_low": a.clip_ratio_low, "clip_ratio_high": a.clip_ratio_high,
+                "clip_ratio_c": a.clip_ratio_c, "kl_coef": a.kl_coef,
+                "kl_estimator": a.kl_estimator, "use_kl_loss": a.use_kl_loss,
+                "entropy_coef": a.entropy_coef}
+
+    def _update(self, plan) -> dict[str, float]:
+        """``ppo_epochs`` passes over the plan's mini-batches; one optimizer step each."""
+        cfg, totals = self.cfg, {}
+        loss_options = self._loss_options()
+        critic_options = {"mode": cfg.algorithm.loss_agg, "horizon": cfg.loss_horizon_tokens(),
+                          "cliprange_value": cfg.algorithm.cliprange_value}
+        for _epoch in range(cfg.train.ppo_epochs):
+            for mini in plan.mini_batches:
+                rows = mini.rows.tolist()
+                per_rank = list(mini.micro_batches)
+                refs = self.actor.submit("train_mini_batch", rows, loss_options, per_rank=per_rank)
+                if self.critic is not None:
+                    crefs = self.critic.submit("train_mini_batch", rows, critic_options,
+                                               per_rank=per_rank)
+                    _add(totals, wait_all(crefs, self.critic.names, timeout_s=CALL_TIMEOUT_S,
+                                          what="critic.train_mini_batch"), prefix="critic/")
+                _add(totals, wait_all(refs, self.actor.names, timeout_s=CALL_TIMEOUT_S,
+                                      what="actor.train_mini_batch"), prefix="actor/")
+        return totals
+
+    def _sync_weights(self) -> None:
+        self.actor.call("push_weights", self.rollout, 64 << 20)
+
+    # ------------------------------------------------------------------ records
+    def _metrics(self, step, meta, plan, sums, adv_metrics, timer) -> dict[str, Any]:
+        stats = plan_stats(plan)
+        tokens = max(1.0, sums.get("actor/loss_tokens", 0.0))
+        n_updates = max(1, sums.get("actor/_updates", 1))
+        metrics: dict[str, Any] = {
+            "step": step,
+            **meta["metrics"],
+            **{k: v for k, v in stats.items()},
+            "batch/max_seq_len": int(np.max(meta["seq_lens"])),
+            "actor/loss": sums.get("actor/loss", 0.0) / n_updates,
+            "actor/pg_loss": sums.get("actor/pg_loss", 0.0) / tokens,
+            "actor/clip_frac": sums.get("actor/clipped", 0.0) / tokens,
+            "actor/approx_kl": sums.get("actor/approx_kl", 0.0) / tokens,
+            "actor/entropy": sums.get("actor/entropy", 0.0) / tokens,
+            "actor/grad_norm": sums.get("actor/grad_norm", 0.0) / n_updates,
+            "actor/lr": sums.get("actor/lr_last", 0.0),
+            **adv_metrics,
+        }
+        if "actor/kl" in sums:
+            metrics["actor/kl"] = sums["actor/kl"] / tokens
+        if self.critic is not None:
+            ctok = max(1.0, sums.get("critic/loss_tokens", 0.0))
+            metrics["critic/vf_loss"] = sums.get("critic/vf_loss", 0.0) / ctok
+            metrics["critic/grad_norm"] = sums.get("critic/grad_norm", 0.0) / n_updates
+        metrics.update(timer.metrics())
+        metrics["throughput/tokens_per_s"] = meta["num_tokens"] / max(metrics["timing/step_s"], 1e-9)
+        return metrics
+
+    def _fingerprint(self, step, plan, sums, metrics) -> dict[str, Any]:
+        from trainer.parity import fingerprint_of_step
+
+        checksum = None
+        every = self.cfg.run.fingerprint_every
+        if every and step % every == 0:
+            checksum = self.actor.call("param_checksum")[0]
+        return fingerprint_of_step(plan, sums, metrics, checksum)
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Write a whole checkpoint atomically (workers write their pieces, then commit)."""
+        from trainer.checkpoint import (
+            begin_checkpoint,
+            commit_checkpoint,
+            rng_state,
+            save_json,
+            save_torch,
+        )
+
+        staging = begin_checkpoint(self.run_dir, step)
+        for group in self._training_groups():
+            group.call("save_pieces", str(staging))
+        save_json({"step": step, "prompts_consumed": step * self.cfg.train.batch_size},
+                  staging / "trainer_state.json")
+        save_torch(rng_state(), staging / "controller_rng.pt")
+        return commit_checkpoint(self.run_dir, step, staging)
+
+    def shutdown(self) -> None:
+        """Stop every worker (best effort: a dead one is already gone)."""
+        import ray
+
+        for group in self._all_groups():
+            for h in group.handles:
+                ray.kill(h, no_restart=True)
+        if getattr(self, "rollout", None) is not None:
+            ray.kill(self.rollout, no_restart=True)
+
+
+def _add(totals: dict[str, float], per_rank: list[dict[str, float]], prefix: str) -> None:
+    """Add per-rank metric sums into ``totals``; grad norm and lr are the same on every rank."""
+    for key, value in per_rank[0].items():
+        if key in ("grad_norm",):
+            totals[prefix + key] = totals.get(prefix + key, 0.0) + value
+        elif key == "lr":
+            totals[prefix + "lr_last"] = value
+    for sums in per_rank:
+        for key, value in sums.items():
+            if key not in ("grad_norm", "lr"):
+                totals[prefix + key] = totals.get(prefix + key, 0.0) + value
+    totals[prefix + "_updates"] = totals.get(prefix + "_updates", 0) + 1
+
+
+def _write_run_config(cfg: Config, run_dir: Path, deterministic: dict[str, str]) -> None:
+    """``config.yaml``: the resolved config, plus the deterministic settings the workers
+    applied (as comments, so the file still loads as a config)."""
+    from trainer.checkpoint import atomic_write_text
+
+    lines = [cfg.to_yaml().rstrip("\n")]
+    if deterministic:
+        lines.append("# run.deterministic applied on every worker:")
+        lines += [f"#   {key}={value}" for key, value in sorted(deterministic.items())]
+    atomic_write_text(run_dir / "config.yaml", "\n".join(lines) + "\n")
+
+
+def _install_signal_handlers() -> None:
+    """SIGTERM behaves like Ctrl-C: the loop stops, Ray shuts down, ``latest`` stays whole."""
+    def handler(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def run_training(cfg: Config) -> int:
+    """Run a whole job; returns the process exit status (0 done, 1 failed, 130 interrupted)."""
+    from trainer.metrics import FingerprintLogger, MetricsLogger
+    from trainer.workers.group import start_ray
+
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _install_signal_handlers()
+    start_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2))
+    trainer = Trainer(cfg, run_dir)
+    try:
+        trainer.start()
+        _write_run_config(cfg, run_dir, trainer.deterministic_settings)
+        total = cfg.train.total_steps
+        with MetricsLogger(run_dir, total, start_step=trainer.start_step) as log, \
+                FingerprintLogger(run_dir, start_step=trainer.start_step) as fp_log:
+            for step in range(trainer.start_step + 1, total + 1):
+                metrics, fingerprint = trainer.train_step(step)
+                log.log(step, metrics)
+                fp_log.log(step, fingerprint)
+                if step == total or (cfg.run.save_every and step % cfg.run.save_every == 0):
+                    trainer.save_checkpoint(step)
+        return 0
+    except WorkerFailedError as err:
+        print(f"crossrl train: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("crossrl train: interrupted; the last whole checkpoint stays `latest`",
+              file=sys.stderr)
+        return 130
+    finally:
+        import ray
+
+        try:
+            trainer.shutdown()
+        finally:
+            ray.shutdown()
+            time.sleep(0)

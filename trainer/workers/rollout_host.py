@@ -1,0 +1,113 @@
+"""The rollout host: owns the generation engine, the environment and the prompt stream.
+
+It hands the controller only metadata (row lengths, trajectory and group ids, metrics); the
+packed batch itself goes into Ray's object store as numpy arrays for the training workers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+import hal
+from batching import StepBatch, response_length_mean, trajectory_score_mean
+
+
+class RolloutHost:
+    """Generates one training step's rows: ``rollout(step) -> (metadata, [batch_ref])``."""
+
+    def __init__(self, cfg: dict[str, Any], threads: int = 1) -> None:
+        self.cfg = cfg
+        self.threads = threads
+        self.engine = None
+
+    def setup(self) -> dict[str, Any]:
+        """Load tokenizer, model and engine; check the environment spec."""
+        from rollout.engines import make_engine
+        from rollout.envs import make_env
+        from rollout.envs.prompts import PromptSource
+        from rollout.models import builtin_weights_dir, load_model
+        from rollout.tokenizer import load_tokenizer
+
+        torch.set_num_threads(max(1, self.threads))
+        cfg = self.cfg
+        backend = hal.get_backend(cfg["device"])
+        model_path = cfg["model"]["path"]
+        is_builtin = model_path.startswith("builtin:")
+        self.tokenizer = load_tokenizer("builtin" if is_builtin else model_path)
+        roll = cfg["rollout"]
+        if roll["engine"] == "hf":
+            model = load_model(model_path, dtype=cfg["model"]["dtype"], seed=cfg["seed"],
+                               device=backend.device(0))
+            model.eval()
+            self.engine = make_engine("hf", model, self.tokenizer)
+        else:
+            directory = builtin_weights_dir(model_path, cfg["seed"]) if is_builtin else model_path
+            self.engine = make_engine(
+                "vllm", str(directory), self.tokenizer, dtype=cfg["model"]["dtype"],
+                seed=cfg["seed"], gpu_memory_utilization=roll["memory_fraction"],
+                tensor_parallel_size=roll["tensor_parallel_size"],
+                max_model_len=roll["max_input_len"] + roll["max_new_tokens"],
+            )
+        self.env_factory = make_env(roll["env"])
+        self.prompts = PromptSource(cfg["data"]["source"], seed=cfg["seed"])
+        return {"engine": roll["engine"]}
+
+    def rollout(self, step: int, record_dir: str | None = None) -> tuple[dict[str, Any], list]:
+        """Roll out training step ``step`` (1-based): ``train.batch_size`` prompts x ``rollout.n``.
+
+        Returns metadata for planning and metrics, and ``[ref]`` to the batch's numpy arrays
+        (a list, so Ray passes the reference on instead of resolving it).
+        """
+        import ray
+
+        from rollout.agent_loop import run_rollouts
+        from rollout.engines import SamplingParams
+
+        cfg, roll = self.cfg, self.cfg["rollout"]
+        items = self.prompts.batch(step - 1, cfg["train"]["batch_size"])
+        sampling = SamplingParams(max_new_tokens=roll["max_new_tokens"],
+                                  temperature=roll["temperature"], top_p=roll["top_p"],
+                                  top_k=roll["top_k"])
+        out = run_rollouts(
+            self.engine, self.tokenizer, self.env_factory, items, n=roll["n"],
+            max_turns=roll["max_turns"], step_wise=roll["step_wise"],
+            merge_stepwise=roll["merge_stepwise"], max_input_len=roll["max_input_len"],
+            max_new_tokens=roll["max_new_tokens"], sampling=sampling, seed=cfg["seed"],
+            step=step,
+        )
+        if not out.rows:
+            raise RuntimeError(
+                f"step {step}: the rollout produced no rows (every trajectory failed: "
+                f"{out.metrics}); check rollout.env and rollout.max_input_len"
+            )
+        batch = StepBatch.from_rows(out.rows)
+        arrays = batch.to_numpy()
+        if record_dir is not None:
+            from trainer.parity import record_rollout
+
+            record_rollout(record_dir, step, arrays)
+        meta = {
+            "seq_lens": batch.seq_lens.astype(np.int64),
+            "trajectory_ids": batch.row_fields["trajectory_id"].numpy().copy(),
+            "group_ids": batch.row_fields["uid"].numpy().copy(),
+            "num_tokens": int(batch.num_tokens),
+            "metrics": {
+                **out.metrics,
+                "reward/mean": float(trajectory_score_mean(batch)),
+                "response_length/mean": float(response_length_mean(batch)),
+            },
+        }
+        return meta, [ray.put(arrays)]
+
+    def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
+        """Load one bucket of new weights (HF names -> float32 arrays) into the engine."""
+        self.engine.update_weights((name, torch.from_numpy(array)) for name, array in bucket.items())
+        return len(bucket)
+
+    def shutdown(self) -> None:
+        """Release the engine."""
+        if self.engine is not None:
+            self.engine.shutdown()
