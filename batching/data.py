@@ -272,16 +272,17 @@ class StepBatch:
 
     def row_of_token(self) -> torch.Tensor:
         """Row index of every token, int64 `[T]`."""
-        return torch.repeat_interleave(
-            torch.arange(self.num_rows, dtype=torch.int64), torch.from_numpy(self.seq_lens)
-        )
+        # numpy, not torch.repeat_interleave: the torch op enters an OpenMP parallel region
+        # even for tiny inputs, which costs milliseconds on an oversubscribed CPU.
+        return torch.from_numpy(np.repeat(np.arange(self.num_rows, dtype=np.int64), self.seq_lens))
 
     def row_loss_tokens(self) -> torch.Tensor:
         """Tokens with `loss_mask` 1 in each row, int64 `[R]` (0 for padding rows)."""
-        seg = self.row_of_token()
-        out = torch.zeros(self.num_rows, dtype=torch.float64)
-        out.index_add_(0, seg, self.loss_mask.to(torch.float64))
-        return out.round().to(torch.int64)
+        mask = self.loss_mask.detach().cpu().numpy()
+        csum = np.zeros(mask.size + 1, dtype=np.int64)
+        np.cumsum(mask != 0, out=csum[1:])
+        cu = self.cu_seqlens.numpy()
+        return torch.from_numpy(csum[cu[1:]] - csum[cu[:-1]])
 
     # ------------------------------------------------------------------ common fields
 

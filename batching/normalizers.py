@@ -118,7 +118,13 @@ def aggregate_loss(
         raise ValueError(
             f"cu_seqlens ends at {int(cu[-1])} but token_loss has {token_loss.numel()} tokens"
         )
-    seg = torch.repeat_interleave(torch.arange(lens.numel(), device=token_loss.device), lens)
+    # Row id of every token: +1 at each row start, then a running sum (no repeat_interleave,
+    # whose CPU kernel always enters a parallel region).
+    # Empty rows at the very end start at T and own no token, so they are left out.
+    row_starts = cu[1:-1][cu[1:-1] < token_loss.numel()]
+    bumps = torch.zeros(token_loss.numel(), dtype=torch.int64, device=token_loss.device)
+    bumps.index_add_(0, row_starts, torch.ones_like(row_starts))
+    seg = bumps.cumsum(0)
     zeros = torch.zeros(lens.numel(), dtype=token_loss.dtype, device=token_loss.device)
     row_sum = zeros.index_add(0, seg, masked)
     row_tokens = zeros.index_add(0, seg, loss_mask.to(token_loss.dtype))

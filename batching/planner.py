@@ -4,21 +4,23 @@ A *unit* is what `mini_batch_size` counts and what is never split across mini-ba
 (`group_ids` given, e.g. a GRPO prompt group) or else a trajectory. Rows of one unit may go to
 different ranks of the same mini-batch: a row is the smallest thing the planner moves.
 
-Pipeline (all numpy integer arithmetic, stable sorts, ties broken by index; no floats, no
-`hash()`):
+Pipeline (numpy integer arithmetic; every sort is on a unique key, ties broken by index, so
+its result is the same everywhere; no floats, no `hash()`):
 
 1. Dense ids: trajectory (and group) ids are numbered by first appearance in the input, so the
    plan never depends on `PYTHONHASHSEED` or on the type of the ids.
 2. Mini-batches: `ceil(units / mini_batch_size)` of them. Units, largest first, are dealt in
    rounds of one unit per mini-batch, the largest unit of a round to the mini-batch with the
    fewest tokens so far. Every mini-batch gets `floor` or `ceil` of `units / mini_batches`
-   units (so at most `mini_batch_size`) and token totals stay within one unit of each other.
+   units (so at most `mini_batch_size`); token totals differ by at most the largest unit
+   (twice that when there are more than 1024 rounds, whose tail uses a snake order).
    The assignment does not depend on `dp_size` or the token budget, so runs with different
    device counts train on the same mini-batches (see `Plan.digest`).
-3. Ranks: longest-processing-time-first over rows (largest first, each onto the lightest rank;
-   past the 8192nd row of a mini-batch, rounds of `dp_size` rows, the i-th largest to the
-   i-th lightest rank, to bound the Python loop), then a move/swap refinement between the heaviest and lightest rank when
-   the imbalance exceeds 0.1 %. Either way max - min rank tokens <= the longest row.
+3. Ranks: longest-processing-time-first over rows (largest first, each onto the lightest
+   rank; past the 8192nd row of a mini-batch, rounds of `dp_size` rows, the i-th largest to
+   the i-th lightest rank, to bound the Python loop), vectorised across mini-batches. Then,
+   where the imbalance still exceeds 0.1 %, moves/swaps between the heaviest and lightest
+   rank. Either way max - min rank tokens <= the longest row (promise 5).
 4. Micro-batches: first-fit-decreasing under `max_tokens_per_micro_batch` per rank, then every
    rank of a mini-batch is brought to the same micro-batch count by splitting its largest
    multi-row micro-batches; a rank with fewer rows than that count gets one padding row (-1)
@@ -109,7 +111,7 @@ class Plan:
     def digest(self) -> str:
         """sha256 hex of which rows form each mini-batch, in mini-batch order.
 
-        Independent of `dp_size` and the micro-batch budget on purpose: an 8-GPU and a 16-NPU
+        Independent of `dp_size` and the micro-batch budget on purpose: a run on 8 devices and one on 16
         run of the same job train on the same mini-batches and so share this digest. Use
         `layout_digest` to compare rank and micro-batch placement as well.
         """
@@ -262,9 +264,10 @@ def _position_in_group(group_sorted: np.ndarray) -> np.ndarray:
 
 
 class _Walk:
-    """Walk the members of many groups position by position: at step k, the k-th member of
-    every group that has more than k members. Members are given in the order `by_group`
-    (grouped, each group's members in processing order)."""
+    """Visit the members of many groups in lock step: step k yields the k-th member of every
+    group that has more than k members, so one numpy operation serves all groups at once.
+    `group_sorted` is the group of each member, in an order where each group's members are
+    contiguous and in processing order."""
 
     def __init__(self, group_sorted: np.ndarray, num_groups: int) -> None:
         self.counts = np.bincount(group_sorted, minlength=num_groups)

@@ -125,6 +125,8 @@ def varlen_attention(
             f"query heads {q.shape[1]} is not a multiple of key/value heads {k.shape[1]}"
         )
     offsets = _HOST_OFFSETS.get(cu_seqlens)
+    if not offsets or offsets[0] != 0 or offsets[-1] != q.shape[0]:
+        validate_cu_seqlens(offsets, q.shape[0])  # raises the ValueError that names the fix
     if max_seqlen is None:
         max_seqlen = max((b - a for a, b in zip(offsets[:-1], offsets[1:])), default=0)
     return _kernel_owner(q.device).varlen_attention(

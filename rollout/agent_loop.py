@@ -152,7 +152,10 @@ def run_rollouts(
     stops = tuple(dict.fromkeys(eos_ids + tuple(sampling.stop_token_ids)))
     params = dataclasses.replace(sampling, max_new_tokens=max_new_tokens - 1, stop_token_ids=stops)
 
-    items = [p if isinstance(p, PromptItem) else PromptItem(index=i, seed=int(p)) for i, p in enumerate(prompts)]
+    items = [
+        p if isinstance(p, PromptItem) else PromptItem(index=i, seed=int(p))
+        for i, p in enumerate(prompts)
+    ]
     trajs = [
         _Trajectory(uid=j, trajectory_id=j * n + k, item=item, sample=k)
         for j, item in enumerate(items)
@@ -237,9 +240,12 @@ def _rows_of(t: _Trajectory, *, step_wise: bool, merge: bool) -> list[Row]:
                 resp += turn.obs_ids
                 mask += [0] * len(turn.obs_ids)
                 lps += [0.0] * len(turn.obs_ids)
-        parts = [(t.turns[0].prompt_ids, resp, mask, lps, 0, sum(x.reward for x in t.turns))]
+        parts = [(t.turns[0].prompt_ids, resp, mask, lps, 0, score)]
     else:
-        parts = [(x.prompt_ids, x.response_ids, x.mask, x.logprobs, i, x.reward) for i, x in enumerate(t.turns)]
+        parts = [
+            (x.prompt_ids, x.response_ids, x.mask, x.logprobs, i, x.reward)
+            for i, x in enumerate(t.turns)
+        ]
         if merge:
             parts = _merge(parts)
     rows = []
@@ -260,7 +266,7 @@ def _rows_of(t: _Trajectory, *, step_wise: bool, merge: bool) -> list[Row]:
                 step_index=step_index,
                 is_last_step=last,
                 score=score,
-                step_reward=step_reward if step_wise else score,
+                step_reward=step_reward,
                 token_rewards=token_rewards,
             )
         )
@@ -300,7 +306,10 @@ def _metrics(trajs: list[_Trajectory], rows: list[Row]) -> dict[str, float]:
         "rollout/truncated_trajectories": float(sum(t.truncated for t in trajs)),
         "rollout/env_errors": float(sum(t.error is not None for t in trajs)),
         "rollout/unfinished_trajectories": float(
-            sum(not t.truncated and t.error is None and bool(t.turns) and not _finished(t) for t in trajs)
+            sum(
+                not t.truncated and t.error is None and bool(t.turns) and not _finished(t)
+                for t in trajs
+            )
         ),
         "rollout/mean_response_length": sum(len(r.response_ids) for r in rows) / max(len(rows), 1),
         "rollout/score_mean": sum(_score(t) for t in with_rows) / max(len(with_rows), 1),

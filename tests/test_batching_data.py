@@ -118,8 +118,16 @@ def test_explicit_token_rewards_are_placed_on_response_tokens():
 
 
 def test_default_reward_goes_to_last_trained_token():
-    row = Row([5, 6], [7, 8, 2], [1, 1, 0], [-0.5, -0.25, 0.0], uid=0, trajectory_id=0,
-              score=1.0, step_reward=0.5)
+    row = Row(
+        [5, 6],
+        [7, 8, 2],
+        [1, 1, 0],
+        [-0.5, -0.25, 0.0],
+        uid=0,
+        trajectory_id=0,
+        score=1.0,
+        step_reward=0.5,
+    )
     b = StepBatch.from_rows([row])
     # The appended EOS (mask 0) does not get the reward; the last generated token does.
     assert b.token_rewards.tolist() == [0.0, 0.0, 0.0, 1.5, 0.0]
@@ -153,8 +161,9 @@ def test_select_transport_concat_split_round_trip(seed, data):
             assert_row_matches(batch, k, rows[src])
             s, e = int(batch.cu_seqlens[k]), int(batch.cu_seqlens[k + 1])
             s0, e0 = int(b.cu_seqlens[src]), int(b.cu_seqlens[src + 1])
-            assert torch.equal(batch.token_fields["advantages"][s:e],
-                               b.token_fields["advantages"][s0:e0])
+            assert torch.equal(
+                batch.token_fields["advantages"][s:e], b.token_fields["advantages"][s0:e0]
+            )
             assert torch.equal(batch.row_fields["extra"][k], b.row_fields["extra"][src])
         pad_ids = batch.uid[batch.is_padding].tolist()
         assert len(set(pad_ids)) == len(pad_ids)
@@ -210,8 +219,14 @@ def test_from_numpy_accepts_read_only_arrays_without_copying():
 
 
 def _row(**kw):
-    base = dict(prompt_ids=[1], response_ids=[2, 3], response_mask=[1, 0],
-                response_logprobs=[-1.0, 0.0], uid=0, trajectory_id=0)
+    base = dict(
+        prompt_ids=[1],
+        response_ids=[2, 3],
+        response_mask=[1, 0],
+        response_logprobs=[-1.0, 0.0],
+        uid=0,
+        trajectory_id=0,
+    )
     base.update(kw)
     return Row(**base)
 
@@ -219,8 +234,7 @@ def _row(**kw):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(prompt_ids=[], response_ids=[], response_mask=[], response_logprobs=[]),
-         "0 tokens"),
+        (dict(prompt_ids=[], response_ids=[], response_mask=[], response_logprobs=[]), "0 tokens"),
         (dict(response_mask=[1]), "response_mask has 1 entries"),
         (dict(response_logprobs=[0.0]), "response_logprobs has 1 entries"),
         (dict(token_rewards=[1.0]), "token_rewards has 1 entries"),

@@ -16,9 +16,7 @@ from hypothesis import strategies as st
 
 from batching import plan_minibatches, plan_stats
 
-SETTINGS = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ---------------------------------------------------------------------------- workloads
@@ -64,8 +62,16 @@ def workloads(draw):
 # ---------------------------------------------------------------------------- promises
 
 
-def check_promises(plan, trajectory_ids, seq_lens, *, mini_batch_size, dp_size,
-                   max_tokens_per_micro_batch, group_ids):
+def check_promises(
+    plan,
+    trajectory_ids,
+    seq_lens,
+    *,
+    mini_batch_size,
+    dp_size,
+    max_tokens_per_micro_batch,
+    group_ids,
+):
     lens = np.asarray(seq_lens)
     n = lens.size
     budget = max_tokens_per_micro_batch
@@ -96,8 +102,9 @@ def check_promises(plan, trajectory_ids, seq_lens, *, mini_batch_size, dp_size,
             # Minimal padding: only when the rank has fewer rows than micro-batches.
             assert pads == max(0, len(rank) - real_on_rank)
         # Promise 5: max rank tokens <= mean rank tokens + longest row (real tokens).
-        rank_tokens = [lens[[i for mc in rank for i in mc if i >= 0]].sum()
-                       for rank in mb.micro_batches]
+        rank_tokens = [
+            lens[[i for mc in rank for i in mc if i >= 0]].sum() for rank in mb.micro_batches
+        ]
         if mb.num_rows:
             longest = lens[mb.rows].max()
             assert max(rank_tokens) * dp_size <= sum(rank_tokens) + longest * dp_size
@@ -127,16 +134,22 @@ def check_promises(plan, trajectory_ids, seq_lens, *, mini_batch_size, dp_size,
 @given(workloads())
 def test_promises_on_random_multi_turn_workloads(w):
     plan = plan_minibatches(
-        w["trajectory_ids"], w["seq_lens"], mini_batch_size=w["mini_batch_size"],
-        dp_size=w["dp_size"], max_tokens_per_micro_batch=w["max_tokens_per_micro_batch"],
+        w["trajectory_ids"],
+        w["seq_lens"],
+        mini_batch_size=w["mini_batch_size"],
+        dp_size=w["dp_size"],
+        max_tokens_per_micro_batch=w["max_tokens_per_micro_batch"],
         group_ids=w["group_ids"],
     )
     check_promises(plan, **w)
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), budget=st.sampled_from([None, 64, 300, 2048]),
-       max_len=st.sampled_from([20, 500, 4000]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    budget=st.sampled_from([None, 64, 300, 2048]),
+    max_len=st.sampled_from([20, 500, 4000]),
+)
 def test_promises_grpo_45_prompts_dp2(seed, budget, max_len):
     """dp=2, 45 prompts, 15 prompts per mini-batch, n=8, 1-6 turns, groups = prompts."""
     traj, lens, group = make_workload(np.random.default_rng(seed), 45, 8, 6, max_len)
@@ -154,24 +167,40 @@ def test_same_inputs_same_plan_and_input_types_do_not_matter(w):
     kw = {k: w[k] for k in ("mini_batch_size", "dp_size", "max_tokens_per_micro_batch")}
     a = plan_minibatches(w["trajectory_ids"], w["seq_lens"], group_ids=w["group_ids"], **kw)
     b = plan_minibatches(
-        np.asarray(w["trajectory_ids"]), np.asarray(w["seq_lens"], dtype=np.int32),
-        group_ids=None if w["group_ids"] is None else np.asarray(w["group_ids"]), **kw,
+        np.asarray(w["trajectory_ids"]),
+        np.asarray(w["seq_lens"], dtype=np.int32),
+        group_ids=None if w["group_ids"] is None else np.asarray(w["group_ids"]),
+        **kw,
     )
     assert a.layout_digest() == b.layout_digest()
-    assert [mb.micro_batches for mb in a.mini_batches] == [mb.micro_batches for mb in b.mini_batches]
+    assert [mb.micro_batches for mb in a.mini_batches] == [
+        mb.micro_batches for mb in b.mini_batches
+    ]
 
 
 @settings(max_examples=30, deadline=None)
 @given(workloads(), st.integers(1, 6), st.one_of(st.none(), st.integers(2, 500)))
 def test_mini_batches_do_not_depend_on_dp_or_budget(w, other_dp, other_budget):
-    """An 8-GPU and a 16-NPU run train on the same mini-batches: digest() ignores dp/budget."""
+    """Runs on 8 and on 16 devices train on the same mini-batches: digest() ignores dp/budget."""
     kw = dict(mini_batch_size=w["mini_batch_size"], group_ids=w["group_ids"])
-    a = plan_minibatches(w["trajectory_ids"], w["seq_lens"], dp_size=w["dp_size"],
-                         max_tokens_per_micro_batch=w["max_tokens_per_micro_batch"], **kw)
-    b = plan_minibatches(w["trajectory_ids"], w["seq_lens"], dp_size=other_dp,
-                         max_tokens_per_micro_batch=other_budget, **kw)
+    a = plan_minibatches(
+        w["trajectory_ids"],
+        w["seq_lens"],
+        dp_size=w["dp_size"],
+        max_tokens_per_micro_batch=w["max_tokens_per_micro_batch"],
+        **kw,
+    )
+    b = plan_minibatches(
+        w["trajectory_ids"],
+        w["seq_lens"],
+        dp_size=other_dp,
+        max_tokens_per_micro_batch=other_budget,
+        **kw,
+    )
     assert a.digest() == b.digest()
-    assert [mb.rows.tolist() for mb in a.mini_batches] == [mb.rows.tolist() for mb in b.mini_batches]
+    assert [mb.rows.tolist() for mb in a.mini_batches] == [
+        mb.rows.tolist() for mb in b.mini_batches
+    ]
 
 
 def test_digest_changes_with_membership_and_layout_digest_with_dp():
@@ -211,8 +240,14 @@ def test_plan_is_independent_of_pythonhashseed():
     outs = []
     for seed in ("0", "4242"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        res = subprocess.run([sys.executable, "-c", _HASHSEED_SCRIPT], env=env,
-                             capture_output=True, text=True, timeout=120, check=True)
+        res = subprocess.run(
+            [sys.executable, "-c", _HASHSEED_SCRIPT],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         outs.append(res.stdout)
     assert outs[0] == outs[1]
     assert len(outs[0].split()) == 4
@@ -236,8 +271,9 @@ def test_rank_balance_on_many_rows_is_tight():
     rng = np.random.default_rng(5)
     lens = np.clip(np.exp(rng.normal(6, 1.0, 20000)), 50, 16000).astype(int)
     traj = rng.integers(0, 2000, lens.size)
-    plan = plan_minibatches(traj, lens, mini_batch_size=500, dp_size=8,
-                            max_tokens_per_micro_batch=16384)
+    plan = plan_minibatches(
+        traj, lens, mini_batch_size=500, dp_size=8, max_tokens_per_micro_batch=16384
+    )
     stats = plan_stats(plan)
     assert stats["batch/dp_imbalance_worst"] < 1.01
     assert stats["batch/num_padding_rows"] == 0 and stats["batch/token_efficiency"] == 1.0
@@ -256,8 +292,13 @@ def test_padding_fills_ranks_without_rows():
 def test_equalising_splits_micro_batches_before_padding():
     # Rank sizes force 2 micro-batches on the rank holding the 10-token row pair; the other
     # rank holds several small rows and must split them rather than take a padding row.
-    plan = plan_minibatches([0, 1, 2, 3, 4, 5], [10, 10, 3, 3, 3, 3], mini_batch_size=6,
-                            dp_size=2, max_tokens_per_micro_batch=12)
+    plan = plan_minibatches(
+        [0, 1, 2, 3, 4, 5],
+        [10, 10, 3, 3, 3, 3],
+        mini_batch_size=6,
+        dp_size=2,
+        max_tokens_per_micro_batch=12,
+    )
     (mb,) = plan.mini_batches
     assert mb.num_padding_rows == 0
     assert len(mb.micro_batches[0]) == len(mb.micro_batches[1]) >= 2
@@ -293,8 +334,9 @@ def test_bad_inputs_raise_clear_value_errors(kwargs, match):
 
 
 def test_huge_rows_get_their_own_micro_batch():
-    plan = plan_minibatches([0, 1, 2], [100, 100, 1], mini_batch_size=3, dp_size=1,
-                            max_tokens_per_micro_batch=10)
+    plan = plan_minibatches(
+        [0, 1, 2], [100, 100, 1], mini_batch_size=3, dp_size=1, max_tokens_per_micro_batch=10
+    )
     (mb,) = plan.mini_batches
     assert sorted(map(sorted, mb.micro_batches[0])) == [[0], [1], [2]]
 
@@ -314,8 +356,44 @@ def test_promises_hold_on_the_large_input_code_paths(w):
         mock.patch.object(planner, "_REFINE_THRESHOLD_INV", 10**9),
     ):
         plan = plan_minibatches(
-            w["trajectory_ids"], w["seq_lens"], mini_batch_size=w["mini_batch_size"],
-            dp_size=w["dp_size"], max_tokens_per_micro_batch=w["max_tokens_per_micro_batch"],
+            w["trajectory_ids"],
+            w["seq_lens"],
+            mini_batch_size=w["mini_batch_size"],
+            dp_size=w["dp_size"],
+            max_tokens_per_micro_batch=w["max_tokens_per_micro_batch"],
             group_ids=w["group_ids"],
         )
     check_promises(plan, **w)
+
+
+def lpt_reference(lens, dp):
+    """Textbook LPT: rows longest first (ties: lower index), each onto the lightest rank
+    (ties: lower rank). Returns the heaviest rank's tokens."""
+    loads = [0] * dp
+    for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
+        r = min(range(dp), key=lambda r: (loads[r], r))
+        loads[r] += lens[i]
+    return max(loads)
+
+
+@SETTINGS
+@given(
+    lens=st.lists(st.integers(1, 5000), min_size=1, max_size=120),
+    dp=st.integers(2, 9),
+)
+def test_rank_assignment_is_at_least_as_good_as_lpt(lens, dp):
+    plan = plan_minibatches(list(range(len(lens))), lens, mini_batch_size=len(lens), dp_size=dp)
+    (mb,) = plan.mini_batches
+    assert max(mb.rank_real_tokens) <= lpt_reference(lens, dp)
+
+
+def test_accepts_torch_tensors_like_lists():
+    import torch
+
+    traj, lens, group = make_workload(np.random.default_rng(9), 8, 3, 4, 300)
+    kw = dict(mini_batch_size=3, dp_size=2, max_tokens_per_micro_batch=400)
+    a = plan_minibatches(traj, lens, group_ids=group, **kw)
+    b = plan_minibatches(
+        torch.tensor(traj), torch.tensor(lens), group_ids=torch.tensor(group), **kw
+    )
+    assert a.layout_digest() == b.layout_digest()

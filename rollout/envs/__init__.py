@@ -37,7 +37,9 @@ def make_env(spec: str) -> EnvFactory:
     The class is imported and checked now, so a typo fails at start-up, not mid-rollout.
     """
     if not isinstance(spec, str) or not spec:
-        raise ValueError(f"rollout.env={spec!r}: give a built-in name {sorted(BUILTIN_ENVS)} or module:Class")
+        raise ValueError(
+            f"rollout.env={spec!r}: give a built-in name {sorted(BUILTIN_ENVS)} or module:Class"
+        )
     if spec in BUILTIN_ENVS:
         return BUILTIN_ENVS[spec]
     if ":" not in spec:

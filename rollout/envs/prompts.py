@@ -32,9 +32,13 @@ class PromptItem:
 
 def _check_record(record: object, where: str) -> dict:
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object like {{\"prompt\": ...}}, got {type(record).__name__}")
+        raise ValueError(
+            f'{where}: expected a JSON object like {{"prompt": ...}}, got {type(record).__name__}'
+        )
     if not isinstance(record.get("prompt"), str) or not record["prompt"]:
-        raise ValueError(f"{where}: field \"prompt\" must be a non-empty string, got {record.get('prompt')!r}")
+        raise ValueError(
+            f'{where}: field "prompt" must be a non-empty string, got {record.get("prompt")!r}'
+        )
     return record
 
 
@@ -50,7 +54,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not valid JSON ({exc.msg}); fix or remove that line") from exc
+                raise ValueError(
+                    f"{where}: not valid JSON ({exc.msg}); fix or remove that line"
+                ) from exc
             records.append(_check_record(record, where))
     if not records:
         raise ValueError(f"data.source={str(path)!r}: the file has no records")
@@ -78,6 +84,7 @@ class PromptSource:
     def __init__(self, source: str = "env", *, seed: int = 0) -> None:
         self.source, self.seed = str(source), int(seed)
         self.records: list[dict] | None = None
+        self._orders: dict[int, list[int]] = {}  # epoch -> shuffled record order
         if self.source == "env":
             return
         path = Path(self.source).expanduser()
@@ -90,7 +97,9 @@ class PromptSource:
         elif path.suffix == ".parquet":
             self.records = read_parquet(path)
         else:
-            raise ValueError(f"data.source={self.source!r}: unknown file type; use .jsonl or .parquet")
+            raise ValueError(
+                f"data.source={self.source!r}: unknown file type; use .jsonl or .parquet"
+            )
 
     def __len__(self) -> int:
         """Records in the file (0 for the env's unbounded generator)."""
@@ -109,6 +118,9 @@ class PromptSource:
         if self.records is None:
             return PromptItem(index=index, seed=seed)
         epoch, pos = divmod(index, len(self.records))
-        order = list(range(len(self.records)))
-        random.Random(stable_seed(self.seed, -1, epoch)).shuffle(order)
+        order = self._orders.get(epoch)
+        if order is None:
+            order = list(range(len(self.records)))
+            random.Random(stable_seed(self.seed, -1, epoch)).shuffle(order)
+            self._orders = {epoch: order}  # keep one epoch: a run walks epochs in order
         return PromptItem(index=index, seed=seed, env_kwargs=dict(self.records[order[pos]]))

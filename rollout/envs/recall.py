@@ -28,8 +28,7 @@ class RecallEnv(Env):
     def reset(self, seed: int) -> str:
         rng = random.Random(int(seed))
         numbers = [
-            "".join(rng.choice("0123456789") for _ in range(self.length))
-            for _ in range(self.turns)
+            "".join(rng.choice("0123456789") for _ in range(self.length)) for _ in range(self.turns)
         ]
         # Turns before the last repeat a fresh number; the last recalls the first one.
         self._shown = numbers
