@@ -56,9 +56,10 @@ def _flatten_rank_micro_batches(plan, rank: int) -> list[list[int]]:
 class Trainer:
     """Builds the workers for a config and runs the training loop."""
 
-    def __init__(self, cfg: Config, run_dir: Path) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, *, replay_dir: str | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        self.replay_dir = replay_dir
         self.start_step = 0
 
     # ------------------------------------------------------------------ start-up
@@ -71,7 +72,7 @@ class Trainer:
         from trainer.workers.fsdp_worker import WorkerSpec
         from trainer.workers.group import actor_options, free_port, make_placement
         from trainer.workers.policy import PolicyWorker
-        from trainer.workers.rollout_host import RolloutHost
+        from trainer.workers.rollout_host import ReplayHost, RolloutHost
 
         cfg = self.cfg
         dp = cfg.train.dp_size
@@ -84,9 +85,12 @@ class Trainer:
         self.use_critic = cfg.critic.enable
         shares = {"actor": 0.4, "reference": 0.2, "critic": 0.2, "rollout": 0.2}
 
-        host_cls = ray.remote(RolloutHost)
-        self.rollout = host_cls.options(**actor_options(placement, 0, shares["rollout"])).remote(
-            cfg_dict, threads=os.cpu_count() or 1)
+        host_opts = actor_options(placement, 0, shares["rollout"])
+        if self.replay_dir is not None:
+            self.rollout = ray.remote(ReplayHost).options(**host_opts).remote(self.replay_dir)
+        else:
+            self.rollout = ray.remote(RolloutHost).options(**host_opts).remote(
+                cfg_dict, threads=os.cpu_count() or 1)
         wait_all([self.rollout.setup.remote()], ["rollout host"], timeout_s=CALL_TIMEOUT_S,
                  what="rollout.setup")
 
@@ -334,8 +338,11 @@ def _install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def run_training(cfg: Config) -> int:
-    """Run a whole job; returns the process exit status (0 done, 1 failed, 130 interrupted)."""
+def run_training(cfg: Config, *, replay_dir: str | None = None) -> int:
+    """Run a whole job; returns the process exit status (0 done, 1 failed, 130 interrupted).
+
+    ``replay_dir``: train on recorded rollouts (``step_<N>.npz``) instead of sampling.
+    """
     from trainer.metrics import FingerprintLogger, MetricsLogger
     from trainer.workers.group import start_ray
 
@@ -343,7 +350,7 @@ def run_training(cfg: Config) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     _install_signal_handlers()
     start_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2))
-    trainer = Trainer(cfg, run_dir)
+    trainer = Trainer(cfg, run_dir, replay_dir=replay_dir)
     try:
         trainer.start()
         _write_run_config(cfg, run_dir, trainer.deterministic_settings)

@@ -89,18 +89,7 @@ class RolloutHost:
             from trainer.parity import record_rollout
 
             record_rollout(record_dir, step, arrays)
-        meta = {
-            "seq_lens": batch.seq_lens.astype(np.int64),
-            "trajectory_ids": batch.row_fields["trajectory_id"].numpy().copy(),
-            "group_ids": batch.row_fields["uid"].numpy().copy(),
-            "num_tokens": int(batch.num_tokens),
-            "metrics": {
-                **out.metrics,
-                "reward/mean": float(trajectory_score_mean(batch)),
-                "response_length/mean": float(response_length_mean(batch)),
-            },
-        }
-        return meta, [ray.put(arrays)]
+        return batch_metadata(batch, out.metrics), [ray.put(arrays)]
 
     def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
         """Load one bucket of new weights (HF names -> float32 arrays) into the engine."""
@@ -111,3 +100,62 @@ class RolloutHost:
         """Release the engine."""
         if self.engine is not None:
             self.engine.shutdown()
+
+
+def batch_metadata(batch: StepBatch, rollout_metrics: dict[str, float]) -> dict[str, Any]:
+    """What the controller needs of a batch: lengths and ids for planning, metrics."""
+    return {
+        "seq_lens": batch.seq_lens.astype(np.int64),
+        "trajectory_ids": batch.row_fields["trajectory_id"].numpy().copy(),
+        "group_ids": batch.row_fields["uid"].numpy().copy(),
+        "num_tokens": int(batch.num_tokens),
+        "metrics": {
+            **rollout_metrics,
+            "reward/mean": float(trajectory_score_mean(batch)),
+            "response_length/mean": float(response_length_mean(batch)),
+        },
+    }
+
+
+class ReplayHost:
+    """Stands in for ``RolloutHost`` when replaying recorded rollouts (``crossrl probe``):
+    step N's batch is ``<rollouts_dir>/step_<N>.npz``; there is no engine, so weight
+    updates are accepted and dropped. Sampling is gone, so two devices train on the same rows.
+    """
+
+    def __init__(self, rollouts_dir: str) -> None:
+        self.rollouts_dir = rollouts_dir
+
+    def setup(self) -> dict[str, Any]:
+        """Check the recording exists."""
+        from pathlib import Path
+
+        if not sorted(Path(self.rollouts_dir).glob("step_*.npz")):
+            raise ValueError(
+                f"--rollouts {self.rollouts_dir!r}: no step_<N>.npz files; record some with "
+                f"run.record_rollouts=true (they land in RUN_DIR/rollouts)"
+            )
+        return {"engine": "replay"}
+
+    def rollout(self, step: int, record_dir: str | None = None) -> tuple[dict[str, Any], list]:
+        """The recorded batch of ``step`` and its metadata."""
+        from pathlib import Path
+
+        import ray
+
+        from trainer.parity import load_rollout
+
+        path = Path(self.rollouts_dir) / f"step_{step}.npz"
+        if not path.is_file():
+            raise ValueError(f"--rollouts: {path} is missing; record at least as many steps "
+                             f"as --steps asks for")
+        arrays = load_rollout(path)
+        batch = StepBatch.from_numpy(arrays)
+        return batch_metadata(batch, {}), [ray.put(arrays)]
+
+    def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
+        """No engine to update."""
+        return len(bucket)
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
