@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +60,12 @@ class Trainer:
         self.run_dir = run_dir
         self.replay_dir = replay_dir
         self.start_step = 0
+        self.placement = None
+        self.rollout = None
+        self.actor: WorkerGroup | None = None
+        self.ref: WorkerGroup | None = None
+        self.critic: WorkerGroup | None = None
+        self.deterministic_settings: dict[str, str] = {}
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -79,6 +84,7 @@ class Trainer:
         backend = hal.get_backend(cfg.device)
         placement = make_placement(backend.ray_resource, dp,
                                    timeout_s=cfg.ray.placement_timeout_s)
+        self.placement = placement
         threads = max(1, (os.cpu_count() or 1) // dp) if backend.name == "cpu" else 4
         cfg_dict = cfg.model_dump()
         self.use_ref = cfg.algorithm.kl_coef > 0
@@ -300,8 +306,12 @@ class Trainer:
         for group in self._all_groups():
             for h in group.handles:
                 ray.kill(h, no_restart=True)
-        if getattr(self, "rollout", None) is not None:
+        if self.rollout is not None:
             ray.kill(self.rollout, no_restart=True)
+        if self.placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement.group)
 
 
 def _add(totals: dict[str, float], per_rank: list[dict[str, float]], prefix: str) -> None:
@@ -349,7 +359,8 @@ def run_training(cfg: Config, *, replay_dir: str | None = None) -> int:
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _install_signal_handlers()
-    start_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2))
+    started_ray = start_ray(cfg.ray.address,
+                            num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2))
     trainer = Trainer(cfg, run_dir, replay_dir=replay_dir)
     try:
         trainer.start()
@@ -377,5 +388,5 @@ def run_training(cfg: Config, *, replay_dir: str | None = None) -> int:
         try:
             trainer.shutdown()
         finally:
-            ray.shutdown()
-            time.sleep(0)
+            if started_ray:
+                ray.shutdown()

@@ -24,10 +24,14 @@ class WorkerFailedError(RuntimeError):
     """A Ray worker died or raised; the message names the worker."""
 
 
-def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
-    """Start a local Ray (``address=None``) or join a cluster (``auto`` or ``host:port``)."""
+def start_ray(address: str | None, *, num_cpus: int | None = None) -> bool:
+    """Start a local Ray (``address=None``) or join a cluster (``auto`` or ``host:port``).
+
+    Returns False when Ray was already running in this process (the caller then leaves it
+    running), True when this call started or joined it.
+    """
     if ray.is_initialized():
-        return
+        return False
     # Local runs need no token; a cluster the user started keeps its own settings.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -37,6 +41,7 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
         ray.init(num_cpus=num_cpus, **kwargs)
     else:
         ray.init(address=address, **kwargs)
+    return True
 
 
 def free_port() -> int:
