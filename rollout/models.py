@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 BUILTIN_MODELS_DIR = Path(__file__).resolve().parent / "assets" / "models"
 BUILTIN_MODELS = ("tiny", "small")  # tiny: 0.1M params (tests), small: 19M params (benchmarks)
@@ -77,6 +78,7 @@ def builtin_weights_dir(name: str, seed: int) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf_logging.disable_progress_bar()
     model.save_pretrained(str(tmp))
     try:
         os.replace(tmp, final)
@@ -115,5 +117,7 @@ def load_model(
     kwargs = {"dtype": parse_dtype(dtype), "local_files_only": True}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    # One "Loading weights" bar per worker per load drowns the training progress bar.
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs)
     return model.to(torch.device(device))

@@ -50,7 +50,7 @@ def _recorded_batch() -> StepBatch:
     return batch
 
 
-def _run_rank(rank: int, world: int, ports: list[int], budget, arrays, queue) -> None:
+def _run_rank(rank: int, world: int, ports: list[int], budget, pad: bool, arrays, queue) -> None:
     from trainer.workers.fsdp_worker import WorkerSpec
     from trainer.workers.policy import PolicyWorker
 
@@ -60,6 +60,9 @@ def _run_rank(rank: int, world: int, ports: list[int], budget, arrays, queue) ->
                             mini_batch_size=3, dp_size=world, max_tokens_per_micro_batch=budget,
                             group_ids=batch.row_fields["uid"].numpy())
     (mini,) = plan.mini_batches
+    micro_batches = mini.micro_batches[rank]
+    if pad:  # a padding row in every micro-batch, and a micro-batch of padding alone
+        micro_batches = [mb + [-1] for mb in micro_batches] + [[-1]]
     results = {}
     for i, mode in enumerate(LOSS_AGG_MODES):
         spec = WorkerSpec(role="actor", rank=rank, world_size=world, master_addr="127.0.0.1",
@@ -69,7 +72,7 @@ def _run_rank(rank: int, world: int, ports: list[int], budget, arrays, queue) ->
         worker.setup()
         worker.load_batch([arrays])
         worker.compute_advantages({"estimator": "grpo"})
-        metrics = worker.train_mini_batch(mini.micro_batches[rank], mini.rows.tolist(),
+        metrics = worker.train_mini_batch(micro_batches, mini.rows.tolist(),
                                           dict(LOSS_OPTIONS, loss_agg=mode))
         state = {k: v.numpy().copy() for k, v in worker.full_state_dict().items()}
         worker.shutdown()
@@ -77,12 +80,12 @@ def _run_rank(rank: int, world: int, ports: list[int], budget, arrays, queue) ->
     queue.put((rank, results))
 
 
-def _train(world: int, budget) -> dict:
+def _train(world: int, budget, pad: bool = False) -> dict:
     arrays = _recorded_batch().to_numpy()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ports = [free_port() for _ in LOSS_AGG_MODES]
-    procs = [ctx.Process(target=_run_rank, args=(r, world, ports, budget, arrays, queue))
+    procs = [ctx.Process(target=_run_rank, args=(r, world, ports, budget, pad, arrays, queue))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -104,6 +107,7 @@ def layouts():
         "dp1": _train(1, None),
         "dp2": _train(2, None),
         "dp2_budget64": _train(2, 64),
+        "dp1_padded": _train(1, None, pad=True),
     }
 
 
@@ -137,6 +141,27 @@ def test_update_independent_of_dp_and_micro_batches(layouts, mode):
     initial = load_model(MODEL, dtype="float32", seed=1).state_dict()
     moved = max(float(np.abs(base_state[k] - initial[k].numpy()).max()) for k in base_state)
     assert moved > 1e-4  # lr 1e-3: Adam's first step moves ~lr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_padding_rows_change_nothing(layouts, mode):
+    base_state, base_metrics = layouts["dp1"][mode]
+    state, metrics = layouts["dp1_padded"][mode]
+    _assert_same_params(base_state, state, rtol=1e-6)
+    # Every metric sum (loss, clip fraction, KL, entropy, token counts) is unchanged.
+    for key, value in base_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+def test_padding_rows_do_not_move_accuracy_metrics():
+    from batching import response_length_mean, trajectory_score_mean
+
+    batch = _recorded_batch()
+    padded = batch.select(list(range(batch.num_rows)) + [-1, -1, -1])
+    assert padded.num_rows == batch.num_rows + 3
+    assert trajectory_score_mean(padded) == trajectory_score_mean(batch)
+    assert response_length_mean(padded) == response_length_mean(batch)
 
 
 @pytest.mark.slow

@@ -162,43 +162,47 @@ class Trainer:
         """Run training step ``step`` (1-based); returns (metrics, fingerprint)."""
         from trainer.metrics import StepTimer
 
-        cfg, timer = self.cfg, StepTimer()
-        record = str(self.run_dir / "rollouts") if cfg.run.record_rollouts else None
-
+        timer = StepTimer()
         with timer.section("rollout"):
-            meta, batch_ref = wait_all([self.rollout.rollout.remote(step, record)],
-                                       ["rollout host"], timeout_s=CALL_TIMEOUT_S,
-                                       what="rollout")[0]
-        plan = plan_minibatches(
-            meta["trajectory_ids"], meta["seq_lens"],
-            mini_batch_size=cfg.train.mini_batch_size, dp_size=cfg.train.dp_size,
-            max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
-            group_ids=meta["group_ids"],
-        )
-        rank_mbs = [_flatten_rank_micro_batches(plan, r) for r in range(cfg.train.dp_size)]
-
+            meta, batch_ref = self._rollout(step)
+        plan = self._plan(meta)
         with timer.section("prepare"):
-            for group in self._all_groups():
-                group.call("load_batch", batch_ref)
-            old = self.actor.submit("compute_logprobs", per_rank=rank_mbs)
-            self._share("old_logprobs", old)
-            if self.ref is not None:
-                self._share("ref_logprobs", self.ref.submit("compute_logprobs", per_rank=rank_mbs))
-            if self.critic is not None:
-                self._share("values", self.critic.submit("compute_values", per_rank=rank_mbs))
-            adv_options = self._advantage_options()
-            adv_metrics = [g.call("compute_advantages", adv_options)[0]
-                           for g in self._training_groups()][0]
-
+            adv_metrics = self._prepare(plan, batch_ref)
         with timer.section("update"):
             sums = self._update(plan)
-
         with timer.section("sync"):
             self._sync_weights()
-
         metrics = self._metrics(step, meta, plan, sums, adv_metrics, timer)
         fingerprint = self._fingerprint(step, plan, sums, metrics)
         return metrics, fingerprint
+
+    def _rollout(self, step: int) -> tuple[dict[str, Any], list]:
+        """Rows of this step: metadata here, the batch itself in the object store."""
+        record = str(self.run_dir / "rollouts") if self.cfg.run.record_rollouts else None
+        return wait_all([self.rollout.rollout.remote(step, record)], ["rollout host"],
+                        timeout_s=CALL_TIMEOUT_S, what="rollout")[0]
+
+    def _plan(self, meta: dict[str, Any]):
+        """The mini-batch plan: whole groups per mini-batch, balanced ranks, same on every rank."""
+        train = self.cfg.train
+        return plan_minibatches(
+            meta["trajectory_ids"], meta["seq_lens"], mini_batch_size=train.mini_batch_size,
+            dp_size=train.dp_size, max_tokens_per_micro_batch=train.max_tokens_per_micro_batch,
+            group_ids=meta["group_ids"],
+        )
+
+    def _prepare(self, plan, batch_ref: list) -> dict[str, float]:
+        """Old / reference logprobs and values on every rank's rows, then advantages."""
+        rank_mbs = [_flatten_rank_micro_batches(plan, r) for r in range(self.cfg.train.dp_size)]
+        for group in self._all_groups():
+            group.call("load_batch", batch_ref)
+        self._share("old_logprobs", self.actor.submit("compute_logprobs", per_rank=rank_mbs))
+        if self.ref is not None:
+            self._share("ref_logprobs", self.ref.submit("compute_logprobs", per_rank=rank_mbs))
+        if self.critic is not None:
+            self._share("values", self.critic.submit("compute_values", per_rank=rank_mbs))
+        options = self._advantage_options()
+        return [g.call("compute_advantages", options)[0] for g in self._training_groups()][0]
 
     def _share(self, field: str, piece_refs: list) -> None:
         """Give every worker that needs it the full token field computed piecewise by ranks."""

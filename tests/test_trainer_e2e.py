@@ -1,0 +1,161 @@
+"""End-to-end runs of the CPU default job, short: the run-directory contract, exact resume,
+and a controller that stops with the dead worker's name instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from trainer.checkpoint import find_latest, load_safetensors, verify_checkpoint
+from trainer.config import load_config
+from trainer.controller import Trainer, run_training
+from trainer.metrics import REQUIRED_KEYS, read_jsonl
+from trainer.workers.group import WorkerFailedError, start_ray, wait_all
+
+pytestmark = pytest.mark.slow
+
+SHORT = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4"]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    started = start_ray(None, num_cpus=8)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _cfg(run_dir: Path, *overrides: str):
+    return load_config(None, [*SHORT, f"run.dir={run_dir}", *overrides])
+
+
+def test_run_directory_contract(local_ray, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = _cfg(run_dir, "train.total_steps=3", "run.save_every=2", "run.resume=never")
+    assert run_training(cfg) == 0
+
+    # config.yaml is the resolved config and loads back as the same config.
+    again = load_config(str(run_dir / "config.yaml"), [])
+    assert again.flat() == cfg.flat()
+    assert "run.deterministic applied" in (run_dir / "config.yaml").read_text()
+
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        missing = [k for k in REQUIRED_KEYS if k not in m]
+        assert not missing, f"metrics.jsonl lacks {missing}"
+        assert 0.0 <= m["reward/mean"] <= 1.0
+        assert m["batch/num_padding_rows"] == 0 and m["batch/token_efficiency"] == 1.0
+        assert m["batch/num_rows"] >= 4 * 4  # >= one row per trajectory
+
+    fingerprints = read_jsonl(run_dir / "fingerprint.jsonl")
+    assert [f["step"] for f in fingerprints] == [1, 2, 3]
+    assert all(len(f["plan_digest"]) == 64 for f in fingerprints)
+
+    latest = find_latest(run_dir)
+    assert latest is not None and latest.name == "step_3"
+    assert (run_dir / "checkpoints" / "step_2").is_dir()
+    verify_checkpoint(latest)
+    weights = load_safetensors(latest / "actor_model.safetensors")
+    assert "model.embed_tokens.weight" in weights
+    state = json.loads((latest / "trainer_state.json").read_text())
+    assert state["step"] == 3
+
+
+def _comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items()
+            if not k.startswith(("timing/", "throughput/"))}
+
+
+def test_resume_is_exact(local_ray, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_training(_cfg(straight, "train.total_steps=4", "run.resume=never")) == 0
+    assert run_training(_cfg(resumed, "train.total_steps=2", "run.resume=never")) == 0
+    assert run_training(_cfg(resumed, "train.total_steps=4", "run.resume=auto")) == 0
+
+    a = read_jsonl(straight / "metrics.jsonl")
+    b = read_jsonl(resumed / "metrics.jsonl")
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert _comparable(a[step - 1]) == _comparable(b[step - 1]), f"step {step} differs"
+    fa = read_jsonl(straight / "fingerprint.jsonl")
+    fb = read_jsonl(resumed / "fingerprint.jsonl")
+    assert fa[3] == fb[3]
+
+
+def test_dead_worker_is_named_not_hung(local_ray, tmp_path):
+    cfg = _cfg(tmp_path / "run", "train.dp_size=2", "train.total_steps=1", "run.resume=never")
+    trainer = Trainer(cfg, Path(cfg.run.dir))
+    try:
+        trainer.start()
+        meta, batch_ref = trainer._rollout(1)
+        plan = trainer._plan(meta)
+        trainer._prepare(plan, batch_ref)
+        mini = plan.mini_batches[0]
+        refs = trainer.actor.submit("train_mini_batch", mini.rows.tolist(),
+                                    trainer._loss_options(), per_rank=list(mini.micro_batches))
+        # Rank 1 dies mid-update; rank 0 is left waiting inside the gradient collective.
+        ray.kill(trainer.actor.handles[1], no_restart=True)
+        start = time.monotonic()
+        with pytest.raises(WorkerFailedError, match="actor rank 1"):
+            wait_all(refs, trainer.actor.names, timeout_s=120, what="actor.train_mini_batch")
+        assert time.monotonic() - start < 60
+    finally:
+        trainer.shutdown()
+
+
+def _crossrl(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("train.mini_batch_size=64", "train.mini_batch_size"),
+        ("trian.lr=1e-3", "train.lr"),
+        ("rollout.temperature=0", "rollout.temperature"),
+        ("device=npu", "device"),
+    ],
+)
+def test_bad_config_exits_2_naming_the_key(override, key, tmp_path):
+    proc = _crossrl("train", override, f"run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr
+    assert key in proc.stderr
+    # Validation comes before anything starts: nothing was written.
+    assert not (tmp_path / "run").exists()
+
+
+def test_sigint_stops_cleanly_and_keeps_latest(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.cli", "train", *SHORT, f"run.dir={run_dir}",
+         "train.total_steps=500", "run.save_every=1", "run.resume=never"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while find_latest(run_dir) is None:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "no checkpoint within 180 s"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "interrupted" in err
+    latest = find_latest(run_dir)
+    verify_checkpoint(latest)
+    steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl", allow_torn_tail=True)]
+    assert steps and steps[-1] < 500
