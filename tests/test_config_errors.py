@@ -64,7 +64,7 @@ BAD = [
     (["model.path=builtin:huge"], "model.path", "builtin:tiny"),
     (["data.source=prompts.csv"], "data.source", ".jsonl"),
     # inconsistent combinations
-    (["train.mini_batch_size=16"], "train.mini_batch_size", "train.batch_size (8)"),
+    (["train.batch_size=8", "train.mini_batch_size=16"], "train.mini_batch_size", "train.batch_size (8)"),
     (["train.mini_batch_size=3"], "train.batch_size", "multiple of train.mini_batch_size (3)"),
     (["algorithm.adv_estimator=gae"], "critic.enable", "critic.enable=true"),
     (["critic.enable=true"], "critic.enable", "only gae"),

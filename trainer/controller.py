@@ -277,13 +277,18 @@ class Trainer:
         return metrics
 
     def _fingerprint(self, step, plan, sums, metrics) -> dict[str, Any]:
-        from trainer.parity import fingerprint_of_step
+        from trainer.parity import combine_param_stats, fingerprint_of_step
 
         checksum = None
         every = self.cfg.run.fingerprint_every
         if every and step % every == 0:
-            checksum = self.actor.call("param_checksum")[0]
-        return fingerprint_of_step(plan, sums, metrics, checksum)
+            # Each rank sums its own shards (no collective); the ranks' shares add up here.
+            checksum = combine_param_stats(self.actor.call("param_stats"))
+        rows = [mb.rows.tolist() for mb in plan.mini_batches]
+        counts = wait_all([self.actor.handles[0].mini_batch_counts.remote(rows)],
+                          self.actor.names[:1], timeout_s=CALL_TIMEOUT_S,
+                          what="actor.mini_batch_counts")[0]
+        return fingerprint_of_step(plan, sums, metrics, checksum, counts)
 
     def save_checkpoint(self, step: int) -> Path:
         """Write a whole checkpoint atomically (workers write their pieces, then commit)."""

@@ -1,12 +1,22 @@
-"""Parity fingerprints and rollout recording (DESIGN.md, "Cross-device parity").
+"""Parity fingerprints, rollout recording and run comparison (DESIGN.md, "Cross-device parity").
 
-A fingerprint is a small JSON object per step: the plan digest (must match exactly between
-two runs of the same job on any devices and dp sizes) and numbers that must match within a
-floating-point tolerance (losses, grad norms, logprob means, reward, parameter checksums).
+A fingerprint is a small JSON object per step (``fingerprint.jsonl``). Two kinds of entries:
+
+- exact: the plan digest and the per-mini-batch counts (real rows, real tokens, loss tokens).
+  They are integer logic on the host and must be identical between two runs of the same job on
+  any devices and any dp size;
+- numeric: reward mean, mean old / new log-probability over loss tokens, losses, grad norms and,
+  every ``run.fingerprint_every`` steps, a parameter checksum. They must agree within a
+  floating-point tolerance chosen by the runs' ``train.param_dtype`` (``DEFAULT_TOLERANCES``).
+
+``compare_runs`` checks two run directories against each other (``crossrl parity``).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,36 +24,168 @@ import numpy as np
 
 from trainer.checkpoint import atomic_path
 
+# ----------------------------------------------------------------------------- fingerprints
 
-def fingerprint_of_step(plan, sums: dict[str, float], metrics: dict[str, Any],
-                        checksum: dict[str, float] | None) -> dict[str, Any]:
-    """The fingerprint of one training step from its plan, update sums and metrics."""
+#: Entries that must be identical (integer logic on the host, no floating point).
+EXACT_FIELDS = ("plan_digest", "mini_batch_rows", "mini_batch_tokens", "mini_batch_loss_tokens")
+
+#: Numeric entries in the order a step computes them, so that the first disagreeing field of a
+#: step is also the earliest point in the step where the two runs went apart.
+NUMERIC_FIELDS = (
+    "reward_mean",
+    "old_logprob_mean",
+    "new_logprob_mean",
+    "actor_loss",
+    "actor_entropy",
+    "actor_approx_kl",
+    "actor_grad_norm",
+    "critic_loss",
+    "critic_grad_norm",
+)
+
+CHECKSUM_FIELD = "param_checksum"
+
+#: How many parameters a checksum records one by one (besides the totals over all of them).
+TRACKED_PARAMS = 8
+
+
+def fingerprint_of_step(plan, sums: Mapping[str, float], metrics: Mapping[str, Any],
+                        checksum: Mapping[str, Any] | None,
+                        mini_batch_counts: Iterable[Iterable[int]] | None = None,
+                        ) -> dict[str, Any]:
+    """The fingerprint of one training step.
+
+    ``plan``: the step's ``batching.Plan``. ``sums``: the controller's update sums (keys
+    ``actor/old_logprob``, ``actor/new_logprob``, ``actor/loss_tokens``: float sums over loss
+    tokens, added over ranks, micro- and mini-batches). ``metrics``: the step's metrics line.
+    ``checksum``: ``combine_param_stats`` output, or None on steps without one.
+    ``mini_batch_counts``: per mini-batch ``(real rows, loss tokens)`` as the workers'
+    loss normalizers saw them.
+    """
+    loss_tokens = float(sums.get("actor/loss_tokens", 0.0))
     fp: dict[str, Any] = {
         "plan_digest": plan.digest(),
         "mini_batch_rows": [int(mb.num_rows) for mb in plan.mini_batches],
         "mini_batch_tokens": [int(mb.num_tokens) for mb in plan.mini_batches],
+    }
+    if mini_batch_counts is not None:
+        counts = [list(c) for c in mini_batch_counts]
+        if [int(c[0]) for c in counts] != fp["mini_batch_rows"]:
+            # The workers' normalizer saw other rows than the plan: a bug worth a loud record.
+            fp["mini_batch_rows_seen_by_workers"] = [int(c[0]) for c in counts]
+        fp["mini_batch_loss_tokens"] = [int(c[1]) for c in counts]
+    fp.update({
         "reward_mean": metrics.get("reward/mean"),
+        "old_logprob_mean": _mean(sums, "actor/old_logprob", loss_tokens),
+        "new_logprob_mean": _mean(sums, "actor/new_logprob", loss_tokens),
         "actor_loss": metrics.get("actor/loss"),
-        "actor_grad_norm": metrics.get("actor/grad_norm"),
         "actor_entropy": metrics.get("actor/entropy"),
         "actor_approx_kl": metrics.get("actor/approx_kl"),
-    }
+        "actor_grad_norm": metrics.get("actor/grad_norm"),
+    })
     if "critic/vf_loss" in metrics:
         fp["critic_loss"] = metrics["critic/vf_loss"]
+        fp["critic_grad_norm"] = metrics.get("critic/grad_norm")
     if checksum is not None:
-        fp["param_checksum"] = checksum
+        fp[CHECKSUM_FIELD] = dict(checksum)
     return fp
 
 
-def record_rollout(record_dir: str | Path, step: int, arrays: dict[str, np.ndarray]) -> Path:
+def _mean(sums: Mapping[str, float], key: str, count: float) -> float | None:
+    if key not in sums or count <= 0:
+        return None
+    return float(sums[key]) / count
+
+
+def tracked_parameter_names(names: Iterable[str], max_tracked: int = TRACKED_PARAMS) -> list[str]:
+    """The parameters a checksum records one by one: up to ``max_tracked`` weights, evenly
+    spaced in sorted-name order (first and last included), so they span the model.
+
+    Biases are left out on purpose: a key-projection bias has a true gradient of 0 (softmax
+    ignores a shift shared by all keys), so its update is Adam-amplified float noise that
+    differs between any two devices. The totals still include every parameter.
+    """
+    weights = sorted(n for n in names if n.endswith("weight"))
+    if len(weights) <= max_tracked:
+        return weights
+    picks = {round(i * (len(weights) - 1) / (max_tracked - 1)) for i in range(max_tracked)}
+    return [weights[i] for i in sorted(picks)]
+
+
+def local_param_stats(named_parameters: Iterable[tuple[str, Any]],
+                      max_tracked: int = TRACKED_PARAMS) -> dict[str, list[float]]:
+    """This rank's share of the parameter checksum, in float64.
+
+    For each tracked parameter ``[sum, sum of |x|]`` and under ``"__all__"``
+    ``[sum, sum of |x|, sum of x^2]`` over every parameter, computed on the local shard only
+    (an FSDP2 ``DTensor``'s ``to_local()``; a replicated copy counts on one rank only). The
+    shares of all ranks add up to the whole model's values: ``combine_param_stats``. Reading
+    local shards needs no collective, so the cost is one pass over this rank's weights.
+    """
+    import torch
+
+    params = list(named_parameters)
+    tracked = set(tracked_parameter_names([n for n, _ in params], max_tracked))
+    total = torch.zeros(3, dtype=torch.float64)
+    out: dict[str, list[float]] = {}
+    with torch.no_grad():
+        for name, param in params:
+            local = _local_share(param)
+            if local is None:
+                stats = torch.zeros(3, dtype=torch.float64)
+            else:
+                x = local.detach().to(torch.float64)
+                stats = torch.stack([x.sum(), x.abs().sum(), x.square().sum()]).cpu()
+            total += stats
+            if name in tracked:
+                out[name] = [float(stats[0]), float(stats[1])]
+    out["__all__"] = [float(v) for v in total]
+    return out
+
+
+def _local_share(param):
+    """The part of ``param`` this rank counts: its shard of a sharded ``DTensor``; a copy that is
+    replicated over a mesh dimension only on that dimension's coordinate 0; None otherwise."""
+    to_local = getattr(param, "to_local", None)
+    if to_local is None:
+        return param
+    coordinate = param.device_mesh.get_coordinate() or []
+    for dim, placement in enumerate(param.placements):
+        if placement.is_replicate() and dim < len(coordinate) and coordinate[dim] != 0:
+            return None
+    return to_local()
+
+
+def combine_param_stats(per_rank: Iterable[Mapping[str, list[float]]]) -> dict[str, dict[str, float]]:
+    """Add every rank's ``local_param_stats`` (in rank order, float64) into the checksum:
+    ``{name: {"sum", "abs"}, ..., "__all__": {"sum", "abs", "sq"}}``.
+
+    ``abs`` is the scale a sum is compared at (a sum of mixed-sign numbers can be near 0 while
+    its rounding error is relative to the sum of magnitudes).
+    """
+    keys = ("sum", "abs", "sq")
+    totals: dict[str, list[float]] = {}
+    for part in per_rank:
+        for name, values in part.items():
+            acc = totals.setdefault(name, [0.0] * len(values))
+            for i, v in enumerate(values):
+                acc[i] += float(v)
+    return {name: dict(zip(keys, values)) for name, values in sorted(totals.items())}
+
+
+# ----------------------------------------------------------------------------- recordings
+
+
+def record_rollout(record_dir: str | Path, step: int, arrays: Mapping[str, np.ndarray]) -> Path:
     """Save one step's rollout batch (``StepBatch.to_numpy()``) as ``step_<N>.npz``, atomically.
 
-    npz holds plain arrays only (no pickle), so any machine can replay it.
+    Compressed npz of plain arrays (no pickle), so any machine can replay it; a tiny-job step
+    is about 5 KB.
     """
     path = Path(record_dir) / f"step_{step}.npz"
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp, open(tmp, "wb") as handle:
-        np.savez(handle, **arrays)
+        np.savez_compressed(handle, **arrays)
     return path
 
 
@@ -51,3 +193,330 @@ def load_rollout(path: str | Path) -> dict[str, np.ndarray]:
     """Arrays of a recorded rollout batch, read without pickle."""
     with np.load(path, allow_pickle=False) as data:
         return {key: data[key] for key in data.files}
+
+
+def recorded_steps(rollouts_dir: str | Path) -> list[int]:
+    """The step numbers N of the ``step_<N>.npz`` files in ``rollouts_dir``, ascending."""
+    steps = []
+    for path in Path(rollouts_dir).glob("step_*.npz"):
+        suffix = path.stem[len("step_"):]
+        if suffix.isdigit():
+            steps.append(int(suffix))
+    return sorted(steps)
+
+
+# ----------------------------------------------------------------------------- comparison
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Two numbers a, b agree when ``|a - b| <= atol + rtol * scale``; ``scale`` is
+    ``max(|a|, |b|)``, or for a checksum sum the larger sum of magnitudes."""
+
+    rtol: float
+    atol: float
+
+
+#: Per ``train.param_dtype``. docs/parity.md gives the reasoning and the measured margins.
+#: float32: eps 1.2e-7; different kernels / reduction orders / dp sizes give relative
+#: differences of ~1e-6 after a few optimizer steps on the CPU; rtol leaves room for the longer
+#: reductions and fused kernels of accelerators over a short probe.
+#: bfloat16: eps 3.9e-3 (8-bit mantissa); two bf16 runs differ by about the bf16-vs-fp32
+#: difference, which is a few 1e-3 relative on logprobs and a few % on grad norms.
+DEFAULT_TOLERANCES: dict[str, Tolerance] = {
+    "float32": Tolerance(rtol=1e-4, atol=1e-6),
+    "bfloat16": Tolerance(rtol=5e-2, atol=1e-3),
+}
+
+
+class ParityInputError(ValueError):
+    """A run directory or fingerprint file that cannot be compared (missing, malformed, or
+    without the steps asked for). ``crossrl parity`` exits 2 on it."""
+
+
+@dataclass
+class RunRecord:
+    """What ``compare_runs`` reads of one run directory."""
+
+    path: Path
+    fingerprints: dict[int, dict[str, Any]]
+    config: dict[str, Any] | None
+
+    def setting(self, dotted: str, default: Any = None) -> Any:
+        """A value of the run's ``config.yaml`` by dotted key (``train.param_dtype``)."""
+        node: Any = self.config or {}
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+
+@dataclass
+class Comparison:
+    """One compared value: ``field`` is dotted for checksum entries
+    (``param_checksum.__all__.sq``)."""
+
+    step: int
+    field: str
+    a: Any
+    b: Any
+    ok: bool
+    diff: float | None = None
+    allowed: float | None = None
+
+
+@dataclass
+class ParityReport:
+    """The outcome of ``compare_runs``: every comparison in step and field order."""
+
+    run_a: RunRecord
+    run_b: RunRecord
+    tolerance: Tolerance
+    tolerance_source: str
+    comparisons: list[Comparison] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def agree(self) -> bool:
+        """True when every compared value agrees (and there was something to compare)."""
+        return bool(self.comparisons) and all(c.ok for c in self.comparisons)
+
+    @property
+    def first_divergence(self) -> Comparison | None:
+        """The earliest disagreeing value (lowest step, then field order), or None."""
+        return next((c for c in self.comparisons if not c.ok), None)
+
+
+def read_run(run_dir: str | Path) -> RunRecord:
+    """Read ``fingerprint.jsonl`` (and ``config.yaml`` when present) of a run directory.
+
+    Raises ``ParityInputError`` naming the path when the directory or fingerprint file is
+    missing or malformed, or a step appears twice.
+    """
+    from trainer.metrics import FINGERPRINT_FILE, MetricsFileError, read_jsonl
+
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise ParityInputError(f"{path}: not a run directory; pass the run.dir of a train or "
+                               f"probe run (it holds {FINGERPRINT_FILE})")
+    try:
+        records = read_jsonl(path / FINGERPRINT_FILE)
+    except (FileNotFoundError, MetricsFileError) as err:
+        raise ParityInputError(f"{err} (a run writes {FINGERPRINT_FILE} as it trains; run "
+                               f"`crossrl probe` to make one)") from None
+    by_step: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        step = rec.get("step")
+        if not isinstance(step, int) or step in by_step:
+            raise ParityInputError(f"{path / FINGERPRINT_FILE}: step {step!r} is missing, not "
+                                   f"an integer or repeated; the file is damaged")
+        by_step[step] = rec
+    if not by_step:
+        raise ParityInputError(f"{path / FINGERPRINT_FILE}: empty; the run wrote no step")
+    config = None
+    config_path = path / "config.yaml"
+    if config_path.is_file():
+        import yaml
+
+        try:
+            config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            raise ParityInputError(f"{config_path}: not YAML ({err})") from None
+        if not isinstance(config, dict):
+            raise ParityInputError(f"{config_path}: not a config mapping")
+    return RunRecord(path=path, fingerprints=by_step, config=config)
+
+
+def default_tolerance(run_a: RunRecord, run_b: RunRecord) -> tuple[Tolerance, str]:
+    """The looser default of the two runs' ``train.param_dtype`` and a line saying why.
+
+    A bf16 run compared with an fp32 one (e.g. against the fp32 CPU golden file) gets the bf16
+    tolerance: the fp32 run is then the more exact reference. Raises ``ParityInputError`` when
+    a run has no ``config.yaml`` or an unknown dtype (pass ``--rtol`` and ``--atol`` then).
+    """
+    picked: list[tuple[Tolerance, str]] = []
+    for run in (run_a, run_b):
+        if run.config is None:
+            raise ParityInputError(
+                f"{run.path / 'config.yaml'}: missing, so the run's train.param_dtype is "
+                f"unknown; copy config.yaml along with fingerprint.jsonl, or pass --rtol and --atol")
+        dtype = str(run.setting("train.param_dtype", "float32"))
+        if dtype not in DEFAULT_TOLERANCES:
+            raise ParityInputError(
+                f"{run.path / 'config.yaml'}: train.param_dtype={dtype!r} has no default "
+                f"tolerance (known: {', '.join(DEFAULT_TOLERANCES)}); pass --rtol and --atol")
+        picked.append((DEFAULT_TOLERANCES[dtype], dtype))
+    (tol_a, dtype_a), (tol_b, dtype_b) = picked
+    tol = Tolerance(rtol=max(tol_a.rtol, tol_b.rtol), atol=max(tol_a.atol, tol_b.atol))
+    dtypes = dtype_a if dtype_a == dtype_b else f"{dtype_a} vs {dtype_b}"
+    return tol, f"default for train.param_dtype {dtypes}"
+
+
+def compare_runs(run_a: str | Path | RunRecord, run_b: str | Path | RunRecord, *,
+                 rtol: float | None = None, atol: float | None = None,
+                 steps: int | None = None) -> ParityReport:
+    """Compare two runs' fingerprints step by step.
+
+    Exact fields must be equal; numeric fields must satisfy ``Tolerance``; ``rtol`` / ``atol``
+    override the dtype defaults one by one. ``steps``: compare steps 1..steps only (both runs
+    must have them); None compares every step, and a step present in one run only is a
+    disagreement. A parameter checksum is compared where both runs have one (its cadence,
+    ``run.fingerprint_every``, may differ). Raises ``ParityInputError`` on unreadable input.
+    """
+    a = run_a if isinstance(run_a, RunRecord) else read_run(run_a)
+    b = run_b if isinstance(run_b, RunRecord) else read_run(run_b)
+    for name, value in (("--rtol", rtol), ("--atol", atol)):
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise ParityInputError(f"{name} {value!r}: must be a finite number >= 0")
+    if rtol is not None and atol is not None:
+        tol, source = Tolerance(rtol=rtol, atol=atol), "given on the command line"
+    else:
+        tol, source = default_tolerance(a, b)
+        if rtol is not None or atol is not None:
+            tol = Tolerance(rtol=tol.rtol if rtol is None else rtol,
+                            atol=tol.atol if atol is None else atol)
+            source += ", partly overridden on the command line"
+    report = ParityReport(run_a=a, run_b=b, tolerance=tol, tolerance_source=source)
+
+    if steps is not None:
+        if steps < 1:
+            raise ParityInputError(f"--steps {steps}: must be >= 1")
+        for run in (a, b):
+            missing = [s for s in range(1, steps + 1) if s not in run.fingerprints]
+            if missing:
+                raise ParityInputError(
+                    f"{run.path}: has no fingerprint for step(s) {missing[:5]}; it recorded "
+                    f"steps {min(run.fingerprints)}..{max(run.fingerprints)}; lower --steps")
+        step_list = list(range(1, steps + 1))
+    else:
+        step_list = sorted(set(a.fingerprints) | set(b.fingerprints))
+
+    for step in step_list:
+        fa, fb = a.fingerprints.get(step), b.fingerprints.get(step)
+        if fa is None or fb is None:
+            where = a.path if fa is None else b.path
+            report.comparisons.append(Comparison(step, "step", fa is not None, fb is not None,
+                                                 ok=False))
+            report.notes.append(f"step {step}: no fingerprint in {where}")
+            continue
+        report.comparisons.extend(_compare_step(step, fa, fb, tol, report.notes))
+    return report
+
+
+def _compare_step(step: int, fa: dict, fb: dict, tol: Tolerance, notes: list[str]) -> list[Comparison]:
+    out: list[Comparison] = []
+    known = {"step", *EXACT_FIELDS, *NUMERIC_FIELDS, CHECKSUM_FIELD}
+    for name in EXACT_FIELDS:
+        if name in fa or name in fb:
+            out.append(Comparison(step, name, fa.get(name), fb.get(name),
+                                  ok=name in fa and name in fb and fa[name] == fb[name]))
+    for name in NUMERIC_FIELDS:
+        if name in fa or name in fb:
+            out.append(_compare_number(step, name, fa.get(name), fb.get(name), tol,
+                                       present=name in fa and name in fb))
+    if CHECKSUM_FIELD in fa and CHECKSUM_FIELD in fb:
+        out.extend(_compare_checksum(step, fa[CHECKSUM_FIELD], fb[CHECKSUM_FIELD], tol))
+    elif CHECKSUM_FIELD in fa or CHECKSUM_FIELD in fb:
+        notes.append(f"step {step}: parameter checksum in one run only (run.fingerprint_every "
+                     f"differs); not compared")
+    # Fields this version does not know (a newer trainer) are compared exactly if both have them.
+    for name in sorted((set(fa) | set(fb)) - known):
+        out.append(Comparison(step, name, fa.get(name), fb.get(name),
+                              ok=name in fa and name in fb and fa[name] == fb[name]))
+    return out
+
+
+def _compare_number(step: int, name: str, a: Any, b: Any, tol: Tolerance, *, present: bool,
+                    scale: float | None = None) -> Comparison:
+    if not present:
+        return Comparison(step, name, a, b, ok=False)
+    if a is None or b is None:  # null = a non-finite value was logged
+        return Comparison(step, name, a, b, ok=a is None and b is None)
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+        return Comparison(step, name, a, b, ok=a == b)
+    diff = abs(float(a) - float(b))
+    if scale is None:
+        scale = max(abs(float(a)), abs(float(b)))
+    allowed = tol.atol + tol.rtol * scale
+    return Comparison(step, name, a, b, ok=diff <= allowed, diff=diff, allowed=allowed)
+
+
+def _compare_checksum(step: int, ca: Any, cb: Any, tol: Tolerance) -> list[Comparison]:
+    out: list[Comparison] = []
+    if not isinstance(ca, dict) or not isinstance(cb, dict):
+        return [Comparison(step, CHECKSUM_FIELD, ca, cb, ok=ca == cb)]
+    for pname in sorted(set(ca) | set(cb)):
+        va, vb = ca.get(pname), cb.get(pname)
+        prefix = f"{CHECKSUM_FIELD}.{pname}"
+        if not isinstance(va, dict) or not isinstance(vb, dict):
+            # An older checksum format (a bare float per parameter) or a parameter of one run only.
+            out.append(_compare_number(step, prefix, va, vb, tol,
+                                       present=va is not None and vb is not None))
+            continue
+        # A sum of mixed-sign values is judged at the scale of its magnitudes.
+        abs_scale = max(abs(float(va.get("abs", 0.0) or 0.0)), abs(float(vb.get("abs", 0.0) or 0.0)))
+        for key in sorted(set(va) | set(vb)):
+            scale = abs_scale if key == "sum" and abs_scale else None
+            out.append(_compare_number(step, f"{prefix}.{key}", va.get(key), vb.get(key), tol,
+                                       present=key in va and key in vb, scale=scale))
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _describe_run(run: RunRecord) -> str:
+    keys = ("device", "train.dp_size", "train.param_dtype", "run.deterministic")
+    if run.config is None:
+        return f"{run.path} (no config.yaml)"
+    return f"{run.path} (" + ", ".join(f"{k}={run.setting(k)}" for k in keys) + ")"
+
+
+def _cell(value: Any, width: int = 20) -> str:
+    if isinstance(value, float):
+        text = f"{value:.9g}"
+    elif isinstance(value, str) and len(value) > width:
+        text = value[:width - 3] + "..."
+    elif isinstance(value, list) and len(str(value)) > width:
+        text = f"[{len(value)} items]"
+    else:
+        text = str(value)
+    return text[:width]
+
+
+def format_report(report: ParityReport, *, only_failures: bool = False) -> str:
+    """The side-by-side table of a ``ParityReport`` and a closing verdict, as text."""
+    tol = report.tolerance
+    lines = [
+        f"A: {_describe_run(report.run_a)}",
+        f"B: {_describe_run(report.run_b)}",
+        f"tolerance: |a-b| <= atol + rtol*scale with rtol={tol.rtol:g}, atol={tol.atol:g} "
+        f"({report.tolerance_source})",
+        "",
+        f"{'step':>4}  {'field':<44} {'A':>20} {'B':>20} {'|a-b|':>10} {'allowed':>10}  ok",
+    ]
+    for c in report.comparisons:
+        if only_failures and c.ok:
+            continue
+        diff = "" if c.diff is None else f"{c.diff:.3g}"
+        allowed = "exact" if c.allowed is None else f"{c.allowed:.3g}"
+        lines.append(f"{c.step:>4}  {c.field[:44]:<44} {_cell(c.a):>20} {_cell(c.b):>20} "
+                     f"{diff:>10} {allowed:>10}  {'ok' if c.ok else 'FAIL'}")
+    lines.append("")
+    lines += report.notes
+    first = report.first_divergence
+    compared = len(report.comparisons)
+    if first is None and compared:
+        steps = sorted({c.step for c in report.comparisons})
+        lines.append(f"AGREE: {compared} values over steps {steps[0]}..{steps[-1]} match")
+    elif first is None:
+        lines.append("DISAGREE: nothing to compare")
+    else:
+        failed = sum(not c.ok for c in report.comparisons)
+        detail = f"A={_cell(first.a, 70)} B={_cell(first.b, 70)}"
+        if first.diff is not None:
+            detail += f" |a-b|={first.diff:.3g} > allowed {first.allowed:.3g}"
+        lines.append(f"DISAGREE: first divergence at step {first.step}, field {first.field}: "
+                     f"{detail} ({failed} of {compared} values differ)")
+    return "\n".join(lines)

@@ -98,9 +98,30 @@ class PolicyWorker(FSDPWorker):
             )
             sums = {k: float(v) for k, v in masked_sums(terms, mask).items()}
             sums["loss"] = float(loss.detach())
+            # Parity fingerprint: old / new logprob sums over loss tokens (float64).
+            keep = mask > 0
+            sums["old_logprob"] = float(field["old_logprobs"].to(keep.device)[keep].double().sum())
+            sums["new_logprob"] = float(logprobs.detach()[keep].double().sum())
             return loss, sums
 
         return self.run_micro_batches(micro_batches, loss_fn)
+
+    @torch.no_grad()
+    def param_stats(self) -> dict[str, list[float]]:
+        """This rank's share of the parity checksum (``trainer.parity.local_param_stats``): float64
+        sums over its own parameter shards, so no collective; the controller adds the ranks."""
+        from trainer.parity import local_param_stats
+
+        return local_param_stats(self.model.named_parameters())
+
+    def mini_batch_counts(self, mini_batches: list[list[int]]) -> list[tuple[int, int]]:
+        """``(real rows, loss tokens)`` of each mini-batch (lists of row indices), as the loss
+        normalizers of ``train_mini_batch`` count them; for the parity fingerprint."""
+        out = []
+        for rows in mini_batches:
+            norm = loss_normalizers(self.batch, rows)
+            out.append((int(norm.num_rows), int(norm.num_loss_tokens)))
+        return out
 
     def push_weights(self, engine, bucket_bytes: int) -> int:
         """Send the full weights to a rollout host in buckets of about ``bucket_bytes`` bytes.

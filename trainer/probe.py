@@ -1,0 +1,148 @@
+"""``crossrl probe``: replay recorded rollouts through the training path and fingerprint it.
+
+Sampling makes two runs differ, so a parity check trains on the same recorded rows on both
+machines: ``step_<N>.npz`` (``run.record_rollouts: true``) go through plan -> forward ->
+loss -> backward -> optimizer step on whatever device the config selects, and each step's
+fingerprint lands in ``<out>/fingerprint.jsonl``. ``crossrl parity`` then compares two probes.
+
+A probe is always a fresh run (no resume) and writes no checkpoint: it exists for its
+fingerprints, and a 7B model's checkpoint would cost more than the probe itself.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from trainer.config import Config, ConfigError, load_config
+from trainer.parity import load_rollout, recorded_steps
+
+
+class ProbeInputError(ValueError):
+    """Bad ``crossrl probe`` input (rollouts directory, steps, recording vs config);
+    the message names the argument, the value and the fix. The CLI exits 2 on it."""
+
+
+def probe_overrides(rollouts: str | Path, steps: int, out: str | Path) -> list[str]:
+    """The overrides a probe forces on the job config (after the user's own).
+
+    No rollout engine runs, so the config's engine is replaced by ``hf`` (a probe on a node
+    without vLLM must still validate); the run is fresh and records nothing.
+    """
+    return [f"train.total_steps={steps}", f"run.dir={out}", "run.resume=never",
+            "run.record_rollouts=false", "rollout.engine=hf", "rollout.tensor_parallel_size=1"]
+
+
+def probe_config(config: str | None, overrides: list[str], *, rollouts: str | Path,
+                 steps: int, out: str | Path) -> Config:
+    """Validate a probe's input and return the job config it runs.
+
+    ``config``: job YAML (None: the CPU default job). ``overrides``: the user's
+    ``key.path=value`` strings. ``rollouts``: folder of ``step_<N>.npz``. ``steps``: how many
+    recorded steps to replay, from step 1. ``out``: the probe's run directory.
+    Raises ``ProbeInputError`` or ``ConfigError`` (both ``ValueError``).
+    """
+    rollouts_dir = Path(rollouts)
+    if not rollouts_dir.is_dir():
+        raise ProbeInputError(f"--rollouts {str(rollouts)!r}: no such directory; record one with "
+                              f"run.record_rollouts=true (it lands in RUN_DIR/rollouts)")
+    if steps < 1:
+        raise ProbeInputError(f"--steps {steps}: must be >= 1")
+    have = recorded_steps(rollouts_dir)
+    missing = [s for s in range(1, steps + 1) if s not in have]
+    if missing:
+        present = f"steps {have[0]}..{have[-1]}" if have else "no step_<N>.npz files"
+        raise ProbeInputError(
+            f"--steps {steps}: {rollouts_dir} lacks step_{missing[0]}.npz (it holds {present}); "
+            f"lower --steps or record more steps")
+    cfg = load_config(config, [*overrides, *probe_overrides(rollouts, steps, out)])
+    _check_recording_fits(cfg, rollouts_dir / "step_1.npz")
+    return cfg
+
+
+def _check_recording_fits(cfg: Config, path: Path) -> None:
+    """The recorded batch must hold ``train.batch_size`` prompt groups: mini-batches are cut by
+    groups and the lr schedule counts optimizer steps from it."""
+    try:
+        arrays = load_rollout(path)
+        uid, padding = arrays["row/uid"], arrays["row/is_padding"]
+    except (OSError, ValueError, KeyError) as err:
+        raise ProbeInputError(f"--rollouts: {path} is not a recorded rollout batch ({err}); "
+                              f"record it with run.record_rollouts=true") from None
+    groups = int(np.unique(uid[~padding.astype(bool)]).size)
+    if groups != cfg.train.batch_size:
+        raise ProbeInputError(
+            f"train.batch_size={cfg.train.batch_size}: {path} holds {groups} prompt groups; "
+            f"probe with the config the rollouts were recorded with, or pass "
+            f"train.batch_size={groups}")
+
+
+def _check_deterministic_everywhere(trainer) -> dict[str, str]:
+    """The deterministic settings every worker applied; they must be the same on every rank
+    of every role (a rank that skipped them would make the probe irreproducible)."""
+    from trainer.workers.group import WorkerFailedError
+
+    groups = [g for g in (trainer.actor, trainer.ref, trainer.critic) if g is not None]
+    applied = [(name, info.get("deterministic", {}))
+               for g in groups for name, info in zip(g.names, g.setup_info)]
+    first = applied[0][1]
+    for name, settings in applied:
+        if settings != first:
+            raise WorkerFailedError(f"{name} applied deterministic settings {settings}, "
+                                    f"{applied[0][0]} applied {first}")
+    return first
+
+
+def run_probe(cfg: Config, rollouts: str | Path) -> int:
+    """Replay ``cfg.train.total_steps`` recorded steps from ``rollouts``; returns the exit status
+    (0 done, 1 a worker failed, 130 interrupted). Writes ``config.yaml``, ``metrics.jsonl`` and
+    ``fingerprint.jsonl`` to ``cfg.run.dir``; leaves a Ray that was already running alone."""
+    import ray
+
+    from trainer.controller import Trainer, _install_signal_handlers, _write_run_config
+    from trainer.metrics import FingerprintLogger, MetricsLogger
+    from trainer.workers.group import WorkerFailedError, start_ray
+
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _install_signal_handlers()
+    started_ray = start_ray(cfg.ray.address,
+                            num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2))
+    # Absolute: the replay host is a Ray actor, whose working directory may differ.
+    trainer = Trainer(cfg, run_dir, replay_dir=str(Path(rollouts).resolve()))
+    try:
+        trainer.start()
+        settings = _check_deterministic_everywhere(trainer)
+        _write_run_config(cfg, run_dir, settings)
+        total = cfg.train.total_steps
+        with MetricsLogger(run_dir, total) as log, FingerprintLogger(run_dir) as fp_log:
+            for step in range(1, total + 1):
+                metrics, fingerprint = trainer.train_step(step)
+                log.log(step, metrics)
+                fp_log.log(step, fingerprint)
+        return 0
+    except WorkerFailedError as err:
+        print(f"crossrl probe: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("crossrl probe: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        try:
+            trainer.shutdown()
+        finally:
+            if started_ray:
+                ray.shutdown()
+
+
+def main(config: str | None, overrides: list[str], *, rollouts: str, steps: int,
+         out: str) -> int:
+    """``crossrl probe``: validate, then run; exit 2 on bad input."""
+    try:
+        cfg = probe_config(config, overrides, rollouts=rollouts, steps=steps, out=out)
+    except (ProbeInputError, ConfigError) as err:
+        print(f"crossrl probe: {err}", file=sys.stderr)
+        return 2
+    return run_probe(cfg, rollouts)
