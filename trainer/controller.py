@@ -119,6 +119,8 @@ class Trainer:
                     grad_clip=over.get("grad_clip", cfg.train.grad_clip) or 1e9,
                     param_dtype=cfg.train.param_dtype, reduce_dtype=cfg.train.reduce_dtype,
                     deterministic=cfg.run.deterministic, threads=threads,
+                    param_offload=cfg.train.param_offload,
+                    optimizer_offload=cfg.train.optimizer_offload,
                     extra={"temperature": cfg.rollout.temperature},
                 )
                 remote_cls = ray.remote(cls).options(**actor_options(placement, rank, shares[role]))
@@ -172,6 +174,8 @@ class Trainer:
             sums = self._update(plan)
         with timer.section("sync"):
             self._sync_weights()
+            for group in self._all_groups():
+                group.call("offload_states")
         metrics = self._metrics(step, meta, plan, sums, adv_metrics, timer)
         fingerprint = self._fingerprint(step, plan, sums, metrics)
         return metrics, fingerprint

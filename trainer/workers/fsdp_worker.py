@@ -113,7 +113,19 @@ class FSDPWorker:
                 "deterministic": self.deterministic_settings}
 
     def local_rank(self) -> int:
-        """This process's device index on its node (Ray sets the visible devices)."""
+        """This process's device index among the devices it can see.
+
+        By default Ray narrows the visible-devices variable to the device it assigned, so the
+        index is 0. With the HAL's Ray no-set variable exported (docs/cluster.md), every
+        process sees all devices and takes the one Ray assigned it.
+        """
+        noset = self.backend.ray_noset_env_var
+        if noset and os.environ.get(noset) == "1":
+            import ray
+
+            ids = ray.get_runtime_context().get_accelerator_ids().get(self.backend.ray_resource)
+            if ids:
+                return int(ids[0])
         return int(os.environ.get("LOCAL_RANK", "0"))
 
     def build_model(self) -> torch.nn.Module:
@@ -133,7 +145,19 @@ class FSDPWorker:
 
         arrays = ray.get(refs[0]) if not isinstance(refs[0], dict) else refs[0]
         self.batch = StepBatch.from_numpy(arrays)
+        if self.spec.param_offload:  # a new step begins: the weights come back to the device
+            self.backend.onload(self.model, self.local_rank())
         return self.batch.num_rows
+
+    def offload_states(self) -> None:
+        """End of a step: park weights / optimizer state in host memory as configured
+        (``train.param_offload`` / ``train.optimizer_offload``), so the rollout engine can
+        use the device memory. A no-op on the CPU backend."""
+        if self.spec.param_offload:
+            self.backend.offload(self.model)
+        if self.spec.optimizer_offload and self.optimizer is not None:
+            self.backend.offload(self.optimizer)
+        self.backend.empty_cache()
 
     def set_token_field(self, name: str, pieces: list) -> None:
         """Fill token field ``name`` of the whole batch from every rank's ``(rows, values)``
@@ -231,6 +255,8 @@ class FSDPWorker:
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
         if np.isfinite(grad_norm):
+            if self.spec.optimizer_offload:
+                self.backend.onload(self.optimizer, self.local_rank())
             self.optimizer.step()
         self.scheduler.step()
         sums["grad_norm"] = grad_norm
