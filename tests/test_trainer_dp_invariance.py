@@ -65,11 +65,10 @@ def _run_rank(rank: int, world: int, ports: list[int], budget, pad: bool, arrays
         micro_batches = [mb + [-1] for mb in micro_batches] + [[-1]]
     results = {}
     for i, mode in enumerate(LOSS_AGG_MODES):
-        spec = WorkerSpec(role="actor", rank=rank, world_size=world, master_addr="127.0.0.1",
-                          master_port=ports[i], device="cpu", model_path=MODEL, dtype="float32",
+        spec = WorkerSpec(role="actor", rank=rank, world_size=world, device="cpu", model_path=MODEL, dtype="float32",
                           seed=1, lr=1e-3, grad_clip=1e9)
         worker = PolicyWorker(spec)
-        worker.setup()
+        worker.setup("127.0.0.1", ports[i])
         worker.load_batch([arrays])
         worker.compute_advantages({"estimator": "grpo"})
         metrics = worker.train_mini_batch(micro_batches, mini.rows.tolist(),

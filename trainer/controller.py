@@ -75,7 +75,7 @@ class Trainer:
         import hal
         from trainer.workers.critic import CriticWorker
         from trainer.workers.fsdp_worker import WorkerSpec
-        from trainer.workers.group import actor_options, free_port, make_placement
+        from trainer.workers.group import actor_options, make_placement
         from trainer.workers.policy import PolicyWorker
         from trainer.workers.rollout_host import ReplayHost, RolloutHost
 
@@ -104,12 +104,10 @@ class Trainer:
         total_opt = steps_per_opt * cfg.train.total_steps
 
         def spawn(role: str, cls, trainable: bool, **over) -> WorkerGroup:
-            port = free_port()
             handles = []
             for rank in range(dp):
                 spec = WorkerSpec(
-                    role=role, rank=rank, world_size=dp, master_addr="127.0.0.1",
-                    master_port=port, device=cfg.device, model_path=over.get("path", cfg.model.path),
+                    role=role, rank=rank, world_size=dp, device=cfg.device, model_path=over.get("path", cfg.model.path),
                     dtype=over.get("dtype", cfg.train.param_dtype), seed=cfg.seed,
                     trainable=trainable, lr=over.get("lr", cfg.train.lr),
                     weight_decay=over.get("weight_decay", cfg.train.weight_decay),
@@ -126,7 +124,9 @@ class Trainer:
                 remote_cls = ray.remote(cls).options(**actor_options(placement, rank, shares[role]))
                 handles.append(remote_cls.remote(spec))
             group = WorkerGroup(role, handles)
-            group.setup_info = group.call("setup")
+            # Ranks may sit on several nodes: they meet at rank 0's node.
+            addr, port = ray.get(handles[0].rendezvous_address.remote())
+            group.setup_info = group.call("setup", addr, port)
             return group
 
         self.actor = spawn("actor", PolicyWorker, True)

@@ -28,8 +28,6 @@ class WorkerSpec:
     role: str                      # "actor", "reference" or "critic"
     rank: int
     world_size: int                # data-parallel ranks of this role
-    master_addr: str
-    master_port: int
     device: str                    # HAL backend name: auto | cpu | <accelerator>
     model_path: str
     dtype: str                     # parameter storage dtype
@@ -72,8 +70,21 @@ class FSDPWorker:
         self.deterministic_settings: dict[str, str] = {}
 
     # ---------------------------------------------------------------- setup
-    def setup(self) -> dict[str, Any]:
-        """Join the process group, build and shard the model, build the optimizer.
+    @staticmethod
+    def rendezvous_address() -> tuple[str, int]:
+        """This node's IP and a port free on it: where the other ranks meet rank 0."""
+        import socket
+
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = int(sock.getsockname()[1])
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        """Join the process group at rank 0's ``master_addr:master_port``, build and shard the
+        model, build the optimizer.
 
         Returns facts for the controller (parameter count, deterministic settings applied).
         """
@@ -82,8 +93,8 @@ class FSDPWorker:
         if spec.deterministic:
             self.deterministic_settings = self.backend.set_deterministic(spec.seed)
         self.backend.init_process_group(
-            spec.rank, spec.world_size, master_addr=spec.master_addr,
-            master_port=spec.master_port, timeout_s=600,
+            spec.rank, spec.world_size, master_addr=master_addr, master_port=master_port,
+            timeout_s=600,
         )
         self.device = self.backend.device(self.local_rank())
         # Every rank starts from identical weights: same path, same seed.
