@@ -13,7 +13,7 @@ import platform
 
 import torch
 
-__all__ = ["cpu_load", "cpu_model", "describe_machine", "machine_line"]
+__all__ = ["cpu_load", "cpu_model", "cpu_pressure", "describe_machine", "machine_line"]
 
 
 def cpu_model() -> str:
@@ -37,6 +37,24 @@ def cpu_load() -> dict[str, float] | None:
     return {"1min": one, "5min": five, "15min": fifteen}
 
 
+def cpu_pressure() -> dict[str, float] | None:
+    """Linux PSI: % of the last 10/60/300 s in which some runnable task waited for a CPU.
+    Unlike the load average it sees processes in other containers on the same kernel; None
+    where /proc/pressure/cpu is absent."""
+    try:
+        with open("/proc/pressure/cpu", encoding="utf-8") as f:
+            first = f.readline().split()
+    except OSError:
+        return None
+    if not first or first[0] != "some":
+        return None
+    fields = dict(item.split("=", 1) for item in first[1:])
+    try:
+        return {k: float(fields[k]) for k in ("avg10", "avg60", "avg300")}
+    except (KeyError, ValueError):
+        return None
+
+
 def _version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
@@ -55,7 +73,7 @@ def describe_machine() -> dict:
     """Facts about this machine as JSON-able values.
 
     Keys: date (UTC, ISO 8601), cpu_model, logical_cores, usable_cores, torch_threads,
-    memory_gib, load (see ``cpu_load``), python, platform, torch, transformers, device
+    memory_gib, load (see ``cpu_load``), cpu_pressure (see ``cpu_pressure``), python, platform, torch, transformers, device
     (the backend ``hal.get_backend("auto")`` picks) and device_names.
     """
     import hal
@@ -78,6 +96,7 @@ def describe_machine() -> dict:
         "torch_threads": torch.get_num_threads(),
         "memory_gib": round(memory_gib, 1) if memory_gib else None,
         "load": cpu_load(),
+        "cpu_pressure": cpu_pressure(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
@@ -90,7 +109,10 @@ def describe_machine() -> dict:
 def machine_line(machine: dict) -> str:
     """One line for a table header: CPU, cores, torch, device and load."""
     load = machine.get("load")
-    load_s = f", load {load['1min']:.2f}/{load['5min']:.2f}" if load else ""
+    load_s = f", load avg {load['1min']:.2f} (1 min)" if load else ""
+    psi = machine.get("cpu_pressure")
+    if psi:
+        load_s += f", CPU pressure {psi['avg60']:.0f}% (60 s)"
     return (
         f"{machine['cpu_model']}, {machine['usable_cores']} cores "
         f"({machine['torch_threads']} torch threads), torch {machine['torch']}, "

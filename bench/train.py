@@ -44,6 +44,9 @@ __all__ = [
     "make_rows",
     "packed_micro_batches",
     "padded_micro_batches",
+    "packed_loss",
+    "padded_loss",
+    "row_normalizers",
     "compare",
     "run",
 ]
@@ -62,8 +65,8 @@ _FIRST_TEXT_ID = 4
 
 # (model, rows, repeats) per mode. Sized so --quick stays under about a minute on 2 cores.
 _PLANS = {
-    True: (("builtin:tiny", 64, 5), ("builtin:small", 8, 3)),
-    False: (("builtin:tiny", 256, 7), ("builtin:small", 32, 5)),
+    True: (("builtin:tiny", 64, 5), ("builtin:small", 16, 3)),
+    False: (("builtin:tiny", 256, 7), ("builtin:small", 64, 5)),
 }
 
 
@@ -179,7 +182,8 @@ def padded_micro_batches(
     return out
 
 
-def _normalizers(rows: list[dict[str, torch.Tensor]]) -> LossNormalizers:
+def row_normalizers(rows: list[dict[str, torch.Tensor]]) -> LossNormalizers:
+    """Global loss counts of ``rows`` as one mini-batch (every row real, its own trajectory)."""
     loss_tokens = int(sum(int(r["loss_mask"].sum()) for r in rows))
     return LossNormalizers(
         num_rows=len(rows), num_loss_tokens=loss_tokens, num_trajectories=len(rows)
@@ -310,7 +314,7 @@ def compare(
     rows = make_rows(num_rows, vocab_size=config.vocab_size, seed=seed)
     lens = np.array([int(r["input_ids"].numel()) for r in rows])
     real_tokens = int(lens.sum())
-    normalizers = _normalizers(rows)
+    normalizers = row_normalizers(rows)
 
     def to_device(mbs: list[MicroBatch]) -> list[MicroBatch]:
         for mb in mbs:

@@ -283,14 +283,14 @@ class Trainer:
     def _fingerprint(self, step, plan, sums, metrics) -> dict[str, Any]:
         from trainer.parity import combine_param_stats, fingerprint_of_step
 
+        rows = [mb.rows.tolist() for mb in plan.mini_batches]
+        counts_ref = self.actor.handles[0].mini_batch_counts.remote(rows)
         checksum = None
         every = self.cfg.run.fingerprint_every
         if every and step % every == 0:
             # Each rank sums its own shards (no collective); the ranks' shares add up here.
             checksum = combine_param_stats(self.actor.call("param_stats"))
-        rows = [mb.rows.tolist() for mb in plan.mini_batches]
-        counts = wait_all([self.actor.handles[0].mini_batch_counts.remote(rows)],
-                          self.actor.names[:1], timeout_s=CALL_TIMEOUT_S,
+        counts = wait_all([counts_ref], self.actor.names[:1], timeout_s=CALL_TIMEOUT_S,
                           what="actor.mini_batch_counts")[0]
         return fingerprint_of_step(plan, sums, metrics, checksum, counts)
 

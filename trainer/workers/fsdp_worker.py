@@ -222,8 +222,13 @@ class FSDPWorker:
         if not bool(mask.any()):
             return {"advantage/mean": 0.0, "advantage/std": 0.0}
         adv = advantages[mask].double()
-        return {"advantage/mean": float(adv.mean()),
-                "advantage/std": float(adv.std(unbiased=False))}
+        out = {"advantage/mean": float(adv.mean()),
+               "advantage/std": float(adv.std(unbiased=False))}
+        if "old_logprobs" in batch.token_fields:
+            # Engine vs trainer logprobs of the same tokens: the rollout/training mismatch.
+            gap = batch.token_fields["old_logprobs"] - batch.token_fields["rollout_logprobs"]
+            out["rollout/logprob_abs_diff"] = float(gap[mask].double().abs().mean())
+        return out
 
     @torch.no_grad()
     def param_checksum(self, max_params: int = 8) -> dict[str, float]:

@@ -1,0 +1,157 @@
+"""End to end: seconds per step of the default job, split into rollout / prepare / update / sync.
+
+    python -m bench e2e [--quick]
+
+Runs ``crossrl train`` (the CPU default job, configs/cpu/tiny.yaml) as a subprocess in a fresh
+run directory under a temporary folder, once with ``train.dp_size=1`` and once with
+``train.dp_size=2``, and summarises each run's metrics.jsonl: the median seconds of every
+``timing/<section>_s`` over the steps after the first (which pays for compilation and warm
+caches and is reported on its own), each section's share of the summed step time, and the
+median ``throughput/tokens_per_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["SECTIONS", "format_table", "run", "run_job", "summarise_metrics"]
+
+#: Timed sections of a step, in the order the controller runs them; ``other`` is the rest.
+SECTIONS = ("rollout", "prepare", "update", "sync", "other")
+#: A run that takes longer than this (seconds) is stopped and reported as failed.
+TIMEOUT_S = 1800
+
+
+def summarise_metrics(records: list[dict]) -> dict:
+    """Per-step timing summary of a metrics.jsonl (a list of per-step dicts).
+
+    Returns ``steps``, ``first_step_s``, ``step_s`` (median seconds over steps after the first,
+    or over all steps when there is only one), ``sections`` {name: {median_s, share}} where
+    share is the section's summed seconds over the summed step seconds, and
+    ``tokens_per_s`` (median). Raises ValueError when no record has ``timing/step_s``.
+    """
+    timed = [r for r in records if "timing/step_s" in r]
+    if not timed:
+        raise ValueError(
+            "metrics.jsonl has no record with timing/step_s; was the run cut short before "
+            "its first step finished?"
+        )
+    steady = timed[1:] if len(timed) > 1 else timed
+    total = sum(r["timing/step_s"] for r in steady)
+    sections = {}
+    for name in SECTIONS:
+        values = [r.get(f"timing/{name}_s", 0.0) for r in steady]
+        sections[name] = {
+            "median_s": statistics.median(values),
+            "share": sum(values) / total if total > 0 else 0.0,
+        }
+    tokens = [r["throughput/tokens_per_s"] for r in steady if "throughput/tokens_per_s" in r]
+    return {
+        "steps": len(timed),
+        "first_step_s": timed[0]["timing/step_s"],
+        "step_s": statistics.median(r["timing/step_s"] for r in steady),
+        "sections": sections,
+        "tokens_per_s": statistics.median(tokens) if tokens else None,
+        "reward_first": timed[0].get("reward/mean"),
+        "reward_last": timed[-1].get("reward/mean"),
+    }
+
+
+def run_job(overrides: list[str], workdir: Path, timeout_s: float = TIMEOUT_S) -> dict:
+    """Run ``crossrl train <overrides>`` in a fresh run directory under ``workdir``.
+
+    Returns ``summarise_metrics`` of its metrics.jsonl plus ``wall_s`` (the whole process:
+    start-up, Ray, steps, shutdown) and ``command``. Raises RuntimeError with the log's tail
+    when the run fails.
+    """
+    run_dir = workdir / "run"
+    args = ["train", f"run.dir={run_dir}", *overrides]
+    cmd = [sys.executable, "-m", "trainer.cli", *args]
+    log_path = workdir / "train.log"
+    env = dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
+    start = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        try:
+            proc = subprocess.run(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False
+            )
+            returncode = proc.returncode
+        except subprocess.TimeoutExpired:
+            returncode = None
+    wall = time.perf_counter() - start
+    if returncode != 0:
+        tail = log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
+        why = f"timed out after {timeout_s:.0f} s" if returncode is None else f"exit {returncode}"
+        raise RuntimeError(f"crossrl {' '.join(args)} failed ({why}); log tail:\n{tail}")
+    metrics_path = run_dir / "metrics.jsonl"
+    records = [
+        json.loads(line)
+        for line in metrics_path.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
+    out = summarise_metrics(records)
+    out["wall_s"] = wall
+    out["command"] = "crossrl " + " ".join(a for a in args if not a.startswith("run.dir="))
+    return out
+
+
+def run(quick: bool = False) -> dict:
+    """The default job at dp 1 and dp 2: ``{"steps": N, "runs": {"dp1": ..., "dp2": ...},
+    "dp2_over_dp1_step_s": ratio}``. ``quick``: 10 steps per run instead of 30."""
+    steps = 10 if quick else 30
+    runs = {}
+    for dp in (1, 2):
+        with tempfile.TemporaryDirectory(prefix=f"crossrl-bench-e2e-dp{dp}-") as tmp:
+            runs[f"dp{dp}"] = run_job([f"train.total_steps={steps}", f"train.dp_size={dp}"], Path(tmp))
+    return {
+        "job": "configs/cpu/tiny.yaml (the CPU default job)",
+        "steps": steps,
+        "runs": runs,
+        "dp2_over_dp1_step_s": runs["dp2"]["step_s"] / runs["dp1"]["step_s"],
+    }
+
+
+def format_table(res: dict) -> str:
+    """Seconds per step by section, dp 1 next to dp 2."""
+    runs = res["runs"]
+    names = list(runs)
+    lines = [
+        f"{res['job']}, {res['steps']} steps per run; medians over steps 2..{res['steps']}",
+        f"{'section':22s}" + "".join(f"{n + ' s/step':>13s}{'share':>8s}" for n in names),
+    ]
+    for section in SECTIONS:
+        cells = "".join(
+            f"{runs[n]['sections'][section]['median_s']:13.3f}"
+            f"{runs[n]['sections'][section]['share']:8.1%}"
+            for n in names
+        )
+        lines.append(f"{section:22s}{cells}")
+    rows = [
+        ("step (median)", lambda r: f"{r['step_s']:13.3f}{'':8s}"),
+        ("first step", lambda r: f"{r['first_step_s']:13.3f}{'':8s}"),
+        ("tokens/s (median)", lambda r: f"{r['tokens_per_s'] or 0:13.0f}{'':8s}"),
+        ("process wall (s)", lambda r: f"{r['wall_s']:13.1f}{'':8s}"),
+        ("reward first -> last", lambda r: f"{r['reward_first']:6.3f}->{r['reward_last']:5.3f}{'':8s}"),
+    ]
+    for label, cell in rows:
+        lines.append(f"{label:22s}" + "".join(cell(runs[n]) for n in names))
+    lines.append(f"dp2 / dp1 seconds per step: {res['dp2_over_dp1_step_s']:.2f}x")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="10 steps per run instead of 30")
+    print(format_table(run(quick=parser.parse_args().quick)))
+
+
+if __name__ == "__main__":
+    main()
