@@ -110,7 +110,9 @@ def run(quick: bool = False) -> dict:
     runs = {}
     for dp in (1, 2):
         with tempfile.TemporaryDirectory(prefix=f"crossrl-bench-e2e-dp{dp}-") as tmp:
-            runs[f"dp{dp}"] = run_job([f"train.total_steps={steps}", f"train.dp_size={dp}"], Path(tmp))
+            runs[f"dp{dp}"] = run_job(
+                [f"train.total_steps={steps}", f"train.dp_size={dp}"], Path(tmp)
+            )
     return {
         "job": "configs/cpu/tiny.yaml (the CPU default job)",
         "steps": steps,
@@ -139,7 +141,10 @@ def format_table(res: dict) -> str:
         ("first step", lambda r: f"{r['first_step_s']:13.3f}{'':8s}"),
         ("tokens/s (median)", lambda r: f"{r['tokens_per_s'] or 0:13.0f}{'':8s}"),
         ("process wall (s)", lambda r: f"{r['wall_s']:13.1f}{'':8s}"),
-        ("reward first -> last", lambda r: f"{r['reward_first']:6.3f}->{r['reward_last']:5.3f}{'':8s}"),
+        (
+            "reward first -> last",
+            lambda r: f"{r['reward_first']:6.3f}->{r['reward_last']:5.3f}{'':8s}",
+        ),
     ]
     for label, cell in rows:
         lines.append(f"{label:22s}" + "".join(cell(runs[n]) for n in names))

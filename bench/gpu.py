@@ -124,7 +124,9 @@ def measure(backend, sizes: GpuSizes, config_dict: dict | None = None, seed: int
     peak = measure_peak(backend, sizes.matmul_n, sizes.matmul_iters)
 
     hal.register_attention()
-    config = Qwen2Config(**{k: v for k, v in (config_dict or QWEN25_05B).items() if k != "architectures"})
+    config = Qwen2Config(
+        **{k: v for k, v in (config_dict or QWEN25_05B).items() if k != "architectures"}
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
         config, dtype=torch.bfloat16, attn_implementation=hal.ATTN_IMPLEMENTATION
@@ -169,14 +171,16 @@ def measure(backend, sizes: GpuSizes, config_dict: dict | None = None, seed: int
         "memory": backend.memory_stats(),
     }
     optimizer.zero_grad(set_to_none=True)
-    del optimizer
+    optimizer.state.clear()  # free the AdamW moments before the rollout part
 
     model.eval()
     engine = HFEngine(model, pad_token_id=config.pad_token_id, max_batch_size=sizes.rollout_prompts)
     gen = torch.Generator().manual_seed(seed)
     requests = [
         GenerationRequest(
-            prompt_ids=torch.randint(4, config.vocab_size, (sizes.prompt_tokens,), generator=gen).tolist(),
+            prompt_ids=torch.randint(
+                4, config.vocab_size, (sizes.prompt_tokens,), generator=gen
+            ).tolist(),
             seed=seed + i,
         )
         for i in range(sizes.rollout_prompts)

@@ -18,7 +18,7 @@ import numpy as np
 
 from batching import plan_minibatches
 
-__all__ = ["baseline_plan", "make_workload", "run"]
+__all__ = ["baseline_plan", "format_table", "make_workload", "run"]
 
 
 def make_workload(
@@ -143,16 +143,15 @@ def run(quick: bool = False) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10k trajectories instead of 100k")
-    res = run(quick=parser.parse_args().quick)
+def format_table(res: dict) -> str:
+    """The workload line, crossrl next to the baseline, and the speed ratio (CPU time)."""
     w = res["workload"]
-    print(
+    lines = [
         f"{w['rows']:,} rows, {w['trajectories']:,} trajectories, {w['tokens']:,} tokens; "
         f"dp {w['dp_size']}, {w['mini_batch_size']} trajectories per mini-batch, "
-        f"{w['budget_tokens']:,}-token micro-batches"
-    )
+        f"{w['budget_tokens']:,}-token micro-batches",
+        f"{'':34s}{'crossrl':>12s}{'baseline':>12s}",
+    ]
     keys = [
         ("plan_wall_s", "planning time, wall (s)", "{:.3f}"),
         ("plan_cpu_s", "planning time, CPU (s)", "{:.3f}"),
@@ -165,12 +164,18 @@ def main() -> None:
         ("micro_batches_per_rank_max", "micro-batches per rank, max", "{}"),
         ("mini_batch_token_spread", "mini-batch tokens, max/mean", "{:.4f}"),
     ]
-    print(f"{'':34s}{'crossrl':>12s}{'baseline':>12s}")
     for key, label, fmt in keys:
         a, b = fmt.format(res["crossrl"][key]), fmt.format(res["baseline"][key])
-        print(f"{label:34s}{a:>12s}{b:>12s}")
+        lines.append(f"{label:34s}{a:>12s}{b:>12s}")
     speed = res["baseline"]["plan_cpu_s"] / res["crossrl"]["plan_cpu_s"]
-    print(f"crossrl plans {speed:.1f}x faster (CPU time, same run)")
+    lines.append(f"crossrl plans {speed:.1f}x faster (CPU time, same run)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="10k trajectories instead of 100k")
+    print(format_table(run(quick=parser.parse_args().quick)))
 
 
 if __name__ == "__main__":

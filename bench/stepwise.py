@@ -122,23 +122,27 @@ def run(quick: bool = False, seed: int = 0) -> dict:
     return results
 
 
-def _print(results: dict) -> None:
+def format_table(results: dict) -> str:
+    """One block per workload: rows and row lengths (tokens) under each layout."""
+    lines: list[str] = []
     for name, res in results.items():
-        print(
+        lines.append(
             f"\n{name}: {res['trajectories']} trajectories, mean {res['mean_turns']:.1f} turns, "
             f"step-row bound {res['bound_tokens']} tokens"
         )
-        print(
-            f"{'layout':24} {'rows':>6} {'max_len':>8} {'mean_len':>9} {'packed':>10} {'trained':>9} {'x step':>7} {'>bound':>7}"
+        lines.append(
+            f"{'layout':24} {'rows':>6} {'max_len':>8} {'mean_len':>9} {'packed':>10} "
+            f"{'trained':>9} {'x step':>7} {'>bound':>7}"
         )
         for layout in ("stepwise", "stepwise_obs_in_resp", "whole", "merged"):
             r = res[layout]
-            print(
+            lines.append(
                 f"{layout:24} {r['rows']:6d} {r['max_row_tokens']:8d} {r['mean_row_tokens']:9.0f} "
                 f"{r['packed_tokens']:10d} {r['trained_tokens']:9d} {r['packed_vs_stepwise']:7.2f} "
                 f"{r['rows_over_bound']:7d}"
             )
+    return "\n".join(lines).lstrip("\n")
 
 
 if __name__ == "__main__":
-    _print(run())
+    print(format_table(run()))

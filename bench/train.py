@@ -450,12 +450,18 @@ def format_table(res: dict) -> str:
                 f"{p['mean_micro_batch_tokens']:.0f}",
                 f"{q['mean_micro_batch_tokens']:.0f}",
             ),
-            ("update seconds, median", f"{statistics.median(p['seconds']):.3f}",
-             f"{statistics.median(q['seconds']):.3f}"),
+            (
+                "update seconds, median",
+                f"{statistics.median(p['seconds']):.3f}",
+                f"{statistics.median(q['seconds']):.3f}",
+            ),
             ("tokens/s (real), median", f"{p['tokens_per_s']:.0f}", f"{q['tokens_per_s']:.0f}"),
             ("loss, first repeat", f"{loss['packed'][0]:.7f}", f"{loss['padded'][0]:.7f}"),
-            ("grad norm, first repeat", f"{loss['grad_norm_packed']:.6f}",
-             f"{loss['grad_norm_padded']:.6f}"),
+            (
+                "grad norm, first repeat",
+                f"{loss['grad_norm_packed']:.6f}",
+                f"{loss['grad_norm_padded']:.6f}",
+            ),
         ]
         lines += [f"{label:30s}{a:>14s}{b:>14s}" for label, a, b in table]
         verdict = "meets" if s["meets_target"] else "MISSES"

@@ -36,10 +36,11 @@ for pkg in torchvision torchaudio torchcodec; do
 done
 
 # crossrl itself, editable and without its own dependency list (which would re-resolve
-# transformers); then the few packages crossrl and its tests need that vllm did not bring.
+# transformers); then the packages crossrl (trainer included: ray) and its tests need that
+# vllm did not bring.
 "${PIP[@]}" install -q --no-deps -e "$REPO"
 "${PIP[@]}" install -q -c "$REPO/constraints-cpu.txt" \
-    "transformers<5.20" "torch==2.13.0" numpy pyyaml pydantic safetensors tqdm tokenizers \
+    "transformers<5.20" "torch==2.13.0" numpy pyyaml pydantic safetensors tqdm tokenizers ray \
     pytest hypothesis
 
 "$VENV/bin/python" - <<'PY'

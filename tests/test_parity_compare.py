@@ -37,7 +37,8 @@ def _write_run(path: Path, records: list[dict], dtype: str = "float32", dp: int 
     (path / "fingerprint.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (path / "config.yaml").write_text(
         f"device: cpu\ntrain:\n  param_dtype: {dtype}\n  dp_size: {dp}\n"
-        f"run:\n  deterministic: true\n# run.deterministic applied on every worker:\n#   seed=1\n")
+        f"run:\n  deterministic: true\n# run.deterministic applied on every worker:\n#   seed=1\n"
+    )
     return path
 
 
@@ -60,8 +61,14 @@ def test_identical_runs_agree_and_report_counts(tmp_path):
     steps = {c.step for c in report.comparisons}
     assert steps == {r["step"] for r in _golden_records()}
     fields = {c.field for c in report.comparisons}
-    assert {"plan_digest", "mini_batch_loss_tokens", "old_logprob_mean", "actor_grad_norm",
-            "param_checksum.__all__.sq"} <= fields
+    assert {
+        "plan_digest",
+        "mini_batch_loss_tokens",
+        "old_logprob_mean",
+        "actor_grad_norm",
+        "param_checksum.__all__.sq",
+    } <= fields
+    assert not report.notes  # dp size is a layout key: still the same job
     text = format_report(report)
     assert "AGREE" in text and "train.dp_size=8" in text
 
@@ -78,8 +85,8 @@ def test_small_float_noise_is_within_fp32_tolerance(tmp_path):
 
 def test_first_divergence_names_step_and_field(tmp_path):
     def plant(records):
-        records[1]["new_logprob_mean"] += 1e-2   # step 2
-        records[2]["actor_loss"] += 1.0          # step 3, later
+        records[1]["new_logprob_mean"] += 1e-2  # step 2
+        records[2]["actor_loss"] += 1.0  # step 3, later
 
     report = compare_runs(_copy_with(tmp_path, "a"), _copy_with(tmp_path, "b", plant))
     assert not report.agree
@@ -97,8 +104,9 @@ def test_plan_digest_must_match_exactly(tmp_path):
     def other_plan(records):
         records[0]["plan_digest"] = "0" * 64
 
-    report = compare_runs(_copy_with(tmp_path, "a"), _copy_with(tmp_path, "b", other_plan),
-                          rtol=1.0, atol=1.0)  # no tolerance excuses a different plan
+    report = compare_runs(
+        _copy_with(tmp_path, "a"), _copy_with(tmp_path, "b", other_plan), rtol=1.0, atol=1.0
+    )  # no tolerance excuses a different plan
     assert (report.first_divergence.step, report.first_divergence.field) == (1, "plan_digest")
 
 
@@ -106,10 +114,13 @@ def test_loss_token_counts_must_match_exactly(tmp_path):
     def one_token_more(records):
         records[2]["mini_batch_loss_tokens"][1] += 1
 
-    report = compare_runs(_copy_with(tmp_path, "a"), _copy_with(tmp_path, "b", one_token_more),
-                          rtol=1.0, atol=1.0)
+    report = compare_runs(
+        _copy_with(tmp_path, "a"), _copy_with(tmp_path, "b", one_token_more), rtol=1.0, atol=1.0
+    )
     assert (report.first_divergence.step, report.first_divergence.field) == (
-        3, "mini_batch_loss_tokens")
+        3,
+        "mini_batch_loss_tokens",
+    )
 
 
 def test_checksum_sum_is_judged_at_the_scale_of_magnitudes(tmp_path):
@@ -121,6 +132,7 @@ def test_checksum_sum_is_judged_at_the_scale_of_magnitudes(tmp_path):
             entry = records[0]["param_checksum"][name]
             entry["sum"] = 0.05 + delta
             entry["abs"] = 100.0
+
         return edit
 
     a = _copy_with(tmp_path, "a", shift(0.0))
@@ -144,6 +156,7 @@ def test_bf16_run_gets_the_looser_tolerance(tmp_path):
     assert report.agree
     assert report.tolerance == DEFAULT_TOLERANCES["bfloat16"]
     assert "float32 vs bfloat16" in report.tolerance_source
+    assert any("train.param_dtype" in note for note in report.notes)
     # An explicit tolerance overrides the dtype default.
     assert not compare_runs(a, b16, rtol=1e-6, atol=0).agree
     assert compare_runs(a, b32, rtol=0.02).agree
@@ -170,8 +183,7 @@ def test_checksum_cadence_may_differ(tmp_path):
     report = compare_runs(_copy_with(tmp_path, "a"), _copy_with(tmp_path, "b", drop_checksums))
     assert report.agree
     assert any(c.field.startswith("param_checksum") and c.step == 3 for c in report.comparisons)
-    assert not any(c.field.startswith("param_checksum") and c.step == 1
-                   for c in report.comparisons)
+    assert not any(c.field.startswith("param_checksum") and c.step == 1 for c in report.comparisons)
 
 
 def test_non_finite_values(tmp_path):
@@ -220,8 +232,12 @@ def test_cli_exit_codes(tmp_path, capsys):
 
 
 def test_cli_runs_as_a_program(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "trainer.cli", "parity", str(GOLDEN),
-                           str(GOLDEN)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "parity", str(GOLDEN), str(GOLDEN)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "AGREE" in proc.stdout
 
@@ -259,8 +275,11 @@ def test_checksum_shares_add_up_to_the_whole_model():
 
 
 def test_tracked_parameters_skip_biases_and_span_the_model():
-    names = [f"model.layers.{i}.{part}" for i in range(12)
-             for part in ("attn.k_proj.bias", "attn.k_proj.weight", "mlp.weight")]
+    names = [
+        f"model.layers.{i}.{part}"
+        for i in range(12)
+        for part in ("attn.k_proj.bias", "attn.k_proj.weight", "mlp.weight")
+    ]
     names += ["model.embed_tokens.weight", "lm_head.weight"]
     tracked = tracked_parameter_names(names, max_tracked=8)
     assert len(tracked) == 8 and not any(n.endswith("bias") for n in tracked)
@@ -273,9 +292,11 @@ def test_tracked_parameters_skip_biases_and_span_the_model():
 
 
 def test_recorded_rollouts_round_trip_without_pickle(tmp_path):
-    arrays = {"token/input_ids": np.arange(50, dtype=np.int64),
-              "row/is_padding": np.zeros(3, dtype=bool),
-              "token/loss_mask": np.ones(50, dtype=np.float32)}
+    arrays = {
+        "token/input_ids": np.arange(50, dtype=np.int64),
+        "row/is_padding": np.zeros(3, dtype=bool),
+        "token/loss_mask": np.ones(50, dtype=np.float32),
+    }
     path = record_rollout(tmp_path / "rollouts", 7, arrays)
     assert path.name == "step_7.npz"
     record_rollout(tmp_path / "rollouts", 10, arrays)

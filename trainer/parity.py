@@ -52,10 +52,13 @@ TRACKED_PARAMS = 8
 _CHUNK_ELEMENTS = 1 << 24
 
 
-def fingerprint_of_step(plan, sums: Mapping[str, float], metrics: Mapping[str, Any],
-                        checksum: Mapping[str, Any] | None,
-                        mini_batch_counts: Iterable[Iterable[int]] | None = None,
-                        ) -> dict[str, Any]:
+def fingerprint_of_step(
+    plan,
+    sums: Mapping[str, float],
+    metrics: Mapping[str, Any],
+    checksum: Mapping[str, Any] | None,
+    mini_batch_counts: Iterable[Iterable[int]] | None = None,
+) -> dict[str, Any]:
     """The fingerprint of one training step.
 
     ``plan``: the step's ``batching.Plan``. ``sums``: the controller's update sums (keys
@@ -77,15 +80,17 @@ def fingerprint_of_step(plan, sums: Mapping[str, float], metrics: Mapping[str, A
             # The workers' normalizer saw other rows than the plan: a bug worth a loud record.
             fp["mini_batch_rows_seen_by_workers"] = [int(c[0]) for c in counts]
         fp["mini_batch_loss_tokens"] = [int(c[1]) for c in counts]
-    fp.update({
-        "reward_mean": metrics.get("reward/mean"),
-        "old_logprob_mean": _mean(sums, "actor/old_logprob", loss_tokens),
-        "new_logprob_mean": _mean(sums, "actor/new_logprob", loss_tokens),
-        "actor_loss": metrics.get("actor/loss"),
-        "actor_entropy": metrics.get("actor/entropy"),
-        "actor_approx_kl": metrics.get("actor/approx_kl"),
-        "actor_grad_norm": metrics.get("actor/grad_norm"),
-    })
+    fp.update(
+        {
+            "reward_mean": metrics.get("reward/mean"),
+            "old_logprob_mean": _mean(sums, "actor/old_logprob", loss_tokens),
+            "new_logprob_mean": _mean(sums, "actor/new_logprob", loss_tokens),
+            "actor_loss": metrics.get("actor/loss"),
+            "actor_entropy": metrics.get("actor/entropy"),
+            "actor_approx_kl": metrics.get("actor/approx_kl"),
+            "actor_grad_norm": metrics.get("actor/grad_norm"),
+        }
+    )
     if "critic/vf_loss" in metrics:
         fp["critic_loss"] = metrics["critic/vf_loss"]
         fp["critic_grad_norm"] = metrics.get("critic/grad_norm")
@@ -115,8 +120,9 @@ def tracked_parameter_names(names: Iterable[str], max_tracked: int = TRACKED_PAR
     return [weights[i] for i in sorted(picks)]
 
 
-def local_param_stats(named_parameters: Iterable[tuple[str, Any]],
-                      max_tracked: int = TRACKED_PARAMS) -> dict[str, list[float]]:
+def local_param_stats(
+    named_parameters: Iterable[tuple[str, Any]], max_tracked: int = TRACKED_PARAMS
+) -> dict[str, list[float]]:
     """This rank's share of the parameter checksum, in float64.
 
     For each tracked parameter ``[sum, sum of |x|]`` and under ``"__all__"``
@@ -161,7 +167,9 @@ def _local_share(param):
     return to_local()
 
 
-def combine_param_stats(per_rank: Iterable[Mapping[str, list[float]]]) -> dict[str, dict[str, float]]:
+def combine_param_stats(
+    per_rank: Iterable[Mapping[str, list[float]]],
+) -> dict[str, dict[str, float]]:
     """Add every rank's ``local_param_stats`` (in rank order, float64) into the checksum:
     ``{name: {"sum", "abs"}, ..., "__all__": {"sum", "abs", "sq"}}``.
 
@@ -204,7 +212,7 @@ def recorded_steps(rollouts_dir: str | Path) -> list[int]:
     """The step numbers N of the ``step_<N>.npz`` files in ``rollouts_dir``, ascending."""
     steps = []
     for path in Path(rollouts_dir).glob("step_*.npz"):
-        suffix = path.stem[len("step_"):]
+        suffix = path.stem[len("step_") :]
         if suffix.isdigit():
             steps.append(int(suffix))
     return sorted(steps)
@@ -229,7 +237,7 @@ class Tolerance:
 #: bfloat16: eps 3.9e-3 (8-bit mantissa); two bf16 runs differ by about the bf16-vs-fp32
 #: difference, which is a few 1e-3 relative on logprobs and a few % on grad norms.
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
-    "float32": Tolerance(rtol=1e-4, atol=1e-6),
+    "float32": Tolerance(rtol=1e-4, atol=1e-5),
     "bfloat16": Tolerance(rtol=5e-2, atol=1e-3),
 }
 
@@ -303,19 +311,24 @@ def read_run(run_dir: str | Path) -> RunRecord:
 
     path = Path(run_dir)
     if not path.is_dir():
-        raise ParityInputError(f"{path}: not a run directory; pass the run.dir of a train or "
-                               f"probe run (it holds {FINGERPRINT_FILE})")
+        raise ParityInputError(
+            f"{path}: not a run directory; pass the run.dir of a train or "
+            f"probe run (it holds {FINGERPRINT_FILE})"
+        )
     try:
         records = read_jsonl(path / FINGERPRINT_FILE)
     except (FileNotFoundError, MetricsFileError) as err:
-        raise ParityInputError(f"{err} (a run writes {FINGERPRINT_FILE} as it trains; run "
-                               f"`crossrl probe` to make one)") from None
+        raise ParityInputError(
+            f"{err} (a run writes {FINGERPRINT_FILE} as it trains; run `crossrl probe` to make one)"
+        ) from None
     by_step: dict[int, dict[str, Any]] = {}
     for rec in records:
         step = rec.get("step")
         if not isinstance(step, int) or step in by_step:
-            raise ParityInputError(f"{path / FINGERPRINT_FILE}: step {step!r} is missing, not "
-                                   f"an integer or repeated; the file is damaged")
+            raise ParityInputError(
+                f"{path / FINGERPRINT_FILE}: step {step!r} is missing, not "
+                f"an integer or repeated; the file is damaged"
+            )
         by_step[step] = rec
     if not by_step:
         raise ParityInputError(f"{path / FINGERPRINT_FILE}: empty; the run wrote no step")
@@ -345,12 +358,14 @@ def default_tolerance(run_a: RunRecord, run_b: RunRecord) -> tuple[Tolerance, st
         if run.config is None:
             raise ParityInputError(
                 f"{run.path / 'config.yaml'}: missing, so the run's train.param_dtype is "
-                f"unknown; copy config.yaml along with fingerprint.jsonl, or pass --rtol and --atol")
+                f"unknown; copy config.yaml along with fingerprint.jsonl, or pass --rtol and --atol"
+            )
         dtype = str(run.setting("train.param_dtype", "float32"))
         if dtype not in DEFAULT_TOLERANCES:
             raise ParityInputError(
                 f"{run.path / 'config.yaml'}: train.param_dtype={dtype!r} has no default "
-                f"tolerance (known: {', '.join(DEFAULT_TOLERANCES)}); pass --rtol and --atol")
+                f"tolerance (known: {', '.join(DEFAULT_TOLERANCES)}); pass --rtol and --atol"
+            )
         picked.append((DEFAULT_TOLERANCES[dtype], dtype))
     (tol_a, dtype_a), (tol_b, dtype_b) = picked
     tol = Tolerance(rtol=max(tol_a.rtol, tol_b.rtol), atol=max(tol_a.atol, tol_b.atol))
@@ -358,9 +373,40 @@ def default_tolerance(run_a: RunRecord, run_b: RunRecord) -> tuple[Tolerance, st
     return tol, f"default for train.param_dtype {dtypes}"
 
 
-def compare_runs(run_a: str | Path | RunRecord, run_b: str | Path | RunRecord, *,
-                 rtol: float | None = None, atol: float | None = None,
-                 steps: int | None = None) -> ParityReport:
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
+    return out
+
+
+def job_differences(run_a: RunRecord, run_b: RunRecord) -> list[tuple[str, Any, Any]]:
+    """Config keys whose values differ between the two runs, other than layout keys
+    (``trainer.config.LAYOUT_KEYS``: device, dp size, micro-batch budget, ...) and the run's
+    own bookkeeping (``run.*``, ``ray.*``). Empty when a config is missing."""
+    from trainer.config import LAYOUT_KEYS
+
+    if run_a.config is None or run_b.config is None:
+        return []
+    fa, fb = _flat(run_a.config), _flat(run_b.config)
+    skip = ("run.", "ray.")
+    return [
+        (key, fa.get(key), fb.get(key))
+        for key in sorted(set(fa) | set(fb))
+        if key not in LAYOUT_KEYS and not key.startswith(skip) and fa.get(key) != fb.get(key)
+    ]
+
+
+def compare_runs(
+    run_a: str | Path | RunRecord,
+    run_b: str | Path | RunRecord,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    steps: int | None = None,
+) -> ParityReport:
     """Compare two runs' fingerprints step by step.
 
     Exact fields must be equal; numeric fields must satisfy ``Tolerance``; ``rtol`` / ``atol``
@@ -379,10 +425,16 @@ def compare_runs(run_a: str | Path | RunRecord, run_b: str | Path | RunRecord, *
     else:
         tol, source = default_tolerance(a, b)
         if rtol is not None or atol is not None:
-            tol = Tolerance(rtol=tol.rtol if rtol is None else rtol,
-                            atol=tol.atol if atol is None else atol)
+            tol = Tolerance(
+                rtol=tol.rtol if rtol is None else rtol, atol=tol.atol if atol is None else atol
+            )
             source += ", partly overridden on the command line"
     report = ParityReport(run_a=a, run_b=b, tolerance=tol, tolerance_source=source)
+    for key, va, vb in job_differences(a, b):
+        report.notes.append(
+            f"config: {key} is {va!r} in A but {vb!r} in B (not a layout key: "
+            f"the runs are not the same job unless that is intended)"
+        )
 
     if steps is not None:
         if steps < 1:
@@ -392,7 +444,8 @@ def compare_runs(run_a: str | Path | RunRecord, run_b: str | Path | RunRecord, *
             if missing:
                 raise ParityInputError(
                     f"{run.path}: has no fingerprint for step(s) {missing[:5]}; it recorded "
-                    f"steps {min(run.fingerprints)}..{max(run.fingerprints)}; lower --steps")
+                    f"steps {min(run.fingerprints)}..{max(run.fingerprints)}; lower --steps"
+                )
         step_list = list(range(1, steps + 1))
     else:
         step_list = sorted(set(a.fingerprints) | set(b.fingerprints))
@@ -401,39 +454,69 @@ def compare_runs(run_a: str | Path | RunRecord, run_b: str | Path | RunRecord, *
         fa, fb = a.fingerprints.get(step), b.fingerprints.get(step)
         if fa is None or fb is None:
             where = a.path if fa is None else b.path
-            report.comparisons.append(Comparison(step, "step", fa is not None, fb is not None,
-                                                 ok=False))
+            report.comparisons.append(
+                Comparison(step, "step", fa is not None, fb is not None, ok=False)
+            )
             report.notes.append(f"step {step}: no fingerprint in {where}")
             continue
         report.comparisons.extend(_compare_step(step, fa, fb, tol, report.notes))
     return report
 
 
-def _compare_step(step: int, fa: dict, fb: dict, tol: Tolerance, notes: list[str]) -> list[Comparison]:
+def _compare_step(
+    step: int, fa: dict, fb: dict, tol: Tolerance, notes: list[str]
+) -> list[Comparison]:
     out: list[Comparison] = []
     known = {"step", *EXACT_FIELDS, *NUMERIC_FIELDS, CHECKSUM_FIELD}
     for name in EXACT_FIELDS:
         if name in fa or name in fb:
-            out.append(Comparison(step, name, fa.get(name), fb.get(name),
-                                  ok=name in fa and name in fb and fa[name] == fb[name]))
+            out.append(
+                Comparison(
+                    step,
+                    name,
+                    fa.get(name),
+                    fb.get(name),
+                    ok=name in fa and name in fb and fa[name] == fb[name],
+                )
+            )
     for name in NUMERIC_FIELDS:
         if name in fa or name in fb:
-            out.append(_compare_number(step, name, fa.get(name), fb.get(name), tol,
-                                       present=name in fa and name in fb))
+            out.append(
+                _compare_number(
+                    step, name, fa.get(name), fb.get(name), tol, present=name in fa and name in fb
+                )
+            )
     if CHECKSUM_FIELD in fa and CHECKSUM_FIELD in fb:
         out.extend(_compare_checksum(step, fa[CHECKSUM_FIELD], fb[CHECKSUM_FIELD], tol))
     elif CHECKSUM_FIELD in fa or CHECKSUM_FIELD in fb:
-        notes.append(f"step {step}: parameter checksum in one run only (run.fingerprint_every "
-                     f"differs); not compared")
+        notes.append(
+            f"step {step}: parameter checksum in one run only (run.fingerprint_every "
+            f"differs); not compared"
+        )
     # Fields this version does not know (a newer trainer) are compared exactly if both have them.
     for name in sorted((set(fa) | set(fb)) - known):
-        out.append(Comparison(step, name, fa.get(name), fb.get(name),
-                              ok=name in fa and name in fb and fa[name] == fb[name]))
+        out.append(
+            Comparison(
+                step,
+                name,
+                fa.get(name),
+                fb.get(name),
+                ok=name in fa and name in fb and fa[name] == fb[name],
+            )
+        )
     return out
 
 
-def _compare_number(step: int, name: str, a: Any, b: Any, tol: Tolerance, *, present: bool,
-                    scale: float | None = None) -> Comparison:
+def _compare_number(
+    step: int,
+    name: str,
+    a: Any,
+    b: Any,
+    tol: Tolerance,
+    *,
+    present: bool,
+    scale: float | None = None,
+) -> Comparison:
     if not present:
         return Comparison(step, name, a, b, ok=False)
     if a is None or b is None:  # null = a non-finite value was logged
@@ -456,15 +539,29 @@ def _compare_checksum(step: int, ca: Any, cb: Any, tol: Tolerance) -> list[Compa
         prefix = f"{CHECKSUM_FIELD}.{pname}"
         if not isinstance(va, dict) or not isinstance(vb, dict):
             # An older checksum format (a bare float per parameter) or a parameter of one run only.
-            out.append(_compare_number(step, prefix, va, vb, tol,
-                                       present=va is not None and vb is not None))
+            out.append(
+                _compare_number(
+                    step, prefix, va, vb, tol, present=va is not None and vb is not None
+                )
+            )
             continue
         # A sum of mixed-sign values is judged at the scale of its magnitudes.
-        abs_scale = max(abs(float(va.get("abs", 0.0) or 0.0)), abs(float(vb.get("abs", 0.0) or 0.0)))
+        abs_scale = max(
+            abs(float(va.get("abs", 0.0) or 0.0)), abs(float(vb.get("abs", 0.0) or 0.0))
+        )
         for key in sorted(set(va) | set(vb)):
             scale = abs_scale if key == "sum" and abs_scale else None
-            out.append(_compare_number(step, f"{prefix}.{key}", va.get(key), vb.get(key), tol,
-                                       present=key in va and key in vb, scale=scale))
+            out.append(
+                _compare_number(
+                    step,
+                    f"{prefix}.{key}",
+                    va.get(key),
+                    vb.get(key),
+                    tol,
+                    present=key in va and key in vb,
+                    scale=scale,
+                )
+            )
     return out
 
 
@@ -482,7 +579,7 @@ def _cell(value: Any, width: int = 20) -> str:
     if isinstance(value, float):
         text = f"{value:.9g}"
     elif isinstance(value, str) and len(value) > width:
-        text = value[:width - 3] + "..."
+        text = value[: width - 3] + "..."
     elif isinstance(value, list) and len(str(value)) > width:
         text = f"[{len(value)} items]"
     else:
@@ -506,8 +603,10 @@ def format_report(report: ParityReport, *, only_failures: bool = False) -> str:
             continue
         diff = "" if c.diff is None else f"{c.diff:.3g}"
         allowed = "exact" if c.allowed is None else f"{c.allowed:.3g}"
-        lines.append(f"{c.step:>4}  {c.field[:44]:<44} {_cell(c.a):>20} {_cell(c.b):>20} "
-                     f"{diff:>10} {allowed:>10}  {'ok' if c.ok else 'FAIL'}")
+        lines.append(
+            f"{c.step:>4}  {c.field[:44]:<44} {_cell(c.a):>20} {_cell(c.b):>20} "
+            f"{diff:>10} {allowed:>10}  {'ok' if c.ok else 'FAIL'}"
+        )
     lines.append("")
     lines += report.notes
     first = report.first_divergence
@@ -522,6 +621,8 @@ def format_report(report: ParityReport, *, only_failures: bool = False) -> str:
         detail = f"A={_cell(first.a, 70)} B={_cell(first.b, 70)}"
         if first.diff is not None:
             detail += f" |a-b|={first.diff:.3g} > allowed {first.allowed:.3g}"
-        lines.append(f"DISAGREE: first divergence at step {first.step}, field {first.field}: "
-                     f"{detail} ({failed} of {compared} values differ)")
+        lines.append(
+            f"DISAGREE: first divergence at step {first.step}, field {first.field}: "
+            f"{detail} ({failed} of {compared} values differ)"
+        )
     return "\n".join(lines)

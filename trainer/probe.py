@@ -31,12 +31,19 @@ def probe_overrides(rollouts: str | Path, steps: int, out: str | Path) -> list[s
     No rollout engine runs, so the config's engine is replaced by ``hf`` (a probe on a node
     without vLLM must still validate); the run is fresh and records nothing.
     """
-    return [f"train.total_steps={steps}", f"run.dir={out}", "run.resume=never",
-            "run.record_rollouts=false", "rollout.engine=hf", "rollout.tensor_parallel_size=1"]
+    return [
+        f"train.total_steps={steps}",
+        f"run.dir={out}",
+        "run.resume=never",
+        "run.record_rollouts=false",
+        "rollout.engine=hf",
+        "rollout.tensor_parallel_size=1",
+    ]
 
 
-def probe_config(config: str | None, overrides: list[str], *, rollouts: str | Path,
-                 steps: int, out: str | Path) -> Config:
+def probe_config(
+    config: str | None, overrides: list[str], *, rollouts: str | Path, steps: int, out: str | Path
+) -> Config:
     """Validate a probe's input and return the job config it runs.
 
     ``config``: job YAML (None: the CPU default job). ``overrides``: the user's
@@ -46,8 +53,10 @@ def probe_config(config: str | None, overrides: list[str], *, rollouts: str | Pa
     """
     rollouts_dir = Path(rollouts)
     if not rollouts_dir.is_dir():
-        raise ProbeInputError(f"--rollouts {str(rollouts)!r}: no such directory; record one with "
-                              f"run.record_rollouts=true (it lands in RUN_DIR/rollouts)")
+        raise ProbeInputError(
+            f"--rollouts {str(rollouts)!r}: no such directory; record one with "
+            f"run.record_rollouts=true (it lands in RUN_DIR/rollouts)"
+        )
     if steps < 1:
         raise ProbeInputError(f"--steps {steps}: must be >= 1")
     have = recorded_steps(rollouts_dir)
@@ -56,7 +65,8 @@ def probe_config(config: str | None, overrides: list[str], *, rollouts: str | Pa
         present = f"steps {have[0]}..{have[-1]}" if have else "no step_<N>.npz files"
         raise ProbeInputError(
             f"--steps {steps}: {rollouts_dir} lacks step_{missing[0]}.npz (it holds {present}); "
-            f"lower --steps or record more steps")
+            f"lower --steps or record more steps"
+        )
     cfg = load_config(config, [*overrides, *probe_overrides(rollouts, steps, out)])
     _check_recording_fits(cfg, rollouts_dir / "step_1.npz")
     return cfg
@@ -69,14 +79,17 @@ def _check_recording_fits(cfg: Config, path: Path) -> None:
         arrays = load_rollout(path)
         uid, padding = arrays["row/uid"], arrays["row/is_padding"]
     except (OSError, ValueError, KeyError) as err:
-        raise ProbeInputError(f"--rollouts: {path} is not a recorded rollout batch ({err}); "
-                              f"record it with run.record_rollouts=true") from None
+        raise ProbeInputError(
+            f"--rollouts: {path} is not a recorded rollout batch ({err}); "
+            f"record it with run.record_rollouts=true"
+        ) from None
     groups = int(np.unique(uid[~padding.astype(bool)]).size)
     if groups != cfg.train.batch_size:
         raise ProbeInputError(
             f"train.batch_size={cfg.train.batch_size}: {path} holds {groups} prompt groups; "
             f"probe with the config the rollouts were recorded with, or pass "
-            f"train.batch_size={groups}")
+            f"train.batch_size={groups}"
+        )
 
 
 def _check_deterministic_everywhere(trainer) -> dict[str, str]:
@@ -85,13 +98,17 @@ def _check_deterministic_everywhere(trainer) -> dict[str, str]:
     from trainer.workers.group import WorkerFailedError
 
     groups = [g for g in (trainer.actor, trainer.ref, trainer.critic) if g is not None]
-    applied = [(name, info.get("deterministic", {}))
-               for g in groups for name, info in zip(g.names, g.setup_info)]
+    applied = [
+        (name, info.get("deterministic", {}))
+        for g in groups
+        for name, info in zip(g.names, g.setup_info)
+    ]
     first = applied[0][1]
     for name, settings in applied:
         if settings != first:
-            raise WorkerFailedError(f"{name} applied deterministic settings {settings}, "
-                                    f"{applied[0][0]} applied {first}")
+            raise WorkerFailedError(
+                f"{name} applied deterministic settings {settings}, {applied[0][0]} applied {first}"
+            )
     return first
 
 
@@ -108,8 +125,9 @@ def run_probe(cfg: Config, rollouts: str | Path) -> int:
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _install_signal_handlers()
-    started_ray = start_ray(cfg.ray.address,
-                            num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2))
+    started_ray = start_ray(
+        cfg.ray.address, num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2)
+    )
     # Absolute: the replay host is a Ray actor, whose working directory may differ.
     trainer = Trainer(cfg, run_dir, replay_dir=str(Path(rollouts).resolve()))
     try:
@@ -137,8 +155,7 @@ def run_probe(cfg: Config, rollouts: str | Path) -> int:
                 ray.shutdown()
 
 
-def main(config: str | None, overrides: list[str], *, rollouts: str, steps: int,
-         out: str) -> int:
+def main(config: str | None, overrides: list[str], *, rollouts: str, steps: int, out: str) -> int:
     """``crossrl probe``: validate, then run; exit 2 on bad input."""
     try:
         cfg = probe_config(config, overrides, rollouts=rollouts, steps=steps, out=out)

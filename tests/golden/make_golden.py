@@ -24,9 +24,17 @@ ROLLOUTS = HERE / "tiny_rollouts"
 FINGERPRINTS = HERE / "tiny_cpu_fp32"
 STEPS = 3
 #: The tiny CPU job (configs/cpu/tiny.yaml), cut down so a step is a second and a recording KB.
-OVERRIDES = ["device=cpu", "train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4",
-             "train.dp_size=1", "train.param_dtype=float32", "train.reduce_dtype=float32",
-             "run.deterministic=true", "run.fingerprint_every=1"]
+OVERRIDES = [
+    "device=cpu",
+    "train.batch_size=4",
+    "train.mini_batch_size=2",
+    "rollout.n=4",
+    "train.dp_size=1",
+    "train.param_dtype=float32",
+    "train.reduce_dtype=float32",
+    "run.deterministic=true",
+    "run.fingerprint_every=1",
+]
 
 
 def record(tmp: Path) -> None:
@@ -35,8 +43,16 @@ def record(tmp: Path) -> None:
     from trainer.controller import run_training
 
     run_dir = tmp / "record"
-    cfg = load_config(None, [*OVERRIDES, f"train.total_steps={STEPS}", f"run.dir={run_dir}",
-                             "run.resume=never", "run.record_rollouts=true"])
+    cfg = load_config(
+        None,
+        [
+            *OVERRIDES,
+            f"train.total_steps={STEPS}",
+            f"run.dir={run_dir}",
+            "run.resume=never",
+            "run.record_rollouts=true",
+        ],
+    )
     if run_training(cfg) != 0:
         sys.exit("recording failed")
     shutil.rmtree(ROLLOUTS, ignore_errors=True)
