@@ -144,9 +144,12 @@ def local_param_stats(
             if local is not None:
                 # Chunks bound the float64 copy (an embedding shard of a 7B model is ~70M
                 # elements); the chunking is fixed, so the result does not depend on the device.
+                # |x| and x^2 are taken in float32 (exact for |x|, 1 ulp for x^2) and only the
+                # sums in float64, the one float64 op accelerators are sure to have.
                 for chunk in local.detach().reshape(-1).split(_CHUNK_ELEMENTS):
-                    x = chunk.to(torch.float64)
-                    stats += torch.stack([x.sum(), x.abs().sum(), x.square().sum()]).cpu()
+                    x = chunk.float()
+                    parts = (x, x.abs(), x.square())
+                    stats += torch.stack([p.to(torch.float64).sum() for p in parts]).cpu()
             total += stats
             if name in tracked:
                 out[name] = [float(stats[0]), float(stats[1])]
