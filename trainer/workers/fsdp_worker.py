@@ -230,21 +230,6 @@ class FSDPWorker:
             out["rollout/logprob_abs_diff"] = float(gap[mask].double().abs().mean())
         return out
 
-    @torch.no_grad()
-    def param_checksum(self, max_params: int = 8) -> dict[str, float]:
-        """Float64 sums of the first ``max_params`` parameters (by name) and of all of them:
-        a cheap fingerprint of the weights (a collective: every rank must call)."""
-        out: dict[str, float] = {}
-        total = 0.0
-        for i, (name, param) in enumerate(sorted(self.model.named_parameters())):
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            value = float(full.detach().double().sum())
-            total += value
-            if i < max_params:
-                out[name] = value
-        out["__all__"] = total
-        return out
-
     # ---------------------------------------------------------------- update helpers
     def run_micro_batches(self, micro_batches: list[list[int]], loss_fn) -> dict[str, float]:
         """Forward/backward every micro-batch, then clip and step the optimizer.
