@@ -17,8 +17,10 @@ Both compute the same loss: token-mean, over response tokens of the whole mini-b
 log-prob objective ``-A_row * log pi(token)`` (``batching.aggregate_loss`` with global
 normalizers). The two layouts start every repeat from identical weights and optimizer state, so
 their losses must agree to float rounding; the benchmark checks that on every repeat (and the
-gradients on the first) and reports both. Repeats alternate which layout runs first, and the
-figure that counts is the median of the per-repeat time ratios. Nothing here asserts a time.
+gradients on the first) and reports both. Within a repeat the two layouts' micro-batches run
+interleaved (each timed on its own), so a burst of load from another process on a shared machine
+hits both alike; the figure that counts is the median of the per-repeat time ratios. Nothing
+here asserts a time.
 """
 
 from __future__ import annotations
@@ -221,26 +223,52 @@ def padded_loss(model, mb: MicroBatch, normalizers: LossNormalizers) -> torch.Te
 LossFn = Callable[[torch.nn.Module, MicroBatch, LossNormalizers], torch.Tensor]
 
 
-def _update(model, optimizer, micro_batches, loss_fn: LossFn, normalizers, on_grads=None):
-    """One actor update; returns (mini-batch loss, wall seconds, process CPU seconds).
-    ``on_grads(model)`` runs between backward and the optimizer step, outside the timing."""
+def _schedule(counts: dict[str, int], first: str) -> list[tuple[str, int]]:
+    """Micro-batches of all layouts in one interleaved order: each layout's k-th of n at
+    fraction (k + 0.5) / n of the way, ties to ``first``. A burst of load from another process
+    then lands on both layouts alike instead of on whichever ran during it."""
+    events = [
+        ((k + 0.5) / n, name != first, name, k) for name, n in counts.items() for k in range(n)
+    ]
+    return [(name, k) for _, _, name, k in sorted(events)]
+
+
+def _interleaved_update(layouts: dict, normalizers, first: str, on_grads=None) -> dict:
+    """One actor update of every layout, micro-batches interleaved (see ``_schedule``), each
+    followed by its own AdamW step. Returns {layout: (loss, wall s, process CPU s)}; only each
+    layout's own forward/backward/step is timed. ``on_grads(name, model)`` runs before the
+    steps, untimed."""
     sync = hal.get_backend("auto").synchronize
-    sync()
-    wall, cpu = time.perf_counter(), time.process_time()
-    optimizer.zero_grad(set_to_none=True)
-    total = 0.0
-    for mb in micro_batches:
-        loss = loss_fn(model, mb, normalizers)
-        loss.backward()
-        total += float(loss.detach())
-    sync()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    wall = dict.fromkeys(layouts, 0.0)
+    cpu = dict.fromkeys(layouts, 0.0)
+    loss = dict.fromkeys(layouts, 0.0)
+
+    def timed(name: str, fn) -> None:
+        sync()
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        sync()
+        wall[name] += time.perf_counter() - w
+        cpu[name] += time.process_time() - c
+
+    for _mbs, _model, opt, _fn in layouts.values():
+        opt.zero_grad(set_to_none=True)
+    counts = {name: len(layout[0]) for name, layout in layouts.items()}
+    for name, k in _schedule(counts, first):
+        mbs, model, _opt, loss_fn = layouts[name]
+
+        def step(mb=mbs[k], model=model, loss_fn=loss_fn, name=name) -> None:
+            value = loss_fn(model, mb, normalizers)
+            value.backward()
+            loss[name] += float(value.detach())
+
+        timed(name, step)
     if on_grads is not None:
-        on_grads(model)
-    wall2, cpu2 = time.perf_counter(), time.process_time()
-    optimizer.step()
-    sync()
-    return total, wall + time.perf_counter() - wall2, cpu + time.process_time() - cpu2
+        for name, (_mbs, model, _opt, _fn) in layouts.items():
+            on_grads(name, model)
+    for name in sorted(layouts, key=lambda n: n != first):
+        timed(name, layouts[name][2].step)
+    return {name: (loss[name], wall[name], cpu[name]) for name in layouts}
 
 
 def _warm_up(model, micro_batches, loss_fn: LossFn, normalizers) -> None:
@@ -343,17 +371,19 @@ def compare(
     seconds: dict[str, list[float]] = {"packed": [], "padded": []}
     cpu_seconds: dict[str, list[float]] = {"packed": [], "padded": []}
     losses: dict[str, list[float]] = {"packed": [], "padded": []}
+
+    def keep_grads(name: str, model) -> None:
+        grads[name] = _grad_vector(model).clone()
+
     for rep in range(repeats):
-        # Alternate the order so a drift in machine load does not favour one layout.
-        for name in ("packed", "padded") if rep % 2 == 0 else ("padded", "packed"):
-            mbs, model, opt, loss_fn = layouts[name]
-
-            def keep_grads(m, name=name):
-                grads[name] = _grad_vector(m).clone()
-
-            loss, wall, cpu = _update(
-                model, opt, mbs, loss_fn, normalizers, on_grads=keep_grads if rep == 0 else None
-            )
+        # Alternate which layout goes first, so neither always gets the warmer cache.
+        timings = _interleaved_update(
+            layouts,
+            normalizers,
+            first="packed" if rep % 2 == 0 else "padded",
+            on_grads=keep_grads if rep == 0 else None,
+        )
+        for name, (loss, wall, cpu) in timings.items():
             seconds[name].append(wall)
             cpu_seconds[name].append(cpu)
             losses[name].append(loss)

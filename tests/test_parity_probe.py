@@ -13,8 +13,9 @@ import ray
 
 from trainer.cli import main as cli_main
 from trainer.config import load_config
+from trainer.controller import deterministic_settings_everywhere
 from trainer.parity import DEFAULT_TOLERANCES, compare_runs, read_run
-from trainer.probe import _check_deterministic_everywhere, probe_config, run_probe
+from trainer.probe import probe_config, run_probe
 from trainer.workers.group import WorkerFailedError, start_ray
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -127,9 +128,9 @@ def _fake_trainer(per_rank: list[dict]) -> SimpleNamespace:
 
 def test_deterministic_check_names_the_odd_rank():
     same = {"seed": "1", "torch.use_deterministic_algorithms": "True"}
-    assert _check_deterministic_everywhere(_fake_trainer([same, same])) == same
+    assert deterministic_settings_everywhere(_fake_trainer([same, same])) == same
     with pytest.raises(WorkerFailedError, match="actor rank 1"):
-        _check_deterministic_everywhere(_fake_trainer([same, {}]))
+        deterministic_settings_everywhere(_fake_trainer([same, {}]))
 
 
 # --------------------------------------------------------------------------- bad input: exit 2

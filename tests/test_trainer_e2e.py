@@ -159,3 +159,30 @@ def test_sigint_stops_cleanly_and_keeps_latest(tmp_path):
     verify_checkpoint(latest)
     steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl", allow_torn_tail=True)]
     assert steps and steps[-1] < 500
+
+
+@pytest.mark.parametrize(
+    ("overrides", "keys"),
+    [
+        (["algorithm.adv_estimator=gae", "critic.enable=true", "algorithm.lam=0.95"],
+         ["critic/vf_loss", "critic/grad_norm"]),
+        (["algorithm.kl_coef=0.01", "algorithm.use_kl_loss=true"], ["actor/kl"]),
+        (["algorithm.adv_estimator=reinforce_pp", "algorithm.kl_coef=0.01"], ["advantage/std"]),
+        (["algorithm.adv_estimator=rloo", "algorithm.loss_agg=seq-mean-token-sum-norm"],
+         ["advantage/std"]),
+    ],
+    ids=["gae-critic", "kl-loss-reference", "reinforce_pp-kl-penalty", "rloo"],
+)
+def test_algorithm_variants_train(local_ray, tmp_path, overrides, keys):
+    """Critic, reference model and the other estimators run through the same loop."""
+    run_dir = tmp_path / "run"
+    assert run_training(_cfg(run_dir, "train.total_steps=2", "run.resume=never", *overrides)) == 0
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        for key in [*keys, "actor/loss", "actor/grad_norm"]:
+            assert key in m and m[key] is not None and abs(m[key]) < 1e6, key
+    assert any(m["actor/grad_norm"] > 0 for m in metrics)
+    if "critic.enable=true" in overrides:
+        latest = find_latest(run_dir)
+        assert (latest / "critic_model.safetensors").is_file()

@@ -137,7 +137,7 @@ class Trainer:
             self.critic = spawn("critic", CriticWorker, True, path=cfg.model.critic_path or cfg.model.path,
                                 lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps,
                                 grad_clip=c.grad_clip)
-        self.deterministic_settings = self.actor.setup_info[0]["deterministic"]
+        self.deterministic_settings = deterministic_settings_everywhere(self)
         self._resume()
 
     def _resume(self) -> None:
@@ -341,6 +341,24 @@ def _add(totals: dict[str, float], per_rank: list[dict[str, float]], prefix: str
     totals[prefix + "_updates"] = totals.get(prefix + "_updates", 0) + 1
 
 
+def deterministic_settings_everywhere(trainer: Trainer) -> dict[str, str]:
+    """The deterministic settings every worker applied; they must be the same on every rank
+    of every role (a rank that skipped them would make the run irreproducible)."""
+    groups = [g for g in (trainer.actor, trainer.ref, trainer.critic) if g is not None]
+    applied = [
+        (name, info.get("deterministic", {}))
+        for g in groups
+        for name, info in zip(g.names, g.setup_info)
+    ]
+    first = applied[0][1]
+    for name, settings in applied:
+        if settings != first:
+            raise WorkerFailedError(
+                f"{name} applied deterministic settings {settings}, {applied[0][0]} applied {first}"
+            )
+    return first
+
+
 def _write_run_config(cfg: Config, run_dir: Path, deterministic: dict[str, str]) -> None:
     """``config.yaml``: the resolved config, plus the deterministic settings the workers
     applied (as comments, so the file still loads as a config)."""
@@ -361,10 +379,13 @@ def _install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def run_training(cfg: Config, *, replay_dir: str | None = None) -> int:
+def run_training(cfg: Config, *, replay_dir: str | None = None, save_checkpoints: bool = True,
+                 command: str = "train") -> int:
     """Run a whole job; returns the process exit status (0 done, 1 failed, 130 interrupted).
 
-    ``replay_dir``: train on recorded rollouts (``step_<N>.npz``) instead of sampling.
+    ``replay_dir``: train on recorded rollouts (``step_<N>.npz``) instead of sampling (the
+    parity probe, which also passes ``save_checkpoints=False``: a probe of a 7B job should not
+    write tens of GB). ``command`` names the CLI command in messages.
     """
     from trainer.metrics import FingerprintLogger, MetricsLogger
     from trainer.workers.group import start_ray
@@ -385,14 +406,15 @@ def run_training(cfg: Config, *, replay_dir: str | None = None) -> int:
                 metrics, fingerprint = trainer.train_step(step)
                 log.log(step, metrics)
                 fp_log.log(step, fingerprint)
-                if step == total or (cfg.run.save_every and step % cfg.run.save_every == 0):
+                due = step == total or (cfg.run.save_every and step % cfg.run.save_every == 0)
+                if save_checkpoints and due:
                     trainer.save_checkpoint(step)
         return 0
     except WorkerFailedError as err:
-        print(f"crossrl train: {err}", file=sys.stderr)
+        print(f"crossrl {command}: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("crossrl train: interrupted; the last whole checkpoint stays `latest`",
+        print(f"crossrl {command}: interrupted; the last whole checkpoint stays `latest`",
               file=sys.stderr)
         return 130
     finally:

@@ -92,67 +92,16 @@ def _check_recording_fits(cfg: Config, path: Path) -> None:
         )
 
 
-def _check_deterministic_everywhere(trainer) -> dict[str, str]:
-    """The deterministic settings every worker applied; they must be the same on every rank
-    of every role (a rank that skipped them would make the probe irreproducible)."""
-    from trainer.workers.group import WorkerFailedError
-
-    groups = [g for g in (trainer.actor, trainer.ref, trainer.critic) if g is not None]
-    applied = [
-        (name, info.get("deterministic", {}))
-        for g in groups
-        for name, info in zip(g.names, g.setup_info)
-    ]
-    first = applied[0][1]
-    for name, settings in applied:
-        if settings != first:
-            raise WorkerFailedError(
-                f"{name} applied deterministic settings {settings}, {applied[0][0]} applied {first}"
-            )
-    return first
-
-
 def run_probe(cfg: Config, rollouts: str | Path) -> int:
     """Replay ``cfg.train.total_steps`` recorded steps from ``rollouts``; returns the exit status
     (0 done, 1 a worker failed, 130 interrupted). Writes ``config.yaml``, ``metrics.jsonl`` and
-    ``fingerprint.jsonl`` to ``cfg.run.dir``; leaves a Ray that was already running alone."""
-    import ray
+    ``fingerprint.jsonl`` to ``cfg.run.dir`` and no checkpoint; leaves a Ray that was already
+    running alone."""
+    from trainer.controller import run_training
 
-    from trainer.controller import Trainer, _install_signal_handlers, _write_run_config
-    from trainer.metrics import FingerprintLogger, MetricsLogger
-    from trainer.workers.group import WorkerFailedError, start_ray
-
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _install_signal_handlers()
-    started_ray = start_ray(
-        cfg.ray.address, num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2)
-    )
     # Absolute: the replay host is a Ray actor, whose working directory may differ.
-    trainer = Trainer(cfg, run_dir, replay_dir=str(Path(rollouts).resolve()))
-    try:
-        trainer.start()
-        settings = _check_deterministic_everywhere(trainer)
-        _write_run_config(cfg, run_dir, settings)
-        total = cfg.train.total_steps
-        with MetricsLogger(run_dir, total) as log, FingerprintLogger(run_dir) as fp_log:
-            for step in range(1, total + 1):
-                metrics, fingerprint = trainer.train_step(step)
-                log.log(step, metrics)
-                fp_log.log(step, fingerprint)
-        return 0
-    except WorkerFailedError as err:
-        print(f"crossrl probe: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("crossrl probe: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        try:
-            trainer.shutdown()
-        finally:
-            if started_ray:
-                ray.shutdown()
+    return run_training(cfg, replay_dir=str(Path(rollouts).resolve()), save_checkpoints=False,
+                        command="probe")
 
 
 def main(config: str | None, overrides: list[str], *, rollouts: str, steps: int, out: str) -> int:

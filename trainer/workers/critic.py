@@ -41,21 +41,9 @@ class CriticWorker(FSDPWorker):
                                  self.to_device(mb.position_ids), self.to_device(mb.cu_seqlens))
         return shift_to_targets(out[:, 0].float(), self.to_device(mb.cu_seqlens))
 
-    @torch.no_grad()
     def compute_values(self, micro_batches: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """Values of this rank's rows: ``(rows, values)`` like ``PolicyWorker.compute_logprobs``."""
-        rows_out: list[int] = []
-        pieces: list[np.ndarray] = []
-        for rows in micro_batches:
-            mb = self.micro_batch(rows)
-            values = self._values(mb).cpu().numpy()
-            cu = mb.cu_seqlens.numpy()
-            for j, r in enumerate(rows):
-                if r >= 0:
-                    rows_out.append(r)
-                    pieces.append(values[cu[j]:cu[j + 1]])
-        flat = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
-        return np.asarray(rows_out, dtype=np.int64), flat
+        """Values of this rank's rows as ``(rows, values)`` (see ``per_token_pass``)."""
+        return self.per_token_pass(micro_batches, self._values)
 
     def train_mini_batch(self, micro_batches: list[list[int]], mini_batch_rows: list[int],
                          options: dict[str, Any]) -> dict[str, float]:

@@ -191,6 +191,28 @@ class FSDPWorker:
         """Rows of one micro-batch (``-1`` = padding row), ready on this worker's device."""
         return self.batch.select(rows)
 
+    @torch.no_grad()
+    def per_token_pass(self, micro_batches: list[list[int]],
+                       per_token) -> tuple[np.ndarray, np.ndarray]:
+        """Run ``per_token(micro_batch) -> [T] tensor`` over this rank's micro-batches.
+
+        Padding rows (``-1``) are forwarded, to keep collectives in step with the other ranks,
+        and dropped. Returns ``(rows, values)``: the real row indices in order and their
+        tokens' values concatenated (float32), ready for ``set_token_field`` on every worker.
+        """
+        rows_out: list[int] = []
+        pieces: list[np.ndarray] = []
+        for rows in micro_batches:
+            mb = self.micro_batch(rows)
+            values = per_token(mb).float().cpu().numpy()
+            cu = mb.cu_seqlens.numpy()
+            for j, r in enumerate(rows):
+                if r >= 0:
+                    rows_out.append(r)
+                    pieces.append(values[cu[j]:cu[j + 1]])
+        flat = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
+        return np.asarray(rows_out, dtype=np.int64), flat
+
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Move a batch tensor to this worker's device."""
         return tensor.to(self.device, non_blocking=True)

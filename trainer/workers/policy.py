@@ -30,29 +30,13 @@ class PolicyWorker(FSDPWorker):
             self.to_device(mb.cu_seqlens),
         )
 
-    @torch.no_grad()
     def compute_logprobs(self, micro_batches: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """Log-probabilities of this rank's rows under the current weights.
-
-        ``micro_batches`` lists row indices (``-1`` padding rows are forwarded, to keep
-        collectives in step with other ranks, and dropped). Returns ``(rows, values)``: the
-        real row indices in order and their tokens' logprobs concatenated (float32).
-        """
+        """Log-probabilities of this rank's rows under the current weights, as
+        ``(rows, values)`` (see ``FSDPWorker.per_token_pass``)."""
         temperature = float(self.spec.extra.get("temperature", 1.0))
-        rows_out: list[int] = []
-        values: list[np.ndarray] = []
-        for rows in micro_batches:
-            mb = self.micro_batch(rows)
-            lp = token_logprobs(self._logits(mb), self.to_device(mb.input_ids),
-                                self.to_device(mb.cu_seqlens), temperature=temperature)
-            lp = lp.cpu().numpy()
-            cu = mb.cu_seqlens.numpy()
-            for j, r in enumerate(rows):
-                if r >= 0:
-                    rows_out.append(r)
-                    values.append(lp[cu[j]:cu[j + 1]])
-        flat = np.concatenate(values).astype(np.float32) if values else np.zeros(0, np.float32)
-        return np.asarray(rows_out, dtype=np.int64), flat
+        return self.per_token_pass(micro_batches, lambda mb: token_logprobs(
+            self._logits(mb), self.to_device(mb.input_ids), self.to_device(mb.cu_seqlens),
+            temperature=temperature))
 
     def train_mini_batch(self, micro_batches: list[list[int]], mini_batch_rows: list[int],
                          options: dict[str, Any]) -> dict[str, float]:
