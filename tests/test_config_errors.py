@@ -63,6 +63,8 @@ BAD = [
     (["rollout.env=not a spec!"], "rollout.env", "module.path:ClassName"),
     (["model.path=builtin:huge"], "model.path", "builtin:tiny"),
     (["data.source=prompts.csv"], "data.source", ".jsonl"),
+    (["rollout.env_kwargs={turns: 0}"], "rollout.env_kwargs", "turns"),
+    (["rollout.env_kwargs={colour: red}"], "rollout.env_kwargs", "colour"),
     # inconsistent combinations
     (["train.batch_size=8", "train.mini_batch_size=16"], "train.mini_batch_size", "train.batch_size (8)"),
     (["train.mini_batch_size=3"], "train.batch_size", "multiple of train.mini_batch_size (3)"),

@@ -550,6 +550,14 @@ def _environment_problems(cfg: Config) -> list[tuple[str, Any, str]]:
             )
         )
     env = cfg.rollout.env
+    if ":" not in env and cfg.rollout.env_kwargs:
+        try:
+            from rollout.envs import make_env
+
+            make_env(env)(**cfg.rollout.env_kwargs)
+        except (TypeError, ValueError) as exc:
+            p.append(_problem("rollout.env_kwargs", cfg.rollout.env_kwargs,
+                              f"{env} does not accept them: {exc}"))
     if ":" in env:
         module = env.split(":", 1)[0]
         if not _module_available(module):

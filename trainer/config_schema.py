@@ -11,7 +11,7 @@ configs, the docs and every reader.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -90,6 +90,10 @@ class RolloutConfig(BaseModel):
     )
     env: str = Field(
         "recall", description="environment: a built-in name, or module:Class for your own"
+    )
+    env_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments for the environment (a prompt file's fields override them)",
     )
     n: int = Field(4, ge=1, description="samples (trajectories) per prompt")
     max_turns: int = Field(3, ge=1, description="model turns per trajectory, at most")

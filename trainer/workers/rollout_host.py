@@ -6,6 +6,7 @@ packed batch itself goes into Ray's object store as numpy arrays for the trainin
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,7 @@ class RolloutHost:
                 tensor_parallel_size=roll["tensor_parallel_size"],
                 max_model_len=roll["max_input_len"] + roll["max_new_tokens"],
             )
-        self.env_factory = make_env(roll["env"])
+        self.env_factory = functools.partial(make_env(roll["env"]), **roll["env_kwargs"])
         self.prompts = PromptSource(cfg["data"]["source"], seed=cfg["seed"])
         return {"engine": roll["engine"]}
 
