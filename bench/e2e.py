@@ -4,10 +4,10 @@
 
 Runs ``crossrl train`` (the CPU default job, configs/cpu/tiny.yaml) as a subprocess in a fresh
 run directory under a temporary folder, once with ``train.dp_size=1`` and once with
-``train.dp_size=2``, and summarises each run's metrics.jsonl: the median seconds of every
-``timing/<section>_s`` over the steps after the first (which pays for compilation and warm
-caches and is reported on its own), each section's share of the summed step time, and the
-median ``throughput/tokens_per_s``.
+``train.dp_size=2`` (twice each, in the order dp1 dp2 dp2 dp1, without --quick), and
+summarises their metrics.jsonl: the median seconds of every ``timing/<section>_s`` over the
+steps after each run's first (which pays for warm-up and is reported on its own), each
+section's share of the summed step time, and the median ``throughput/tokens_per_s``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["SECTIONS", "format_table", "run", "run_job", "summarise_metrics"]
+__all__ = ["SECTIONS", "format_table", "run", "run_job", "summarise_metrics", "summarise_runs"]
 
 #: Timed sections of a step, in the order the controller runs them; ``other`` is the rest.
 SECTIONS = ("rollout", "prepare", "update", "sync", "other")
@@ -30,21 +30,27 @@ SECTIONS = ("rollout", "prepare", "update", "sync", "other")
 TIMEOUT_S = 1800
 
 
-def summarise_metrics(records: list[dict]) -> dict:
-    """Per-step timing summary of a metrics.jsonl (a list of per-step dicts).
+def summarise_runs(runs: list[list[dict]]) -> dict:
+    """Per-step timing summary of one or more runs of the same job (each a metrics.jsonl as a
+    list of per-step dicts), steps pooled after dropping each run's first step.
 
-    Returns ``steps``, ``first_step_s``, ``step_s`` (median seconds over steps after the first,
-    or over all steps when there is only one), ``sections`` {name: {median_s, share}} where
-    share is the section's summed seconds over the summed step seconds, and
-    ``tokens_per_s`` (median). Raises ValueError when no record has ``timing/step_s``.
+    Returns ``runs``, ``steps`` (pooled steady steps), ``first_step_s`` (median over runs of the
+    first step), ``step_s`` (median seconds over the pooled steps; all steps when a run has
+    only one), ``sections`` {name: {median_s, share}} where share is the section's summed
+    seconds over the summed step seconds, and ``tokens_per_s`` (median). Raises ValueError
+    when a run has no record with ``timing/step_s``.
     """
-    timed = [r for r in records if "timing/step_s" in r]
-    if not timed:
-        raise ValueError(
-            "metrics.jsonl has no record with timing/step_s; was the run cut short before "
-            "its first step finished?"
-        )
-    steady = timed[1:] if len(timed) > 1 else timed
+    steady, firsts, rewards = [], [], []
+    for records in runs:
+        timed = [r for r in records if "timing/step_s" in r]
+        if not timed:
+            raise ValueError(
+                "metrics.jsonl has no record with timing/step_s; was the run cut short before "
+                "its first step finished?"
+            )
+        steady += timed[1:] if len(timed) > 1 else timed
+        firsts.append(timed[0]["timing/step_s"])
+        rewards.append((timed[0].get("reward/mean"), timed[-1].get("reward/mean")))
     total = sum(r["timing/step_s"] for r in steady)
     sections = {}
     for name in SECTIONS:
@@ -55,20 +61,26 @@ def summarise_metrics(records: list[dict]) -> dict:
         }
     tokens = [r["throughput/tokens_per_s"] for r in steady if "throughput/tokens_per_s" in r]
     return {
-        "steps": len(timed),
-        "first_step_s": timed[0]["timing/step_s"],
+        "runs": len(runs),
+        "steps": len(steady),
+        "first_step_s": statistics.median(firsts),
         "step_s": statistics.median(r["timing/step_s"] for r in steady),
         "sections": sections,
         "tokens_per_s": statistics.median(tokens) if tokens else None,
-        "reward_first": timed[0].get("reward/mean"),
-        "reward_last": timed[-1].get("reward/mean"),
+        "reward_first": rewards[0][0],
+        "reward_last": rewards[0][1],
     }
+
+
+def summarise_metrics(records: list[dict]) -> dict:
+    """``summarise_runs`` of a single run's metrics.jsonl records."""
+    return summarise_runs([records])
 
 
 def run_job(overrides: list[str], workdir: Path, timeout_s: float = TIMEOUT_S) -> dict:
     """Run ``crossrl train <overrides>`` in a fresh run directory under ``workdir``.
 
-    Returns ``summarise_metrics`` of its metrics.jsonl plus ``wall_s`` (the whole process:
+    Returns ``records`` (its metrics.jsonl, one dict per step), ``wall_s`` (the whole process:
     start-up, Ray, steps, shutdown) and ``command``. Raises RuntimeError with the log's tail
     when the run fails.
     """
@@ -97,25 +109,32 @@ def run_job(overrides: list[str], workdir: Path, timeout_s: float = TIMEOUT_S) -
         for line in metrics_path.read_text(encoding="utf-8").splitlines()
         if line.strip()
     ]
-    out = summarise_metrics(records)
-    out["wall_s"] = wall
-    out["command"] = "crossrl " + " ".join(a for a in args if not a.startswith("run.dir="))
-    return out
+    command = "crossrl " + " ".join(a for a in args if not a.startswith("run.dir="))
+    return {"records": records, "wall_s": wall, "command": command}
 
 
 def run(quick: bool = False) -> dict:
-    """The default job at dp 1 and dp 2: ``{"steps": N, "runs": {"dp1": ..., "dp2": ...},
-    "dp2_over_dp1_step_s": ratio}``. ``quick``: 10 steps per run instead of 30."""
+    """The default job at dp 1 and dp 2: ``{"steps": N, "order": [...], "runs": {"dp1": ...,
+    "dp2": ...}, "dp2_over_dp1_step_s": ratio}``. Quick: one run each of 10 steps. Full: 30
+    steps, runs in the order dp1, dp2, dp2, dp1, steps pooled per dp size, so a slow spell on
+    a shared machine does not land on one side only."""
     steps = 10 if quick else 30
-    runs = {}
-    for dp in (1, 2):
+    order = [1, 2] if quick else [1, 2, 2, 1]
+    jobs: dict[int, list[dict]] = {1: [], 2: []}
+    for dp in order:
         with tempfile.TemporaryDirectory(prefix=f"crossrl-bench-e2e-dp{dp}-") as tmp:
-            runs[f"dp{dp}"] = run_job(
-                [f"train.total_steps={steps}", f"train.dp_size={dp}"], Path(tmp)
-            )
+            overrides = [f"train.total_steps={steps}", f"train.dp_size={dp}"]
+            jobs[dp].append(run_job(overrides, Path(tmp)))
+    runs = {}
+    for dp, done in jobs.items():
+        summary = summarise_runs([job["records"] for job in done])
+        summary["wall_s"] = statistics.median(job["wall_s"] for job in done)
+        summary["command"] = done[0]["command"]
+        runs[f"dp{dp}"] = summary
     return {
         "job": "configs/cpu/tiny.yaml (the CPU default job)",
         "steps": steps,
+        "order": [f"dp{dp}" for dp in order],
         "runs": runs,
         "dp2_over_dp1_step_s": runs["dp2"]["step_s"] / runs["dp1"]["step_s"],
     }
@@ -126,7 +145,8 @@ def format_table(res: dict) -> str:
     runs = res["runs"]
     names = list(runs)
     lines = [
-        f"{res['job']}, {res['steps']} steps per run; medians over steps 2..{res['steps']}",
+        f"{res['job']}, {res['steps']} steps per run, runs in order {', '.join(res['order'])}; "
+        f"medians over steps 2..{res['steps']} of every run",
         f"{'section':22s}" + "".join(f"{n + ' s/step':>13s}{'share':>8s}" for n in names),
     ]
     for section in SECTIONS:

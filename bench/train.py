@@ -62,6 +62,10 @@ LOSS_TOLERANCE = 1e-5
 PACKED_BUDGET_TOKENS = 2048
 #: Rows per padded micro-batch (verl's ``ppo_micro_batch_size_per_gpu`` in its examples: 2-16).
 PADDED_ROWS_PER_MICRO_BATCH = 8
+#: torch intra-op threads while timing on a CPU. One: on a small machine shared with other jobs,
+#: two OpenMP threads spin at every barrier whenever the other one is descheduled, and a 0.2 s
+#: update took 8 s (measured here, CPU time = wall time); one thread degrades only in proportion.
+CPU_THREADS = 1
 #: First ids of the builtin vocabulary are special (pad=3, eos=2); random text avoids them.
 _FIRST_TEXT_ID = 4
 
@@ -438,24 +442,35 @@ def compare(
     return result
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, threads: int | None = CPU_THREADS) -> dict:
     """Packed vs padded on the builtin tiny and small models; ``{"models": [compare(...)...]}``
-    plus the workload description. ``quick``: fewer rows and repeats (about a minute)."""
+    plus the workload description. ``quick``: fewer rows and repeats (about a minute).
+    ``threads``: torch intra-op threads during the run on a CPU (None: leave torch's setting)."""
+    previous = torch.get_num_threads()
+    on_cpu = not hal.get_backend("auto").is_accelerator
+    if threads is not None and on_cpu:
+        torch.set_num_threads(threads)
+    try:
+        models = [compare(name, rows, repeats) for name, rows, repeats in _PLANS[quick]]
+    finally:
+        torch.set_num_threads(previous)
     return {
+        "torch_threads": threads if threads is not None and on_cpu else previous,
         "workload": {
             "lengths": "log-normal, median 96 tokens, sigma 1.0, clipped to 16-1024 tokens",
             "response": "last 40-80 % of each row carries the loss",
             "loss": "token-mean over response tokens of -A_row * log pi(token)",
             "update": "forward + backward over all micro-batches + one AdamW step",
         },
-        "models": [compare(name, rows, repeats) for name, rows, repeats in _PLANS[quick]],
+        "models": models,
     }
 
 
 def format_table(res: dict) -> str:
     """The benchmark's results as a plain-text table (one block per model)."""
     lines = [
-        f"rows: {res['workload']['lengths']}; loss: {res['workload']['loss']}",
+        f"rows: {res['workload']['lengths']}; loss: {res['workload']['loss']}; "
+        f"{res['torch_threads']} torch thread(s)",
         f"{'':30s}{'packed':>14s}{'padded':>14s}",
     ]
     for m in res["models"]:
@@ -512,7 +527,11 @@ def format_table(res: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rows and repeats")
-    print(format_table(run(quick=parser.parse_args().quick)))
+    parser.add_argument(
+        "--threads", type=int, default=CPU_THREADS, help="torch threads on a CPU (0: torch's own)"
+    )
+    args = parser.parse_args()
+    print(format_table(run(quick=args.quick, threads=args.threads or None)))
 
 
 if __name__ == "__main__":

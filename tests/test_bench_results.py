@@ -99,12 +99,22 @@ def test_e2e_summary_drops_the_warm_up_step_and_splits_time():
         _record(4, rollout=2.0, prepare=0.5, update=4.0, sync=0.5),
     ]
     s = e2e.summarise_metrics(records)
-    assert s["steps"] == 4
+    assert s["steps"] == 3  # steady steps: the first is warm-up
     assert s["first_step_s"] == 16.0
     assert s["step_s"] == 6.0  # median of 4, 6, 7
     assert s["sections"]["rollout"]["median_s"] == 2.0
     assert s["sections"]["rollout"]["share"] == pytest.approx(6.0 / 17.0)
     assert math.fsum(v["share"] for v in s["sections"].values()) == pytest.approx(1.0)
+
+
+def test_e2e_summary_pools_runs_and_drops_each_runs_first_step():
+    run_a = [_record(1, update=10.0), _record(2, update=1.0), _record(3, update=2.0)]
+    run_b = [_record(1, update=20.0), _record(2, update=3.0)]
+    s = e2e.summarise_runs([run_a, run_b])
+    assert s["runs"] == 2 and s["steps"] == 3
+    assert s["step_s"] == 2.0  # median of 1, 2, 3
+    assert s["first_step_s"] == 15.0  # median of 10, 20
+    assert s["sections"]["update"]["share"] == pytest.approx(1.0)
 
 
 def test_e2e_summary_rejects_a_run_without_timings():

@@ -65,6 +65,6 @@ class CriticWorker(FSDPWorker):
                 normalizers=normalizers,
                 **options,
             )
-            return loss, {k: float(v) for k, v in sums.items()} | {"loss": float(loss.detach())}
+            return loss, {**sums, "loss": loss.detach()}
 
         return self.run_micro_batches(micro_batches, loss_fn)

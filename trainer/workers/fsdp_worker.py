@@ -257,12 +257,13 @@ class FSDPWorker:
         """Forward/backward every micro-batch, then clip and step the optimizer.
 
         ``loss_fn(micro_batch) -> (loss, metric_sums)``; ``loss`` is this micro-batch's share of
-        the mini-batch loss (global normalizers), metric sums are added up over micro-batches.
-        Gradients are synchronised only on the last micro-batch.
+        the mini-batch loss (global normalizers), metric sums (detached tensors) are added up
+        over micro-batches on the device and read back once. Gradients are synchronised only
+        on the last micro-batch.
         """
         model = self.model
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
+        sums: dict[str, Any] = {}
         for k, rows in enumerate(micro_batches):
             if isinstance(model, FSDPModule):
                 model.set_requires_gradient_sync(k == len(micro_batches) - 1)
@@ -272,7 +273,8 @@ class FSDPWorker:
             # global mini-batch loss, so scale by dp size to turn that average into the sum.
             (loss * self.spec.world_size).backward()
             for key, value in metric_sums.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+                sums[key] = sums.get(key, 0.0) + value
+        sums = {key: float(value) for key, value in sums.items()}
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.spec.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()

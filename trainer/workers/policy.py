@@ -80,12 +80,12 @@ class PolicyWorker(FSDPWorker):
                 kl_loss_coef=float(options.get("kl_coef", 0.0)) if use_kl_loss else 0.0,
                 entropy_coef=entropy_coef, horizon=options.get("horizon"),
             )
-            sums = {k: float(v) for k, v in masked_sums(terms, mask).items()}
-            sums["loss"] = float(loss.detach())
+            sums = dict(masked_sums(terms, mask))
+            sums["loss"] = loss.detach()
             # Parity fingerprint: old / new logprob sums over loss tokens (float64).
             keep = mask > 0
-            sums["old_logprob"] = float(field["old_logprobs"].to(keep.device)[keep].double().sum())
-            sums["new_logprob"] = float(logprobs.detach()[keep].double().sum())
+            sums["old_logprob"] = field["old_logprobs"].to(keep.device)[keep].double().sum()
+            sums["new_logprob"] = logprobs.detach()[keep].double().sum()
             return loss, sums
 
         return self.run_micro_batches(micro_batches, loss_fn)
