@@ -2,7 +2,7 @@
 
     python -m bench gpu [--quick]
 
-Runs only where ``hal.get_backend("auto")`` finds an accelerator (a GPU or an NPU); on a CPU
+Runs only where ``hal.get_backend("auto")`` finds an accelerator; on a CPU
 it returns ``{"skipped": True, "reason": ...}`` and prints why, never a made-up number.
 
 - ``peak``: the card's measured dense bf16 matmul rate (best of several square matmuls), the
@@ -61,7 +61,8 @@ class GpuSizes:
     rows: int = 256  # rows per actor update
     median_row_tokens: float = 512.0
     max_row_tokens: int = 4096
-    budget_tokens: int = 16384  # planner micro-batch budget
+    # planner micro-batch budget; the fp32 log-softmax of 8k x 152k logits is already 5 GB
+    budget_tokens: int = 8192
     update_repeats: int = 5
     rollout_prompts: int = 64
     prompt_tokens: int = 256
@@ -222,8 +223,8 @@ def run(quick: bool = False) -> dict:
             "skipped": True,
             "reason": (
                 f"no accelerator: hal.get_backend('auto') picked {backend.name!r} "
-                f"(available: {hal.available_backends()}); run `crossrl bench gpu` on a GPU or "
-                "NPU node"
+                f"(available: {hal.available_backends()}); run `crossrl bench gpu` on a node "
+                "with an accelerator"
             ),
         }
     return measure(backend, SIZES[quick])

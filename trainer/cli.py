@@ -69,7 +69,8 @@ def _cmd_parity(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from bench.__main__ import main as bench_main
 
-    return bench_main(args.which + (["--quick"] if args.quick else []))
+    argv = list(args.which) + (["--quick"] if args.quick else [])
+    return bench_main(argv + (["--out", args.out] if args.out else []))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
     bench.add_argument("which", nargs="*", default=["all"])
     bench.add_argument("--quick", action="store_true", help="smaller workloads")
+    bench.add_argument("--out", default=None, help="results JSON (default ./bench-results.json)")
     bench.set_defaults(func=_cmd_bench)
     return parser
 
