@@ -124,6 +124,7 @@ def run_rollouts(
     sampling: SamplingParams | None = None,
     seed: int = 0,
     step: int = 0,
+    stop_strings: Sequence[str] = (),
 ) -> RolloutOutput:
     """Roll out ``n`` trajectories per prompt for up to ``max_turns`` turns.
 
@@ -132,6 +133,9 @@ def run_rollouts(
     every generation prompt; ``max_new_tokens`` (tokens) bounds every turn's response including
     an appended EOS. ``sampling`` supplies temperature / top-p / top-k / extra stop tokens.
     Request seeds are ``stable_seed(seed, step, prompt index, sample, turn)``.
+    ``stop_strings`` end a turn at the first token whose text completes one of them (the
+    string stays in the response, what follows is dropped, and the turn is closed by an
+    appended, untrained EOS: rule b); handled here, so every engine behaves the same.
     """
     if n < 1:
         raise ValueError(f"rollout.n={n}: must be >= 1 sample per prompt")
@@ -192,6 +196,9 @@ def run_rollouts(
         results = engine.generate(requests, params)
         for (t, prompt), res in zip(live, results):
             gen, lps = list(res.token_ids), [float(x) for x in res.logprobs]
+            if stop_strings:
+                cut = stop_string_cut(tokenizer, gen, stop_strings)
+                gen, lps = gen[:cut], lps[:cut]
             mask = [1] * len(gen)
             if not gen or gen[-1] != eos:  # rule b: close the turn with an untrained EOS
                 gen, lps, mask = gen + [eos], lps + [0.0], mask + [0]
@@ -218,6 +225,26 @@ def run_rollouts(
     for t in trajs:
         rows.extend(_rows_of(t, step_wise=step_wise, merge=merge_stepwise))
     return RolloutOutput(rows=rows, metrics=_metrics(trajs, rows))
+
+
+def stop_string_cut(tokenizer, token_ids: list[int], stop_strings: Sequence[str]) -> int:
+    """Number of tokens to keep: the shortest prefix whose text contains a stop string, or all
+    of them when none occurs. Binary search over prefixes (containment only grows with the
+    prefix), so a long response costs O(log n) decodes, not O(n)."""
+    def hit(k: int) -> bool:
+        text = tokenizer.decode(token_ids[:k], skip_special_tokens=False)
+        return any(stop in text for stop in stop_strings)
+
+    if not token_ids or not hit(len(token_ids)):
+        return len(token_ids)
+    lo, hi = 1, len(token_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if hit(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _score(t: _Trajectory) -> float:

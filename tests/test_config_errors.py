@@ -64,6 +64,7 @@ BAD = [
     (["model.path=builtin:huge"], "model.path", "builtin:tiny"),
     (["data.source=prompts.csv"], "data.source", ".jsonl"),
     (["rollout.env_kwargs={turns: 0}"], "rollout.env_kwargs", "turns"),
+    (["rollout.stop_strings=['</tool>', '']"], "rollout.stop_strings", "empty string"),
     (["rollout.env_kwargs={colour: red}"], "rollout.env_kwargs", "colour"),
     # inconsistent combinations
     (["train.batch_size=8", "train.mini_batch_size=16"], "train.mini_batch_size", "train.batch_size (8)"),

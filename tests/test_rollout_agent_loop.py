@@ -129,6 +129,32 @@ def test_rule_b_appended_eos_has_mask_zero(tok):
         assert row.response_logprobs[-1] == -0.5
 
 
+def test_rule_b_stop_string_ends_the_turn_with_an_untrained_eos(tok):
+    eos = tok.eos_token_id
+    # The model writes past a stop string: the response keeps the string, drops what follows,
+    # and an appended EOS (mask 0, logprob 0) closes the turn.
+    engine = ScriptedEngine(tok, ["1+2=3;xyz"], eos=False)
+    out = _run(tok, engine, max_new_tokens=12, stop_strings=("=3;",))
+    for row in out.rows:
+        assert tok.decode(row.response_ids[:-1]) == "1+2=3;"
+        assert row.response_ids[-1] == eos
+        assert row.response_mask == [1] * 6 + [0]
+        assert row.response_logprobs[-1] == 0.0
+    # The assistant message the environment sees ends at the stop string too.
+    second_prompt = tok.decode(engine.calls[1][0][0])
+    assert "1+2=3;" in second_prompt and "xyz" not in second_prompt
+
+
+def test_stop_string_cut_is_the_shortest_prefix(tok):
+    from rollout.agent_loop import stop_string_cut
+
+    ids = tok.encode("abc</tool>def</tool>")
+    assert stop_string_cut(tok, ids, ("</tool>",)) == len(tok.encode("abc</tool>"))
+    assert stop_string_cut(tok, ids, ("zzz",)) == len(ids)
+    assert stop_string_cut(tok, ids, ("zzz", "c<")) == len(tok.encode("abc<"))
+    assert stop_string_cut(tok, [], ("a",)) == 0
+
+
 def test_rule_c_step_response_holds_only_generated_tokens(tok):
     engine = ScriptedEngine(tok, ["12", "34", "56"])
     max_in, max_new = 200, 6

@@ -381,6 +381,9 @@ def _static_problems(cfg: Config) -> tuple[list[tuple[str, Any, str]], list[str]
                 "for your own class write module.path:ClassName",
             )
         )
+    if any(not stop for stop in ro.stop_strings):
+        p.append(_problem("rollout.stop_strings", ro.stop_strings,
+                          "an empty string would end every turn at its first token; remove it"))
     if ro.merge_stepwise and not ro.step_wise:
         p.append(
             _problem(

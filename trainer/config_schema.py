@@ -112,6 +112,10 @@ class RolloutConfig(BaseModel):
     temperature: float = Field(1.0, gt=0, description="sampling temperature (> 0)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass; 1.0 = off")
     top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0 = off")
+    stop_strings: list[str] = Field(
+        default_factory=list,
+        description="texts that end a turn (kept in the response; an untrained EOS closes it)",
+    )
     memory_fraction: float = Field(
         0.5, gt=0, lt=1, description="fraction of each accelerator's memory the engine may take"
     )

@@ -77,7 +77,7 @@ class RolloutHost:
             max_turns=roll["max_turns"], step_wise=roll["step_wise"],
             merge_stepwise=roll["merge_stepwise"], max_input_len=roll["max_input_len"],
             max_new_tokens=roll["max_new_tokens"], sampling=sampling, seed=cfg["seed"],
-            step=step,
+            step=step, stop_strings=tuple(roll["stop_strings"]),
         )
         if not out.rows:
             raise RuntimeError(
