@@ -39,8 +39,8 @@ def _figure_class() -> Any:
         from matplotlib.figure import Figure
     except ImportError:
         raise PlotDependencyError(
-            "crossrl plot needs matplotlib: pip install matplotlib "
-            "(or install crossrl with the plot extra: pip install 'crossrl[plot]')"
+            "crossrl plot needs matplotlib, a dependency of crossrl that is missing here: "
+            "pip install matplotlib"
         ) from None
     return Figure
 
