@@ -249,7 +249,9 @@ class Trainer:
         return totals
 
     def _sync_weights(self) -> None:
-        self.actor.call("push_weights", self.rollout, 64 << 20)
+        """Push the actor's weights into the rollout engine (nothing to push when replaying)."""
+        if self.replay_dir is None:
+            self.actor.call("push_weights", self.rollout, 64 << 20)
 
     # ------------------------------------------------------------------ records
     def _metrics(self, step, meta, plan, sums, adv_metrics, timer) -> dict[str, Any]:
@@ -259,7 +261,7 @@ class Trainer:
         metrics: dict[str, Any] = {
             "step": step,
             **meta["metrics"],
-            **{k: v for k, v in stats.items()},
+            **stats,
             "batch/max_seq_len": int(np.max(meta["seq_lens"])),
             "actor/loss": sums.get("actor/loss", 0.0) / n_updates,
             "actor/pg_loss": sums.get("actor/pg_loss", 0.0) / tokens,
@@ -371,12 +373,39 @@ def _write_run_config(cfg: Config, run_dir: Path, deterministic: dict[str, str])
     atomic_write_text(run_dir / "config.yaml", "\n".join(lines) + "\n")
 
 
-def _install_signal_handlers() -> None:
-    """SIGTERM behaves like Ctrl-C: the loop stops, Ray shuts down, ``latest`` stays whole."""
-    def handler(signum, frame):  # noqa: ARG001
-        raise KeyboardInterrupt(f"signal {signum}")
+class _StopRequests:
+    """SIGINT / SIGTERM handling for a run.
 
-    signal.signal(signal.SIGTERM, handler)
+    The first signal asks the loop to stop after the current step (and its checkpoint, if one
+    is due): a flag, not an exception, because Ray's own waits may swallow a
+    KeyboardInterrupt raised inside them. A second signal abandons the step at once. Either
+    way Ray shuts down and ``latest`` names the last whole checkpoint.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopRequests:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"signal {signum} again: abandoning the step")
+        self.signum = signum
+        print(f"crossrl: signal {signum}: stopping after this step (again to stop now)",
+              file=sys.stderr)
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if a stop was asked for."""
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"signal {self.signum}")
 
 
 def run_training(cfg: Config, *, replay_dir: str | None = None, save_checkpoints: bool = True,
@@ -387,41 +416,49 @@ def run_training(cfg: Config, *, replay_dir: str | None = None, save_checkpoints
     parity probe, which also passes ``save_checkpoints=False``: a probe of a 7B job should not
     write tens of GB). ``command`` names the CLI command in messages.
     """
-    from trainer.metrics import FingerprintLogger, MetricsLogger
     from trainer.workers.group import start_ray
 
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _install_signal_handlers()
-    started_ray = start_ray(cfg.ray.address,
-                            num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2))
-    trainer = Trainer(cfg, run_dir, replay_dir=replay_dir)
-    try:
-        trainer.start()
-        _write_run_config(cfg, run_dir, trainer.deterministic_settings)
-        total = cfg.train.total_steps
-        with MetricsLogger(run_dir, total, start_step=trainer.start_step) as log, \
-                FingerprintLogger(run_dir, start_step=trainer.start_step) as fp_log:
-            for step in range(trainer.start_step + 1, total + 1):
-                metrics, fingerprint = trainer.train_step(step)
-                log.log(step, metrics)
-                fp_log.log(step, fingerprint)
-                due = step == total or (cfg.run.save_every and step % cfg.run.save_every == 0)
-                if save_checkpoints and due:
-                    trainer.save_checkpoint(step)
-        return 0
-    except WorkerFailedError as err:
-        print(f"crossrl {command}: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"crossrl {command}: interrupted; the last whole checkpoint stays `latest`",
-              file=sys.stderr)
-        return 130
-    finally:
-        import ray
-
+    with _StopRequests() as stop:
+        started_ray = start_ray(cfg.ray.address,
+                                num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2))
+        trainer = Trainer(cfg, run_dir, replay_dir=replay_dir)
         try:
-            trainer.shutdown()
+            trainer.start()
+            _write_run_config(cfg, run_dir, trainer.deterministic_settings)
+            _train_loop(cfg, trainer, run_dir, stop, save_checkpoints=save_checkpoints)
+            return 0
+        except WorkerFailedError as err:
+            print(f"crossrl {command}: {err}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(f"crossrl {command}: interrupted; the last whole checkpoint stays `latest`",
+                  file=sys.stderr)
+            return 130
         finally:
-            if started_ray:
-                ray.shutdown()
+            import ray
+
+            try:
+                trainer.shutdown()
+            finally:
+                if started_ray:
+                    ray.shutdown()
+
+
+def _train_loop(cfg: Config, trainer: Trainer, run_dir: Path, stop: _StopRequests, *,
+                save_checkpoints: bool) -> None:
+    """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint."""
+    from trainer.metrics import FingerprintLogger, MetricsLogger
+
+    total = cfg.train.total_steps
+    with MetricsLogger(run_dir, total, start_step=trainer.start_step) as log, \
+            FingerprintLogger(run_dir, start_step=trainer.start_step) as fp_log:
+        for step in range(trainer.start_step + 1, total + 1):
+            stop.check()  # a signal during start-up or the previous step ends the run here
+            metrics, fingerprint = trainer.train_step(step)
+            log.log(step, metrics)
+            fp_log.log(step, fingerprint)
+            due = step == total or (cfg.run.save_every and step % cfg.run.save_every == 0)
+            if save_checkpoints and due:
+                trainer.save_checkpoint(step)
