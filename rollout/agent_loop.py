@@ -231,6 +231,7 @@ def stop_string_cut(tokenizer, token_ids: list[int], stop_strings: Sequence[str]
     """Number of tokens to keep: the shortest prefix whose text contains a stop string, or all
     of them when none occurs. Binary search over prefixes (containment only grows with the
     prefix), so a long response costs O(log n) decodes, not O(n)."""
+
     def hit(k: int) -> bool:
         text = tokenizer.decode(token_ids[:k], skip_special_tokens=False)
         return any(stop in text for stop in stop_strings)

@@ -67,7 +67,11 @@ BAD = [
     (["rollout.stop_strings=['</tool>', '']"], "rollout.stop_strings", "empty string"),
     (["rollout.env_kwargs={colour: red}"], "rollout.env_kwargs", "colour"),
     # inconsistent combinations
-    (["train.batch_size=8", "train.mini_batch_size=16"], "train.mini_batch_size", "train.batch_size (8)"),
+    (
+        ["train.batch_size=8", "train.mini_batch_size=16"],
+        "train.mini_batch_size",
+        "train.batch_size (8)",
+    ),
     (["train.mini_batch_size=3"], "train.batch_size", "multiple of train.mini_batch_size (3)"),
     (["algorithm.adv_estimator=gae"], "critic.enable", "critic.enable=true"),
     (["critic.enable=true"], "critic.enable", "only gae"),

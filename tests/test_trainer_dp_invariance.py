@@ -19,9 +19,16 @@ from batching import LOSS_AGG_MODES, Row, StepBatch, plan_minibatches
 from trainer.workers.group import free_port
 
 MODEL = "builtin:tiny"
-LOSS_OPTIONS = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
-                "kl_coef": 0.0, "kl_estimator": "k3", "use_kl_loss": False,
-                "entropy_coef": 0.01, "horizon": 16}
+LOSS_OPTIONS = {
+    "clip_ratio_low": 0.2,
+    "clip_ratio_high": 0.28,
+    "clip_ratio_c": 3.0,
+    "kl_coef": 0.0,
+    "kl_estimator": "k3",
+    "use_kl_loss": False,
+    "entropy_coef": 0.01,
+    "horizon": 16,
+}
 
 
 def _recorded_batch() -> StepBatch:
@@ -38,14 +45,25 @@ def _recorded_batch() -> StepBatch:
                 resp = [rnd.randrange(3, 90) for _ in range(rnd.randint(2, 9))]
                 mask = [1] * len(resp)
                 mask[-1] = rnd.choice([0, 1])
-                rows.append(Row(prompt_ids=prompt, response_ids=resp, response_mask=mask,
-                                response_logprobs=[-rnd.random() * 3 * m for m in mask],
-                                uid=uid, trajectory_id=traj, step_index=step,
-                                is_last_step=step == turns - 1, score=score))
+                rows.append(
+                    Row(
+                        prompt_ids=prompt,
+                        response_ids=resp,
+                        response_mask=mask,
+                        response_logprobs=[-rnd.random() * 3 * m for m in mask],
+                        uid=uid,
+                        trajectory_id=traj,
+                        step_index=step,
+                        is_last_step=step == turns - 1,
+                        score=score,
+                    )
+                )
     batch = StepBatch.from_rows(rows)
     # Old logprobs a little off the current policy, so some ratios clip.
     gen = torch.Generator().manual_seed(3)
-    old = batch.token_fields["rollout_logprobs"] + 0.3 * torch.randn(batch.num_tokens, generator=gen)
+    old = batch.token_fields["rollout_logprobs"] + 0.3 * torch.randn(
+        batch.num_tokens, generator=gen
+    )
     batch.set_token_field("old_logprobs", old * batch.loss_mask)
     return batch
 
@@ -56,23 +74,38 @@ def _run_rank(rank: int, world: int, ports: list[int], budget, pad: bool, arrays
 
     torch.set_num_threads(1)
     batch = StepBatch.from_numpy(arrays)
-    plan = plan_minibatches(batch.row_fields["trajectory_id"].numpy(), batch.seq_lens,
-                            mini_batch_size=3, dp_size=world, max_tokens_per_micro_batch=budget,
-                            group_ids=batch.row_fields["uid"].numpy())
+    plan = plan_minibatches(
+        batch.row_fields["trajectory_id"].numpy(),
+        batch.seq_lens,
+        mini_batch_size=3,
+        dp_size=world,
+        max_tokens_per_micro_batch=budget,
+        group_ids=batch.row_fields["uid"].numpy(),
+    )
     (mini,) = plan.mini_batches
     micro_batches = mini.micro_batches[rank]
     if pad:  # a padding row in every micro-batch, and a micro-batch of padding alone
         micro_batches = [mb + [-1] for mb in micro_batches] + [[-1]]
     results = {}
     for i, mode in enumerate(LOSS_AGG_MODES):
-        spec = WorkerSpec(role="actor", rank=rank, world_size=world, device="cpu", model_path=MODEL, dtype="float32",
-                          seed=1, lr=1e-3, grad_clip=1e9)
+        spec = WorkerSpec(
+            role="actor",
+            rank=rank,
+            world_size=world,
+            device="cpu",
+            model_path=MODEL,
+            dtype="float32",
+            seed=1,
+            lr=1e-3,
+            grad_clip=1e9,
+        )
         worker = PolicyWorker(spec)
         worker.setup("127.0.0.1", ports[i])
         worker.load_batch([arrays])
         worker.compute_advantages({"estimator": "grpo"})
-        metrics = worker.train_mini_batch(micro_batches, mini.rows.tolist(),
-                                          dict(LOSS_OPTIONS, loss_agg=mode))
+        metrics = worker.train_mini_batch(
+            micro_batches, mini.rows.tolist(), dict(LOSS_OPTIONS, loss_agg=mode)
+        )
         state = {k: v.numpy().copy() for k, v in worker.full_state_dict().items()}
         worker.shutdown()
         results[mode] = (state, metrics)
@@ -84,8 +117,10 @@ def _train(world: int, budget, pad: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ports = [free_port() for _ in LOSS_AGG_MODES]
-    procs = [ctx.Process(target=_run_rank, args=(r, world, ports, budget, pad, arrays, queue))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_run_rank, args=(r, world, ports, budget, pad, arrays, queue))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     per_rank = dict(queue.get(timeout=300) for _ in range(world))
@@ -166,6 +201,12 @@ def test_padding_rows_do_not_move_accuracy_metrics():
 @pytest.mark.slow
 def test_loss_modes_differ(layouts):
     """Sanity: the four aggregation modes are really different losses on this batch."""
-    states = [layouts["dp1"][m][0]["lm_head.weight" if "lm_head.weight" in layouts["dp1"][m][0]
-                                    else "model.embed_tokens.weight"] for m in LOSS_AGG_MODES]
+    states = [
+        layouts["dp1"][m][0][
+            "lm_head.weight"
+            if "lm_head.weight" in layouts["dp1"][m][0]
+            else "model.embed_tokens.weight"
+        ]
+        for m in LOSS_AGG_MODES
+    ]
     assert not np.allclose(states[0], states[1])

@@ -71,8 +71,7 @@ def test_run_directory_contract(local_ray, tmp_path):
 
 
 def _comparable(record: dict) -> dict:
-    return {k: v for k, v in record.items()
-            if not k.startswith(("timing/", "throughput/"))}
+    return {k: v for k, v in record.items() if not k.startswith(("timing/", "throughput/"))}
 
 
 def test_resume_is_exact(local_ray, tmp_path):
@@ -100,8 +99,12 @@ def test_dead_worker_is_named_not_hung(local_ray, tmp_path):
         plan = trainer._plan(meta)
         trainer._prepare(plan, batch_ref)
         mini = plan.mini_batches[0]
-        refs = trainer.actor.submit("train_mini_batch", mini.rows.tolist(),
-                                    trainer._loss_options(), per_rank=list(mini.micro_batches))
+        refs = trainer.actor.submit(
+            "train_mini_batch",
+            mini.rows.tolist(),
+            trainer._loss_options(),
+            per_rank=list(mini.micro_batches),
+        )
         # Rank 1 dies mid-update; rank 0 is left waiting inside the gradient collective.
         ray.kill(trainer.actor.handles[1], no_restart=True)
         start = time.monotonic()
@@ -113,8 +116,13 @@ def test_dead_worker_is_named_not_hung(local_ray, tmp_path):
 
 
 def _crossrl(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize(
@@ -137,9 +145,20 @@ def test_bad_config_exits_2_naming_the_key(override, key, tmp_path):
 def test_sigint_stops_cleanly_and_keeps_latest(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.cli", "train", *SHORT, f"run.dir={run_dir}",
-         "train.total_steps=500", "run.save_every=1", "run.resume=never"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "trainer.cli",
+            "train",
+            *SHORT,
+            f"run.dir={run_dir}",
+            "train.total_steps=500",
+            "run.save_every=1",
+            "run.resume=never",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
     try:
@@ -164,12 +183,16 @@ def test_sigint_stops_cleanly_and_keeps_latest(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "keys"),
     [
-        (["algorithm.adv_estimator=gae", "critic.enable=true", "algorithm.lam=0.95"],
-         ["critic/vf_loss", "critic/grad_norm"]),
+        (
+            ["algorithm.adv_estimator=gae", "critic.enable=true", "algorithm.lam=0.95"],
+            ["critic/vf_loss", "critic/grad_norm"],
+        ),
         (["algorithm.kl_coef=0.01", "algorithm.use_kl_loss=true"], ["actor/kl"]),
         (["algorithm.adv_estimator=reinforce_pp", "algorithm.kl_coef=0.01"], ["advantage/std"]),
-        (["algorithm.adv_estimator=rloo", "algorithm.loss_agg=seq-mean-token-sum-norm"],
-         ["advantage/std"]),
+        (
+            ["algorithm.adv_estimator=rloo", "algorithm.loss_agg=seq-mean-token-sum-norm"],
+            ["advantage/std"],
+        ),
     ],
     ids=["gae-critic", "kl-loss-reference", "reinforce_pp-kl-penalty", "rloo"],
 )

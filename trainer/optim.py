@@ -7,8 +7,9 @@ import math
 import torch
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str,
-              min_lr_ratio: float) -> float:
+def lr_factor(
+    step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float
+) -> float:
     """Multiplier of the base LR at optimizer step ``step`` (0-based).
 
     Linear warm-up over ``warmup_steps`` optimizer steps, then constant or cosine decay to
@@ -25,14 +26,28 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str,
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params, *, lr: float, weight_decay: float, warmup_steps: int,
-                    total_steps: int, schedule: str, min_lr_ratio: float):
+def build_optimizer(
+    params,
+    *,
+    lr: float,
+    weight_decay: float,
+    warmup_steps: int,
+    total_steps: int,
+    schedule: str,
+    min_lr_ratio: float,
+):
     """AdamW with a ``LambdaLR`` over :func:`lr_factor`; returns ``(optimizer, scheduler)``."""
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999),
-                                  eps=1e-8)
+    optimizer = torch.optim.AdamW(
+        params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda s: lr_factor(s, warmup_steps=warmup_steps, total_steps=total_steps,
-                            schedule=schedule, min_lr_ratio=min_lr_ratio),
+        lambda s: lr_factor(
+            s,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            schedule=schedule,
+            min_lr_ratio=min_lr_ratio,
+        ),
     )
     return optimizer, scheduler

@@ -100,8 +100,9 @@ def run_probe(cfg: Config, rollouts: str | Path) -> int:
     from trainer.controller import run_training
 
     # Absolute: the replay host is a Ray actor, whose working directory may differ.
-    return run_training(cfg, replay_dir=str(Path(rollouts).resolve()), save_checkpoints=False,
-                        command="probe")
+    return run_training(
+        cfg, replay_dir=str(Path(rollouts).resolve()), save_checkpoints=False, command="probe"
+    )
 
 
 def main(config: str | None, overrides: list[str], *, rollouts: str, steps: int, out: str) -> int:

@@ -26,8 +26,12 @@ class CriticWorker(FSDPWorker):
         from rollout.models import load_model
 
         hal.register_attention()
-        model = load_model(self.spec.model_path, dtype=self.spec.dtype, seed=self.spec.seed,
-                           attn_implementation=hal.ATTN_IMPLEMENTATION)
+        model = load_model(
+            self.spec.model_path,
+            dtype=self.spec.dtype,
+            seed=self.spec.seed,
+            attn_implementation=hal.ATTN_IMPLEMENTATION,
+        )
         hidden = model.config.hidden_size
         model.config.tie_word_embeddings = False
         head = torch.nn.Linear(hidden, 1, bias=True, dtype=model.lm_head.weight.dtype)
@@ -37,16 +41,21 @@ class CriticWorker(FSDPWorker):
         return model
 
     def _values(self, mb: StepBatch) -> torch.Tensor:
-        out = hal.packed_forward(self.model, self.to_device(mb.input_ids),
-                                 self.to_device(mb.position_ids), self.to_device(mb.cu_seqlens))
+        out = hal.packed_forward(
+            self.model,
+            self.to_device(mb.input_ids),
+            self.to_device(mb.position_ids),
+            self.to_device(mb.cu_seqlens),
+        )
         return shift_to_targets(out[:, 0].float(), self.to_device(mb.cu_seqlens))
 
     def compute_values(self, micro_batches: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Values of this rank's rows as ``(rows, values)`` (see ``per_token_pass``)."""
         return self.per_token_pass(micro_batches, self._values)
 
-    def train_mini_batch(self, micro_batches: list[list[int]], mini_batch_rows: list[int],
-                         options: dict[str, Any]) -> dict[str, float]:
+    def train_mini_batch(
+        self, micro_batches: list[list[int]], mini_batch_rows: list[int], options: dict[str, Any]
+    ) -> dict[str, float]:
         """One optimizer step of the value loss on this rank's micro-batches (normalised by
         the global counts of ``mini_batch_rows``, every real row of the mini-batch)."""
         from trainer.losses import value_loss_for_micro_batch

@@ -24,8 +24,14 @@ def shift_to_targets(per_position: torch.Tensor, cu_seqlens: torch.Tensor) -> to
     return out.masked_fill(row_start_mask(cu_seqlens, per_position.shape[0]), 0.0)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                   *, temperature: float = 1.0, chunk_tokens: int = 4096) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+) -> torch.Tensor:
     """Log-probability [T] (float32) of each token under ``log_softmax(logits / temperature)``.
 
     ``logits`` is [T, V] from a packed forward. Computed in chunks of ``chunk_tokens`` tokens
@@ -36,18 +42,23 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: to
     targets[:-1] = input_ids[1:]
     pieces = []
     for start in range(0, num_tokens, chunk_tokens):
-        part = logits[start:start + chunk_tokens].float() / temperature
+        part = logits[start : start + chunk_tokens].float() / temperature
         lp = torch.log_softmax(part, dim=-1)
-        pieces.append(lp.gather(-1, targets[start:start + chunk_tokens, None]).squeeze(-1))
+        pieces.append(lp.gather(-1, targets[start : start + chunk_tokens, None]).squeeze(-1))
     return shift_to_targets(torch.cat(pieces), cu_seqlens)
 
 
-def token_entropy(logits: torch.Tensor, cu_seqlens: torch.Tensor, *, temperature: float = 1.0,
-                  chunk_tokens: int = 4096) -> torch.Tensor:
+def token_entropy(
+    logits: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+) -> torch.Tensor:
     """Entropy [T] (float32) of the distribution that predicted each token (same alignment)."""
     pieces = []
     for start in range(0, logits.shape[0], chunk_tokens):
-        part = logits[start:start + chunk_tokens].float() / temperature
+        part = logits[start : start + chunk_tokens].float() / temperature
         lp = torch.log_softmax(part, dim=-1)
         pieces.append(-(lp.exp() * lp).sum(-1))
     return shift_to_targets(torch.cat(pieces), cu_seqlens)

@@ -25,27 +25,27 @@ from trainer.optim import build_optimizer
 class WorkerSpec:
     """Everything a worker needs to start; plain data so it pickles into Ray."""
 
-    role: str                      # "actor", "reference" or "critic"
+    role: str  # "actor", "reference" or "critic"
     rank: int
-    world_size: int                # data-parallel ranks of this role
-    device: str                    # HAL backend name: auto | cpu | <accelerator>
+    world_size: int  # data-parallel ranks of this role
+    device: str  # HAL backend name: auto | cpu | <accelerator>
     model_path: str
-    dtype: str                     # parameter storage dtype
+    dtype: str  # parameter storage dtype
     seed: int
     trainable: bool = True
     lr: float = 1e-6
     weight_decay: float = 0.0
-    warmup_steps: int = 0          # optimizer steps
+    warmup_steps: int = 0  # optimizer steps
     total_optimizer_steps: int = 1
     lr_schedule: str = "constant"
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
-    param_dtype: str | None = None   # FSDP mixed precision compute dtype (None: as stored)
+    param_dtype: str | None = None  # FSDP mixed precision compute dtype (None: as stored)
     reduce_dtype: str | None = None  # gradient reduction dtype
     param_offload: bool = False
     optimizer_offload: bool = False
     deterministic: bool = False
-    threads: int = 1               # CPU threads of this process
+    threads: int = 1  # CPU threads of this process
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -93,7 +93,10 @@ class FSDPWorker:
         if spec.deterministic:
             self.deterministic_settings = self.backend.set_deterministic(spec.seed)
         self.backend.init_process_group(
-            spec.rank, spec.world_size, master_addr=master_addr, master_port=master_port,
+            spec.rank,
+            spec.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
             timeout_s=600,
         )
         self.device = self.backend.device(self.local_rank())
@@ -101,8 +104,9 @@ class FSDPWorker:
         self.backend.manual_seed(spec.seed)
         model = self.build_model()
         model.to(self.device)
-        mp = MixedPrecisionPolicy(param_dtype=_dtype(spec.param_dtype),
-                                  reduce_dtype=_dtype(spec.reduce_dtype))
+        mp = MixedPrecisionPolicy(
+            param_dtype=_dtype(spec.param_dtype), reduce_dtype=_dtype(spec.reduce_dtype)
+        )
         for layer in self._layers(model):
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
@@ -110,8 +114,11 @@ class FSDPWorker:
         if spec.trainable:
             self.optimizer, self.scheduler = build_optimizer(
                 [p for p in model.parameters() if p.requires_grad],
-                lr=spec.lr, weight_decay=spec.weight_decay, warmup_steps=spec.warmup_steps,
-                total_steps=spec.total_optimizer_steps, schedule=spec.lr_schedule,
+                lr=spec.lr,
+                weight_decay=spec.weight_decay,
+                warmup_steps=spec.warmup_steps,
+                total_steps=spec.total_optimizer_steps,
+                schedule=spec.lr_schedule,
                 min_lr_ratio=spec.min_lr_ratio,
             )
         else:
@@ -120,8 +127,11 @@ class FSDPWorker:
         # Different ranks draw different dropout / sampling noise from here on.
         self.backend.manual_seed(spec.seed + 1000 * (spec.rank + 1))
         num_params = sum(p.numel() for p in model.parameters())
-        return {"rank": spec.rank, "num_params": int(num_params),
-                "deterministic": self.deterministic_settings}
+        return {
+            "rank": spec.rank,
+            "num_params": int(num_params),
+            "deterministic": self.deterministic_settings,
+        }
 
     def local_rank(self) -> int:
         """This process's device index among the devices it can see.
@@ -183,7 +193,7 @@ class FSDPWorker:
             offset = 0
             for r in rows:
                 start, end = int(cu[r]), int(cu[r + 1])
-                full[start:end] = torch.from_numpy(values[offset:offset + end - start])
+                full[start:end] = torch.from_numpy(values[offset : offset + end - start])
                 offset += end - start
         batch.set_token_field(name, full)
 
@@ -192,8 +202,9 @@ class FSDPWorker:
         return self.batch.select(rows)
 
     @torch.no_grad()
-    def per_token_pass(self, micro_batches: list[list[int]],
-                       per_token) -> tuple[np.ndarray, np.ndarray]:
+    def per_token_pass(
+        self, micro_batches: list[list[int]], per_token
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Run ``per_token(micro_batch) -> [T] tensor`` over this rank's micro-batches.
 
         Padding rows (``-1``) are forwarded, to keep collectives in step with the other ranks,
@@ -209,7 +220,7 @@ class FSDPWorker:
             for j, r in enumerate(rows):
                 if r >= 0:
                     rows_out.append(r)
-                    pieces.append(values[cu[j]:cu[j + 1]])
+                    pieces.append(values[cu[j] : cu[j + 1]])
         flat = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
         return np.asarray(rows_out, dtype=np.int64), flat
 
@@ -233,10 +244,17 @@ class FSDPWorker:
         kl_coef = float(options.pop("kl_penalty_coef", 0.0))
         kl_estimator = options.pop("kl_estimator", "k1")
         if kl_coef and "ref_logprobs" in batch.token_fields:
-            batch.set_token_field("token_rewards", apply_kl_penalty(
-                batch.token_fields["token_rewards"], batch.token_fields["old_logprobs"],
-                batch.token_fields["ref_logprobs"], kl_coef, kl_estimator,
-                loss_mask=batch.loss_mask))
+            batch.set_token_field(
+                "token_rewards",
+                apply_kl_penalty(
+                    batch.token_fields["token_rewards"],
+                    batch.token_fields["old_logprobs"],
+                    batch.token_fields["ref_logprobs"],
+                    kl_coef,
+                    kl_estimator,
+                    loss_mask=batch.loss_mask,
+                ),
+            )
         advantages, returns = compute_advantages(batch, **options)
         batch.set_token_field("advantages", advantages.float())
         batch.set_token_field("returns", returns.float())
@@ -244,8 +262,7 @@ class FSDPWorker:
         if not bool(mask.any()):
             return {"advantage/mean": 0.0, "advantage/std": 0.0}
         adv = advantages[mask].double()
-        out = {"advantage/mean": float(adv.mean()),
-               "advantage/std": float(adv.std(unbiased=False))}
+        out = {"advantage/mean": float(adv.mean()), "advantage/std": float(adv.std(unbiased=False))}
         if "old_logprobs" in batch.token_fields:
             # Engine vs trainer logprobs of the same tokens: the rollout/training mismatch.
             gap = batch.token_fields["old_logprobs"] - batch.token_fields["rollout_logprobs"]
@@ -313,7 +330,8 @@ class FSDPWorker:
         optim = None
         if self.optimizer is not None:
             optim = get_optimizer_state_dict(
-                self.model, self.optimizer,
+                self.model,
+                self.optimizer,
                 options=StateDictOptions(full_state_dict=True, cpu_offload=True),
             )
         if self.spec.rank == 0:
@@ -341,11 +359,13 @@ class FSDPWorker:
         ckpt = Path(ckpt_dir)
         prefix = self.spec.role
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        set_model_state_dict(self.model, load_safetensors(ckpt / f"{prefix}_model.safetensors"),
-                             options=options)
+        set_model_state_dict(
+            self.model, load_safetensors(ckpt / f"{prefix}_model.safetensors"), options=options
+        )
         if self.optimizer is not None:
-            set_optimizer_state_dict(self.model, self.optimizer,
-                                     load_torch(ckpt / f"{prefix}_optim.pt"), options=options)
+            set_optimizer_state_dict(
+                self.model, self.optimizer, load_torch(ckpt / f"{prefix}_optim.pt"), options=options
+            )
             self.scheduler.load_state_dict(load_torch(ckpt / f"{prefix}_scheduler.pt"))
         rng_file = ckpt / f"{prefix}_rng_rank{self.spec.rank}.pt"
         if rng_file.exists():  # a different dp size resumes with fresh per-rank streams

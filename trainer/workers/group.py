@@ -35,8 +35,11 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> bool:
     # Local runs need no token; a cluster the user started keeps its own settings.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": "ERROR",
-                              "log_to_driver": True}
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "logging_level": "ERROR",
+        "log_to_driver": True,
+    }
     if address is None:
         ray.init(num_cpus=num_cpus, **kwargs)
     else:
@@ -87,8 +90,9 @@ def make_placement(resource: str, num_bundles: int, *, timeout_s: float) -> Plac
     return Placement(group=group, resource=resource, per_bundle=1.0)
 
 
-def wait_all(refs: Sequence[ray.ObjectRef], names: Sequence[str], *, timeout_s: float,
-             what: str) -> list[Any]:
+def wait_all(
+    refs: Sequence[ray.ObjectRef], names: Sequence[str], *, timeout_s: float, what: str
+) -> list[Any]:
     """Results of ``refs`` in order; the first failure raises ``WorkerFailedError`` naming
     the worker (``names[i]`` for ``refs[i]``) without waiting for the others."""
     index = {ref: i for i, ref in enumerate(refs)}
@@ -106,9 +110,13 @@ def wait_all(refs: Sequence[ray.ObjectRef], names: Sequence[str], *, timeout_s: 
             try:
                 results[i] = ray.get(ref)
             except ray.exceptions.RayActorError as err:
-                raise WorkerFailedError(f"{what}: worker {names[i]} died ({_first_line(err)})") from err
+                raise WorkerFailedError(
+                    f"{what}: worker {names[i]} died ({_first_line(err)})"
+                ) from err
             except ray.exceptions.RayTaskError as err:
-                raise WorkerFailedError(f"{what}: worker {names[i]} raised {_first_line(err)}") from err
+                raise WorkerFailedError(
+                    f"{what}: worker {names[i]} raised {_first_line(err)}"
+                ) from err
     return results
 
 

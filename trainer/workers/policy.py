@@ -21,12 +21,18 @@ class PolicyWorker(FSDPWorker):
         from rollout.models import load_model
 
         hal.register_attention()
-        return load_model(self.spec.model_path, dtype=self.spec.dtype, seed=self.spec.seed,
-                          attn_implementation=hal.ATTN_IMPLEMENTATION)
+        return load_model(
+            self.spec.model_path,
+            dtype=self.spec.dtype,
+            seed=self.spec.seed,
+            attn_implementation=hal.ATTN_IMPLEMENTATION,
+        )
 
     def _logits(self, mb: StepBatch) -> torch.Tensor:
         return hal.packed_forward(
-            self.model, self.to_device(mb.input_ids), self.to_device(mb.position_ids),
+            self.model,
+            self.to_device(mb.input_ids),
+            self.to_device(mb.position_ids),
             self.to_device(mb.cu_seqlens),
         )
 
@@ -34,12 +40,19 @@ class PolicyWorker(FSDPWorker):
         """Log-probabilities of this rank's rows under the current weights, as
         ``(rows, values)`` (see ``FSDPWorker.per_token_pass``)."""
         temperature = float(self.spec.extra.get("temperature", 1.0))
-        return self.per_token_pass(micro_batches, lambda mb: token_logprobs(
-            self._logits(mb), self.to_device(mb.input_ids), self.to_device(mb.cu_seqlens),
-            temperature=temperature))
+        return self.per_token_pass(
+            micro_batches,
+            lambda mb: token_logprobs(
+                self._logits(mb),
+                self.to_device(mb.input_ids),
+                self.to_device(mb.cu_seqlens),
+                temperature=temperature,
+            ),
+        )
 
-    def train_mini_batch(self, micro_batches: list[list[int]], mini_batch_rows: list[int],
-                         options: dict[str, Any]) -> dict[str, float]:
+    def train_mini_batch(
+        self, micro_batches: list[list[int]], mini_batch_rows: list[int], options: dict[str, Any]
+    ) -> dict[str, float]:
         """One optimizer step of the actor on this rank's micro-batches of one mini-batch.
 
         ``mini_batch_rows`` are all real rows of the mini-batch (every rank's); the loss is
@@ -59,14 +72,17 @@ class PolicyWorker(FSDPWorker):
             logits = self._logits(mb)
             cu = self.to_device(mb.cu_seqlens)
             mask = self.to_device(mb.loss_mask)
-            logprobs = token_logprobs(logits, self.to_device(mb.input_ids), cu,
-                                      temperature=temperature)
+            logprobs = token_logprobs(
+                logits, self.to_device(mb.input_ids), cu, temperature=temperature
+            )
             # Entropy is always logged; it carries gradient only when it is in the loss.
-            entropy = token_entropy(logits if entropy_coef else logits.detach(), cu,
-                                    temperature=temperature)
+            entropy = token_entropy(
+                logits if entropy_coef else logits.detach(), cu, temperature=temperature
+            )
             field = mb.token_fields
             terms = policy_loss_terms(
-                logprobs, self.to_device(field["old_logprobs"]),
+                logprobs,
+                self.to_device(field["old_logprobs"]),
                 self.to_device(field["advantages"]),
                 ref_logprobs=self.to_device(field["ref_logprobs"]) if use_kl_loss else None,
                 entropy=entropy,
@@ -76,9 +92,14 @@ class PolicyWorker(FSDPWorker):
                 clip_ratio_c=options["clip_ratio_c"],
             )
             loss = loss_for_micro_batch(
-                terms, mask, cu, normalizers, mode=options["loss_agg"],
+                terms,
+                mask,
+                cu,
+                normalizers,
+                mode=options["loss_agg"],
                 kl_loss_coef=float(options.get("kl_coef", 0.0)) if use_kl_loss else 0.0,
-                entropy_coef=entropy_coef, horizon=options.get("horizon"),
+                entropy_coef=entropy_coef,
+                horizon=options.get("horizon"),
             )
             sums = dict(masked_sums(terms, mask))
             sums["loss"] = loss.detach()

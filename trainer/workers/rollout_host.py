@@ -40,15 +40,20 @@ class RolloutHost:
         self.tokenizer = load_tokenizer("builtin" if is_builtin else model_path)
         roll = cfg["rollout"]
         if roll["engine"] == "hf":
-            model = load_model(model_path, dtype=cfg["model"]["dtype"], seed=cfg["seed"],
-                               device=backend.device(0))
+            model = load_model(
+                model_path, dtype=cfg["model"]["dtype"], seed=cfg["seed"], device=backend.device(0)
+            )
             model.eval()
             self.engine = make_engine("hf", model, self.tokenizer)
         else:
             directory = builtin_weights_dir(model_path, cfg["seed"]) if is_builtin else model_path
             self.engine = make_engine(
-                "vllm", str(directory), self.tokenizer, dtype=cfg["model"]["dtype"],
-                seed=cfg["seed"], gpu_memory_utilization=roll["memory_fraction"],
+                "vllm",
+                str(directory),
+                self.tokenizer,
+                dtype=cfg["model"]["dtype"],
+                seed=cfg["seed"],
+                gpu_memory_utilization=roll["memory_fraction"],
                 tensor_parallel_size=roll["tensor_parallel_size"],
                 max_model_len=roll["max_input_len"] + roll["max_new_tokens"],
             )
@@ -69,15 +74,27 @@ class RolloutHost:
 
         cfg, roll = self.cfg, self.cfg["rollout"]
         items = self.prompts.batch(step - 1, cfg["train"]["batch_size"])
-        sampling = SamplingParams(max_new_tokens=roll["max_new_tokens"],
-                                  temperature=roll["temperature"], top_p=roll["top_p"],
-                                  top_k=roll["top_k"])
+        sampling = SamplingParams(
+            max_new_tokens=roll["max_new_tokens"],
+            temperature=roll["temperature"],
+            top_p=roll["top_p"],
+            top_k=roll["top_k"],
+        )
         out = run_rollouts(
-            self.engine, self.tokenizer, self.env_factory, items, n=roll["n"],
-            max_turns=roll["max_turns"], step_wise=roll["step_wise"],
-            merge_stepwise=roll["merge_stepwise"], max_input_len=roll["max_input_len"],
-            max_new_tokens=roll["max_new_tokens"], sampling=sampling, seed=cfg["seed"],
-            step=step, stop_strings=tuple(roll["stop_strings"]),
+            self.engine,
+            self.tokenizer,
+            self.env_factory,
+            items,
+            n=roll["n"],
+            max_turns=roll["max_turns"],
+            step_wise=roll["step_wise"],
+            merge_stepwise=roll["merge_stepwise"],
+            max_input_len=roll["max_input_len"],
+            max_new_tokens=roll["max_new_tokens"],
+            sampling=sampling,
+            seed=cfg["seed"],
+            step=step,
+            stop_strings=tuple(roll["stop_strings"]),
         )
         if not out.rows:
             raise RuntimeError(
@@ -94,7 +111,9 @@ class RolloutHost:
 
     def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
         """Load one bucket of new weights (HF names -> float32 arrays) into the engine."""
-        self.engine.update_weights((name, torch.from_numpy(array)) for name, array in bucket.items())
+        self.engine.update_weights(
+            (name, torch.from_numpy(array)) for name, array in bucket.items()
+        )
         return len(bucket)
 
     def shutdown(self) -> None:
@@ -148,8 +167,9 @@ class ReplayHost:
 
         path = Path(self.rollouts_dir) / f"step_{step}.npz"
         if not path.is_file():
-            raise ValueError(f"--rollouts: {path} is missing; record at least as many steps "
-                             f"as --steps asks for")
+            raise ValueError(
+                f"--rollouts: {path} is missing; record at least as many steps as --steps asks for"
+            )
         arrays = load_rollout(path)
         batch = StepBatch.from_numpy(arrays)
         return batch_metadata(batch, {}), [ray.put(arrays)]
