@@ -1,4 +1,5 @@
-"""The training data model: `Row` (one sequence from rollout) and `StepBatch` (packed columns).
+"""The training data model: `Row` (one sequence as the rollout layer emits it) and `StepBatch`
+(packed columns).
 
 A `StepBatch` never pads to `[batch, max_len]`. Token fields are concatenated over all rows
 with the token axis LAST (so multimodal position ids may be `[3, T]`), row fields have the
