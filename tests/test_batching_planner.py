@@ -130,10 +130,9 @@ def check_promises(
         assert (plan.row_mini_batch[i], plan.row_rank[i], plan.row_micro_batch[i]) == (m, r, k)
 
 
-@SETTINGS
-@given(workloads())
-def test_promises_on_random_multi_turn_workloads(w):
-    plan = plan_minibatches(
+def _plan_workload(w: dict):
+    """The plan of a generated workload dict (see ``workloads``)."""
+    return plan_minibatches(
         w["trajectory_ids"],
         w["seq_lens"],
         mini_batch_size=w["mini_batch_size"],
@@ -141,7 +140,12 @@ def test_promises_on_random_multi_turn_workloads(w):
         max_tokens_per_micro_batch=w["max_tokens_per_micro_batch"],
         group_ids=w["group_ids"],
     )
-    check_promises(plan, **w)
+
+
+@SETTINGS
+@given(workloads())
+def test_promises_on_random_multi_turn_workloads(w):
+    check_promises(_plan_workload(w), **w)
 
 
 @settings(max_examples=25, deadline=None)
@@ -355,14 +359,7 @@ def test_promises_hold_on_the_large_input_code_paths(w):
         mock.patch.object(planner, "_MAX_ADAPTIVE_ROUNDS", 1),
         mock.patch.object(planner, "_REFINE_THRESHOLD_INV", 10**9),
     ):
-        plan = plan_minibatches(
-            w["trajectory_ids"],
-            w["seq_lens"],
-            mini_batch_size=w["mini_batch_size"],
-            dp_size=w["dp_size"],
-            max_tokens_per_micro_batch=w["max_tokens_per_micro_batch"],
-            group_ids=w["group_ids"],
-        )
+        plan = _plan_workload(w)
     check_promises(plan, **w)
 
 

@@ -466,6 +466,12 @@ def compare_runs(
     return report
 
 
+def _compare_exact(step: int, name: str, fa: dict, fb: dict) -> Comparison:
+    """Field ``name`` must be present in both fingerprints and equal."""
+    ok = name in fa and name in fb and fa[name] == fb[name]
+    return Comparison(step, name, fa.get(name), fb.get(name), ok=ok)
+
+
 def _compare_step(
     step: int, fa: dict, fb: dict, tol: Tolerance, notes: list[str]
 ) -> list[Comparison]:
@@ -473,15 +479,7 @@ def _compare_step(
     known = {"step", *EXACT_FIELDS, *NUMERIC_FIELDS, CHECKSUM_FIELD}
     for name in EXACT_FIELDS:
         if name in fa or name in fb:
-            out.append(
-                Comparison(
-                    step,
-                    name,
-                    fa.get(name),
-                    fb.get(name),
-                    ok=name in fa and name in fb and fa[name] == fb[name],
-                )
-            )
+            out.append(_compare_exact(step, name, fa, fb))
     for name in NUMERIC_FIELDS:
         if name in fa or name in fb:
             out.append(
@@ -497,16 +495,7 @@ def _compare_step(
             f"differs); not compared"
         )
     # Fields this version does not know (a newer trainer) are compared exactly if both have them.
-    for name in sorted((set(fa) | set(fb)) - known):
-        out.append(
-            Comparison(
-                step,
-                name,
-                fa.get(name),
-                fb.get(name),
-                ok=name in fa and name in fb and fa[name] == fb[name],
-            )
-        )
+    out.extend(_compare_exact(step, name, fa, fb) for name in sorted((set(fa) | set(fb)) - known))
     return out
 
 

@@ -60,7 +60,6 @@ class Placement:
 
     group: PlacementGroup
     resource: str
-    per_bundle: float
 
     def strategy(self, bundle_index: int) -> PlacementGroupSchedulingStrategy:
         """Scheduling strategy that pins an actor to one bundle."""
@@ -87,7 +86,7 @@ def make_placement(resource: str, num_bundles: int, *, timeout_s: float) -> Plac
             f"(Ray reports {available:g} {resource} free): lower train.dp_size, free the "
             f"devices, or raise ray.placement_timeout_s"
         )
-    return Placement(group=group, resource=resource, per_bundle=1.0)
+    return Placement(group=group, resource=resource)
 
 
 def wait_all(
