@@ -26,30 +26,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 import hal
+from rollout.models import SHAPES
 
 __all__ = ["QWEN25_05B", "GpuSizes", "format_table", "measure", "model_flops_per_update", "run"]
 
 #: Qwen2.5-0.5B's architecture (config.json of Qwen/Qwen2.5-0.5B), weights random.
-QWEN25_05B = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "max_position_embeddings": 32768,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-    "hidden_act": "silu",
-    "attention_dropout": 0.0,
-    "use_sliding_window": False,
-    "bos_token_id": 151643,
-    "eos_token_id": 151643,
-    "pad_token_id": 151643,
-}
+QWEN25_05B = SHAPES["qwen2.5-0.5b"]
 
 
 @dataclass(frozen=True)

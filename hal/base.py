@@ -81,6 +81,15 @@ class DeviceBackend:
             "max_allocated": int(mod.max_memory_allocated()),
         }
 
+    def peak_memory_bytes(self) -> int:
+        """Peak device memory allocated by this process since the last
+        ``reset_peak_memory`` (bytes)."""
+        return int(self.device_module().max_memory_allocated())
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak for ``peak_memory_bytes``."""
+        self.device_module().reset_peak_memory_stats()
+
     # ---- seeds and determinism --------------------------------------------------------------
 
     def manual_seed(self, seed: int) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import platform
+import resource
+import sys
 
 import torch
 
@@ -40,6 +42,15 @@ class CpuBackend(DeviceBackend):
     def memory_stats(self) -> dict[str, int]:
         """Zeros: torch does not track cpu allocations per device."""
         return {"allocated": 0, "reserved": 0, "max_allocated": 0}
+
+    def peak_memory_bytes(self) -> int:
+        """Peak resident set size of this process over its whole life (bytes): the host is
+        the device; the kernel keeps no resettable peak."""
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux counts KiB
+
+    def reset_peak_memory(self) -> None:
+        """No-op: a process's peak RSS cannot be reset."""
 
     def device_names(self) -> list[str]:
         """One human-readable name for the host processor."""

@@ -21,6 +21,31 @@ from transformers.utils import logging as hf_logging
 BUILTIN_MODELS_DIR = Path(__file__).resolve().parent / "assets" / "models"
 BUILTIN_MODELS = ("tiny", "small")  # tiny: 0.1M params (tests), small: 19M params (benchmarks)
 
+#: Published architectures, for random-weight stand-ins on machines without the real weights
+#: (accelerator bring-up, benchmarks). Each is the model's own config.json, weights random.
+SHAPES: dict[str, dict] = {
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "pad_token_id": 151643,
+    },
+}
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -89,6 +114,43 @@ def builtin_weights_dir(name: str, seed: int) -> Path:
     return final
 
 
+def write_random_model(
+    out_dir: str | Path, shape: str | dict, *, seed: int = 0, dtype: str = "float32"
+) -> Path:
+    """Write a local model directory with random weights: ``config.json``, safetensors and the
+    shipped tokenizer's files, loadable as ``model.path=<out_dir>``.
+
+    ``shape``: a name from ``SHAPES`` (e.g. ``qwen2.5-0.5b``) or a config.json dict.
+    ``dtype``: storage dtype of the written weights. The tokenizer is the shipped
+    character-level one: token ids past its 102 entries decode to nothing, which a random
+    model's samples mostly are. The directory is written under a temporary name and renamed;
+    an existing ``out_dir`` is an error (nothing is overwritten).
+    """
+    from transformers import Qwen2Config
+
+    from rollout.tokenizer import BUILTIN_TOKENIZER_DIR
+
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise ValueError(f"shape={shape!r}: unknown; use one of {sorted(SHAPES)} or a dict")
+        shape = SHAPES[shape]
+    final = Path(out_dir).expanduser()
+    if final.exists():
+        raise ValueError(f"{str(final)!r} exists; give a new directory (nothing is overwritten)")
+    config = Qwen2Config(**{k: v for k, v in shape.items() if k != "architectures"})
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=parse_dtype(dtype))
+    hf_logging.disable_progress_bar()
+    model.save_pretrained(str(tmp))
+    for item in BUILTIN_TOKENIZER_DIR.iterdir():
+        if item.is_file():
+            shutil.copy2(item, tmp / item.name)
+    os.replace(tmp, final)
+    return final
+
+
 def load_model(
     path_or_name: str | Path,
     *,
@@ -121,3 +183,31 @@ def load_model(
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs)
     return model.to(torch.device(device))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rollout.models random SHAPE OUT_DIR [--seed N] [--dtype D]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m rollout.models",
+        description="write a random-weight model directory of a published shape",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    rnd = sub.add_parser("random", help="random weights in SHAPE's architecture")
+    rnd.add_argument("shape", choices=sorted(SHAPES))
+    rnd.add_argument("out_dir")
+    rnd.add_argument("--seed", type=int, default=0)
+    rnd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args(argv)
+    try:
+        path = write_random_model(args.out_dir, args.shape, seed=args.seed, dtype=args.dtype)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,10 +7,11 @@ local HF tokenizer directory (usually the model directory). Nothing is ever down
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 BUILTIN_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tokenizer"
 
@@ -37,11 +38,30 @@ def load_tokenizer(path_or_name: str | Path = "builtin") -> PreTrainedTokenizerB
                 f"tokenizer path {name!r} is not a directory; pass a local HF tokenizer/model "
                 "directory or 'builtin' for the shipped tiny tokenizer (nothing is downloaded)"
             )
-    tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    if _declares_plain_fast_tokenizer(directory):
+        # transformers 5 picks the tokenizer class from config.json's model_type when one sits
+        # beside it (a qwen2 model gets Qwen2Tokenizer, whose pre-tokenizer drops spaces and
+        # newlines of a plain tokenizer.json): honour the directory's own declaration.
+        tok = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
+
+
+def _declares_plain_fast_tokenizer(directory: Path) -> bool:
+    """True when ``tokenizer_config.json`` names the generic fast tokenizer class
+    (``PreTrainedTokenizerFast``, transformers 5's ``TokenizersBackend``)."""
+    config = directory / "tokenizer_config.json"
+    if not config.is_file():
+        return False
+    try:
+        declared = json.loads(config.read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return False  # AutoTokenizer reports a damaged file better than we can
+    return declared in ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def chat_token_ids(

@@ -26,6 +26,7 @@ from trainer.parity import (
     read_run,
     record_rollout,
     recorded_steps,
+    tolerance_used_by_field,
     tracked_parameter_names,
 )
 
@@ -307,3 +308,17 @@ def test_recorded_rollouts_round_trip_without_pickle(tmp_path):
     assert back.keys() == arrays.keys()
     for key, value in arrays.items():
         assert back[key].dtype == value.dtype and np.array_equal(back[key], value)
+
+
+def test_report_shows_share_of_tolerance_used(tmp_path):
+    def nudge(records):
+        records[0]["actor_loss"] += 1e-6  # well inside the float32 tolerance
+
+    report = compare_runs(_copy_with(tmp_path, "a"), _copy_with(tmp_path, "b", nudge))
+    assert report.agree
+    used = tolerance_used_by_field(report.comparisons)
+    loss = next(c for c in report.comparisons if c.field == "actor_loss" and c.step == 1)
+    assert used["actor_loss"] == pytest.approx(loss.diff / loss.allowed)
+    assert 0 < used["actor_loss"] < 1
+    assert used["old_logprob_mean"] == 0.0
+    assert "largest share of the tolerance used, per field:" in format_report(report)

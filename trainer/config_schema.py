@@ -226,10 +226,17 @@ class TrainConfig(BaseModel):
         False, description="keep optimizer state in host memory between steps"
     )
     param_dtype: TrainDtype = Field(
-        "float32", description="dtype of parameters in forward/backward (mixed precision)"
+        "float32",
+        description="compute dtype of forward/backward (FSDP2 mixed precision); parameters "
+        "and optimizer state stay float32",
     )
     reduce_dtype: TrainDtype = Field(
         "float32", description="dtype in which gradients are reduced across ranks"
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer's activations in backward instead of "
+        "keeping them (less memory, about a third more compute)",
     )
 
 

@@ -121,7 +121,9 @@ class Trainer:
                     world_size=dp,
                     device=cfg.device,
                     model_path=over.get("path", cfg.model.path),
-                    dtype=over.get("dtype", cfg.train.param_dtype),
+                    # Master weights and optimizer state are fp32 always; param_dtype is only
+                    # FSDP2's compute dtype (AdamW on bf16 weights drops lr-1e-6 updates).
+                    dtype="float32",
                     seed=cfg.seed,
                     trainable=trainable,
                     lr=over.get("lr", cfg.train.lr),
@@ -133,6 +135,7 @@ class Trainer:
                     grad_clip=over.get("grad_clip", cfg.train.grad_clip) or 1e9,
                     param_dtype=cfg.train.param_dtype,
                     reduce_dtype=cfg.train.reduce_dtype,
+                    activation_checkpointing=cfg.train.activation_checkpointing,
                     deterministic=cfg.run.deterministic,
                     threads=threads,
                     param_offload=cfg.train.param_offload,
@@ -202,6 +205,7 @@ class Trainer:
             for group in self._all_groups():
                 group.call("offload_states")
         metrics = self._metrics(step, meta, plan, sums, adv_metrics, timer)
+        metrics.update(self._peak_memory())
         fingerprint = self._fingerprint(step, plan, sums, metrics)
         return metrics, fingerprint
 
@@ -316,6 +320,13 @@ class Trainer:
             self.actor.call("push_weights", self.rollout, 64 << 20)
 
     # ------------------------------------------------------------------ records
+    def _peak_memory(self) -> dict[str, float]:
+        """``memory/<role>_peak_gb``: the largest rank's peak of this step, per role."""
+        out = {}
+        for group in self._all_groups():
+            out[f"memory/{group.role}_peak_gb"] = max(group.call("peak_memory_gb"))
+        return out
+
     def _metrics(self, step, meta, plan, sums, adv_metrics, timer) -> dict[str, Any]:
         stats = plan_stats(plan)
         tokens = max(1.0, sums.get("actor/loss_tokens", 0.0))

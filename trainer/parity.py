@@ -281,6 +281,14 @@ class Comparison:
     diff: float | None = None
     allowed: float | None = None
 
+    @property
+    def used(self) -> float | None:
+        """Share of the tolerance this value uses: ``|a-b| / allowed`` (> 1 fails); None for
+        exact fields."""
+        if self.diff is None or not self.allowed:
+            return None
+        return self.diff / self.allowed
+
 
 @dataclass
 class ParityReport:
@@ -579,6 +587,28 @@ def _cell(value: Any, width: int = 20) -> str:
     return text[:width]
 
 
+def tolerance_used_by_field(comparisons: list[Comparison]) -> dict[str, float]:
+    """Largest share of the tolerance each numeric field used over all steps
+    (checksum entries grouped under ``param_checksum``), in first-seen order."""
+    out: dict[str, float] = {}
+    for c in comparisons:
+        if c.used is None:
+            continue
+        name = CHECKSUM_FIELD if c.field.startswith(CHECKSUM_FIELD + ".") else c.field
+        out[name] = max(out.get(name, 0.0), c.used)
+    return out
+
+
+def _tolerance_used_summary(comparisons: list[Comparison]) -> list[str]:
+    used = tolerance_used_by_field(comparisons)
+    if not used:
+        return []
+    width = max(len(name) for name in used)
+    lines = ["largest share of the tolerance used, per field:"]
+    lines += [f"  {name:<{width}}  {share:7.1%}" for name, share in used.items()]
+    return [*lines, ""]
+
+
 def format_report(report: ParityReport, *, only_failures: bool = False) -> str:
     """The side-by-side table of a ``ParityReport`` and a closing verdict, as text."""
     tol = report.tolerance
@@ -588,18 +618,22 @@ def format_report(report: ParityReport, *, only_failures: bool = False) -> str:
         f"tolerance: |a-b| <= atol + rtol*scale with rtol={tol.rtol:g}, atol={tol.atol:g} "
         f"({report.tolerance_source})",
         "",
-        f"{'step':>4}  {'field':<44} {'A':>20} {'B':>20} {'|a-b|':>10} {'allowed':>10}  ok",
+        f"{'step':>4}  {'field':<44} {'A':>20} {'B':>20} {'|a-b|':>10} {'allowed':>10} "
+        f"{'used':>7}  ok",
     ]
     for c in report.comparisons:
         if only_failures and c.ok:
             continue
         diff = "" if c.diff is None else f"{c.diff:.3g}"
         allowed = "exact" if c.allowed is None else f"{c.allowed:.3g}"
+        used = "" if c.used is None else f"{c.used:.1%}"
         lines.append(
             f"{c.step:>4}  {c.field[:44]:<44} {_cell(c.a):>20} {_cell(c.b):>20} "
-            f"{diff:>10} {allowed:>10}  {'ok' if c.ok else 'FAIL'}"
+            f"{diff:>10} {allowed:>10} {used:>7}  {'ok' if c.ok else 'FAIL'}"
         )
     lines.append("")
+    if not only_failures:
+        lines += _tolerance_used_summary(report.comparisons)
     lines += report.notes
     first = report.first_divergence
     compared = len(report.comparisons)

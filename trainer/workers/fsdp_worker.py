@@ -30,7 +30,7 @@ class WorkerSpec:
     world_size: int  # data-parallel ranks of this role
     device: str  # HAL backend name: auto | cpu | <accelerator>
     model_path: str
-    dtype: str  # parameter storage dtype
+    dtype: str  # parameter storage dtype (float32: master weights)
     seed: int
     trainable: bool = True
     lr: float = 1e-6
@@ -42,6 +42,7 @@ class WorkerSpec:
     grad_clip: float = 1.0
     param_dtype: str | None = None  # FSDP mixed precision compute dtype (None: as stored)
     reduce_dtype: str | None = None  # gradient reduction dtype
+    activation_checkpointing: bool = False  # recompute decoder layers in backward
     param_offload: bool = False
     optimizer_offload: bool = False
     deterministic: bool = False
@@ -55,6 +56,27 @@ def _dtype(name: str | None) -> torch.dtype | None:
     from rollout.models import parse_dtype
 
     return parse_dtype(name)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> int:
+    """Recompute every decoder layer's activations in backward instead of keeping them.
+
+    Uses transformers' per-layer checkpointing (non-reentrant ``torch.utils.checkpoint``, which
+    composes with FSDP2 and with frozen inputs); it acts only in training mode. Returns the
+    number of decoder layers it covers; a model that does not support it raises, naming
+    ``train.activation_checkpointing``.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"train.activation_checkpointing=true: {type(model).__name__} does not support "
+            "activation checkpointing; set train.activation_checkpointing=false"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # newer transformers' name for it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return len(FSDPWorker._layers(model))
 
 
 class FSDPWorker:
@@ -103,6 +125,8 @@ class FSDPWorker:
         # Every rank starts from identical weights: same path, same seed.
         self.backend.manual_seed(spec.seed)
         model = self.build_model()
+        if spec.activation_checkpointing and spec.trainable:
+            enable_activation_checkpointing(model)
         model.to(self.device)
         mp = MixedPrecisionPolicy(
             param_dtype=_dtype(spec.param_dtype), reduce_dtype=_dtype(spec.reduce_dtype)
@@ -179,6 +203,13 @@ class FSDPWorker:
         if self.spec.optimizer_offload and self.optimizer is not None:
             self.backend.offload(self.optimizer)
         self.backend.empty_cache()
+
+    def peak_memory_gb(self) -> float:
+        """This rank's peak memory since the last call, in GB (1e9 bytes): device memory
+        allocated on an accelerator, the process's peak RSS on the CPU. Starts a new peak."""
+        peak = self.backend.peak_memory_bytes() / 1e9
+        self.backend.reset_peak_memory()
+        return peak
 
     def set_token_field(self, name: str, pieces: list) -> None:
         """Fill token field ``name`` of the whole batch from every rank's ``(rows, values)``
