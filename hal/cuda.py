@@ -1,12 +1,20 @@
-"""The cuda backend: NVIDIA GPUs with NCCL, flash-attn varlen when installed."""
+"""The cuda backend: NVIDIA GPUs with NCCL; varlen attention in half precision through
+flash-attn when installed and loadable, else torch's own flash varlen kernel
+(``torch.nn.attention.varlen``), else SDPA per segment."""
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import warnings
+from collections.abc import Callable
 
 import torch
 
 from hal.base import DeviceBackend
+
+#: Kernels that failed once in this process (import or first call): never tried again.
+_BROKEN: dict[str, str] = {}
 
 
 def flash_attn_installed() -> bool:
@@ -41,6 +49,55 @@ def flash_attn_varlen_kwargs(
     }
 
 
+def _mark_broken(kernel: str, err: BaseException) -> None:
+    """Remember that ``kernel`` failed and say so once; the caller falls back."""
+    if kernel not in _BROKEN:
+        _BROKEN[kernel] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+        warnings.warn(
+            f"crossrl: {kernel} failed ({_BROKEN[kernel]}); varlen attention falls back to "
+            "SDPA per segment (slower, same results). `crossrl devices` shows the kernel in use.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _torch_varlen_fn() -> Callable | None:
+    """``torch.nn.attention.varlen.varlen_attn`` when this torch has it, else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def torch_varlen_kwargs(
+    parameters, *, scale: float, head_dim: int, gqa: bool
+) -> dict[str, object] | None:
+    """Keyword arguments that make torch's ``varlen_attn`` causal with ``scale``, for the
+    parameter names its signature has (they changed between torch releases: ``is_causal`` in
+    2.9, ``window_size`` and ``scale`` from 2.10, ``enable_gqa`` later).
+
+    ``parameters``: the names ``varlen_attn`` accepts. Returns None when this version cannot
+    express the call (no way to ask for causal masking, or a non-default scale it cannot take);
+    grouped-query attention without ``enable_gqa`` is handled by the caller repeating k/v.
+    """
+    names = set(parameters)
+    kwargs: dict[str, object] = {}
+    if "window_size" in names:
+        kwargs["window_size"] = (-1, 0)  # causal: nothing to the right
+    elif "is_causal" in names:
+        kwargs["is_causal"] = True
+    else:
+        return None
+    if "scale" in names:
+        kwargs["scale"] = float(scale)
+    elif abs(scale - head_dim**-0.5) > 1e-12 * max(1.0, scale):
+        return None
+    if gqa and "enable_gqa" in names:
+        kwargs["enable_gqa"] = True
+    return kwargs
+
+
 class CudaBackend(DeviceBackend):
     """NVIDIA GPUs through torch.cuda and NCCL."""
 
@@ -72,8 +129,13 @@ class CudaBackend(DeviceBackend):
 
     @property
     def attention_impl_name(self) -> str:
-        if flash_attn_installed():
+        if flash_attn_installed() and "flash-attn" not in _BROKEN:
             return "flash-attn varlen (fp16/bf16), sdpa-segmented (fp32)"
+        if _torch_varlen_fn() is not None and "torch varlen_attn" not in _BROKEN:
+            return (
+                "torch varlen_attn (fp16/bf16, flash-attn not installed), "
+                "sdpa-segmented (fp32 and deterministic runs)"
+            )
         return "sdpa-segmented (flash-attn not installed)"
 
     def varlen_attention(
@@ -88,19 +150,18 @@ class CudaBackend(DeviceBackend):
         dropout: float = 0.0,
         cu_seqlens_host: list[int] | None = None,
     ) -> torch.Tensor:
-        """flash-attn varlen for half precision when installed, else SDPA per segment."""
-        # flash-attn has no fp32 kernel; fp32 (parity runs) takes the exact reference path
-        if q.dtype in (torch.float16, torch.bfloat16) and flash_attn_installed():
-            from flash_attn import flash_attn_varlen_func
-
-            kwargs = flash_attn_varlen_kwargs(
-                cu_seqlens.to(q.device),
-                max_seqlen,
-                scale,
-                dropout=dropout,
-                deterministic=torch.are_deterministic_algorithms_enabled(),
-            )
-            return flash_attn_varlen_func(q, k, v, **kwargs)
+        """Half precision: flash-attn varlen when installed and loadable, else torch's flash
+        varlen kernel (not in deterministic mode: its backward accumulates with atomics);
+        fp32, and any kernel that failed once, take SDPA per segment (the exact reference)."""
+        if q.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
+            if flash_attn_installed() and "flash-attn" not in _BROKEN:
+                out = self._flash_attn(q, k, v, cu_seqlens, max_seqlen, scale)
+                if out is not None:
+                    return out
+            if not torch.are_deterministic_algorithms_enabled():
+                out = self._torch_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+                if out is not None:
+                    return out
         return super().varlen_attention(
             q,
             k,
@@ -111,3 +172,46 @@ class CudaBackend(DeviceBackend):
             dropout=dropout,
             cu_seqlens_host=cu_seqlens_host,
         )
+
+    @staticmethod
+    def _flash_attn(q, k, v, cu_seqlens, max_seqlen, scale) -> torch.Tensor | None:
+        # PyPI ships flash-attn as source: an install built against another torch or CUDA
+        # imports or loads badly, and must not take the run down with it.
+        try:
+            from flash_attn import flash_attn_varlen_func
+
+            kwargs = flash_attn_varlen_kwargs(
+                cu_seqlens.to(q.device),
+                max_seqlen,
+                scale,
+                deterministic=torch.are_deterministic_algorithms_enabled(),
+            )
+            return flash_attn_varlen_func(q, k, v, **kwargs)
+        except torch.OutOfMemoryError:
+            raise  # a real limit, not a broken kernel
+        except (ImportError, OSError, RuntimeError) as err:
+            _mark_broken("flash-attn", err)
+            return None
+
+    @staticmethod
+    def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scale) -> torch.Tensor | None:
+        fn = _torch_varlen_fn()
+        if fn is None or "torch varlen_attn" in _BROKEN:
+            return None
+        gqa = q.shape[1] != k.shape[1]
+        kwargs = torch_varlen_kwargs(
+            inspect.signature(fn).parameters, scale=scale, head_dim=q.shape[-1], gqa=gqa
+        )
+        if kwargs is None:
+            return None
+        if gqa and "enable_gqa" not in kwargs:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        try:
+            return fn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, NotImplementedError, TypeError) as err:
+            _mark_broken("torch varlen_attn", err)
+            return None

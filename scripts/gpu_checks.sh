@@ -33,7 +33,7 @@ EOF
 
 part_tests() {
     # The whole suite; the cuda-marked tests must run here, not skip (-rs lists every skip).
-    "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 300 tests
+    "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 120 --durations 15 tests
 }
 
 part_job() {
@@ -44,7 +44,8 @@ part_job() {
         model.path="$MODEL" rollout.engine=hf train.dp_size=1 train.total_steps=5 \
         train.batch_size=16 train.mini_batch_size=8 rollout.n=4 rollout.max_turns=2 \
         rollout.max_input_len=1024 rollout.max_new_tokens=256 \
-        train.max_tokens_per_micro_batch=16384 run.save_every=0 run.resume=never \
+        train.max_tokens_per_micro_batch=16384 train.warmup_steps=2 run.save_every=0 \
+        run.resume=never \
         run.dir="$RUNS/job-0.5b"
     "$PY" scripts/summarize_run.py "$RUNS/job-0.5b"
 }
@@ -64,7 +65,7 @@ part_bench() {
     crossrl bench gpu --out "$RUNS/bench-gpu.json"
 }
 
-declare -A limit=([env]=60 [tests]=420 [job]=300 [probe]=240 [bench]=240)
+declare -A limit=([env]=60 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=150 [bench]=200)
 for part in "${parts[@]}"; do
     echo "=== $part (limit ${limit[$part]} s) $(date -u +%FT%TZ)" | tee -a "$OUT/summary.txt"
     start=$(date +%s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -317,3 +318,80 @@ def test_describe_and_format_devices():
     assert info["backend"] in text and info["attention_impl"] in text
     assert info["versions"]["torch"] in text
     assert len(text.splitlines()) >= 10
+
+
+# ---- cuda varlen kernel choice: device-free logic ----------------------------------------------
+
+
+def test_torch_varlen_kwargs_follow_the_installed_signature():
+    from hal.cuda import torch_varlen_kwargs
+
+    scale = 0.125  # head_dim 64's default
+    old = ["query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "is_causal"]
+    assert torch_varlen_kwargs(old, scale=scale, head_dim=64, gqa=False) == {"is_causal": True}
+    # torch 2.9 has no scale argument: a non-default scale cannot be expressed
+    assert torch_varlen_kwargs(old, scale=0.3, head_dim=64, gqa=False) is None
+    mid = ["query", "key", "value", "return_aux", "scale", "window_size"]
+    assert torch_varlen_kwargs(mid, scale=0.3, head_dim=64, gqa=True) == {
+        "window_size": (-1, 0),
+        "scale": 0.3,
+    }
+    new = [*mid, "enable_gqa"]
+    assert torch_varlen_kwargs(new, scale=0.3, head_dim=64, gqa=True)["enable_gqa"] is True
+    assert torch_varlen_kwargs(["query", "key"], scale=scale, head_dim=64, gqa=False) is None
+
+
+def _packed_qkv(dtype=torch.bfloat16, device="cpu"):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(12, h, 8, generator=gen).to(device, dtype) for h in (4, 2, 2))
+    return q, k, v, [0, 5, 5, 12]
+
+
+def test_cuda_varlen_falls_back_once_with_a_warning_when_a_kernel_fails(monkeypatch):
+    """A kernel that cannot run (here: torch's flash varlen on CPU tensors; on a GPU, a
+    flash-attn built against another CUDA) is reported once and SDPA per segment takes over."""
+    import hal.cuda
+    from hal.sdpa import segmented_sdpa
+
+    monkeypatch.setattr(hal.cuda, "_BROKEN", {})
+    monkeypatch.setattr(hal.cuda, "flash_attn_installed", lambda: True)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import raises ImportError
+    q, k, v, offsets = _packed_qkv()
+    backend = hal.CudaBackend()
+    with pytest.warns(RuntimeWarning, match="falls back to SDPA") as caught:
+        out = backend.varlen_attention(q, k, v, torch.tensor(offsets), max_seqlen=7, scale=8**-0.5)
+    expected_broken = {"flash-attn"} | ({"torch varlen_attn"} if _torch_has_varlen() else set())
+    assert set(hal.cuda._BROKEN) == expected_broken
+    assert len(caught) == len(expected_broken)
+    torch.testing.assert_close(out, segmented_sdpa(q, k, v, offsets, scale=8**-0.5))
+    assert backend.attention_impl_name.startswith("sdpa-segmented")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second call neither retries nor warns again
+        backend.varlen_attention(q, k, v, torch.tensor(offsets), max_seqlen=7, scale=8**-0.5)
+
+
+def _torch_has_varlen() -> bool:
+    from hal.cuda import _torch_varlen_fn
+
+    return _torch_varlen_fn() is not None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_half_precision_varlen_matches_reference_forward_and_backward(dtype):
+    import hal.cuda
+    from hal.sdpa import segmented_sdpa
+
+    q, k, v, offsets = _packed_qkv(dtype, "cuda")
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    cu = torch.tensor(offsets, device="cuda")
+    out = hal.CudaBackend().varlen_attention(q, k, v, cu, max_seqlen=7, scale=8**-0.5)
+    assert "torch varlen_attn" not in hal.cuda._BROKEN, hal.cuda._BROKEN
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    ref = segmented_sdpa(q, k, v, offsets, scale=8**-0.5)
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)

@@ -322,3 +322,21 @@ def test_report_shows_share_of_tolerance_used(tmp_path):
     assert 0 < used["actor_loss"] < 1
     assert used["old_logprob_mean"] == 0.0
     assert "largest share of the tolerance used, per field:" in format_report(report)
+
+
+def test_key_missing_from_an_older_config_counts_as_its_default(tmp_path):
+    """A run recorded before a config key existed is still the same job as one that writes
+    the key's default; a non-default value is still reported."""
+    a = _copy_with(tmp_path, "a")  # config.yaml without train.activation_checkpointing
+    b = _copy_with(tmp_path, "b")
+    config = (b / "config.yaml").read_text()
+    (b / "config.yaml").write_text(
+        config.replace("train:\n", "train:\n  activation_checkpointing: false\n")
+        + "rollout:\n  stop_strings: []\n"
+    )
+    assert compare_runs(a, b).notes == []
+    (b / "config.yaml").write_text(
+        config.replace("train:\n", "train:\n  activation_checkpointing: true\n")
+    )
+    notes = compare_runs(a, b).notes
+    assert len(notes) == 1 and "train.activation_checkpointing" in notes[0]

@@ -92,3 +92,49 @@ def test_bad_dtype_names_the_value():
 def test_bad_tokenizer_path():
     with pytest.raises(ValueError, match="/nonexistent/tok"):
         load_tokenizer("/nonexistent/tok")
+
+
+TINY_SHAPE = {
+    "model_type": "qwen2",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 4096,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+
+
+def test_random_model_directory_loads_with_the_shipped_tokenizer_intact(tmp_path):
+    """A random-weight stand-in (what GPU bring-up trains) is a model.path like any other, and
+    its qwen2 config.json does not make transformers swap in a tokenizer that drops spaces."""
+    from rollout.models import write_random_model
+
+    out = write_random_model(tmp_path / "m", TINY_SHAPE, seed=3)
+    model = load_model(out)
+    assert model.config.vocab_size == 4096 and model.config.num_hidden_layers == 2
+    again = write_random_model(tmp_path / "m2", TINY_SHAPE, seed=3)
+    torch.testing.assert_close(load_model(again).state_dict(), model.state_dict())
+    messages = [
+        {"role": "user", "content": "add 12 and 30\nthen say it"},
+        {"role": "assistant", "content": "<calc>12 + 30</calc>"},
+        {"role": "user", "content": "42 ok"},
+    ]
+    ours, shipped = load_tokenizer(out), load_tokenizer("builtin")
+    assert chat_token_ids(ours, messages) == chat_token_ids(shipped, messages)
+    assert ours.decode(chat_token_ids(ours, messages)) == shipped.decode(
+        chat_token_ids(shipped, messages)
+    )
+
+
+def test_random_model_never_overwrites(tmp_path):
+    from rollout.models import main, write_random_model
+
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(ValueError, match="exists"):
+        write_random_model(tmp_path / "taken", TINY_SHAPE)
+    with pytest.raises(ValueError, match="unknown"):
+        write_random_model(tmp_path / "new", "qwen9-1t")
+    assert main(["random", "qwen2.5-0.5b", str(tmp_path / "taken")]) == 2

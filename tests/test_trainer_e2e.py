@@ -55,6 +55,8 @@ def test_run_directory_contract(local_ray, tmp_path):
         assert 0.0 <= m["reward/mean"] <= 1.0
         assert m["batch/num_padding_rows"] == 0 and m["batch/token_efficiency"] == 1.0
         assert m["batch/num_rows"] >= 4 * 4  # >= one row per trajectory
+        # peak RSS of the actor's process on the CPU: its model, optimizer and Python at least
+        assert 0.05 < m["memory/actor_peak_gb"] < 64
 
     fingerprints = read_jsonl(run_dir / "fingerprint.jsonl")
     assert [f["step"] for f in fingerprints] == [1, 2, 3]

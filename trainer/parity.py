@@ -396,12 +396,16 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 def job_differences(run_a: RunRecord, run_b: RunRecord) -> list[tuple[str, Any, Any]]:
     """Config keys whose values differ between the two runs, other than layout keys
     (``trainer.config.LAYOUT_KEYS``: device, dp size, micro-batch budget, ...) and the run's
-    own bookkeeping (``run.*``, ``ray.*``). Empty when a config is missing."""
+    own bookkeeping (``run.*``, ``ray.*``). Empty when a config is missing. A key that one
+    run's config lacks (written before the key existed) counts as its default value."""
     from trainer.config import LAYOUT_KEYS
+    from trainer.config_schema import Config
 
     if run_a.config is None or run_b.config is None:
         return []
-    fa, fb = _flat(run_a.config), _flat(run_b.config)
+    defaults = _flat(Config().model_dump(mode="python"))
+    fa = {**defaults, **_flat(run_a.config)}
+    fb = {**defaults, **_flat(run_b.config)}
     skip = ("run.", "ray.")
     return [
         (key, fa.get(key), fb.get(key))

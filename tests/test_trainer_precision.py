@@ -1,0 +1,120 @@
+"""Mixed precision and activation checkpointing in the shipped training worker.
+
+Parameters and optimizer state are fp32 master weights whatever ``train.param_dtype`` says;
+bf16 is only the compute dtype. Stored in bf16, AdamW's lr-1e-6 updates round away.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import hal
+from batching import Row, StepBatch, plan_minibatches
+from rollout.models import load_model
+from trainer.workers.fsdp_worker import WorkerSpec, enable_activation_checkpointing
+from trainer.workers.group import free_port
+from trainer.workers.policy import PolicyWorker
+
+LOSS_OPTIONS = {
+    "loss_agg": "token-mean",
+    "horizon": 16,
+    "clip_ratio_low": 0.2,
+    "clip_ratio_high": 0.2,
+    "clip_ratio_c": 3.0,
+    "kl_coef": 0.0,
+    "kl_estimator": "k3",
+    "use_kl_loss": False,
+    "entropy_coef": 0.0,
+}
+
+
+def _batch(vocab: int, seed: int = 0) -> StepBatch:
+    """2 prompts x 4 samples of random tokens, one turn each, mixed scores."""
+    rnd = random.Random(seed)
+    rows = []
+    for uid in range(2):
+        for sample in range(4):
+            resp = [rnd.randrange(3, vocab) for _ in range(rnd.randint(4, 12))]
+            rows.append(
+                Row(
+                    prompt_ids=[rnd.randrange(3, vocab) for _ in range(rnd.randint(4, 12))],
+                    response_ids=resp,
+                    response_mask=[1] * len(resp),
+                    response_logprobs=[-2.0] * len(resp),
+                    uid=uid,
+                    trajectory_id=uid * 4 + sample,
+                    step_index=0,
+                    is_last_step=True,
+                    score=float(sample % 2),
+                )
+            )
+    return StepBatch.from_rows(rows)
+
+
+@pytest.mark.slow
+def test_bf16_compute_keeps_fp32_master_weights_that_move_at_lr_1e6():
+    spec = WorkerSpec(
+        role="actor",
+        rank=0,
+        world_size=1,
+        device="cpu",
+        model_path="builtin:small",
+        dtype="float32",
+        seed=1,
+        lr=1e-6,
+        param_dtype="bfloat16",
+        reduce_dtype="float32",
+    )
+    worker = PolicyWorker(spec)
+    worker.setup("127.0.0.1", free_port())
+    try:
+        before = {k: v.clone() for k, v in worker.full_state_dict().items()}
+        batch = _batch(vocab=100)
+        worker.load_batch([batch.to_numpy()])
+        plan = plan_minibatches(
+            batch.row_fields["trajectory_id"].numpy(),
+            batch.seq_lens,
+            mini_batch_size=2,
+            dp_size=1,
+            group_ids=batch.row_fields["uid"].numpy(),
+        )
+        (mini,) = plan.mini_batches
+        old = worker.compute_logprobs(mini.micro_batches[0])
+        worker.set_token_field("old_logprobs", [old])
+        worker.compute_advantages({"estimator": "grpo"})
+        for _ in range(3):
+            worker.train_mini_batch(mini.micro_batches[0], mini.rows.tolist(), LOSS_OPTIONS)
+        after = worker.full_state_dict()
+        assert all(p.dtype == torch.float32 for p in worker.model.parameters())
+        changed = sum(int((after[k] != before[k]).sum()) for k in before)
+        total = sum(v.numel() for v in before.values())
+        assert changed / total > 0.9, f"only {changed / total:.1%} of the weights moved"
+    finally:
+        worker.shutdown()
+
+
+def test_activation_checkpointing_leaves_gradients_unchanged():
+    hal.register_attention()
+    batch = _batch(vocab=100, seed=3)
+    ids, pos, cu = batch.input_ids, batch.position_ids, batch.cu_seqlens
+    weights = torch.randn(batch.num_tokens, 102, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for checkpointing in (False, True):
+        model = load_model("builtin:tiny", seed=2, attn_implementation=hal.ATTN_IMPLEMENTATION)
+        if checkpointing:
+            assert enable_activation_checkpointing(model) == len(model.model.layers)
+        model.train()
+        logits = hal.packed_forward(model, ids, pos, cu)
+        (logits[:, : weights.shape[1]] * weights).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    plain, recomputed = grads
+    for name, grad in plain.items():
+        torch.testing.assert_close(recomputed[name], grad, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_activation_checkpointing_on_a_model_without_support_names_the_key():
+    with pytest.raises(ValueError, match="train.activation_checkpointing=false"):
+        enable_activation_checkpointing(torch.nn.Linear(2, 2))
