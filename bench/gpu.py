@@ -1,42 +1,83 @@
-"""Accelerator benchmark: MFU of the actor update and HF-engine rollout tokens/s.
+"""Accelerator benchmark: MFU of the shipped actor update and the rollout host's HF engine.
 
     python -m bench gpu [--quick]
 
 Runs only where ``hal.get_backend("auto")`` finds an accelerator; on a CPU
 it returns ``{"skipped": True, "reason": ...}`` and prints why, never a made-up number.
 
+Everything timed is the code the trainer ships, on a Qwen2.5-0.5B-shaped model with random
+weights written once with ``rollout.models.write_random_model``:
+
 - ``peak``: the card's measured dense bf16 matmul rate (best of several square matmuls), the
   denominator of MFU. Measured, not the datasheet figure, as the issue asks.
-- ``update``: a Qwen2.5-0.5B-shaped model with random bf16 weights and the HAL's varlen
-  attention; one actor update (forward + backward over planner micro-batches of packed rows +
-  AdamW step) on log-normal rows, as in ``bench.train``. MFU = model FLOPs / seconds / peak,
-  with model FLOPs = 3 x forward (6 per matmul parameter per token, lm_head included, plus
-  causal attention 6 * sum(len^2) * heads * head_dim per layer).
-- ``rollout``: ``rollout.engines.HFEngine`` sampling ``max_new_tokens`` for a batch of random
-  prompts with the same model; generated tokens per second.
+- ``update``: one ``trainer.workers.policy.PolicyWorker.train_mini_batch`` at dp 1 (FSDP2
+  in-process): fp32 master weights, bf16 compute through FSDP2 mixed precision (fp32 gradient
+  reduction), the HAL's varlen attention over planner micro-batches of packed rows, the
+  clipped PPO loss on GRPO advantages, gradient clipping and the AdamW step. Rows are
+  log-normal in length, as in ``bench.train``; the whole batch is one mini-batch. Timed twice,
+  with activation checkpointing on and off (``train.activation_checkpointing``), each with its
+  peak device memory. MFU = model FLOPs / seconds / peak, with model FLOPs = 3 x forward
+  (6 per matmul parameter per token, lm_head included, plus causal attention
+  6 * sum(len^2) * heads * head_dim per layer); the forward that activation checkpointing
+  recomputes is not counted, so it shows as a lower MFU.
+- ``rollout``: the rollout host's engine (``trainer.workers.rollout_host.RolloutHost.setup``):
+  the model loaded in bf16 with its default attention, ``make_engine("hf", ...)``, sampling
+  ``new_tokens`` for a batch of random prompts; generated tokens per second.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import json
+import shutil
 import statistics
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
 import hal
 from rollout.models import SHAPES
 
-__all__ = ["QWEN25_05B", "GpuSizes", "format_table", "measure", "model_flops_per_update", "run"]
+__all__ = [
+    "LOSS_OPTIONS",
+    "QWEN25_05B",
+    "GpuSizes",
+    "format_table",
+    "make_batch",
+    "measure",
+    "model_flops_per_update",
+    "run",
+]
 
 #: Qwen2.5-0.5B's architecture (config.json of Qwen/Qwen2.5-0.5B), weights random.
 QWEN25_05B = SHAPES["qwen2.5-0.5b"]
+#: Policy-loss options of the timed update: the shipped defaults (token-mean, no KL, no
+#: entropy bonus), as the controller passes them to ``train_mini_batch``.
+LOSS_OPTIONS = {
+    "loss_agg": "token-mean",
+    "clip_ratio_low": 0.2,
+    "clip_ratio_high": 0.28,
+    "clip_ratio_c": 3.0,
+    "kl_coef": 0.0,
+    "kl_estimator": "k3",
+    "use_kl_loss": False,
+    "entropy_coef": 0.0,
+    "horizon": None,  # tokens; only seq-mean-token-sum-norm reads it
+}
+#: Rows per GRPO group (``rollout.n``): the batch's uids come in groups of this many rows.
+ROWS_PER_GROUP = 8
 
 
 @dataclass(frozen=True)
 class GpuSizes:
-    """How much work each part does. Units: tokens unless said."""
+    """How much work each part does; every size names its unit."""
 
     matmul_n: int = 8192  # side of the square bf16 matmuls that measure the peak
     matmul_iters: int = 20
@@ -45,7 +86,7 @@ class GpuSizes:
     max_row_tokens: int = 4096
     # planner micro-batch budget; the fp32 log-softmax of 8k x 152k logits is already 5 GB
     budget_tokens: int = 8192
-    update_repeats: int = 5
+    update_repeats: int = 5  # timed updates per activation-checkpointing setting
     rollout_prompts: int = 64
     prompt_tokens: int = 256
     new_tokens: int = 256
@@ -62,6 +103,12 @@ def _timed(backend, fn) -> float:
     return time.perf_counter() - start
 
 
+def _free(backend) -> None:
+    """Return freed device memory, so the next part starts from an empty card."""
+    gc.collect()
+    backend.empty_cache()
+
+
 def measure_peak(backend, n: int, iters: int) -> dict:
     """Best dense bf16 matmul rate on the backend's device: ``{"tflops": ..., "n": n}``."""
     device = backend.device(0)
@@ -74,7 +121,8 @@ def measure_peak(backend, n: int, iters: int) -> dict:
 
 def _matmul_params(model: torch.nn.Module, config) -> int:
     """Parameters that take part in a matmul per token: every Linear weight in the decoder
-    layers plus the lm_head (counted even when tied to the embedding)."""
+    layers plus the lm_head (counted even when tied to the embedding). Sharded (FSDP2)
+    weights count their full size."""
     layers = sum(
         m.weight.numel()
         for name, m in model.named_modules()
@@ -94,76 +142,179 @@ def model_flops_per_update(matmul_params: int, config, row_lens: list[int]) -> f
     return 3.0 * forward
 
 
-def measure(backend, sizes: GpuSizes, config_dict: dict | None = None, seed: int = 0) -> dict:
-    """Peak, actor-update MFU and rollout tokens/s on ``backend``'s device (no accelerator
-    check: the caller decides; a CPU backend with a tiny config exercises the code)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+@contextlib.contextmanager
+def _model_dir(shape: str | dict, seed: int, model_dir: str | Path | None) -> Iterator[Path]:
+    """The random-weight model directory the benchmark loads.
 
-    from bench.train import make_rows, packed_loss, packed_micro_batches, row_normalizers
-    from rollout.engines.base import GenerationRequest, SamplingParams
-    from rollout.engines.hf_engine import HFEngine
+    ``model_dir`` that exists: reused as it is (``shape`` is then ignored). ``model_dir`` that
+    does not exist yet: written there and kept, so the next run skips the write (seconds for
+    0.5B weights). None: written into a temporary directory that is deleted afterwards.
+    """
+    from rollout.models import write_random_model
 
-    device = backend.device(0)
-    peak = measure_peak(backend, sizes.matmul_n, sizes.matmul_iters)
+    if model_dir is not None:
+        path = Path(model_dir).expanduser()
+        if not (path / "config.json").is_file():
+            write_random_model(path, shape, seed=seed)
+        yield path
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="crossrl-bench-gpu-"))
+    try:
+        yield write_random_model(tmp / "model", shape, seed=seed)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
-    hal.register_attention()
-    config = Qwen2Config(
-        **{k: v for k, v in (config_dict or QWEN25_05B).items() if k != "architectures"}
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(
-        config, dtype=torch.bfloat16, attn_implementation=hal.ATTN_IMPLEMENTATION
-    ).to(device)
+
+def make_batch(sizes: GpuSizes, vocab_size: int, seed: int = 0):
+    """The update's batch: ``sizes.rows`` rows of ``bench.train.make_rows`` (log-normal lengths
+    in tokens, random ids), each a ``batching.Row`` whose prompt is the row's unmasked head and
+    whose response (all trained on) is the rest; GRPO groups of ``ROWS_PER_GROUP`` rows with a
+    random score per row, one step per trajectory."""
+    from batching import Row, StepBatch
+    from bench.train import make_rows
+
     rows = make_rows(
         sizes.rows,
-        vocab_size=config.vocab_size,
+        vocab_size=vocab_size,
         seed=seed,
         median_tokens=sizes.median_row_tokens,
         max_tokens=sizes.max_row_tokens,
     )
-    lens = [int(r["input_ids"].numel()) for r in rows]
-    mbs = packed_micro_batches(rows, sizes.budget_tokens)
-    for mb in mbs:
-        for name in ("input_ids", "position_ids", "loss_mask", "advantages"):
-            setattr(mb, name, getattr(mb, name).to(device))
-    normalizers = row_normalizers(rows)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    model.train()
+    scores = np.random.default_rng(seed + 1).random(len(rows))
+    out = []
+    for i, r in enumerate(rows):
+        ids = r["input_ids"].tolist()
+        prompt_tokens = int((r["loss_mask"] == 0).sum())
+        response = ids[prompt_tokens:]
+        out.append(
+            Row(
+                prompt_ids=ids[:prompt_tokens],
+                response_ids=response,
+                response_mask=[1] * len(response),
+                # The rollout engine's logprobs; only a logged gap reads them, never the loss.
+                response_logprobs=[-1.0] * len(response),
+                uid=i // ROWS_PER_GROUP,
+                trajectory_id=i,
+                step_index=0,
+                is_last_step=True,
+                score=float(scores[i]),
+            )
+        )
+    return StepBatch.from_rows(out)
 
-    def update() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        for mb in mbs:
-            packed_loss(model, mb, normalizers).backward()
-        optimizer.step()
 
-    update()  # warm-up: kernels, optimizer state
-    seconds = [_timed(backend, update) for _ in range(sizes.update_repeats)]
-    flops = model_flops_per_update(_matmul_params(model, config), config, lens)
+def _one_mini_batch(batch, budget_tokens: int):
+    """The planner's dp-1 plan with every group in one mini-batch (``budget_tokens`` tokens per
+    micro-batch), as the controller plans a step whose ``mini_batch_size`` is the batch."""
+    from batching import plan_minibatches
+
+    uids = batch.row_fields["uid"].numpy()
+    plan = plan_minibatches(
+        batch.row_fields["trajectory_id"].numpy(),
+        batch.seq_lens,
+        mini_batch_size=len(np.unique(uids)),
+        dp_size=1,
+        max_tokens_per_micro_batch=budget_tokens,
+        group_ids=uids,
+    )
+    (mini,) = plan.mini_batches
+    return mini
+
+
+def measure_update(
+    backend,
+    model_dir: Path,
+    batch,
+    sizes: GpuSizes,
+    peak_tflops: float,
+    *,
+    activation_checkpointing: bool,
+    seed: int = 0,
+) -> dict:
+    """Time ``PolicyWorker.train_mini_batch`` on ``batch`` (one mini-batch) at dp 1: median
+    seconds of ``sizes.update_repeats`` updates after one warm-up, tokens/s, MFU against
+    ``peak_tflops`` and the worker's peak memory (GB) over those updates."""
+    from trainer.workers.fsdp_worker import WorkerSpec
+    from trainer.workers.group import free_port
+    from trainer.workers.policy import PolicyWorker
+
+    spec = WorkerSpec(
+        role="actor",
+        rank=0,
+        world_size=1,
+        device=backend.name,
+        model_path=str(model_dir),
+        dtype="float32",
+        seed=seed,
+        lr=1e-6,
+        grad_clip=1.0,
+        param_dtype="bfloat16",
+        reduce_dtype="float32",
+        activation_checkpointing=activation_checkpointing,
+    )
+    worker = PolicyWorker(spec)
+    try:
+        facts = worker.setup("127.0.0.1", free_port())
+        worker.load_batch([batch.to_numpy()])
+        mini = _one_mini_batch(batch, sizes.budget_tokens)
+        micro_batches = mini.micro_batches[0]
+        # Old logprobs = the current policy's, as the controller's prepare phase computes them.
+        worker.set_token_field("old_logprobs", [worker.compute_logprobs(micro_batches)])
+        worker.compute_advantages({"estimator": "grpo"})
+        rows = mini.rows.tolist()
+        metrics: dict = {}
+
+        def update() -> None:
+            metrics.update(worker.train_mini_batch(micro_batches, rows, LOSS_OPTIONS))
+
+        worker.peak_memory_gb()  # start a fresh peak: the update's, not setup's or prepare's
+        update()  # warm-up: kernels, allocator, AdamW state
+        seconds = [_timed(backend, update) for _ in range(sizes.update_repeats)]
+        peak_memory_gb = worker.peak_memory_gb()
+        lens = [int(batch.seq_lens[r]) for mb in micro_batches for r in mb if r >= 0]
+        config = worker.model.config
+        flops = model_flops_per_update(_matmul_params(worker.model, config), config, lens)
+    finally:
+        worker.shutdown()
+        # Drop weights, gradients and AdamW state now: the next part needs the memory.
+        worker.model = worker.optimizer = worker.scheduler = worker.batch = None
+        _free(backend)
     upd_s = statistics.median(seconds)
-    update_res = {
-        "params": sum(p.numel() for p in model.parameters()),
-        "rows": len(rows),
+    return {
+        "activation_checkpointing": activation_checkpointing,
+        "params": facts["num_params"],
+        "rows": len(lens),
         "tokens": sum(lens),
-        "micro_batches": len(mbs),
+        "micro_batches": len(micro_batches),
         "budget_tokens": sizes.budget_tokens,
         "seconds": seconds,
+        "median_s": upd_s,
         "tokens_per_s": sum(lens) / upd_s,
         "model_tflops_per_update": flops / 1e12,
         "achieved_tflops": flops / upd_s / 1e12,
-        "mfu": flops / upd_s / 1e12 / peak["tflops"],
-        "memory": backend.memory_stats(),
+        "mfu": flops / upd_s / 1e12 / peak_tflops,
+        "peak_memory_gb": peak_memory_gb,
+        "grad_norm": metrics["grad_norm"],
     }
-    optimizer.zero_grad(set_to_none=True)
-    optimizer.state.clear()  # free the AdamW moments before the rollout part
 
+
+def measure_rollout(backend, model_dir: Path, sizes: GpuSizes, seed: int = 0) -> dict:
+    """Generated tokens/s of the HF engine built as the rollout host builds it, on
+    ``sizes.rollout_prompts`` random prompts of ``sizes.prompt_tokens`` tokens, each sampling
+    exactly ``sizes.new_tokens`` tokens."""
+    from rollout.engines import GenerationRequest, SamplingParams, make_engine
+    from rollout.models import load_model
+    from rollout.tokenizer import load_tokenizer
+
+    model = load_model(model_dir, dtype="bfloat16", seed=seed, device=backend.device(0))
     model.eval()
-    engine = HFEngine(model, pad_token_id=config.pad_token_id, max_batch_size=sizes.rollout_prompts)
+    engine = make_engine("hf", model, load_tokenizer(model_dir))
     gen = torch.Generator().manual_seed(seed)
+    vocab_size = model.config.vocab_size
     requests = [
         GenerationRequest(
-            prompt_ids=torch.randint(
-                4, config.vocab_size, (sizes.prompt_tokens,), generator=gen
-            ).tolist(),
+            # ids from 4: the first ids of the shipped vocabulary are special (pad, eos)
+            prompt_ids=torch.randint(4, vocab_size, (sizes.prompt_tokens,), generator=gen).tolist(),
             seed=seed + i,
         )
         for i in range(sizes.rollout_prompts)
@@ -171,28 +322,69 @@ def measure(backend, sizes: GpuSizes, config_dict: dict | None = None, seed: int
     # No stop token: every request generates exactly new_tokens, so the count is the work.
     sampling = SamplingParams(max_new_tokens=sizes.new_tokens, temperature=1.0)
     engine.generate(requests[:2], SamplingParams(max_new_tokens=4))  # warm-up
+    backend.reset_peak_memory()
     results = []
     gen_s = _timed(backend, lambda: results.extend(engine.generate(requests, sampling)))
+    peak_memory_gb = backend.peak_memory_bytes() / 1e9
     generated = sum(len(r.token_ids) for r in results)
-    rollout_res = {
+    return {
         "engine": "hf",
+        "attention": model.config._attn_implementation,
         "prompts": len(requests),
         "prompt_tokens": sizes.prompt_tokens,
         "new_tokens": sizes.new_tokens,
         "generated_tokens": generated,
         "seconds": gen_s,
         "tokens_per_s": generated / gen_s,
+        "peak_memory_gb": peak_memory_gb,
     }
+
+
+def measure(
+    backend,
+    sizes: GpuSizes,
+    shape: str | dict = "qwen2.5-0.5b",
+    seed: int = 0,
+    model_dir: str | Path | None = None,
+) -> dict:
+    """Peak, actor-update MFU (activation checkpointing on and off) and rollout tokens/s on
+    ``backend``'s device (no accelerator check: the caller decides; a CPU backend with a tiny
+    ``shape`` dict exercises the code). ``shape``: a ``rollout.models.SHAPES`` name or a
+    config.json dict; ``model_dir``: see ``_model_dir``."""
+    peak = measure_peak(backend, sizes.matmul_n, sizes.matmul_iters)
+    threads = torch.get_num_threads()  # the worker sets its own thread count; restored below
+    try:
+        with _model_dir(shape, seed, model_dir) as directory:
+            vocab_size = json.loads((directory / "config.json").read_text())["vocab_size"]
+            batch = make_batch(sizes, vocab_size, seed)
+            update = {
+                key: measure_update(
+                    backend,
+                    directory,
+                    batch,
+                    sizes,
+                    peak["tflops"],
+                    activation_checkpointing=on,
+                    seed=seed,
+                )
+                for key, on in (("ac_on", True), ("ac_off", False))
+            }
+            _free(backend)  # the update's memory, before the engine loads
+            rollout = measure_rollout(backend, directory, sizes, seed)
+            _free(backend)
+    finally:
+        torch.set_num_threads(threads)
     return {
         "skipped": False,
         "backend": backend.name,
         "device_names": backend.device_names(),
-        "model": "Qwen2.5-0.5B-shaped, random weights, bf16" if config_dict is None else "custom",
-        "attention": hal.ATTN_IMPLEMENTATION,
+        "model": (shape if isinstance(shape, str) else "custom") + ", random weights",
+        # read after the updates: a kernel that failed and fell back shows here
+        "attention": f"{hal.ATTN_IMPLEMENTATION}: {backend.attention_impl_name}",
         "sizes": asdict(sizes),
         "peak": peak,
-        "update": update_res,
-        "rollout": rollout_res,
+        "update": update,
+        "rollout": rollout,
     }
 
 
@@ -213,22 +405,32 @@ def run(quick: bool = False) -> dict:
 
 
 def format_table(res: dict) -> str:
-    """Peak, MFU and rollout rate, or the reason the benchmark was skipped."""
+    """Peak, MFU and peak memory of both update settings, and the rollout rate, or the reason
+    the benchmark was skipped."""
     if res.get("skipped"):
         return f"skipped: {res['reason']}"
-    p, u, r = res["peak"], res["update"], res["rollout"]
-    return "\n".join(
-        [
-            f"{res['backend']} {res['device_names'][0]}: {res['model']}, attention {res['attention']}",
-            f"measured bf16 matmul peak ({p['n']}^3): {p['tflops']:.1f} TFLOP/s",
-            f"actor update: {u['rows']} rows, {u['tokens']:,} tokens, {u['micro_batches']} "
-            f"micro-batches <= {u['budget_tokens']} tokens; median {statistics.median(u['seconds']):.3f} s",
-            f"  {u['tokens_per_s']:,.0f} tokens/s, {u['achieved_tflops']:.1f} TFLOP/s, "
-            f"MFU {u['mfu']:.1%} of the measured peak",
-            f"HF engine rollout: {r['prompts']} prompts x {r['prompt_tokens']} tokens, "
-            f"{r['new_tokens']} new tokens each: {r['tokens_per_s']:,.0f} generated tokens/s",
-        ]
+    p, r = res["peak"], res["rollout"]
+    first = next(iter(res["update"].values()))
+    lines = [
+        f"{res['backend']} {res['device_names'][0]}: {res['model']}",
+        f"measured bf16 matmul peak ({p['n']}^3): {p['tflops']:.1f} TFLOP/s",
+        f"actor update (PolicyWorker, fp32 master weights, bf16 compute, {res['attention']}): "
+        f"{first['rows']} rows, {first['tokens']:,} tokens, {first['micro_batches']} "
+        f"micro-batches <= {first['budget_tokens']} tokens",
+    ]
+    for u in res["update"].values():
+        ac = "on: " if u["activation_checkpointing"] else "off:"
+        lines.append(
+            f"  activation checkpointing {ac} median {u['median_s']:.3f} s, "
+            f"{u['tokens_per_s']:,.0f} tokens/s, {u['achieved_tflops']:.1f} TFLOP/s, "
+            f"MFU {u['mfu']:.1%}, peak memory {u['peak_memory_gb']:.1f} GB"
+        )
+    lines.append(
+        f"HF engine rollout ({r['attention']}): {r['prompts']} prompts x {r['prompt_tokens']} "
+        f"tokens, {r['new_tokens']} new tokens each: {r['tokens_per_s']:,.0f} generated "
+        f"tokens/s, peak memory {r['peak_memory_gb']:.1f} GB"
     )
+    return "\n".join(lines)
 
 
 def main() -> None:
