@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 
+import torch
+
 from hal.registry import available_backends, get_backend
 
 VERSIONED_PACKAGES = (
@@ -46,5 +48,10 @@ def describe(name: str = "auto") -> dict:
         "attention_impl": backend.attention_impl_name,
         "visible_devices_env": backend.visible_devices_env,
         "ray_resource": backend.ray_resource,
-        "versions": {pkg: package_version(pkg) for pkg in VERSIONED_PACKAGES},
+        # torch's own string carries the build (+cu130, +cpu) that distribution metadata
+        # may lack, and that is what a version mismatch turns on
+        "versions": {
+            pkg: torch.__version__ if pkg == "torch" else package_version(pkg)
+            for pkg in VERSIONED_PACKAGES
+        },
     }

@@ -45,6 +45,7 @@ def _step(model, x, y) -> None:
 
 
 def _worker(rank: int, port: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     backend = hal.get_backend("cpu")
@@ -61,10 +62,12 @@ def _worker(rank: int, port: int) -> None:
         _step(reference, x, y)  # the whole batch in one process
 
         sharded = _tiny_model()
+        # an explicit CPU mesh: FSDP2's default takes the machine's accelerator when it has one
+        mesh = init_device_mesh(backend.device_type, (WORLD,))
         for layer in sharded:
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(sharded)
+                fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
         half = x.shape[0] // WORLD  # each rank takes its half; FSDP2 averages the gradients
         rows = slice(rank * half, (rank + 1) * half)
         _step(sharded, x[rows], y[rows])

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import hal
@@ -131,9 +132,12 @@ class FSDPWorker:
         mp = MixedPrecisionPolicy(
             param_dtype=_dtype(spec.param_dtype), reduce_dtype=_dtype(spec.reduce_dtype)
         )
+        # The mesh names the HAL's device: FSDP2's default mesh takes the machine's
+        # accelerator, so a device=cpu run on a GPU node would quietly shard onto the GPU.
+        mesh = init_device_mesh(self.backend.device_type, (spec.world_size,))
         for layer in self._layers(model):
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         self.model = model
         if spec.trainable:
             self.optimizer, self.scheduler = build_optimizer(
