@@ -54,22 +54,27 @@ def _batch(vocab: int, seed: int = 0) -> StepBatch:
     return StepBatch.from_rows(rows)
 
 
+def _cpu_actor(model_path: str, **spec) -> PolicyWorker:
+    """A set-up dp-1 actor on the CPU; fp32 storage as the controller gives every worker."""
+    worker = PolicyWorker(
+        WorkerSpec(
+            role="actor",
+            rank=0,
+            world_size=1,
+            device="cpu",
+            model_path=model_path,
+            dtype="float32",
+            seed=1,
+            **spec,
+        )
+    )
+    worker.setup("127.0.0.1", free_port())
+    return worker
+
+
 @pytest.mark.slow
 def test_bf16_compute_keeps_fp32_master_weights_that_move_at_lr_1e6():
-    spec = WorkerSpec(
-        role="actor",
-        rank=0,
-        world_size=1,
-        device="cpu",
-        model_path="builtin:small",
-        dtype="float32",
-        seed=1,
-        lr=1e-6,
-        param_dtype="bfloat16",
-        reduce_dtype="float32",
-    )
-    worker = PolicyWorker(spec)
-    worker.setup("127.0.0.1", free_port())
+    worker = _cpu_actor("builtin:small", lr=1e-6, param_dtype="bfloat16", reduce_dtype="float32")
     try:
         before = {k: v.clone() for k, v in worker.full_state_dict().items()}
         batch = _batch(vocab=100)
@@ -118,3 +123,16 @@ def test_activation_checkpointing_leaves_gradients_unchanged():
 def test_activation_checkpointing_on_a_model_without_support_names_the_key():
     with pytest.raises(ValueError, match="train.activation_checkpointing=false"):
         enable_activation_checkpointing(torch.nn.Linear(2, 2))
+
+
+def test_fsdp2_shards_on_the_hal_device_mesh():
+    """FSDP2's default mesh is the machine's accelerator: on a GPU node a ``device: cpu`` run
+    sharded onto the GPU while its batches stayed on the CPU (seen on an H100). The worker
+    names the HAL's device; on a GPU node this test is what catches a regression."""
+    worker = _cpu_actor("builtin:tiny")
+    try:
+        params = list(worker.model.parameters())
+        assert params and all(p.device_mesh.device_type == "cpu" for p in params)
+        assert all(p.to_local().device.type == "cpu" for p in params)
+    finally:
+        worker.shutdown()
