@@ -90,6 +90,18 @@ class DeviceBackend:
         """Start a new peak for ``peak_memory_bytes``."""
         self.device_module().reset_peak_memory_stats()
 
+    def device_rng_state(self) -> list[torch.Tensor] | None:
+        """Every visible device's generator state, for checkpoints (None on the CPU, whose
+        generator is torch's own and saved with it)."""
+        if not self.is_accelerator:
+            return None
+        return [state.clone() for state in self.device_module().get_rng_state_all()]
+
+    def set_device_rng_state(self, states: list[torch.Tensor]) -> None:
+        """Restore what ``device_rng_state`` returned (a no-op on the CPU)."""
+        if self.is_accelerator:
+            self.device_module().set_rng_state_all(states)
+
     # ---- seeds and determinism --------------------------------------------------------------
 
     def manual_seed(self, seed: int) -> None:
@@ -117,10 +129,20 @@ class DeviceBackend:
             applied[key] = value
         self.manual_seed(seed)
         applied["seed"] = str(seed)
-        torch.use_deterministic_algorithms(True)
-        applied["torch.use_deterministic_algorithms"] = "True"
+        warn_only = self.deterministic_warn_only
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        applied["torch.use_deterministic_algorithms"] = "warn_only" if warn_only else "True"
         applied.update(self._set_deterministic_torch_flags())
         return applied
+
+    @property
+    def deterministic_warn_only(self) -> bool:
+        """Whether ``set_deterministic`` lets an op without a deterministic kernel run (with a
+        warning naming it) instead of raising. Accelerators: yes, since some kernels (on CUDA,
+        e.g. ``put_`` with accumulate, ``histc``, some pooling backwards; on NPU, ACL operators
+        without a deterministic mode) have none, and a parity run must not die on a user's
+        model for that; the CPU, the reference, stays strict. docs/hal.md lists the ops."""
+        return self.is_accelerator
 
     def _set_deterministic_torch_flags(self) -> dict[str, str]:
         """Device-specific torch switches beyond `use_deterministic_algorithms` (none by default)."""

@@ -157,6 +157,10 @@ class NpuBackend(DeviceBackend):
     ) -> torch.Tensor:
         """`torch_npu.npu_fusion_attention` in TND layout, split every 1024 segments."""
         torch_npu = import_torch_npu()
+        # The attention interface hands over [T, H, D] views of [1, H, T, D] tensors; the fused
+        # kernel documents TND as a dense layout (transformers' and verl's NPU paths pass
+        # contiguous tensors), and a row slice of a contiguous tensor stays contiguous.
+        q, k, v = (x.contiguous() for x in (q, k, v))
         offsets = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.tolist()
         mask = self._causal_mask(q.device)
         outputs = []

@@ -6,6 +6,7 @@ nothing imports torch_npu.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import warnings
@@ -395,3 +396,77 @@ def test_cuda_half_precision_varlen_matches_reference_forward_and_backward(dtype
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+
+
+# ---- hardening: determinism, device RNG, NPU layout (device-free) ------------------------------
+
+
+def test_accelerators_run_deterministic_in_warn_only_mode_cpu_stays_strict():
+    """An op without a deterministic kernel must not kill an accelerator parity run (it warns,
+    naming the op); the CPU reference keeps raising."""
+    assert hal.CpuBackend().deterministic_warn_only is False
+    assert hal.CudaBackend().deterministic_warn_only is True
+    assert hal.NpuBackend().deterministic_warn_only is True
+    was = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    backend = hal.CudaBackend()
+    try:
+        # seeding the absent device is lazy in torch.cuda; only the torch switches are checked
+        applied = backend.set_deterministic(3)
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert applied["torch.use_deterministic_algorithms"] == "warn_only"
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+        torch.backends.cudnn.deterministic = False
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+class _FakeDeviceModule:
+    def __init__(self):
+        self.states = [torch.tensor([1, 2, 3], dtype=torch.uint8)]
+
+    def get_rng_state_all(self):
+        return self.states
+
+    def set_rng_state_all(self, states):
+        self.states = [s.clone() for s in states]
+
+
+def test_device_rng_state_round_trips_through_a_checkpoint_file(tmp_path, monkeypatch):
+    from trainer.checkpoint import load_torch, rng_state, save_torch, set_rng_state
+
+    assert hal.CpuBackend().device_rng_state() is None
+    fake = _FakeDeviceModule()
+    backend = hal.CudaBackend()
+    monkeypatch.setattr(backend, "device_module", lambda: fake)
+    save_torch(rng_state(backend.device_rng_state), tmp_path / "rng.pt")
+    fake.states = [torch.tensor([9, 9, 9], dtype=torch.uint8)]  # the device drew on
+    set_rng_state(load_torch(tmp_path / "rng.pt"), backend.set_device_rng_state)
+    assert fake.states[0].tolist() == [1, 2, 3]
+
+
+def test_npu_kernel_gets_contiguous_q_k_v(monkeypatch):
+    """The attention interface passes [T, H, D] views of [1, H, T, D] tensors; the fused
+    kernel must see dense TND tensors (checked with a stand-in for torch_npu)."""
+    import types
+
+    import hal.npu
+
+    seen = []
+
+    def fake_fusion_attention(q, k, v, **kwargs):
+        seen.append((q.is_contiguous(), k.is_contiguous(), v.is_contiguous(), kwargs["head_num"]))
+        return (q.clone(),)
+
+    fake = types.SimpleNamespace(npu_fusion_attention=fake_fusion_attention)
+    monkeypatch.setattr(hal.npu, "import_torch_npu", lambda: fake)
+    heads = torch.randn(1, 4, 10, 8)  # [1, H, T, D]
+    q = k = v = heads[0].transpose(0, 1)  # [T, H, D] view, as crossrl_attention_forward makes
+    assert not q.is_contiguous()
+    out = hal.NpuBackend().varlen_attention(
+        q, k, v, torch.tensor([0, 4, 10]), max_seqlen=6, scale=8**-0.5
+    )
+    assert seen == [(True, True, True, 4)]
+    torch.testing.assert_close(out, q)

@@ -118,12 +118,12 @@ def test_deterministic_settings_recorded(probes):
     assert load_config(str(probes["dp2"] / "config.yaml"), []).run.deterministic is True
 
 
-def _fake_trainer(per_rank: list[dict]) -> SimpleNamespace:
+def _fake_trainer(per_rank: list[dict], rollout_info: dict | None = None) -> SimpleNamespace:
     group = SimpleNamespace(
         names=[f"actor rank {r}" for r in range(len(per_rank))],
         setup_info=[{"deterministic": s} for s in per_rank],
     )
-    return SimpleNamespace(actor=group, ref=None, critic=None)
+    return SimpleNamespace(actor=group, ref=None, critic=None, rollout_info=rollout_info or {})
 
 
 def test_deterministic_check_names_the_odd_rank():
@@ -131,6 +131,13 @@ def test_deterministic_check_names_the_odd_rank():
     assert deterministic_settings_everywhere(_fake_trainer([same, same])) == same
     with pytest.raises(WorkerFailedError, match="actor rank 1"):
         deterministic_settings_everywhere(_fake_trainer([same, {}]))
+    # the rollout engine's process is held to the same settings
+    engine = {"engine": "hf", "deterministic": same}
+    assert deterministic_settings_everywhere(_fake_trainer([same], engine)) == same
+    with pytest.raises(WorkerFailedError, match="rollout host"):
+        deterministic_settings_everywhere(
+            _fake_trainer([same], {"engine": "hf", "deterministic": {}})
+        )
 
 
 # --------------------------------------------------------------------------- bad input: exit 2

@@ -136,3 +136,26 @@ def test_fsdp2_shards_on_the_hal_device_mesh():
         assert all(p.to_local().device.type == "cpu" for p in params)
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_rollout_engine_process_gets_the_deterministic_settings(deterministic):
+    """The rollout host applies the same switches as the training workers, before its engine
+    starts; the controller then checks that every process applied the same."""
+    from trainer.config import load_config
+    from trainer.workers.rollout_host import RolloutHost
+
+    cfg = load_config(None, [f"run.deterministic={str(deterministic).lower()}"])
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        info = RolloutHost(cfg.model_dump(), threads=1).setup()
+        if deterministic:
+            assert torch.are_deterministic_algorithms_enabled()
+            expected = hal.get_backend("cpu").set_deterministic(cfg.seed)
+            assert info["deterministic"] == expected
+        else:
+            assert info["deterministic"] == {}
+            assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(was)

@@ -65,6 +65,7 @@ class Trainer:
         self.start_step = 0
         self.placement = None
         self.rollout = None
+        self.rollout_info: dict[str, Any] = {}
         self.actor: WorkerGroup | None = None
         self.ref: WorkerGroup | None = None
         self.critic: WorkerGroup | None = None
@@ -102,7 +103,7 @@ class Trainer:
                 .options(**host_opts)
                 .remote(cfg_dict, threads=os.cpu_count() or 1)
             )
-        wait_all(
+        (self.rollout_info,) = wait_all(
             [self.rollout.setup.remote()],
             ["rollout host"],
             timeout_s=CALL_TIMEOUT_S,
@@ -425,14 +426,17 @@ def _add(totals: dict[str, float], per_rank: list[dict[str, float]], prefix: str
 
 
 def deterministic_settings_everywhere(trainer: Trainer) -> dict[str, str]:
-    """The deterministic settings every worker applied; they must be the same on every rank
-    of every role (a rank that skipped them would make the run irreproducible)."""
+    """The deterministic settings every worker and the rollout engine's process applied; they
+    must be the same everywhere (a process that skipped them would make the run
+    irreproducible)."""
     groups = [g for g in (trainer.actor, trainer.ref, trainer.critic) if g is not None]
     applied = [
         (name, info.get("deterministic", {}))
         for g in groups
         for name, info in zip(g.names, g.setup_info)
     ]
+    if "deterministic" in trainer.rollout_info:  # a replaying probe runs no engine
+        applied.append(("rollout host", trainer.rollout_info["deterministic"]))
     first = applied[0][1]
     for name, settings in applied:
         if settings != first:

@@ -377,9 +377,17 @@ class FSDPWorker:
                 save_torch(self.scheduler.state_dict(), staging / f"{prefix}_scheduler.pt")
                 written += [f"{prefix}_optim.pt", f"{prefix}_scheduler.pt"]
         rng_name = f"{prefix}_rng_rank{self.spec.rank}.pt"
-        save_torch(rng_state(), staging / rng_name)
+        save_torch(rng_state(self._device_rng_getter()), staging / rng_name)
         written.append(rng_name)
         return written
+
+    def _device_rng_getter(self):
+        """The accelerator's generator state goes into checkpoints too (dropout, sampling
+        noise on the device); None on the CPU."""
+        return self.backend.device_rng_state if self.backend.is_accelerator else None
+
+    def _device_rng_setter(self):
+        return self.backend.set_device_rng_state if self.backend.is_accelerator else None
 
     def load_pieces(self, ckpt_dir: str) -> None:
         """Restore model, optimizer, scheduler and this rank's RNG from a checkpoint."""
@@ -404,7 +412,7 @@ class FSDPWorker:
             self.scheduler.load_state_dict(load_torch(ckpt / f"{prefix}_scheduler.pt"))
         rng_file = ckpt / f"{prefix}_rng_rank{self.spec.rank}.pt"
         if rng_file.exists():  # a different dp size resumes with fresh per-rank streams
-            set_rng_state(load_torch(rng_file))
+            set_rng_state(load_torch(rng_file), self._device_rng_setter())
 
     def shutdown(self) -> None:
         """Leave the process group."""

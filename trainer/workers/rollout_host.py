@@ -35,6 +35,11 @@ class RolloutHost:
         torch.set_num_threads(max(1, self.threads))
         cfg = self.cfg
         backend = hal.get_backend(cfg["device"])
+        # The engine's process gets the same deterministic switches as the trainers, before
+        # any kernel or engine starts (cuBLAS and HCCL read theirs once, at start-up).
+        deterministic = (
+            backend.set_deterministic(cfg["seed"]) if cfg["run"]["deterministic"] else {}
+        )
         model_path = cfg["model"]["path"]
         is_builtin = model_path.startswith("builtin:")
         self.tokenizer = load_tokenizer("builtin" if is_builtin else model_path)
@@ -59,7 +64,7 @@ class RolloutHost:
             )
         self.env_factory = functools.partial(make_env(roll["env"]), **roll["env_kwargs"])
         self.prompts = PromptSource(cfg["data"]["source"], seed=cfg["seed"])
-        return {"engine": roll["engine"]}
+        return {"engine": roll["engine"], "deterministic": deterministic}
 
     def rollout(self, step: int, record_dir: str | None = None) -> tuple[dict[str, Any], list]:
         """Roll out training step ``step`` (1-based): ``train.batch_size`` prompts x ``rollout.n``.
