@@ -52,6 +52,11 @@ _NEEDS = {
 }
 
 
+def unavailable_reason(name: str) -> str | None:
+    """None when device type `name` (cpu, cuda, npu) is usable here, else why not; never raises."""
+    return _STATUS[backend_class(name).name]()
+
+
 def available_backends() -> list[str]:
     """Device types usable in this process, best first among accelerators, cpu always last.
 

@@ -1,4 +1,4 @@
-"""The ``crossrl`` command line: train, devices, plot, probe, parity, bench.
+"""The ``crossrl`` command line: train, devices, doctor, plot, probe, parity, bench.
 
 Every subcommand validates its input before starting anything heavy; a bad argument or
 config exits with status 2 and one message naming the key, the bad value and the fix.
@@ -18,6 +18,19 @@ def _cmd_devices(args: argparse.Namespace) -> int:
 
     print(format_devices(describe()))
     return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from trainer.config import ConfigError
+    from trainer.doctor import format_rows, run_doctor
+
+    try:
+        rows, code = run_doctor(args.config, args.overrides, smoke=not args.no_smoke)
+    except ConfigError as err:
+        print(f"crossrl doctor: config error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(format_rows(rows))
+    return code
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -87,6 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     devices = sub.add_parser("devices", help="what the device layer sees")
     devices.set_defaults(func=_cmd_devices)
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="is this node ready? versions, env settings, devices, Ray, a smoke test; "
+        "exit 0 when every check passes",
+    )
+    doctor.add_argument("--config", default=None, help="job YAML; omitted: the CPU default job")
+    doctor.add_argument(
+        "--no-smoke", action="store_true", help="skip the smoke tests on the device (fast)"
+    )
+    doctor.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. device=auto")
+    doctor.set_defaults(func=_cmd_doctor)
 
     plot = sub.add_parser("plot", help="PNG curves from RUN_DIR/metrics.jsonl")
     plot.add_argument("run_dir")

@@ -1,0 +1,310 @@
+"""Device facts behind `crossrl doctor`: which packages, versions and env settings each device
+type needs, checked without touching the device.
+
+Everything here reads versions from package metadata or imports packages in a child process:
+never `import torch_npu` where CANN may be broken (it breaks `import torch`), and a vLLM built
+against another driver may crash the process that imports it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from hal.registry import BACKEND_NAMES, unavailable_reason
+
+OK, WARN, FAIL, ABSENT, NOT_PRESENT = "ok", "WARN", "FAIL", "absent", "-"
+"""Statuses of a check row; only FAIL makes `crossrl doctor` exit 1."""
+
+CANN_DEFAULT_HOME = Path("/usr/local/Ascend/ascend-toolkit/latest")
+CANN_HOME_ENVS = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
+IMPORT_TIMEOUT_S = 180.0
+"""Seconds a child process may take to import vllm (and its plugin) before it counts as hung."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of the doctor's table: what was checked, ok/WARN/FAIL/absent/-, what was found,
+    and on a WARN or FAIL the command or setting that fixes it."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def dist_version(name: str) -> str | None:
+    """Installed version of a distribution (`torch_npu`, `flash_attn`, ...) or None; no import."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def release(version: str, parts: int = 3) -> tuple[int, ...] | None:
+    """The leading release numbers of a version string, padded with zeros to `parts`
+    (`2.6.0.post3` -> (2, 6, 0), `0.9.2rc1` -> (0, 9, 2), `2.13.0+cpu` -> (2, 13, 0)); None when
+    it does not start with a number. Plain parsing: hal/ depends on torch only."""
+    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", version or "")
+    if not match:
+        return None
+    numbers = [int(x) for x in match.group(1).split(".")][:parts]
+    return tuple(numbers + [0] * (parts - len(numbers)))
+
+
+# ---- version pairs ----------------------------------------------------------------------------
+
+
+def torch_npu_pairing(torch_version: str, torch_npu_version: str) -> Check:
+    """torch_npu A.B.C[.postN] is built for torch A.B.C: another major.minor fails to load or
+    crashes; another patch release usually works."""
+    name = "torch_npu"
+    want = release(torch_npu_version, 3)
+    have = release(torch_version, 3)
+    found = f"torch_npu {torch_npu_version} with torch {torch_version}"
+    if want is None or have is None:
+        return Check(name, WARN, f"{found}: cannot parse the versions", "reinstall both from PyPI")
+    built_for = ".".join(map(str, want))
+    fix = f"pip install torch=={built_for} (torch_npu {torch_npu_version} is built for it)"
+    if want[:2] != have[:2]:
+        return Check(name, FAIL, f"{found}: built for torch {built_for}", fix)
+    if want != have:
+        return Check(name, WARN, f"{found}: built for torch {built_for}", fix)
+    return Check(name, OK, found)
+
+
+def vllm_ascend_pairing(vllm_version: str, vllm_ascend_version: str) -> Check:
+    """vllm-ascend 0.X.Y[rcN] is released for vllm 0.X.*: the plugin patches vllm internals
+    that change with every minor release."""
+    name = "vllm-ascend pair"
+    want = release(vllm_ascend_version, 2)
+    have = release(vllm_version, 2)
+    found = f"vllm-ascend {vllm_ascend_version} with vllm {vllm_version}"
+    if want is None or have is None:
+        return Check(name, WARN, f"{found}: cannot parse the versions", "reinstall both")
+    if want != have:
+        minor = ".".join(map(str, want))
+        fix = f"pip install 'vllm=={minor}.*' (or the vllm-ascend release made for vllm {vllm_version})"
+        return Check(name, FAIL, f"{found}: the plugin is made for vllm {minor}.*", fix)
+    return Check(name, OK, found)
+
+
+# ---- imports in a child process ---------------------------------------------------------------
+
+_IMPORT_PROBE = """
+import importlib, importlib.metadata, json, sys
+out = {}
+for name in sys.argv[1:]:
+    try:
+        mod = importlib.import_module(name)
+    except BaseException as err:
+        out[name] = [False, (type(err).__name__ + ": " + str(err)).splitlines()[0][:200]]
+        continue
+    version = getattr(mod, "__version__", None)  # vllm_ascend may lack it: ask pip's records
+    try:
+        out[name] = [True, str(version or importlib.metadata.version(name))]
+    except importlib.metadata.PackageNotFoundError:
+        out[name] = [True, "?"]
+print(json.dumps(out))
+"""
+
+
+def probe_imports(modules: list[str], timeout_s: float = IMPORT_TIMEOUT_S) -> dict:
+    """Import each module in one child process; {module: (importable, version or error)}."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _IMPORT_PROBE, *modules],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        return {name: tuple(result[name]) for name in modules}
+    except subprocess.TimeoutExpired:
+        why = f"import did not finish within {timeout_s:.0f} s"
+    except (json.JSONDecodeError, IndexError, KeyError):
+        why = f"the importing process died (exit {done.returncode}): {done.stderr.strip()[-200:]}"
+    return {name: (False, why) for name in modules}
+
+
+def rollout_engine_checks(device: str, rollout_engine: str) -> list[Check]:
+    """vllm importable (and on npu vllm-ascend, their pairing, and its RL settings)."""
+    if rollout_engine != "vllm":
+        return [Check("vllm", NOT_PRESENT, f"not needed (rollout.engine={rollout_engine})")]
+    modules = ["vllm", "vllm_ascend"] if device == "npu" else ["vllm"]
+    found = probe_imports(modules)
+    rows = []
+    for module in modules:
+        ok, text = found[module]
+        pip_name = module.replace("_", "-")
+        rows.append(
+            Check(pip_name, OK, text)
+            if ok
+            else Check(
+                pip_name,
+                FAIL,
+                f"not importable: {text}",
+                f"pip install {pip_name} (see docs/cluster.md), or set rollout.engine=hf",
+            )
+        )
+    if device == "npu":
+        if all(found[m][0] for m in modules):
+            rows.append(vllm_ascend_pairing(found["vllm"][1], found["vllm_ascend"][1]))
+        rows.append(vllm_ascend_nz_check(os.environ))
+    return rows
+
+
+def vllm_ascend_nz_check(environ: Mapping[str, str]) -> Check:
+    """vllm-ascend's NZ weight layout converts weights once at load; RL reloads them every step."""
+    value = environ.get("VLLM_ASCEND_ENABLE_NZ")
+    if value == "0":
+        return Check("VLLM_ASCEND_ENABLE_NZ", OK, "0 (ND weights: in-place weight reload works)")
+    return Check(
+        "VLLM_ASCEND_ENABLE_NZ",
+        WARN,
+        f"{'unset' if value is None else repr(value)}: NZ weights break the per-step weight sync",
+        "export VLLM_ASCEND_ENABLE_NZ=0",
+    )
+
+
+# ---- per-device stacks ------------------------------------------------------------------------
+
+
+def cann_check(environ: Mapping[str, str]) -> Check:
+    """CANN, the Ascend toolkit torch_npu links against: found through its env or default path."""
+    fix = "install CANN, then `source /usr/local/Ascend/ascend-toolkit/set_env.sh`"
+    for var in CANN_HOME_ENVS:
+        if environ.get(var):
+            home = Path(environ[var])
+            if not home.is_dir():
+                return Check("CANN", FAIL, f"{var}={home} is not a directory", fix)
+            return Check("CANN", OK, f"{var}={home}{_cann_version(home)}")
+    if CANN_DEFAULT_HOME.is_dir():
+        detail = f"{CANN_DEFAULT_HOME}{_cann_version(CANN_DEFAULT_HOME)}, but its env is not set"
+        return Check("CANN", WARN, detail, "source /usr/local/Ascend/ascend-toolkit/set_env.sh")
+    return Check("CANN", FAIL, f"not found ({', '.join(CANN_HOME_ENVS)} unset)", fix)
+
+
+def _cann_version(home: Path) -> str:
+    for info in sorted(home.glob("*/ascend_toolkit_install.info")):
+        for line in info.read_text(errors="replace").splitlines():
+            if line.startswith("version="):
+                return f" (version {line.split('=', 1)[1].strip()})"
+    return ""
+
+
+def torch_npu_check(torch_version: str) -> Check:
+    """torch_npu installed, and built for this torch (from metadata: importing it may crash)."""
+    version = dist_version("torch_npu")
+    if version is None:
+        return Check(
+            "torch_npu",
+            FAIL,
+            "not installed",
+            f"pip install 'torch-npu=={'.'.join(map(str, release(torch_version)))}.*' "
+            "(the release built for this torch; install CANN first)",
+        )
+    return torch_npu_pairing(torch_version, version)
+
+
+def flash_attn_check() -> Check:
+    """flash-attn is optional; one built against another torch/CUDA imports badly, and the HAL
+    then falls back to torch's varlen kernel or SDPA: say so rather than fail."""
+    version = dist_version("flash_attn")
+    if version is None and importlib.util.find_spec("flash_attn") is None:
+        return Check("flash-attn", ABSENT, "absent (SDPA/torch varlen used)")
+    try:
+        importlib.import_module("flash_attn")
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
+    except (ImportError, OSError, RuntimeError) as err:
+        why = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+        return Check(
+            "flash-attn",
+            WARN,
+            f"{version or 'installed'} but broken ({why}); the HAL falls back",
+            "pip uninstall flash-attn or rebuild it against this torch",
+        )
+    return Check("flash-attn", OK, f"{version or '?'} (varlen kernel loads)")
+
+
+# ---- env settings -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnvRule:
+    """A collective-library env var and its legal values: an int range or a set of words."""
+
+    var: str
+    low: int | None = None
+    high: int | None = None
+    choices: tuple[str, ...] = ()
+    meaning: str = ""
+
+    def check(self, environ: Mapping[str, str]) -> Check:
+        value = environ.get(self.var)
+        if value is None:
+            return Check(self.var, OK, f"unset (library default; {self.meaning})")
+        if self.choices:
+            good = value.strip().upper() in self.choices
+            allowed = f"one of {', '.join(self.choices)}"
+        else:
+            try:
+                good = self.low <= int(value) <= self.high
+            except ValueError:
+                good = False
+            allowed = f"an integer in [{self.low}, {self.high}]"
+        if good:
+            return Check(self.var, OK, f"{value} ({self.meaning})")
+        return Check(
+            self.var, FAIL, f"{value!r} is not {allowed}", f"unset {self.var} or use {allowed}"
+        )
+
+
+ENV_RULES: dict[str, tuple[EnvRule, ...]] = {
+    "cpu": (),
+    "cuda": (
+        EnvRule("NCCL_DEBUG", choices=("VERSION", "WARN", "INFO", "TRACE"), meaning="log level"),
+        EnvRule("NCCL_IB_DISABLE", choices=("0", "1"), meaning="1 turns InfiniBand off"),
+    ),
+    "npu": (
+        EnvRule("HCCL_CONNECT_TIMEOUT", 120, 7200, meaning="seconds to build a group"),
+        EnvRule("HCCL_EXEC_TIMEOUT", 68, 17340, meaning="seconds one collective may run"),
+    ),
+}
+"""Per device type, the env vars its collective library reads, with their documented ranges."""
+
+
+def env_checks(device: str, environ: Mapping[str, str]) -> list[Check]:
+    """One row per collective-library env var of `device`."""
+    return [rule.check(environ) for rule in ENV_RULES[device]]
+
+
+# ---- everything for one device type -----------------------------------------------------------
+
+
+def device_checks(device: str, *, rollout_engine: str, torch_version: str) -> list[Check]:
+    """The rows specific to device type `device` (cpu, cuda, npu) for a job using
+    `rollout_engine`. On cpu the accelerator stacks are reported as not present, status `-`."""
+    environ = os.environ
+    if device == "npu":
+        rows = [torch_npu_check(torch_version), cann_check(environ)]
+    elif device == "cuda":
+        rows = [flash_attn_check()]
+    else:
+        rows = []
+        for other in BACKEND_NAMES:
+            if other in ("auto", "cpu"):
+                continue
+            why = unavailable_reason(other)
+            detail = f"not present: {why}" if why else "present, not used (device=cpu)"
+            rows.append(Check(other, NOT_PRESENT, detail))
+    return rows + rollout_engine_checks(device, rollout_engine) + env_checks(device, environ)

@@ -1,0 +1,255 @@
+"""`crossrl doctor`: the table on this machine, and the checks behind it without a device."""
+
+from __future__ import annotations
+
+import configparser
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hal
+from hal import doctor_facts
+from hal.doctor_facts import (
+    ABSENT,
+    FAIL,
+    NOT_PRESENT,
+    OK,
+    WARN,
+    Check,
+    cann_check,
+    env_checks,
+    flash_attn_check,
+    probe_imports,
+    torch_npu_pairing,
+    vllm_ascend_nz_check,
+    vllm_ascend_pairing,
+)
+from trainer import doctor
+from trainer.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _by_name(rows: list[Check]) -> dict[str, Check]:
+    return {r.name: r for r in rows}
+
+
+# ---- the whole command on this machine --------------------------------------------------------
+
+
+def test_doctor_passes_on_this_machine_with_the_default_job():
+    rows, code = doctor.run_doctor(None, [], smoke=True)
+    table = doctor.format_rows(rows)
+    assert code == 0, table
+    found = _by_name(rows)
+    for name in ("python", "torch", "transformers", "ray"):
+        assert found[name].status == OK, table
+    for name in ("smoke: attention", "smoke: all_reduce", "smoke: generate"):
+        assert found[name].status == OK, table
+    # the default job runs on the cpu: accelerator stacks are listed, never failures
+    for name in ("cuda", "npu"):
+        assert found[name].status == NOT_PRESENT, table
+        if name not in hal.available_backends():
+            assert found[name].detail.startswith("not present"), table
+    assert found["ray cluster"].detail.endswith("local Ray (started by crossrl train)")
+    assert table.splitlines()[-1].endswith("0 FAIL - ready")
+
+
+def test_cli_doctor_no_smoke_in_a_fresh_process():
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "doctor", "--no-smoke"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "torch " in done.stdout and "device " in done.stdout
+    assert "smoke:" not in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["doctor", "--config", "no/such/job.yaml"], "no/such/job.yaml"),
+        (["doctor", "--no-smoke", "train.dp_size=many"], "train.dp_size"),
+    ],
+)
+def test_bad_config_exits_2_naming_it(argv, named, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("crossrl doctor: config error:") and named in err
+
+
+def test_an_absent_device_is_a_row_not_a_config_error():
+    absent = next((d for d in ("npu", "cuda") if d not in hal.available_backends()), None)
+    if absent is None:
+        pytest.skip("both accelerators are present here")
+    rows, code = doctor.run_doctor(None, [f"device={absent}"], smoke=False)
+    assert code == 1
+    assert _by_name(rows)["device"].status == FAIL
+    assert _by_name(rows)["device"].fix
+
+
+# ---- versions ---------------------------------------------------------------------------------
+
+
+def test_minimum_versions_follow_setup_cfg():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    requires = {}
+    for line in cfg["options"]["install_requires"].split():
+        name, _, version = line.partition(">=")
+        requires[name] = version
+    assert cfg["options"]["python_requires"] == f">={doctor.MINIMUM_VERSIONS['python']}"
+    for name in ("torch", "transformers", "ray"):
+        assert requires[name] == doctor.MINIMUM_VERSIONS[name]
+
+
+@pytest.mark.parametrize(
+    ("found", "status"),
+    [("2.13.0+cpu", OK), ("2.6.0", OK), ("2.5.1", FAIL), ("2.10", OK), (None, FAIL)],
+)
+def test_version_check_against_the_minimum(found, status):
+    row = doctor.version_check("torch", found, "2.6")
+    assert row.status == status
+    assert (row.fix == "pip install 'torch>=2.6'") == (status == FAIL)
+
+
+@pytest.mark.parametrize(
+    ("torch_version", "torch_npu_version", "status"),
+    [
+        ("2.6.0", "2.6.0.post3", OK),
+        ("2.6.0+cpu", "2.6.0", OK),
+        ("2.6.0", "2.5.1", FAIL),
+        ("2.5.0", "2.5.1", WARN),
+        ("2.6.0", "nightly", WARN),
+    ],
+)
+def test_torch_npu_pairs_with_its_torch(torch_version, torch_npu_version, status):
+    row = torch_npu_pairing(torch_version, torch_npu_version)
+    assert row.status == status, row
+    if status == FAIL:
+        assert row.fix.startswith("pip install torch==2.5.1")
+
+
+@pytest.mark.parametrize(
+    ("vllm_version", "vllm_ascend_version", "status"),
+    [("0.9.2", "0.9.2rc1", OK), ("0.9.1", "0.9.2rc1", OK), ("0.10.0", "0.9.1", FAIL)],
+)
+def test_vllm_ascend_pairs_with_its_vllm_minor(vllm_version, vllm_ascend_version, status):
+    row = vllm_ascend_pairing(vllm_version, vllm_ascend_version)
+    assert row.status == status, row
+    if status == FAIL:
+        assert "vllm==0.9.*" in row.fix
+
+
+def test_probe_imports_reports_versions_and_errors_from_a_child_process():
+    found = probe_imports(["json", "crossrl_no_such_module"])
+    assert found["json"][0] is True
+    assert found["crossrl_no_such_module"] == (
+        False,
+        "ModuleNotFoundError: No module named 'crossrl_no_such_module'",
+    )
+
+
+# ---- env settings -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("device", "var", "value", "status"),
+    [
+        ("npu", "HCCL_CONNECT_TIMEOUT", "120", OK),
+        ("npu", "HCCL_CONNECT_TIMEOUT", "7200", OK),
+        ("npu", "HCCL_CONNECT_TIMEOUT", "119", FAIL),
+        ("npu", "HCCL_CONNECT_TIMEOUT", "2h", FAIL),
+        ("npu", "HCCL_EXEC_TIMEOUT", "67", FAIL),
+        ("npu", "HCCL_EXEC_TIMEOUT", "17340", OK),
+        ("npu", "HCCL_EXEC_TIMEOUT", None, OK),
+        ("cuda", "NCCL_DEBUG", "warn", OK),
+        ("cuda", "NCCL_DEBUG", "LOUD", FAIL),
+        ("cuda", "NCCL_IB_DISABLE", "1", OK),
+        ("cuda", "NCCL_IB_DISABLE", "2", FAIL),
+    ],
+)
+def test_collective_env_settings_in_range(monkeypatch, device, var, value, status):
+    if value is None:
+        monkeypatch.delenv(var, raising=False)
+    else:
+        monkeypatch.setenv(var, value)
+    row = _by_name(env_checks(device, os.environ))[var]
+    assert row.status == status, row
+    if status == FAIL:
+        assert var in row.fix
+
+
+@pytest.mark.parametrize(("value", "status"), [("0", OK), ("1", WARN), (None, WARN)])
+def test_vllm_ascend_nz_must_be_off_for_weight_reload(value, status):
+    row = vllm_ascend_nz_check({} if value is None else {"VLLM_ASCEND_ENABLE_NZ": value})
+    assert row.status == status
+    assert (row.fix == "export VLLM_ASCEND_ENABLE_NZ=0") == (status == WARN)
+
+
+def test_cann_found_through_env_or_reported_missing(monkeypatch, tmp_path):
+    monkeypatch.setattr(doctor_facts, "CANN_DEFAULT_HOME", tmp_path / "absent")
+    (tmp_path / "aarch64-linux").mkdir()
+    (tmp_path / "aarch64-linux" / "ascend_toolkit_install.info").write_text("version=8.1.RC1\n")
+    row = cann_check({"ASCEND_HOME_PATH": str(tmp_path)})
+    assert row.status == OK and "8.1.RC1" in row.detail
+    assert cann_check({"ASCEND_TOOLKIT_HOME": str(tmp_path / "gone")}).status == FAIL
+    missing = cann_check({})
+    assert missing.status == FAIL and "set_env.sh" in missing.fix
+
+
+# ---- flash-attn -------------------------------------------------------------------------------
+
+
+def test_broken_flash_attn_warns_with_the_fix(monkeypatch):
+    monkeypatch.setattr(doctor_facts, "dist_version", lambda name: "2.7.4")
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # installed but cannot be imported
+    row = flash_attn_check()
+    assert row.status == WARN
+    assert "broken" in row.detail
+    assert row.fix == "pip uninstall flash-attn or rebuild it against this torch"
+
+
+def test_absent_flash_attn_is_not_a_failure(monkeypatch):
+    monkeypatch.setattr(doctor_facts, "dist_version", lambda name: None)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # find_spec then says: not there
+    row = flash_attn_check()
+    assert (row.status, row.detail) == (ABSENT, "absent (SDPA/torch varlen used)")
+
+
+# ---- devices and Ray --------------------------------------------------------------------------
+
+
+class _TwoGpus:
+    is_accelerator = True
+
+    def device_count(self) -> int:
+        return 2
+
+
+def test_fewer_local_devices_than_dp_size_warns(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    row = doctor.visible_devices_check(_TwoGpus(), "cuda", dp_size=8)
+    assert row.status == WARN and "CUDA_VISIBLE_DEVICES=0,1" in row.detail
+    assert "lower train.dp_size" in row.fix
+    assert doctor.visible_devices_check(_TwoGpus(), "cuda", dp_size=2).status == OK
+
+
+def test_unreachable_ray_address_fails_without_hanging():
+    row = doctor.ray_check("127.0.0.1:1", "CPU", 1, timeout_s=3.0)
+    assert row.status == FAIL and "ray.address=127.0.0.1:1" in row.detail
+    assert "ray.address" in row.fix
+
+
+def test_format_rows_puts_the_fix_under_a_failure():
+    text = doctor.format_rows([Check("a", OK, "fine"), Check("bb", FAIL, "broken", "do this")])
+    lines = text.splitlines()
+    assert lines[2].startswith("bb  ") and "FAIL" in lines[2]
+    assert lines[3].strip() == "fix: do this"
+    assert lines[-1] == "2 checks: 1 ok, 0 WARN, 1 FAIL"
