@@ -3,10 +3,12 @@
 Pure numpy/torch on CPU tensors; never touches a device.
 """
 
-from batching.data import PADDING_TOKEN_ID, Row, StepBatch
+from batching.data import StepBatch
 from batching.metrics import real_row_mean, response_length_mean, trajectory_score_mean
 from batching.normalizers import LOSS_AGG_MODES, LossNormalizers, aggregate_loss, loss_normalizers
+from batching.padding import PADDING_TOKEN_ID
 from batching.planner import MiniBatchPlan, Plan, plan_minibatches
+from batching.rows import Row
 from batching.stats import plan_stats
 
 __all__ = [

@@ -1,41 +1,33 @@
-"""The training data model: `Row` (one sequence as the rollout layer emits it) and `StepBatch`
-(packed columns).
+"""The training data model: `StepBatch`, packed columns of rows (`batching.rows.Row` is one
+row as the rollout layer emits it).
 
 A `StepBatch` never pads to `[batch, max_len]`. Token fields are concatenated over all rows
 with the token axis LAST (so multimodal position ids may be `[3, T]`), row fields have the
 row axis FIRST, and `cu_seqlens` (int64 `[R+1]`) holds the token offset of every row.
 
 Padding rows (DESIGN.md, "Padding rows") are materialised by `StepBatch.select` from the
-index `-1`: one prompt token plus one response token, both `PADDING_TOKEN_ID`, position ids
-`0, 1` on every position axis, `loss_mask` 0 and every other token field 0, and a fresh
-negative `uid` / `trajectory_id`. Real ids are `>= 0`, so a padding row never shares a GRPO
-group or a trajectory with a real row; within one batch, the k-th padding row (in row order)
-has `uid == trajectory_id == -(k + 1)`, renumbered whenever `select` or `concat` builds a
-batch, so padding ids are unique within every batch.
+index `-1`; `batching.padding` says what one holds and how padding ids are numbered. Packing
+rollout rows lives in `batching.rows`, numpy transport in `batching.transport`.
 
 Tensors are CPU tensors; this module never touches a device.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from batching.padding import renumber_padding, select_rows
+from batching.rows import Row, pack_rows
+from batching.transport import arrays_to_fields, batch_to_arrays
+
 __all__ = [
-    "PADDING_TOKEN_ID",
     "REQUIRED_ROW_FIELDS",
     "REQUIRED_TOKEN_FIELDS",
-    "Row",
     "StepBatch",
 ]
-
-#: Token id of both tokens of a padding row. Its `loss_mask` is 0, so the id never reaches
-#: a loss; 0 is chosen because it is a valid id for every vocabulary.
-PADDING_TOKEN_ID = 0
 
 #: Token fields every `StepBatch` carries, with their dtypes.
 REQUIRED_TOKEN_FIELDS: dict[str, torch.dtype] = {
@@ -58,76 +50,6 @@ REQUIRED_ROW_FIELDS: dict[str, torch.dtype] = {
     "score": torch.float32,
     "step_reward": torch.float32,
 }
-
-_TOKEN_PREFIX = "token/"
-_ROW_PREFIX = "row/"
-_CU_KEY = "cu_seqlens"
-
-
-@dataclass
-class Row:
-    """One training row as produced by rollout: prompt tokens + response tokens (plain lists).
-
-    `response_mask[i]` is 1 when response token i is trained on (model-generated) and 0 when it
-    is not (a tool observation in whole-trajectory mode, or an EOS appended after generation).
-    `response_logprobs[i]` is the rollout engine's logprob of response token i (0.0 where the
-    mask is 0). `token_rewards`, when given, holds one reward per response token; when None the
-    row's reward `step_reward` (+ `score` if `is_last_step`) sits on the last response token
-    whose mask is 1 (on the last response token if none is, on the last token if the response
-    is empty).
-    """
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_mask: list[int]
-    response_logprobs: list[float]
-    uid: int
-    trajectory_id: int
-    step_index: int = 0
-    is_last_step: bool = True
-    score: float = 0.0
-    step_reward: float = 0.0
-    token_rewards: list[float] | None = None
-
-
-def _validate_row(i: int, row: Row) -> None:
-    n_resp = len(row.response_ids)
-    if len(row.prompt_ids) + n_resp < 1:
-        raise ValueError(
-            f"rows[{i}] has 0 tokens (prompt_ids and response_ids both empty); "
-            "every row needs at least one token"
-        )
-    for name in ("response_mask", "response_logprobs"):
-        got = len(getattr(row, name))
-        if got != n_resp:
-            raise ValueError(
-                f"rows[{i}].{name} has {got} entries but response_ids has {n_resp}; "
-                f"give one {name} entry per response token"
-            )
-    if row.token_rewards is not None and len(row.token_rewards) != n_resp:
-        raise ValueError(
-            f"rows[{i}].token_rewards has {len(row.token_rewards)} entries but response_ids "
-            f"has {n_resp}; give one reward per response token or None"
-        )
-    bad = [m for m in row.response_mask if m not in (0, 1)]
-    if bad:
-        raise ValueError(f"rows[{i}].response_mask contains {bad[0]!r}; use only 0 and 1")
-    for name in ("uid", "trajectory_id", "step_index"):
-        value = getattr(row, name)
-        if int(value) != value or value < 0:
-            raise ValueError(
-                f"rows[{i}].{name} = {value!r}; it must be an integer >= 0 "
-                "(negative ids are reserved for padding rows)"
-            )
-
-
-def _default_reward_position(row: Row) -> int:
-    """Index (within the row's tokens) that carries the row's scalar reward."""
-    mask = row.response_mask
-    for j in range(len(mask) - 1, -1, -1):
-        if mask[j]:
-            return len(row.prompt_ids) + j
-    return len(row.prompt_ids) + len(row.response_ids) - 1
 
 
 class StepBatch:
@@ -192,52 +114,7 @@ class StepBatch:
         Prompt tokens get `loss_mask` 0, `rollout_logprobs` 0 and `token_rewards` 0; response
         tokens take theirs from the row (see `Row` for the default reward placement).
         """
-        for i, row in enumerate(rows):
-            _validate_row(i, row)
-        prompt_len = np.array([len(r.prompt_ids) for r in rows], dtype=np.int64)
-        response_len = np.array([len(r.response_ids) for r in rows], dtype=np.int64)
-        seq_lens = prompt_len + response_len
-        cu = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(seq_lens, out=cu[1:])
-        num_tokens = int(cu[-1])
-
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        loss_mask = np.zeros(num_tokens, dtype=np.float32)
-        logprobs = np.zeros(num_tokens, dtype=np.float32)
-        rewards = np.zeros(num_tokens, dtype=np.float32)
-        for i, row in enumerate(rows):
-            start, mid, end = int(cu[i]), int(cu[i] + prompt_len[i]), int(cu[i + 1])
-            input_ids[start:mid] = row.prompt_ids
-            input_ids[mid:end] = row.response_ids
-            loss_mask[mid:end] = row.response_mask
-            logprobs[mid:end] = row.response_logprobs
-            if row.token_rewards is not None:
-                rewards[mid:end] = row.token_rewards
-            else:
-                reward = row.step_reward + (row.score if row.is_last_step else 0.0)
-                rewards[start + _default_reward_position(row)] = reward
-        # Positions restart at 0 for every row: offset of each token from its row's start.
-        position_ids = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1], seq_lens)
-
-        token_fields = {
-            "input_ids": torch.from_numpy(input_ids),
-            "position_ids": torch.from_numpy(position_ids),
-            "loss_mask": torch.from_numpy(loss_mask),
-            "rollout_logprobs": torch.from_numpy(logprobs),
-            "token_rewards": torch.from_numpy(rewards),
-        }
-        row_fields = {
-            "uid": torch.tensor([int(r.uid) for r in rows], dtype=torch.int64),
-            "trajectory_id": torch.tensor([int(r.trajectory_id) for r in rows], dtype=torch.int64),
-            "step_index": torch.tensor([int(r.step_index) for r in rows], dtype=torch.int64),
-            "is_last_step": torch.tensor([bool(r.is_last_step) for r in rows], dtype=torch.bool),
-            "is_padding": torch.zeros(len(rows), dtype=torch.bool),
-            "prompt_len": torch.from_numpy(prompt_len),
-            "response_len": torch.from_numpy(response_len),
-            "score": torch.tensor([float(r.score) for r in rows], dtype=torch.float32),
-            "step_reward": torch.tensor([float(r.step_reward) for r in rows], dtype=torch.float32),
-        }
-        return cls(token_fields, row_fields, torch.from_numpy(cu))
+        return cls(*pack_rows(rows))
 
     # ------------------------------------------------------------------ sizes
 
@@ -375,81 +252,9 @@ class StepBatch:
         Rows are copied whole (a row is never split). Padding rows get uid = trajectory_id =
         -(k+1) for the k-th padding row of the result (existing padding rows included).
         """
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = self.num_rows
-        if idx.size and (idx.min() < -1 or idx.max() >= n):
-            bad = idx[(idx < -1) | (idx >= n)][0]
-            raise ValueError(
-                f"select index {int(bad)} is out of range for a batch of {n} rows; "
-                "use 0..num_rows-1, or -1 for a padding row"
-            )
-        pad = idx == -1
-        src_lens = self.seq_lens
-        out_lens = np.where(pad, 2, src_lens[np.where(pad, 0, idx)] if n else 2)
-        out_cu = np.zeros(idx.size + 1, dtype=np.int64)
-        np.cumsum(out_lens, out=out_cu[1:])
-        out_t = int(out_cu[-1])
-
-        # Token gather: for every output token of a real row, its source token index.
-        real_rows = np.flatnonzero(~pad)
-        real_lens = out_lens[real_rows]
-        src_starts = self.cu_seqlens.numpy()[idx[real_rows]]
-        dst_starts = out_cu[real_rows]
-        dst_pos = np.arange(int(real_lens.sum()), dtype=np.int64)
-        seg_base = np.repeat(np.cumsum(real_lens) - real_lens, real_lens)
-        src_tok = np.repeat(src_starts, real_lens) + (dst_pos - seg_base)
-        dst_tok = np.repeat(dst_starts, real_lens) + (dst_pos - seg_base)
-        pad_rows = np.flatnonzero(pad)
-        pad_start = out_cu[pad_rows]
-        all_real = pad_rows.size == 0
-        src_tok_t, dst_tok_t = torch.from_numpy(src_tok), torch.from_numpy(dst_tok)
-
-        token_fields = {}
-        for name, t in self.token_fields.items():
-            if all_real:
-                token_fields[name] = t.index_select(-1, src_tok_t)
-                continue
-            out = torch.zeros((*t.shape[:-1], out_t), dtype=t.dtype)
-            out[..., dst_tok_t] = t.index_select(-1, src_tok_t)
-            if name == "position_ids":
-                out[..., torch.from_numpy(pad_start + 1)] = 1
-            elif name == "input_ids" and PADDING_TOKEN_ID != 0:
-                out[..., torch.from_numpy(np.concatenate([pad_start, pad_start + 1]))] = (
-                    PADDING_TOKEN_ID
-                )
-            token_fields[name] = out
-
-        real_rows_t = torch.from_numpy(real_rows)
-        src_rows_t = torch.from_numpy(idx[real_rows])
-        row_fields = {}
-        for name, t in self.row_fields.items():
-            if all_real:
-                row_fields[name] = t.index_select(0, src_rows_t)
-                continue
-            out = torch.zeros((idx.size, *t.shape[1:]), dtype=t.dtype)
-            out[real_rows_t] = t.index_select(0, src_rows_t)
-            row_fields[name] = out
-        if not all_real:
-            pad_rows_t = torch.from_numpy(pad_rows)
-            row_fields["is_padding"][pad_rows_t] = True
-            row_fields["is_last_step"][pad_rows_t] = True
-            row_fields["prompt_len"][pad_rows_t] = 1
-            row_fields["response_len"][pad_rows_t] = 1
-        result = StepBatch(token_fields, row_fields, torch.from_numpy(out_cu))
-        result._renumber_padding()
+        result = StepBatch(*select_rows(self, indices))
+        renumber_padding(result.row_fields)
         return result
-
-    def _renumber_padding(self) -> None:
-        """Give the k-th padding row uid = trajectory_id = -(k+1), unique within this batch."""
-        is_pad = self.row_fields["is_padding"]
-        if not bool(is_pad.any()):
-            return
-        where = torch.nonzero(is_pad, as_tuple=True)[0]
-        fresh = -torch.arange(1, where.numel() + 1, dtype=torch.int64)
-        for name in ("uid", "trajectory_id"):
-            col = self.row_fields[name].clone()
-            col[where] = fresh
-            self.row_fields[name] = col
 
     @classmethod
     def concat(cls, batches: Sequence[StepBatch]) -> StepBatch:
@@ -490,7 +295,7 @@ class StepBatch:
         cu = np.zeros(lens.size + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
         result = cls(token_fields, row_fields, torch.from_numpy(cu))
-        result._renumber_padding()
+        renumber_padding(result.row_fields)
         return result
 
     def split(self, sizes: Sequence[int]) -> list[StepBatch]:
@@ -520,38 +325,10 @@ class StepBatch:
     def to_numpy(self) -> dict[str, np.ndarray]:
         """Flat dict of numpy arrays (keys `token/<name>`, `row/<name>`, `cu_seqlens`) for Ray's
         object store, which hands numpy back zero-copy."""
-        out: dict[str, np.ndarray] = {_CU_KEY: self.cu_seqlens.numpy()}
-        for name, t in self.token_fields.items():
-            out[_TOKEN_PREFIX + name] = t.detach().cpu().contiguous().numpy()
-        for name, t in self.row_fields.items():
-            out[_ROW_PREFIX + name] = t.detach().cpu().contiguous().numpy()
-        return out
+        return batch_to_arrays(self)
 
     @classmethod
     def from_numpy(cls, arrays: dict[str, np.ndarray], *, copy: bool = False) -> StepBatch:
         """Inverse of `to_numpy`. Without `copy` the tensors share the arrays' memory (which Ray
         hands out read-only): replace fields with `set_*_field`, never write into them."""
-        if _CU_KEY not in arrays:
-            raise ValueError(f"arrays has no {_CU_KEY!r} key; pass the dict from to_numpy()")
-
-        def wrap(a: np.ndarray) -> torch.Tensor:
-            if copy or not a.flags.writeable:
-                if copy:
-                    return torch.from_numpy(np.array(a, copy=True))
-                # torch warns on read-only arrays; sharing them is the point (zero-copy).
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)
-                    return torch.from_numpy(a)
-            return torch.from_numpy(a)
-
-        token_fields, row_fields = {}, {}
-        for key, a in arrays.items():
-            if key.startswith(_TOKEN_PREFIX):
-                token_fields[key[len(_TOKEN_PREFIX) :]] = wrap(a)
-            elif key.startswith(_ROW_PREFIX):
-                row_fields[key[len(_ROW_PREFIX) :]] = wrap(a)
-            elif key != _CU_KEY:
-                raise ValueError(
-                    f"unknown key {key!r}; keys are 'cu_seqlens', 'token/<name>', 'row/<name>'"
-                )
-        return cls(token_fields, row_fields, wrap(arrays[_CU_KEY]))
+        return cls(*arrays_to_fields(arrays, copy=copy))

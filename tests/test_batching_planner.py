@@ -352,7 +352,7 @@ def test_promises_hold_on_the_large_input_code_paths(w):
     order for late unit rounds, refinement everywhere) onto small workloads."""
     from unittest import mock
 
-    import batching.planner as planner
+    import batching.balance as planner
 
     with (
         mock.patch.object(planner, "_EXACT_LPT_ROWS", 2),
