@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 from bench.machine import cpu_load, cpu_pressure, describe_machine, machine_line
+from rollout.files import atomic_write_text
 
 __all__ = ["BENCHMARKS", "DEFAULT_OUT", "main", "run_benchmarks"]
 
@@ -105,12 +104,7 @@ def run_benchmarks(names: list[str], quick: bool, echo: Callable[[str], None] = 
 
 def _write_json(path: Path, data: dict) -> None:
     """Write atomically: a reader never sees half a results file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, sort_keys=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=False) + "\n")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

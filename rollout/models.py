@@ -4,6 +4,9 @@ HF model directory.
 Builtin weights are random-initialised from ``seed`` on the CPU at first use and cached as
 safetensors under ``$CROSSRL_CACHE`` (default ``~/.cache/crossrl``); later loads read the cache, so
 every process and machine sees identical weights. Nothing is ever downloaded.
+
+``BUILTIN_MODELS`` is the one list of builtin names (the config schema validates against it), so
+transformers is imported inside the functions: loading a config does not pay for it.
 """
 
 from __future__ import annotations
@@ -11,12 +14,15 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
-from transformers.utils import logging as hf_logging
+
+from rollout.files import temp_sibling
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 BUILTIN_MODELS_DIR = Path(__file__).resolve().parent / "assets" / "models"
 BUILTIN_MODELS = ("tiny", "small")  # tiny: 0.1M params (tests), small: 19M params (benchmarks)
@@ -95,8 +101,12 @@ def builtin_weights_dir(name: str, seed: int) -> Path:
     final = cache_root() / "models" / f"{config_dir.name}-{digest}-seed{seed}"
     if (final / "config.json").is_file():
         return final
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # A directory is published whole by one rename; rollout.files names the temp sibling.
+    tmp = temp_sibling(final)
     config = AutoConfig.from_pretrained(str(config_dir), local_files_only=True)
     # Initialise on the CPU from a private RNG state: same seed -> same weights on any machine,
     # and the caller's global RNG stream is left untouched.
@@ -126,7 +136,8 @@ def write_random_model(
     model's samples mostly are. The directory is written under a temporary name and renamed;
     an existing ``out_dir`` is an error (nothing is overwritten).
     """
-    from transformers import Qwen2Config
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers.utils import logging as hf_logging
 
     from rollout.tokenizer import BUILTIN_TOKENIZER_DIR
 
@@ -138,7 +149,7 @@ def write_random_model(
     if final.exists():
         raise ValueError(f"{str(final)!r} exists; give a new directory (nothing is overwritten)")
     config = Qwen2Config(**{k: v for k, v in shape.items() if k != "architectures"})
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = temp_sibling(final)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=parse_dtype(dtype))
@@ -166,6 +177,9 @@ def load_model(
     ``attn_implementation``: None keeps the model's default (sdpa); the training path passes the
     HAL's varlen attention name.
     """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
     name = str(path_or_name)
     if name.startswith("builtin:"):
         directory = builtin_weights_dir(name, seed)

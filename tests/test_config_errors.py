@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import hal
-import trainer.config as config_mod
+import trainer.config.checks as checks
 from trainer.config import ConfigError, load_config
 
 
@@ -16,8 +16,8 @@ def _cpu_only_machine(monkeypatch):
 
 
 def _vllm_installed(monkeypatch):
-    real = config_mod._module_available
-    monkeypatch.setattr(config_mod, "_module_available", lambda name: name == "vllm" or real(name))
+    real = checks._module_available
+    monkeypatch.setattr(checks, "_module_available", lambda name: name == "vllm" or real(name))
 
 
 # (overrides on top of configs/cpu/tiny.yaml, key the error must name, text the message must hold)
@@ -113,7 +113,7 @@ def test_bad_config_names_the_key(overrides, key, text):
 
 
 def test_vllm_engine_needs_vllm_importable(monkeypatch):
-    monkeypatch.setattr(config_mod, "_module_available", lambda name: False)
+    monkeypatch.setattr(checks, "_module_available", lambda name: False)
     with pytest.raises(ConfigError) as info:
         load_config(None, ["rollout.engine=vllm"])
     assert info.value.key == "rollout.engine"

@@ -1,4 +1,4 @@
-"""Reading YAML with includes, overrides, dumping and reading back."""
+"""Reading YAML with includes, overrides, writing a resolved config and reading it back."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from trainer.config import (
     ConfigError,
     all_keys,
     default_config_path,
-    dump_config,
     load_config,
     main_check,
     parse_override,
@@ -153,7 +152,7 @@ def test_exponent_floats_in_yaml_files_are_floats(tmp_path):
     assert cfg.train.lr == 1e-6 and cfg.critic.lr == 5e-5
 
 
-def test_dump_then_load_round_trips(tmp_path):
+def test_to_yaml_then_load_round_trips(tmp_path):
     cfg = load_config(
         None,
         [
@@ -166,18 +165,11 @@ def test_dump_then_load_round_trips(tmp_path):
             "run.dir=runs/x y",
         ],
     )
-    out = dump_config(cfg, tmp_path / "run" / "config.yaml")
-    assert out.read_text() == cfg.to_yaml()
-    assert [p.name for p in out.parent.iterdir()] == ["config.yaml"]  # no temp file left
+    # What a run writes to <run.dir>/config.yaml (atomically, with rollout.files).
+    out = _write(tmp_path / "run" / "config.yaml", cfg.to_yaml())
     again = load_config(out)
     assert again == cfg
     assert again.flat() == cfg.flat()
-
-
-def test_dump_replaces_an_existing_file(tmp_path):
-    target = _write(tmp_path / "config.yaml", "stale: true\n")
-    dump_config(load_config(None, ["seed=9"]), target)
-    assert load_config(target).seed == 9
 
 
 def test_default_config_is_the_cpu_tiny_job():

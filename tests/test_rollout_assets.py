@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rollout.assets import build_tokenizer
+from rollout.files import is_temp_name
 from rollout.models import load_model
 from rollout.tokenizer import BUILTIN_TOKENIZER_DIR, chat_token_ids, load_tokenizer
 
@@ -56,7 +57,8 @@ def test_builtin_model_cache_gives_identical_weights(tmp_path, monkeypatch):
     monkeypatch.setenv("CROSSRL_CACHE", str(tmp_path))
     first = load_model("builtin:tiny", seed=7)
     assert list(tmp_path.rglob("*.safetensors")), "weights were not cached"
-    assert not list(tmp_path.rglob(".tmp-*")), "a temporary directory was left behind"
+    left = [p for p in tmp_path.rglob("*") if is_temp_name(p.name)]
+    assert not left, "a temporary directory was left behind"
     second = load_model("builtin:tiny", seed=7)
     other = load_model("builtin:tiny", seed=8)
     a, b, c = first.state_dict(), second.state_dict(), other.state_dict()

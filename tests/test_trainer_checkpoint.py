@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -16,13 +17,8 @@ import pytest
 import torch
 
 from trainer.checkpoint import (
-    LATEST_NAME,
-    MANIFEST_NAME,
-    MODEL_FILE,
-    TRAINER_STATE_FILE,
+    LAYOUT,
     CheckpointError,
-    atomic_write_bytes,
-    atomic_write_text,
     begin_checkpoint,
     commit_checkpoint,
     find_latest,
@@ -30,9 +26,7 @@ from trainer.checkpoint import (
     load_json,
     load_safetensors,
     load_torch,
-    optim_file,
     resolve_resume,
-    rng_file,
     rng_state,
     save_json,
     save_safetensors,
@@ -43,6 +37,7 @@ from trainer.checkpoint import (
 
 REPO = Path(__file__).resolve().parents[1]
 POSIX_ONLY = pytest.mark.skipif(os.name != "posix", reason="needs POSIX signals (SIGKILL)")
+ROLE = "actor"
 
 
 def _model_state(seed: int) -> dict[str, torch.Tensor]:
@@ -50,51 +45,62 @@ def _model_state(seed: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(8, 4, generator=g), "b": torch.randn(4, generator=g)}
 
 
+def _written_files(ranks: int) -> list[str]:
+    """Every file of a checkpoint of one trainable role over ``ranks`` data-parallel ranks."""
+    return [
+        LAYOUT.model(ROLE),
+        LAYOUT.optim(ROLE),
+        LAYOUT.scheduler(ROLE),
+        *(LAYOUT.rng(ROLE, r) for r in range(ranks)),
+        LAYOUT.trainer_state,
+        LAYOUT.controller_rng,
+    ]
+
+
 def _write_checkpoint(run_dir: Path, step: int, *, ranks: int = 2, keep_last: int | None = 2):
-    """What the controller and workers do together: stage every piece, then commit."""
+    """What the controller and the workers write (``Trainer.save_checkpoint`` and
+    ``FSDPWorker.save_pieces``): stage every piece, then commit."""
     staging = begin_checkpoint(run_dir, step)
-    save_safetensors(_model_state(step), staging / MODEL_FILE)
+    save_safetensors(_model_state(step), staging / LAYOUT.model(ROLE))  # rank 0
+    save_torch({"exp_avg": torch.full((3,), float(step))}, staging / LAYOUT.optim(ROLE))
+    save_torch({"last_epoch": step}, staging / LAYOUT.scheduler(ROLE))
     for rank in range(ranks):
-        save_torch({"exp_avg": torch.full((3,), float(step + rank))}, staging / optim_file(rank))
-        save_torch(rng_state(), staging / rng_file(rank))
-    save_json({"step": step, "data_position": step * 4}, staging / TRAINER_STATE_FILE)
-    expect = [MODEL_FILE, TRAINER_STATE_FILE] + [optim_file(r) for r in range(ranks)]
+        save_torch(rng_state(), staging / LAYOUT.rng(ROLE, rank))
+    save_json({"step": step, "prompts_consumed": step * 4}, staging / LAYOUT.trainer_state)
+    save_torch(rng_state(), staging / LAYOUT.controller_rng)
+    expect = _written_files(ranks)
     return commit_checkpoint(run_dir, step, staging, keep_last=keep_last, expect_files=expect)
 
 
 def _assert_whole(ckpt: Path, step: int) -> None:
     verify_checkpoint(ckpt)
-    assert load_json(ckpt / TRAINER_STATE_FILE)["step"] == step
-    loaded = load_safetensors(ckpt / MODEL_FILE)
+    assert load_json(ckpt / LAYOUT.trainer_state)["step"] == step
+    loaded = load_safetensors(ckpt / LAYOUT.model(ROLE))
     for name, tensor in _model_state(step).items():
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)
-    assert load_torch(ckpt / optim_file(1))["exp_avg"][0].item() == step + 1
+    assert load_torch(ckpt / LAYOUT.optim(ROLE))["exp_avg"][0].item() == step
+    assert load_torch(ckpt / LAYOUT.scheduler(ROLE))["last_epoch"] == step
+    assert "torch" in load_torch(ckpt / LAYOUT.rng(ROLE, 1))
 
 
-# ------------------------------------------------------------------ atomic writes
+# ------------------------------------------------------------------ layout
 
 
-def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):
-    target = tmp_path / "sub" / "f.txt"
-    atomic_write_text(target, "old")
-    atomic_write_bytes(target, b"new contents")
-    assert target.read_bytes() == b"new contents"
-    assert sorted(p.name for p in target.parent.iterdir()) == ["f.txt"]
-
-
-def test_atomic_write_failure_keeps_old_file(tmp_path, monkeypatch):
-    target = tmp_path / "f.txt"
-    atomic_write_text(target, "old")
-
-    def boom(*args, **kwargs):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError, match="disk full"):
-        atomic_write_text(target, "new")
-    monkeypatch.undo()
-    assert target.read_text() == "old"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.txt"]
+def test_layout_names_are_what_existing_checkpoints_hold():
+    """Runs saved before must resume: these names are an on-disk contract."""
+    assert LAYOUT.model("actor") == "actor_model.safetensors"
+    assert LAYOUT.optim("critic") == "critic_optim.pt"
+    assert LAYOUT.scheduler("actor") == "actor_scheduler.pt"
+    assert LAYOUT.rng("actor", 3) == "actor_rng_rank3.pt"
+    assert (LAYOUT.trainer_state, LAYOUT.controller_rng) == (
+        "trainer_state.json",
+        "controller_rng.pt",
+    )
+    assert (LAYOUT.checkpoints_dir, LAYOUT.latest, LAYOUT.manifest) == (
+        "checkpoints",
+        "latest",
+        "manifest.json",
+    )
 
 
 # ------------------------------------------------------------------ commit protocol
@@ -104,22 +110,15 @@ def test_commit_makes_verified_checkpoint_and_latest(tmp_path):
     assert find_latest(tmp_path) is None
     ckpt = _write_checkpoint(tmp_path, 3)
     assert ckpt == tmp_path / "checkpoints" / "step_3"
-    assert (tmp_path / "checkpoints" / LATEST_NAME).read_text().strip() == "step_3"
+    assert (tmp_path / "checkpoints" / LAYOUT.latest).read_text().strip() == "step_3"
     assert find_latest(tmp_path) == ckpt
     manifest = verify_checkpoint(ckpt)
-    assert set(manifest["files"]) == {
-        MODEL_FILE,
-        TRAINER_STATE_FILE,
-        optim_file(0),
-        optim_file(1),
-        rng_file(0),
-        rng_file(1),
-    }
+    assert set(manifest["files"]) == set(_written_files(2))
     for rel, info in manifest["files"].items():
         assert info["size"] == (ckpt / rel).stat().st_size
     _assert_whole(ckpt, 3)
     # nothing but the committed dir and `latest` is left behind
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [LATEST_NAME, "step_3"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [LAYOUT.latest, "step_3"]
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):
@@ -135,20 +134,20 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 def test_recommit_same_step_replaces_it(tmp_path):
     _write_checkpoint(tmp_path, 2)
     staging = begin_checkpoint(tmp_path, 2)
-    save_json({"step": 2, "data_position": 999}, staging / TRAINER_STATE_FILE)
+    save_json({"step": 2, "prompts_consumed": 999}, staging / LAYOUT.trainer_state)
     ckpt = commit_checkpoint(tmp_path, 2, staging)
     verify_checkpoint(ckpt)
-    assert load_json(ckpt / TRAINER_STATE_FILE)["data_position"] == 999
-    assert not (ckpt / MODEL_FILE).exists()  # the old dir was replaced, not merged
+    assert load_json(ckpt / LAYOUT.trainer_state)["prompts_consumed"] == 999
+    assert not (ckpt / LAYOUT.model(ROLE)).exists()  # the old dir was replaced, not merged
 
 
 def test_commit_rejects_bad_input(tmp_path):
     staging = begin_checkpoint(tmp_path, 1)
     with pytest.raises(CheckpointError, match="nothing was written"):
         commit_checkpoint(tmp_path, 1, staging)
-    save_json({"step": 1}, staging / TRAINER_STATE_FILE)
-    with pytest.raises(CheckpointError, match=r"optim_rank0\.pt"):
-        commit_checkpoint(tmp_path, 1, staging, expect_files=[optim_file(0)])
+    save_json({"step": 1}, staging / LAYOUT.trainer_state)
+    with pytest.raises(CheckpointError, match=re.escape(LAYOUT.rng(ROLE, 0))):
+        commit_checkpoint(tmp_path, 1, staging, expect_files=[LAYOUT.rng(ROLE, 0)])
     with pytest.raises(ValueError, match="not made for step 2"):
         commit_checkpoint(tmp_path, 2, staging)
     with pytest.raises(ValueError, match="begin_checkpoint"):
@@ -200,14 +199,14 @@ def test_writer_killed_mid_write_leaves_previous_checkpoint(tmp_path):
             while True:  # a model too big to finish before the kill
                 fh.write(chunk)
         """,
-        str(staging / MODEL_FILE),
+        str(staging / LAYOUT.model(ROLE)),
     )
     assert child.stdout.readline().strip() == "started"
     child.send_signal(signal.SIGKILL)
     child.wait(timeout=30)
     child.stdout.close()
     assert child.returncode == -signal.SIGKILL
-    assert (staging / MODEL_FILE).stat().st_size > 0  # the torn piece is really there
+    assert (staging / LAYOUT.model(ROLE)).stat().st_size > 0  # the torn piece is really there
 
     latest = find_latest(tmp_path)
     assert latest.name == "step_1"
@@ -222,18 +221,18 @@ def test_writer_killed_mid_write_leaves_previous_checkpoint(tmp_path):
 def test_kill_after_rename_before_latest_keeps_previous_checkpoint(tmp_path):
     _write_checkpoint(tmp_path, 1)
     staging = begin_checkpoint(tmp_path, 2)
-    save_safetensors(_model_state(2), staging / MODEL_FILE)
-    save_json({"step": 2, "data_position": 8}, staging / TRAINER_STATE_FILE)
+    save_safetensors(_model_state(2), staging / LAYOUT.model(ROLE))
+    save_json({"step": 2, "prompts_consumed": 8}, staging / LAYOUT.trainer_state)
     child = _run_child(
         """
         import os, signal, sys
-        import trainer.checkpoint as ck
+        import trainer.checkpoint.store as store
 
         def die(*args, **kwargs):  # the process dies exactly between rename and `latest`
             os.kill(os.getpid(), signal.SIGKILL)
 
-        ck._write_latest = die
-        ck.commit_checkpoint(sys.argv[1], 2, sys.argv[2])
+        store._write_latest = die
+        store.commit_checkpoint(sys.argv[1], 2, sys.argv[2])
         """,
         str(tmp_path),
         str(staging),
@@ -241,7 +240,7 @@ def test_kill_after_rename_before_latest_keeps_previous_checkpoint(tmp_path):
     child.wait(timeout=120)
     child.stdout.close()
     assert child.returncode == -signal.SIGKILL
-    assert (tmp_path / "checkpoints" / "step_2" / MANIFEST_NAME).is_file()  # renamed...
+    assert (tmp_path / "checkpoints" / "step_2" / LAYOUT.manifest).is_file()  # renamed...
 
     latest = find_latest(tmp_path)  # ...but never committed
     assert latest.name == "step_1"
@@ -278,7 +277,7 @@ def _corrupt_flip(path: Path) -> None:
     ("how", "expect"),
     [(_corrupt_truncate, "bytes"), (_corrupt_flip, "sha256"), (Path.unlink, "missing")],
 )
-@pytest.mark.parametrize("victim", [MODEL_FILE, "optim_rank1.pt"])
+@pytest.mark.parametrize("victim", [LAYOUT.model(ROLE), LAYOUT.rng(ROLE, 1)])
 def test_corrupted_file_named_in_error(tmp_path, how, expect, victim):
     ckpt = _write_checkpoint(tmp_path, 5)
     how(ckpt / victim)
@@ -293,28 +292,28 @@ def test_corrupted_file_named_in_error(tmp_path, how, expect, victim):
 
 def test_missing_or_bad_manifest(tmp_path):
     ckpt = _write_checkpoint(tmp_path, 1)
-    (ckpt / MANIFEST_NAME).write_text("{not json")
+    (ckpt / LAYOUT.manifest).write_text("{not json")
     with pytest.raises(CheckpointError, match="manifest.json is unreadable"):
         verify_checkpoint(ckpt)
-    (ckpt / MANIFEST_NAME).unlink()
+    (ckpt / LAYOUT.manifest).unlink()
     with pytest.raises(CheckpointError, match="never committed"):
         verify_checkpoint(ckpt)
 
 
 def test_loaders_wrap_errors_naming_file(tmp_path):
-    garbage = tmp_path / "optim_rank0.pt"
+    garbage = tmp_path / LAYOUT.optim(ROLE)
     garbage.write_bytes(b"\x00not a torch file")
-    with pytest.raises(CheckpointError, match="optim_rank0.pt"):
+    with pytest.raises(CheckpointError, match=LAYOUT.optim(ROLE)):
         load_torch(garbage)
-    bad_st = tmp_path / "model.safetensors"
+    bad_st = tmp_path / LAYOUT.model(ROLE)
     bad_st.write_bytes(b"\xff" * 64)
-    with pytest.raises(CheckpointError, match="model.safetensors"):
+    with pytest.raises(CheckpointError, match=LAYOUT.model(ROLE)):
         load_safetensors(bad_st)
     with pytest.raises(CheckpointError, match="missing"):
         load_torch(tmp_path / "absent.pt")
-    with pytest.raises(CheckpointError, match="trainer_state.json"):
-        (tmp_path / "trainer_state.json").write_text("[1,")
-        load_json(tmp_path / "trainer_state.json")
+    with pytest.raises(CheckpointError, match=LAYOUT.trainer_state):
+        (tmp_path / LAYOUT.trainer_state).write_text("[1,")
+        load_json(tmp_path / LAYOUT.trainer_state)
 
 
 def test_load_torch_refuses_arbitrary_objects(tmp_path):
@@ -326,7 +325,7 @@ def test_load_torch_refuses_arbitrary_objects(tmp_path):
 
 def test_latest_with_garbage_names_file(tmp_path):
     (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / LATEST_NAME).write_text("../../etc")
+    (tmp_path / "checkpoints" / LAYOUT.latest).write_text("../../etc")
     with pytest.raises(CheckpointError, match="expected 'step_<N>'"):
         find_latest(tmp_path)
 
@@ -344,7 +343,7 @@ def test_safetensors_tied_and_noncontiguous_weights(tmp_path):
         "half": torch.randn(3, dtype=torch.bfloat16),
         "slice": base[1],  # a view into a larger buffer
     }
-    path = save_safetensors(state, tmp_path / MODEL_FILE)
+    path = save_safetensors(state, tmp_path / LAYOUT.model(ROLE))
     loaded = load_safetensors(path)
     assert set(loaded) == set(state)
     for name, tensor in state.items():
@@ -361,8 +360,8 @@ def test_optimizer_state_round_trip_with_weights_only(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    save_torch(opt.state_dict(), tmp_path / "optim_rank0.pt")
-    loaded = load_torch(tmp_path / "optim_rank0.pt")
+    save_torch(opt.state_dict(), tmp_path / LAYOUT.optim(ROLE))
+    loaded = load_torch(tmp_path / LAYOUT.optim(ROLE))
     fresh = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters(), lr=1e-3)
     fresh.load_state_dict(loaded)
     for key in ("exp_avg", "exp_avg_sq"):
@@ -389,10 +388,10 @@ def test_rng_round_trip_reproduces_draws(tmp_path):
     np.random.normal()
     device = {"state": torch.tensor([7, 8, 9], dtype=torch.uint8)}
     restored_device = []
-    save_torch(rng_state(lambda: device["state"]), tmp_path / "rng_rank0.pt")
+    save_torch(rng_state(lambda: device["state"]), tmp_path / LAYOUT.rng(ROLE, 0))
     expected = _draws()
     _draws()  # move every generator on
-    set_rng_state(load_torch(tmp_path / "rng_rank0.pt"), restored_device.append)
+    set_rng_state(load_torch(tmp_path / LAYOUT.rng(ROLE, 0)), restored_device.append)
     assert _draws() == expected
     assert restored_device[0].tolist() == [7, 8, 9]
 
@@ -424,7 +423,7 @@ def test_resolve_resume_forms(tmp_path):
 
 def test_manifest_is_json_with_sizes_and_hashes(tmp_path):
     ckpt = _write_checkpoint(tmp_path, 4)
-    manifest = json.loads((ckpt / MANIFEST_NAME).read_text())
+    manifest = json.loads((ckpt / LAYOUT.manifest).read_text())
     assert manifest["step"] == 4
     assert all(len(info["sha256"]) == 64 for info in manifest["files"].values())
 

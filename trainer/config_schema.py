@@ -2,7 +2,7 @@
 
 Only the *shape* of each value is checked here (type, range, allowed words). Checks that
 relate two fields, or look at the machine (devices, files, packages), live in
-``trainer/config.py`` so that they can name the key that has to change.
+``trainer/config/checks.py`` so that they can name the key that has to change.
 
 Key names are a contract (see DESIGN.md "Config"): rename nothing without updating the
 configs, the docs and every reader.
@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hal.registry import BACKEND_NAMES
+from rollout.models import BUILTIN_MODELS
 
 # Values every section shares: unknown keys are errors (a typo must fail in the first
 # second, not after an hour of rollout) and no silent type coercion ("8" is not 8).
@@ -25,7 +26,6 @@ _SECTION = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 DeviceName = Literal[BACKEND_NAMES]
 ModelDtype = Literal["float32", "bfloat16", "float16"]
 TrainDtype = Literal["float32", "bfloat16"]
-BUILTIN_MODELS = ("tiny", "small")
 
 _ENV_SPEC = re.compile(r"^(?:[A-Za-z_][\w-]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 _HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
@@ -359,3 +359,19 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "run": RunConfig,
     "ray": RayConfig,
 }
+
+# Keys that describe how a job is laid out on a machine, not what it computes. The
+# versions of one job for different device types (configs/<device>/<job>.yaml) may differ
+# only in these, which makes their runs comparable step for step
+# (tests/test_config_pairs.py holds configs/ to it).
+LAYOUT_KEYS: frozenset[str] = frozenset(
+    {
+        "device",
+        "train.dp_size",
+        "rollout.memory_fraction",
+        "rollout.tensor_parallel_size",
+        "train.max_tokens_per_micro_batch",
+        "train.param_offload",
+        "train.optimizer_offload",
+    }
+)

@@ -170,12 +170,12 @@ class Trainer:
         self._resume()
 
     def _resume(self) -> None:
-        from trainer.checkpoint import load_json, resolve_resume
+        from trainer.checkpoint import LAYOUT, load_json, resolve_resume
 
         ckpt = resolve_resume(self.run_dir, self.cfg.run.resume)
         if ckpt is None:
             return
-        state = load_json(ckpt / "trainer_state.json")
+        state = load_json(ckpt / LAYOUT.trainer_state)
         for group in self._training_groups():
             group.call("load_pieces", str(ckpt))
         self.start_step = int(state["step"])
@@ -379,6 +379,7 @@ class Trainer:
     def save_checkpoint(self, step: int) -> Path:
         """Write a whole checkpoint atomically (workers write their pieces, then commit)."""
         from trainer.checkpoint import (
+            LAYOUT,
             begin_checkpoint,
             commit_checkpoint,
             rng_state,
@@ -391,9 +392,9 @@ class Trainer:
             group.call("save_pieces", str(staging))
         save_json(
             {"step": step, "prompts_consumed": step * self.cfg.train.batch_size},
-            staging / "trainer_state.json",
+            staging / LAYOUT.trainer_state,
         )
-        save_torch(rng_state(), staging / "controller_rng.pt")
+        save_torch(rng_state(), staging / LAYOUT.controller_rng)
         return commit_checkpoint(self.run_dir, step, staging)
 
     def shutdown(self) -> None:
@@ -449,7 +450,7 @@ def deterministic_settings_everywhere(trainer: Trainer) -> dict[str, str]:
 def _write_run_config(cfg: Config, run_dir: Path, deterministic: dict[str, str]) -> None:
     """``config.yaml``: the resolved config, plus the deterministic settings the workers
     applied (as comments, so the file still loads as a config)."""
-    from trainer.checkpoint import atomic_write_text
+    from rollout.files import atomic_write_text
 
     lines = [cfg.to_yaml().rstrip("\n")]
     if deterministic:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.checkpoint import atomic_write_text
+from rollout.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 

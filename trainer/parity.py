@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.checkpoint import atomic_path
+from rollout.files import atomic_path
 
 # ----------------------------------------------------------------------------- fingerprints
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import atomic_write_bytes
+from rollout.files import atomic_write_bytes
 from trainer.metrics import METRICS_FILE, read_jsonl
 
 PLOT_DIR = "plots"

@@ -356,11 +356,11 @@ class FSDPWorker:
             get_optimizer_state_dict,
         )
 
-        from trainer.checkpoint import rng_state, save_safetensors, save_torch
+        from trainer.checkpoint import LAYOUT, rng_state, save_safetensors, save_torch
 
         staging = Path(staging_dir)
         written = []
-        prefix = self.spec.role
+        role = self.spec.role
         state = self.full_state_dict()
         optim = None
         if self.optimizer is not None:
@@ -370,13 +370,13 @@ class FSDPWorker:
                 options=StateDictOptions(full_state_dict=True, cpu_offload=True),
             )
         if self.spec.rank == 0:
-            save_safetensors(state, staging / f"{prefix}_model.safetensors")
-            written.append(f"{prefix}_model.safetensors")
+            save_safetensors(state, staging / LAYOUT.model(role))
+            written.append(LAYOUT.model(role))
             if optim is not None:
-                save_torch(optim, staging / f"{prefix}_optim.pt")
-                save_torch(self.scheduler.state_dict(), staging / f"{prefix}_scheduler.pt")
-                written += [f"{prefix}_optim.pt", f"{prefix}_scheduler.pt"]
-        rng_name = f"{prefix}_rng_rank{self.spec.rank}.pt"
+                save_torch(optim, staging / LAYOUT.optim(role))
+                save_torch(self.scheduler.state_dict(), staging / LAYOUT.scheduler(role))
+                written += [LAYOUT.optim(role), LAYOUT.scheduler(role)]
+        rng_name = LAYOUT.rng(role, self.spec.rank)
         save_torch(rng_state(self._device_rng_getter()), staging / rng_name)
         written.append(rng_name)
         return written
@@ -397,20 +397,20 @@ class FSDPWorker:
             set_optimizer_state_dict,
         )
 
-        from trainer.checkpoint import load_safetensors, load_torch, set_rng_state
+        from trainer.checkpoint import LAYOUT, load_safetensors, load_torch, set_rng_state
 
         ckpt = Path(ckpt_dir)
-        prefix = self.spec.role
+        role = self.spec.role
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         set_model_state_dict(
-            self.model, load_safetensors(ckpt / f"{prefix}_model.safetensors"), options=options
+            self.model, load_safetensors(ckpt / LAYOUT.model(role)), options=options
         )
         if self.optimizer is not None:
             set_optimizer_state_dict(
-                self.model, self.optimizer, load_torch(ckpt / f"{prefix}_optim.pt"), options=options
+                self.model, self.optimizer, load_torch(ckpt / LAYOUT.optim(role)), options=options
             )
-            self.scheduler.load_state_dict(load_torch(ckpt / f"{prefix}_scheduler.pt"))
-        rng_file = ckpt / f"{prefix}_rng_rank{self.spec.rank}.pt"
+            self.scheduler.load_state_dict(load_torch(ckpt / LAYOUT.scheduler(role)))
+        rng_file = ckpt / LAYOUT.rng(role, self.spec.rank)
         if rng_file.exists():  # a different dp size resumes with fresh per-rank streams
             set_rng_state(load_torch(rng_file), self._device_rng_setter())
 

@@ -1,0 +1,82 @@
+"""Atomic, verifiable checkpoints in ``<run.dir>/checkpoints/``.
+
+Layout (a contract, see DESIGN.md "Run directory"; every name comes from ``LAYOUT``)::
+
+    checkpoints/
+      .tmp_step_<N>_<uuid>/   staging: workers write their pieces here
+      step_<N>/               a whole checkpoint: pieces + manifest.json
+        <role>_model.safetensors, <role>_optim.pt, <role>_scheduler.pt   rank 0 of a role
+        <role>_rng_rank<r>.pt                                             every rank
+        trainer_state.json, controller_rng.pt                             the controller
+      latest                  text file "step_<N>": the newest whole checkpoint
+
+Commit protocol. Several processes write one checkpoint (rank 0 of each role its model and
+optimizer, every rank its RNG, the controller ``trainer_state.json``), so no single file write
+can be the commit point. Instead:
+
+1. ``begin_checkpoint`` makes a fresh staging dir; workers write into it (with the atomic
+   savers in ``pieces.py``, so a piece is either whole or absent).
+2. Once every writer has returned, the controller calls ``commit_checkpoint``: it fsyncs every
+   file, writes ``manifest.json`` (size + sha256 per file), renames the staging dir to
+   ``step_<N>`` and only then rewrites ``latest``.
+
+``latest`` is the single commit point: a crash at any moment leaves it naming the previous
+whole checkpoint. A ``step_<N>`` newer than ``latest`` (crash between rename and ``latest``)
+is ignored and replaced when the resumed run saves that step again; stale ``.tmp_*`` dirs are
+ignored and deleted by a later commit.
+
+Multi-node: the run dir must be on a filesystem every writer sees (shared storage), since
+workers write straight into the staging dir.
+
+``latest`` is a text file rather than a symlink so the layout works on every filesystem
+(object-store mounts and some network filesystems lack symlinks).
+
+Who owns what: ``layout.py`` the names, ``pieces.py`` saving/loading one piece (tensors,
+objects, JSON, RNG state), ``store.py`` staging, commit, ``latest``, verify and resume.
+Atomic file writes themselves live in ``rollout/files.py``.
+"""
+
+from trainer.checkpoint.layout import LAYOUT, CheckpointLayout
+from trainer.checkpoint.pieces import (
+    CheckpointError,
+    load_json,
+    load_safetensors,
+    load_torch,
+    rng_state,
+    save_json,
+    save_safetensors,
+    save_torch,
+    set_rng_state,
+)
+from trainer.checkpoint.store import (
+    begin_checkpoint,
+    checkpoint_step,
+    commit_checkpoint,
+    find_latest,
+    list_checkpoints,
+    resolve_resume,
+    step_dir_name,
+    verify_checkpoint,
+)
+
+__all__ = [
+    "LAYOUT",
+    "CheckpointError",
+    "CheckpointLayout",
+    "begin_checkpoint",
+    "checkpoint_step",
+    "commit_checkpoint",
+    "find_latest",
+    "list_checkpoints",
+    "load_json",
+    "load_safetensors",
+    "load_torch",
+    "resolve_resume",
+    "rng_state",
+    "save_json",
+    "save_safetensors",
+    "save_torch",
+    "set_rng_state",
+    "step_dir_name",
+    "verify_checkpoint",
+]

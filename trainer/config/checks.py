@@ -1,0 +1,308 @@
+"""Checks that a whole config makes sense: fields against each other, and against this machine.
+
+``validate_config`` runs them after the schema has checked each value on its own. Every failure
+is a problem naming the key to change (``trainer/config/errors.py``); warnings are settings that
+are legal but probably not what was meant.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import logging
+from pathlib import Path
+
+from rollout.models import BUILTIN_MODELS
+from trainer.config.errors import Problem, problem, raise_first
+from trainer.config_schema import Config
+
+log = logging.getLogger("crossrl.config")
+
+
+def _builtin_env_names() -> list[str] | None:
+    """Names of rollout's built-in environments, or None when rollout cannot be imported."""
+    try:
+        from rollout.envs import BUILTIN_ENVS
+    except ImportError:
+        return None
+    return sorted(BUILTIN_ENVS)
+
+
+def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
+    """Checks that relate fields to each other; no file, package or device is looked at."""
+    p: list[Problem] = []
+    warn: list[str] = []
+    tr, ro, alg = cfg.train, cfg.rollout, cfg.algorithm
+
+    if tr.mini_batch_size > tr.batch_size:
+        p.append(
+            problem(
+                "train.mini_batch_size",
+                tr.mini_batch_size,
+                f"must be <= train.batch_size ({tr.batch_size}); both count prompts",
+            )
+        )
+    elif tr.batch_size % tr.mini_batch_size:
+        # Like verl we require equal mini-batches: a short last mini-batch would take an
+        # optimizer step on fewer prompts, i.e. a noisier, differently weighted update.
+        p.append(
+            problem(
+                "train.batch_size",
+                tr.batch_size,
+                f"must be a multiple of train.mini_batch_size ({tr.mini_batch_size}) so every "
+                "optimizer step sees the same number of prompts",
+            )
+        )
+    if alg.adv_estimator == "gae" and not cfg.critic.enable:
+        p.append(
+            problem(
+                "critic.enable",
+                cfg.critic.enable,
+                "algorithm.adv_estimator=gae needs a critic; set critic.enable=true",
+            )
+        )
+    if cfg.critic.enable and alg.adv_estimator != "gae":
+        # An error, not a warning: a critic nobody reads doubles memory and time.
+        p.append(
+            problem(
+                "critic.enable",
+                cfg.critic.enable,
+                f"only gae uses a critic, but algorithm.adv_estimator={alg.adv_estimator}; "
+                "set critic.enable=false or algorithm.adv_estimator=gae",
+            )
+        )
+    builtin_envs = _builtin_env_names()
+    if ":" not in ro.env and builtin_envs is not None and ro.env not in builtin_envs:
+        close = difflib.get_close_matches(ro.env, builtin_envs, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        p.append(
+            problem(
+                "rollout.env",
+                ro.env,
+                f"not a built-in environment ({', '.join(builtin_envs)}); {hint}"
+                "for your own class write module.path:ClassName",
+            )
+        )
+    if any(not stop for stop in ro.stop_strings):
+        p.append(
+            problem(
+                "rollout.stop_strings",
+                ro.stop_strings,
+                "an empty string would end every turn at its first token; remove it",
+            )
+        )
+    if ro.merge_stepwise and not ro.step_wise:
+        p.append(
+            problem(
+                "rollout.merge_stepwise",
+                ro.merge_stepwise,
+                "merges step-wise rows, so it needs rollout.step_wise=true",
+            )
+        )
+    if (
+        alg.loss_agg == "seq-mean-token-sum-norm"
+        and alg.loss_agg_horizon is None
+        and ro.max_turns > 1
+        and (not ro.step_wise or ro.merge_stepwise)
+    ):
+        p.append(
+            problem(
+                "algorithm.loss_agg_horizon",
+                None,
+                "seq-mean-token-sum-norm divides by a fixed horizon in tokens; rows here hold "
+                "several turns, so rollout.max_new_tokens is not it: set "
+                "algorithm.loss_agg_horizon",
+            )
+        )
+    if alg.adv_estimator in ("grpo", "rloo") and ro.n < 2:
+        p.append(
+            problem(
+                "rollout.n",
+                ro.n,
+                f"{alg.adv_estimator} compares samples of one prompt, so it needs rollout.n >= 2",
+            )
+        )
+    if ro.engine == "hf" and ro.tensor_parallel_size != 1:
+        p.append(
+            problem(
+                "rollout.tensor_parallel_size",
+                ro.tensor_parallel_size,
+                "the hf engine runs one device per replica; use 1 or rollout.engine=vllm",
+            )
+        )
+    elif tr.dp_size % ro.tensor_parallel_size:
+        p.append(
+            problem(
+                "rollout.tensor_parallel_size",
+                ro.tensor_parallel_size,
+                f"must divide train.dp_size ({tr.dp_size}): engine replicas share the "
+                "trainer's devices",
+            )
+        )
+    if alg.use_kl_loss and alg.kl_coef == 0:
+        p.append(
+            problem(
+                "algorithm.kl_coef",
+                alg.kl_coef,
+                "algorithm.use_kl_loss=true needs algorithm.kl_coef > 0 (else the KL term is "
+                "zero and the reference model is wasted)",
+            )
+        )
+    total_opt_steps = cfg.optimizer_steps_per_step() * tr.total_steps
+    for key, warmup in (
+        ("train.warmup_steps", tr.warmup_steps),
+        ("critic.warmup_steps", cfg.critic.warmup_steps),
+    ):
+        if tr.batch_size % tr.mini_batch_size == 0 and warmup and warmup >= total_opt_steps:
+            p.append(
+                problem(
+                    key,
+                    warmup,
+                    f"counts optimizer steps and must be < the run's {total_opt_steps} "
+                    "(train.total_steps x mini-batches per step x train.ppo_epochs)",
+                )
+            )
+
+    if (
+        tr.max_tokens_per_micro_batch is not None
+        and tr.max_tokens_per_micro_batch < ro.max_input_len + ro.max_new_tokens
+    ):
+        warn.append(
+            f"train.max_tokens_per_micro_batch={tr.max_tokens_per_micro_batch} < "
+            f"rollout.max_input_len + rollout.max_new_tokens "
+            f"({ro.max_input_len + ro.max_new_tokens}): a longer row gets a micro-batch alone"
+        )
+    if tr.lr_schedule == "constant" and tr.min_lr_ratio:
+        warn.append("train.min_lr_ratio is ignored with train.lr_schedule=constant")
+    if cfg.model.critic_path is not None and not cfg.critic.enable:
+        warn.append("model.critic_path is ignored with critic.enable=false")
+    if cfg.ray.num_cpus is not None and cfg.ray.address is not None:
+        warn.append("ray.num_cpus is ignored when joining a cluster (ray.address is set)")
+    if tr.mini_batch_size * ro.n < tr.dp_size:
+        warn.append(
+            f"train.mini_batch_size x rollout.n = {tr.mini_batch_size * ro.n} trajectories per "
+            f"mini-batch < train.dp_size ({tr.dp_size}): some ranks will train on padding rows only"
+        )
+    return p, warn
+
+
+def _model_dir_problem(key: str, path: str) -> Problem | None:
+    if path.startswith("builtin:"):
+        return None
+    if not Path(path).is_dir():
+        return problem(
+            key,
+            path,
+            f"must be {', '.join(f'builtin:{n}' for n in BUILTIN_MODELS)} or an existing local "
+            "model directory (download the model first; nothing is fetched at run time)",
+        )
+    if not (Path(path) / "config.json").is_file():
+        return problem(key, path, "directory has no config.json; point at a HF model directory")
+    return None
+
+
+def _module_available(name: str) -> bool:
+    """Whether ``import name`` would find a module, without importing it (a dotted name
+    imports its parent packages)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _environment_problems(cfg: Config) -> list[Problem]:
+    """Checks against this machine: devices, packages and files."""
+    p: list[Problem] = []
+    if cfg.device not in ("auto", "cpu"):  # a CPU is always there
+        try:
+            from hal import available_backends
+        except ImportError:  # the HAL is missing: get_backend will fail loudly later
+            log.warning(
+                "cannot check device=%s: hal.available_backends is not importable", cfg.device
+            )
+        else:
+            found = list(available_backends())
+            if cfg.device not in found:
+                p.append(
+                    problem(
+                        "device",
+                        cfg.device,
+                        f"no such device on this machine (found: {', '.join(found) or 'none'}); "
+                        "run `crossrl devices`, or set device=auto",
+                    )
+                )
+    if cfg.rollout.engine == "vllm" and not _module_available("vllm"):
+        p.append(
+            problem(
+                "rollout.engine",
+                "vllm",
+                "the vllm package is not importable here; install it (see docs/cluster.md) or "
+                "set rollout.engine=hf",
+            )
+        )
+    for key, path in (("model.path", cfg.model.path), ("model.critic_path", cfg.model.critic_path)):
+        if path is not None and (key == "model.path" or cfg.critic.enable):
+            bad_dir = _model_dir_problem(key, path)
+            if bad_dir:
+                p.append(bad_dir)
+    if cfg.data.source != "env" and not Path(cfg.data.source).is_file():
+        p.append(
+            problem(
+                "data.source", cfg.data.source, "file not found; give an existing .jsonl/.parquet"
+            )
+        )
+    if cfg.run.resume not in ("auto", "never") and not Path(cfg.run.resume).exists():
+        p.append(
+            problem(
+                "run.resume",
+                cfg.run.resume,
+                "must be auto, never or an existing checkpoint directory",
+            )
+        )
+    env = cfg.rollout.env
+    if ":" not in env and cfg.rollout.env_kwargs:
+        try:
+            from rollout.envs import make_env
+
+            make_env(env)(**cfg.rollout.env_kwargs)
+        except (TypeError, ValueError) as exc:
+            p.append(
+                problem(
+                    "rollout.env_kwargs",
+                    cfg.rollout.env_kwargs,
+                    f"{env} does not accept them: {exc}",
+                )
+            )
+    if ":" in env:
+        module = env.split(":", 1)[0]
+        if not _module_available(module):
+            p.append(
+                problem(
+                    "rollout.env",
+                    env,
+                    f"module {module!r} is not importable; check PYTHONPATH or the spelling",
+                )
+            )
+        else:
+            try:
+                from rollout.envs import make_env
+            except ImportError:
+                make_env = None
+            try:
+                if make_env is not None:
+                    make_env(env)  # imports the class and checks it has reset/step
+            except ValueError as exc:
+                reason = str(exc).split(": ", 1)[-1]  # drop its own "rollout.env=...: " head
+                p.append(problem("rollout.env", env, reason))
+    return p
+
+
+def validate_config(cfg: Config, *, check_environment: bool = True) -> list[str]:
+    """Run the cross-field checks (and, with ``check_environment``, the device, package and
+    file checks). Raises ``ConfigError`` for the first problem (``.problems`` has them all);
+    returns warnings about settings that are legal but probably not what was meant."""
+    problems, warnings = _static_problems(cfg)
+    if check_environment:
+        problems += _environment_problems(cfg)
+    raise_first(problems)
+    return warnings
