@@ -46,7 +46,7 @@ import hal
 from rollout.models import SHAPES
 
 __all__ = [
-    "LOSS_OPTIONS",
+    "UPDATE_OVERRIDES",
     "QWEN25_05B",
     "GpuSizes",
     "format_table",
@@ -58,19 +58,20 @@ __all__ = [
 
 #: Qwen2.5-0.5B's architecture (config.json of Qwen/Qwen2.5-0.5B), weights random.
 QWEN25_05B = SHAPES["qwen2.5-0.5b"]
-#: Policy-loss options of the timed update: the shipped defaults (token-mean, no KL, no
-#: entropy bonus), as the controller passes them to ``train_mini_batch``.
-LOSS_OPTIONS = {
-    "loss_agg": "token-mean",
-    "clip_ratio_low": 0.2,
-    "clip_ratio_high": 0.28,
-    "clip_ratio_c": 3.0,
-    "kl_coef": 0.0,
-    "kl_estimator": "k3",
-    "use_kl_loss": False,
-    "entropy_coef": 0.0,
-    "horizon": None,  # tokens; only seq-mean-token-sum-norm reads it
-}
+#: The timed update's job, on top of the default job: the shipped GRPO loss (token-mean,
+#: clip-higher, no KL, no entropy bonus), fp32 master weights with bf16 compute.
+UPDATE_OVERRIDES = (
+    "train.dp_size=1",
+    "train.lr=1e-6",
+    "train.grad_clip=1.0",
+    "train.param_dtype=bfloat16",
+    "train.reduce_dtype=float32",
+    "algorithm.loss_agg=token-mean",
+    "algorithm.clip_ratio_high=0.28",
+    "algorithm.kl_coef=0.0",
+    "algorithm.entropy_coef=0.0",
+    "run.deterministic=false",
+)
 #: Rows per GRPO group (``rollout.n``): the batch's uids come in groups of this many rows.
 ROWS_PER_GROUP = 8
 
@@ -234,25 +235,22 @@ def measure_update(
     """Time ``PolicyWorker.train_mini_batch`` on ``batch`` (one mini-batch) at dp 1: median
     seconds of ``sizes.update_repeats`` updates after one warm-up, tokens/s, MFU against
     ``peak_tflops`` and the worker's peak memory (GB) over those updates."""
+    from trainer.config import load_config
     from trainer.workers.fsdp_worker import WorkerSpec
     from trainer.workers.group import free_port
     from trainer.workers.policy import PolicyWorker
 
-    spec = WorkerSpec(
-        role="actor",
-        rank=0,
-        world_size=1,
-        device=backend.name,
-        model_path=str(model_dir),
-        dtype="float32",
-        seed=seed,
-        lr=1e-6,
-        grad_clip=1.0,
-        param_dtype="bfloat16",
-        reduce_dtype="float32",
-        activation_checkpointing=activation_checkpointing,
+    cfg = load_config(
+        None,
+        [
+            *UPDATE_OVERRIDES,
+            f"device={backend.name}",
+            f"model.path={model_dir}",
+            f"seed={seed}",
+            f"train.activation_checkpointing={str(activation_checkpointing).lower()}",
+        ],
     )
-    worker = PolicyWorker(spec)
+    worker = PolicyWorker(WorkerSpec(role="actor", rank=0, cfg=cfg))
     try:
         facts = worker.setup("127.0.0.1", free_port())
         worker.load_batch([batch.to_numpy()])
@@ -260,12 +258,12 @@ def measure_update(
         micro_batches = mini.micro_batches[0]
         # Old logprobs = the current policy's, as the controller's prepare phase computes them.
         worker.set_token_field("old_logprobs", [worker.compute_logprobs(micro_batches)])
-        worker.compute_advantages({"estimator": "grpo"})
+        worker.compute_advantages()
         rows = mini.rows.tolist()
         metrics: dict = {}
 
         def update() -> None:
-            metrics.update(worker.train_mini_batch(micro_batches, rows, LOSS_OPTIONS))
+            metrics.update(worker.train_mini_batch(micro_batches, rows).values)
 
         worker.peak_memory_gb()  # start a fresh peak: the update's, not setup's or prepare's
         update()  # warm-up: kernels, allocator, AdamW state

@@ -49,6 +49,8 @@ BAD = [
     (["rollout.top_p=1.5"], "rollout.top_p", "1.5"),
     (["rollout.top_k=-1"], "rollout.top_k", "-1"),
     (["rollout.n=0"], "rollout.n", "0"),
+    # one token is kept for the end-of-turn token: 1 used to pass here and fail after Ray
+    (["rollout.max_new_tokens=1"], "rollout.max_new_tokens", "greater than or equal to 2"),
     (["rollout.memory_fraction=1.0"], "rollout.memory_fraction", "less than 1"),
     (["algorithm.clip_ratio_low=1.2"], "algorithm.clip_ratio_low", "1.2"),
     (["algorithm.clip_ratio_high=0"], "algorithm.clip_ratio_high", "greater than 0"),

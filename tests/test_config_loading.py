@@ -17,6 +17,7 @@ from trainer.config import (
     parse_override,
     read_yaml,
 )
+from trainer.run import write_run_config
 
 
 def _write(path: Path, data: dict | str) -> Path:
@@ -152,7 +153,7 @@ def test_exponent_floats_in_yaml_files_are_floats(tmp_path):
     assert cfg.train.lr == 1e-6 and cfg.critic.lr == 5e-5
 
 
-def test_to_yaml_then_load_round_trips(tmp_path):
+def test_run_config_yaml_loads_back_as_the_same_config(tmp_path):
     cfg = load_config(
         None,
         [
@@ -165,9 +166,13 @@ def test_to_yaml_then_load_round_trips(tmp_path):
             "run.dir=runs/x y",
         ],
     )
-    # What a run writes to <run.dir>/config.yaml (atomically, with rollout.files).
-    out = _write(tmp_path / "run" / "config.yaml", cfg.to_yaml())
-    again = load_config(out)
+    run_dir = tmp_path / "run"
+    _write(run_dir / "config.yaml", "stale: true\n")  # a resumed run rewrites its config.yaml
+    write_run_config(cfg, run_dir, {"use_deterministic_algorithms": "true"})
+    out = run_dir / "config.yaml"
+    assert out.read_text().startswith(cfg.to_yaml())
+    assert [p.name for p in run_dir.iterdir()] == ["config.yaml"]  # no temp file left
+    again = load_config(out)  # the deterministic settings are comments: it still loads
     assert again == cfg
     assert again.flat() == cfg.flat()
 

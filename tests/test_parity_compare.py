@@ -14,20 +14,16 @@ import numpy as np
 import pytest
 import torch
 
+from rollout.replay import load_rollout, record_rollout, recorded_steps
 from trainer.cli import main as cli_main
+from trainer.fingerprint import combine_param_stats, local_param_stats, tracked_parameter_names
 from trainer.parity import (
     DEFAULT_TOLERANCES,
     ParityInputError,
-    combine_param_stats,
     compare_runs,
     format_report,
-    load_rollout,
-    local_param_stats,
     read_run,
-    record_rollout,
-    recorded_steps,
     tolerance_used_by_field,
-    tracked_parameter_names,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_cpu_fp32"

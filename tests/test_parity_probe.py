@@ -6,17 +6,15 @@ learning-rate change is caught at the step and field where it first acts."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import ray
 
 from trainer.cli import main as cli_main
 from trainer.config import load_config
-from trainer.controller import deterministic_settings_everywhere
 from trainer.parity import DEFAULT_TOLERANCES, compare_runs, read_run
 from trainer.probe import probe_config, run_probe
-from trainer.workers.group import WorkerFailedError, start_ray
+from trainer.workers.group import WorkerFailedError, agree_on_settings, start_ray
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 GOLDEN = GOLDEN_DIR / "tiny_cpu_fp32"
@@ -118,26 +116,14 @@ def test_deterministic_settings_recorded(probes):
     assert load_config(str(probes["dp2"] / "config.yaml"), []).run.deterministic is True
 
 
-def _fake_trainer(per_rank: list[dict], rollout_info: dict | None = None) -> SimpleNamespace:
-    group = SimpleNamespace(
-        names=[f"actor rank {r}" for r in range(len(per_rank))],
-        setup_info=[{"deterministic": s} for s in per_rank],
-    )
-    return SimpleNamespace(actor=group, ref=None, critic=None, rollout_info=rollout_info or {})
-
-
-def test_deterministic_check_names_the_odd_rank():
+def test_deterministic_check_names_the_odd_process():
     same = {"seed": "1", "torch.use_deterministic_algorithms": "True"}
-    assert deterministic_settings_everywhere(_fake_trainer([same, same])) == same
+    assert agree_on_settings([("actor rank 0", same), ("actor rank 1", same)]) == same
     with pytest.raises(WorkerFailedError, match="actor rank 1"):
-        deterministic_settings_everywhere(_fake_trainer([same, {}]))
+        agree_on_settings([("actor rank 0", same), ("actor rank 1", {})])
     # the rollout engine's process is held to the same settings
-    engine = {"engine": "hf", "deterministic": same}
-    assert deterministic_settings_everywhere(_fake_trainer([same], engine)) == same
     with pytest.raises(WorkerFailedError, match="rollout host"):
-        deterministic_settings_everywhere(
-            _fake_trainer([same], {"engine": "hf", "deterministic": {}})
-        )
+        agree_on_settings([("actor rank 0", same), ("rollout host", {})])
 
 
 # --------------------------------------------------------------------------- bad input: exit 2

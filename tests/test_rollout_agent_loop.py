@@ -65,7 +65,9 @@ class EchoEnv:
 
 
 def _run(tok, engine, env_factory=EchoEnv, **kw):
-    args = dict(n=2, max_turns=3, step_wise=True, max_input_len=200, max_new_tokens=6)
+    args = dict(
+        n=2, max_turns=3, step_wise=True, merge_stepwise=False, max_input_len=200, max_new_tokens=6
+    )
     args.update(kw)
     return run_rollouts(engine, tok, env_factory, [PromptItem(0, 1), PromptItem(1, 2)], **args)
 
@@ -294,7 +296,15 @@ def test_real_engine_end_to_end(tok, tmp_path, monkeypatch):
 
     engine = make_engine("hf", "builtin:tiny", tok, seed=0)
     prompts = PromptSource("env", seed=3).batch(0, 3)
-    kw = dict(n=2, max_turns=3, step_wise=True, max_input_len=64, max_new_tokens=5, seed=3)
+    kw = dict(
+        n=2,
+        max_turns=3,
+        step_wise=True,
+        merge_stepwise=False,
+        max_input_len=64,
+        max_new_tokens=5,
+        seed=3,
+    )
     out = run_rollouts(engine, tok, make_env("recall"), prompts, **kw)
     again = run_rollouts(engine, tok, make_env("recall"), prompts, **kw)
     assert [r.response_ids for r in out.rows] == [r.response_ids for r in again.rows]

@@ -19,16 +19,24 @@ from batching import LOSS_AGG_MODES, Row, StepBatch, plan_minibatches
 from trainer.workers.group import free_port
 
 MODEL = "builtin:tiny"
-LOSS_OPTIONS = {
-    "clip_ratio_low": 0.2,
-    "clip_ratio_high": 0.28,
-    "clip_ratio_c": 3.0,
-    "kl_coef": 0.0,
-    "kl_estimator": "k3",
-    "use_kl_loss": False,
-    "entropy_coef": 0.01,
-    "horizon": 16,
-}
+#: The job each layout trains: the default CPU job's tiny model with a loss that exercises
+#: clipping (clip-higher) and the entropy bonus, no KL.
+JOB = [
+    "device=cpu",
+    f"model.path={MODEL}",
+    "seed=1",
+    "train.lr=1e-3",
+    "train.grad_clip=null",
+    "train.param_dtype=float32",
+    "algorithm.clip_ratio_low=0.2",
+    "algorithm.clip_ratio_high=0.28",
+    "algorithm.clip_ratio_c=3.0",
+    "algorithm.kl_coef=0.0",
+    "algorithm.use_kl_loss=false",
+    "algorithm.entropy_coef=0.01",
+    "algorithm.loss_agg_horizon=16",
+    "run.deterministic=false",
+]
 
 
 def _recorded_batch() -> StepBatch:
@@ -69,6 +77,7 @@ def _recorded_batch() -> StepBatch:
 
 
 def _run_rank(rank: int, world: int, ports: list[int], budget, pad: bool, arrays, queue) -> None:
+    from trainer.config import load_config
     from trainer.workers.fsdp_worker import WorkerSpec
     from trainer.workers.policy import PolicyWorker
 
@@ -88,24 +97,13 @@ def _run_rank(rank: int, world: int, ports: list[int], budget, pad: bool, arrays
         micro_batches = [mb + [-1] for mb in micro_batches] + [[-1]]
     results = {}
     for i, mode in enumerate(LOSS_AGG_MODES):
-        spec = WorkerSpec(
-            role="actor",
-            rank=rank,
-            world_size=world,
-            device="cpu",
-            model_path=MODEL,
-            dtype="float32",
-            seed=1,
-            lr=1e-3,
-            grad_clip=1e9,
-        )
-        worker = PolicyWorker(spec)
+        cfg = load_config(None, [*JOB, f"train.dp_size={world}", f"algorithm.loss_agg={mode}"])
+        worker = PolicyWorker(WorkerSpec(role="actor", rank=rank, cfg=cfg))
         worker.setup("127.0.0.1", ports[i])
         worker.load_batch([arrays])
-        worker.compute_advantages({"estimator": "grpo"})
-        metrics = worker.train_mini_batch(
-            micro_batches, mini.rows.tolist(), dict(LOSS_OPTIONS, loss_agg=mode)
-        )
+        worker.compute_advantages()
+        report = worker.train_mini_batch(micro_batches, mini.rows.tolist())
+        metrics = {**report.values, "loss_tokens": report.loss_tokens}
         state = {k: v.numpy().copy() for k, v in worker.full_state_dict().items()}
         worker.shutdown()
         results[mode] = (state, metrics)

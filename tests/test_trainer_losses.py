@@ -10,7 +10,6 @@ import torch
 import batching
 from trainer.losses import (
     apply_kl_penalty,
-    entropy_from_logits,
     kl_divergence,
     loss_for_micro_batch,
     masked_sums,
@@ -19,6 +18,7 @@ from trainer.losses import (
     value_loss,
     value_loss_for_micro_batch,
 )
+from trainer.workers.forward import logits_entropy, token_entropy
 
 LN = math.log
 
@@ -119,7 +119,7 @@ def test_apply_kl_penalty_by_hand():
     )
     torch.testing.assert_close(out, torch.tensor([-0.1 * LN(2), 1 - 0.1 * LN(2), 0.0]))
     with pytest.raises(ValueError, match="kl_coef"):
-        apply_kl_penalty(torch.zeros(1), torch.zeros(1), torch.zeros(1), -1.0)
+        apply_kl_penalty(torch.zeros(1), torch.zeros(1), torch.zeros(1), -1.0, "k1")
 
 
 def test_entropy_by_hand_and_chunking():
@@ -128,22 +128,30 @@ def test_entropy_by_hand_and_chunking():
         [[0.0, 0.0, 0.0, 0.0], [LN(0.5), LN(0.25), LN(0.25), -math.inf]], dtype=torch.float64
     )
     torch.testing.assert_close(
-        entropy_from_logits(logits), torch.tensor([LN(4), 1.5 * LN(2)], dtype=torch.float64)
+        logits_entropy(logits), torch.tensor([LN(4), 1.5 * LN(2)], dtype=torch.float64)
     )
     # the banned (-inf) token adds no NaN to the gradient either
     banned = logits.clone().requires_grad_(True)
-    entropy_from_logits(banned).sum().backward()
+    logits_entropy(banned).sum().backward()
     assert torch.all(torch.isfinite(banned.grad))
     g = torch.Generator().manual_seed(0)
     z = torch.randn(10, 7, generator=g, dtype=torch.float64)
     z1 = z.clone().requires_grad_(True)
     z2 = z.clone().requires_grad_(True)
     w = torch.randn(10, generator=g, dtype=torch.float64)
-    (entropy_from_logits(z1, chunk_size=3) * w).sum().backward()
-    (entropy_from_logits(z2, chunk_size=100) * w).sum().backward()
+    (logits_entropy(z1, chunk_tokens=3) * w).sum().backward()
+    (logits_entropy(z2, chunk_tokens=100) * w).sum().backward()
     torch.testing.assert_close(z1.grad, z2.grad)
     # bf16 logits are upcast, so the entropy is float32
-    assert entropy_from_logits(z.to(torch.bfloat16)).dtype == torch.float32
+    assert logits_entropy(z.to(torch.bfloat16)).dtype == torch.float32
+    # what training calls: the entropy at token t is the one of the logits at t - 1, 0 at
+    # each row's first token, and temperature divides the logits
+    cu = torch.tensor([0, 4, 10])
+    shifted = token_entropy(z, cu, temperature=2.0)
+    expected = logits_entropy(z / 2.0).float()
+    torch.testing.assert_close(shifted[1:4], expected[0:3])
+    torch.testing.assert_close(shifted[5:], expected[4:9])
+    assert shifted[0] == 0 and shifted[4] == 0
 
 
 def test_value_loss_by_hand():
@@ -240,7 +248,7 @@ def test_loss_and_gradient_invariant_to_micro_batches_and_padding(mode):
             torch.cat([old[idx], -pad_vals]),
             torch.cat([adv[idx], 1e6 * pad_vals]),
             ref_logprobs=torch.cat([ref[idx], -pad_vals]),
-            entropy=entropy_from_logits(torch.cat([logits_src[idx], pad_logits]), chunk_size=7),
+            entropy=logits_entropy(torch.cat([logits_src[idx], pad_logits]), chunk_tokens=7),
             kl_estimator="k3",
             clip_ratio_low=0.2,
             clip_ratio_high=0.28,
@@ -278,7 +286,7 @@ def test_loss_and_gradient_invariant_to_micro_batches_and_padding(mode):
 
 def test_loss_needs_the_terms_its_coefficients_use():
     x = torch.zeros(2)
-    terms = policy_loss_terms(x, x, x)
+    terms = policy_loss_terms(x, x, x, kl_estimator="k3")
     norm = batching.LossNormalizers(num_rows=1, num_loss_tokens=2, num_trajectories=1)
     cu = torch.tensor([0, 2])
     with pytest.raises(ValueError, match="kl_loss_coef"):

@@ -14,21 +14,10 @@ import torch
 import hal
 from batching import Row, StepBatch, plan_minibatches
 from rollout.models import load_model
+from trainer.config import load_config
 from trainer.workers.fsdp_worker import WorkerSpec, enable_activation_checkpointing
 from trainer.workers.group import free_port
 from trainer.workers.policy import PolicyWorker
-
-LOSS_OPTIONS = {
-    "loss_agg": "token-mean",
-    "horizon": 16,
-    "clip_ratio_low": 0.2,
-    "clip_ratio_high": 0.2,
-    "clip_ratio_c": 3.0,
-    "kl_coef": 0.0,
-    "kl_estimator": "k3",
-    "use_kl_loss": False,
-    "entropy_coef": 0.0,
-}
 
 
 def _batch(vocab: int, seed: int = 0) -> StepBatch:
@@ -54,27 +43,21 @@ def _batch(vocab: int, seed: int = 0) -> StepBatch:
     return StepBatch.from_rows(rows)
 
 
-def _cpu_actor(model_path: str, **spec) -> PolicyWorker:
-    """A set-up dp-1 actor on the CPU; fp32 storage as the controller gives every worker."""
-    worker = PolicyWorker(
-        WorkerSpec(
-            role="actor",
-            rank=0,
-            world_size=1,
-            device="cpu",
-            model_path=model_path,
-            dtype="float32",
-            seed=1,
-            **spec,
-        )
+def _cpu_actor(model_path: str, *overrides: str) -> PolicyWorker:
+    """A set-up dp-1 actor of the default job on the CPU with ``model_path``."""
+    cfg = load_config(
+        None, ["device=cpu", "train.dp_size=1", f"model.path={model_path}", *overrides]
     )
+    worker = PolicyWorker(WorkerSpec(role="actor", rank=0, cfg=cfg))
     worker.setup("127.0.0.1", free_port())
     return worker
 
 
 @pytest.mark.slow
 def test_bf16_compute_keeps_fp32_master_weights_that_move_at_lr_1e6():
-    worker = _cpu_actor("builtin:small", lr=1e-6, param_dtype="bfloat16", reduce_dtype="float32")
+    worker = _cpu_actor(
+        "builtin:small", "train.lr=1e-6", "train.param_dtype=bfloat16", "train.reduce_dtype=float32"
+    )
     try:
         before = {k: v.clone() for k, v in worker.full_state_dict().items()}
         batch = _batch(vocab=100)
@@ -89,9 +72,9 @@ def test_bf16_compute_keeps_fp32_master_weights_that_move_at_lr_1e6():
         (mini,) = plan.mini_batches
         old = worker.compute_logprobs(mini.micro_batches[0])
         worker.set_token_field("old_logprobs", [old])
-        worker.compute_advantages({"estimator": "grpo"})
+        worker.compute_advantages()
         for _ in range(3):
-            worker.train_mini_batch(mini.micro_batches[0], mini.rows.tolist(), LOSS_OPTIONS)
+            worker.train_mini_batch(mini.micro_batches[0], mini.rows.tolist())
         after = worker.full_state_dict()
         assert all(p.dtype == torch.float32 for p in worker.model.parameters())
         changed = sum(int((after[k] != before[k]).sum()) for k in before)
@@ -149,7 +132,7 @@ def test_rollout_engine_process_gets_the_deterministic_settings(deterministic):
     was = torch.are_deterministic_algorithms_enabled()
     try:
         torch.use_deterministic_algorithms(False)
-        info = RolloutHost(cfg.model_dump(), threads=1).setup()
+        info = RolloutHost(cfg, threads=1).setup()
         if deterministic:
             assert torch.are_deterministic_algorithms_enabled()
             expected = hal.get_backend("cpu").set_deterministic(cfg.seed)

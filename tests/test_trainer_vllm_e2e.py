@@ -22,8 +22,8 @@ pytestmark = [
 
 def test_train_with_vllm_engine(tmp_path):
     from trainer.config import load_config
-    from trainer.controller import run_training
     from trainer.metrics import read_jsonl
+    from trainer.run import run_training
 
     run_dir = tmp_path / "run"
     cfg = load_config(

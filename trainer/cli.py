@@ -41,7 +41,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"crossrl train: config error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from trainer.controller import run_training
+    from trainer.run import run_training
 
     return run_training(cfg)
 

@@ -107,7 +107,10 @@ class RolloutConfig(BaseModel):
         512, ge=1, description="tokens: longest prompt a turn may send; longer ends the trajectory"
     )
     max_new_tokens: int = Field(
-        16, ge=1, description="tokens generated per turn, at most (the response horizon)"
+        16,
+        ge=2,
+        description="tokens per turn's response, at most (the response horizon); one of them "
+        "is kept for the end-of-turn token, so at least 2",
     )
     temperature: float = Field(1.0, gt=0, description="sampling temperature (> 0)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass; 1.0 = off")

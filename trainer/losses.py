@@ -37,7 +37,7 @@ _K3_CLAMP = 10.0
 # ----------------------------------------------------------------------------- KL
 
 
-def kl_divergence(logprobs, ref_logprobs, estimator: str = "k3") -> torch.Tensor:
+def kl_divergence(logprobs, ref_logprobs, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from sampled-token logprobs.
 
     With ``log_r = ref_logprobs - logprobs`` (tokens sampled from pi):
@@ -68,14 +68,14 @@ def kl_divergence(logprobs, ref_logprobs, estimator: str = "k3") -> torch.Tensor
 
 
 def apply_kl_penalty(
-    token_rewards, logprobs, ref_logprobs, kl_coef: float, estimator: str = "k1", *, loss_mask=None
+    token_rewards, logprobs, ref_logprobs, kl_coef: float, estimator: str, *, loss_mask=None
 ) -> torch.Tensor:
     """Token rewards with a KL-to-reference penalty: ``r_t - kl_coef * KL_t``.
 
     This is the "KL in reward" variant (InstructGPT); the token estimators
     (GAE, REINFORCE++) then discount the penalty like any reward. The outcome
     estimators (GRPO, RLOO) read the trajectory ``score``, not token rewards, so
-    use the KL loss term (``kl_loss_coef``) with them instead.
+    use the KL loss term (``algorithm.use_kl_loss: true``) with them instead.
 
     Args:
         token_rewards: [T] rewards per token.
@@ -151,40 +151,6 @@ def ppo_policy_loss(
     return loss, ratio, clipped, dual_clipped
 
 
-def entropy_from_logits(logits: torch.Tensor, *, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy (nats) of the softmax over the last axis, per token: ``[T, V] -> [T]``.
-
-        H = logsumexp(z) - sum_v softmax(z)_v * z_v
-
-    Runs ``chunk_size`` tokens at a time in at least float32, so the [T, V]
-    float32 softmax is never whole in memory. Under autograd each chunk is
-    checkpointed (recomputed in backward), so its softmax is not kept either.
-    """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [tokens, vocab], got shape {tuple(logits.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size!r} must be >= 1")
-    need_grad = torch.is_grad_enabled() and logits.requires_grad
-    out = []
-    for chunk in logits.split(chunk_size, dim=0):
-        if need_grad:
-            out.append(torch.utils.checkpoint.checkpoint(_entropy, chunk, use_reentrant=False))
-        else:
-            out.append(_entropy(chunk))
-    if not out:
-        return logits.new_zeros(0, dtype=torch.promote_types(logits.dtype, torch.float32))
-    return torch.cat(out)
-
-
-def _entropy(z: torch.Tensor) -> torch.Tensor:
-    z = z.to(torch.promote_types(z.dtype, torch.float32))
-    p = torch.softmax(z, dim=-1)
-    # A -inf logit (a banned token) has p = 0 and adds 0; 0 * -inf would be NaN, so
-    # replace z there (replacing z, not the product, keeps the backward NaN-free too).
-    z_safe = torch.where(p > 0, z, torch.zeros((), dtype=z.dtype, device=z.device))
-    return torch.logsumexp(z, dim=-1) - (p * z_safe).sum(dim=-1)
-
-
 # ----------------------------------------------------------------------------- value
 
 
@@ -239,7 +205,7 @@ def policy_loss_terms(
     *,
     ref_logprobs=None,
     entropy=None,
-    kl_estimator: str = "k3",
+    kl_estimator: str,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float | None = None,
     clip_ratio_c: float = 3.0,
@@ -252,7 +218,7 @@ def policy_loss_terms(
         advantages: [T] from ``compute_advantages``.
         ref_logprobs: [T] reference-policy logprobs; when given, ``kl`` is the
             KL-to-reference loss term (with gradient).
-        entropy: [T] per-token entropy, e.g. ``entropy_from_logits(logits)``.
+        entropy: [T] per-token entropy (``trainer.workers.forward.token_entropy``).
         kl_estimator: one of ``KL_ESTIMATORS`` for the KL loss term.
         clip_ratio_low, clip_ratio_high, clip_ratio_c: see ``ppo_policy_loss``.
 
@@ -342,8 +308,9 @@ def loss_for_micro_batch(
     if kl_loss_coef:
         if terms.kl is None:
             raise ValueError(
-                f"algorithm.kl_loss_coef={kl_loss_coef!r} but no ref_logprobs were given to "
-                f"policy_loss_terms; pass ref_logprobs or set kl_loss_coef=0"
+                f"kl_loss_coef={kl_loss_coef!r} (algorithm.kl_coef with algorithm.use_kl_loss) "
+                "but no ref_logprobs were given to policy_loss_terms; pass ref_logprobs or "
+                "set kl_loss_coef=0"
             )
         token_loss = token_loss + kl_loss_coef * terms.kl
     if entropy_coef:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rollout.replay import load_rollout, recorded_steps
 from trainer.config import Config, ConfigError, load_config
-from trainer.parity import load_rollout, recorded_steps
 
 
 class ProbeInputError(ValueError):
@@ -97,7 +97,7 @@ def run_probe(cfg: Config, rollouts: str | Path) -> int:
     (0 done, 1 a worker failed, 130 interrupted). Writes ``config.yaml``, ``metrics.jsonl`` and
     ``fingerprint.jsonl`` to ``cfg.run.dir`` and no checkpoint; leaves a Ray that was already
     running alone."""
-    from trainer.controller import run_training
+    from trainer.run import run_training
 
     # Absolute: the replay host is a Ray actor, whose working directory may differ.
     return run_training(

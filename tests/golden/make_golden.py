@@ -40,7 +40,7 @@ OVERRIDES = [
 def record(tmp: Path) -> None:
     """Run the tiny job for ``STEPS`` steps with recording on; keep its rollouts."""
     from trainer.config import load_config
-    from trainer.controller import run_training
+    from trainer.run import run_training
 
     run_dir = tmp / "record"
     cfg = load_config(

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
 import hal
 from batching import StepBatch, loss_normalizers
+from trainer.step_stats import StepStats
 from trainer.workers.forward import shift_to_targets
 from trainer.workers.fsdp_worker import FSDPWorker
 
@@ -23,15 +22,7 @@ class CriticWorker(FSDPWorker):
     def build_model(self) -> torch.nn.Module:
         """The backbone from ``critic_path`` (or the policy's path) with a zero-initialised
         one-output head replacing the LM head."""
-        from rollout.models import load_model
-
-        hal.register_attention()
-        model = load_model(
-            self.spec.model_path,
-            dtype=self.spec.dtype,
-            seed=self.spec.seed,
-            attn_implementation=hal.ATTN_IMPLEMENTATION,
-        )
+        model = self.load_causal_lm()
         hidden = model.config.hidden_size
         model.config.tie_word_embeddings = False
         head = torch.nn.Linear(hidden, 1, bias=True, dtype=model.lm_head.weight.dtype)
@@ -54,12 +45,13 @@ class CriticWorker(FSDPWorker):
         return self.per_token_pass(micro_batches, self._values)
 
     def train_mini_batch(
-        self, micro_batches: list[list[int]], mini_batch_rows: list[int], options: dict[str, Any]
-    ) -> dict[str, float]:
+        self, micro_batches: list[list[int]], mini_batch_rows: list[int]
+    ) -> StepStats:
         """One optimizer step of the value loss on this rank's micro-batches (normalised by
         the global counts of ``mini_batch_rows``, every real row of the mini-batch)."""
         from trainer.losses import value_loss_for_micro_batch
 
+        cfg = self.spec.cfg
         normalizers = loss_normalizers(self.batch, mini_batch_rows)
         self.model.train()
 
@@ -72,7 +64,9 @@ class CriticWorker(FSDPWorker):
                 loss_mask=self.to_device(mb.loss_mask),
                 cu_seqlens=self.to_device(mb.cu_seqlens),
                 normalizers=normalizers,
-                **options,
+                mode=cfg.algorithm.loss_agg,
+                horizon=cfg.loss_horizon_tokens(),
+                cliprange_value=cfg.algorithm.cliprange_value,
             )
             return loss, {**sums, "loss": loss.detach()}
 

@@ -7,8 +7,9 @@ controller wraps it with ``ray.remote``. The device comes from the HAL only.
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,36 +20,48 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import hal
 from batching import StepBatch
+from trainer.config_schema import Config, CriticConfig, TrainConfig
 from trainer.optim import build_optimizer
+from trainer.step_stats import StepStats
+
+ROLES = ("actor", "reference", "critic")
 
 
-@dataclass
+@dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs to start; plain data so it pickles into Ray."""
+    """Who a worker is. What it does comes from the typed job config it carries (pydantic
+    models pickle into Ray as they are), read where it is used: nothing is copied."""
 
-    role: str  # "actor", "reference" or "critic"
-    rank: int
-    world_size: int  # data-parallel ranks of this role
-    device: str  # HAL backend name: auto | cpu | <accelerator>
-    model_path: str
-    dtype: str  # parameter storage dtype (float32: master weights)
-    seed: int
-    trainable: bool = True
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    warmup_steps: int = 0  # optimizer steps
-    total_optimizer_steps: int = 1
-    lr_schedule: str = "constant"
-    min_lr_ratio: float = 0.0
-    grad_clip: float = 1.0
-    param_dtype: str | None = None  # FSDP mixed precision compute dtype (None: as stored)
-    reduce_dtype: str | None = None  # gradient reduction dtype
-    activation_checkpointing: bool = False  # recompute decoder layers in backward
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    deterministic: bool = False
+    role: str  # one of ROLES
+    rank: int  # data-parallel rank, 0 .. cfg.train.dp_size - 1
+    cfg: Config
     threads: int = 1  # CPU threads of this process
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        assert self.role in ROLES, self.role  # programming error: roles are fixed here
+        assert 0 <= self.rank < self.cfg.train.dp_size, (self.rank, self.cfg.train.dp_size)
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks of this role (``train.dp_size``)."""
+        return self.cfg.train.dp_size
+
+    @property
+    def trainable(self) -> bool:
+        """The reference model is frozen; actor and critic train."""
+        return self.role != "reference"
+
+    @property
+    def model_path(self) -> str:
+        """The critic starts from ``model.critic_path`` when set; everyone else from
+        ``model.path``."""
+        model = self.cfg.model
+        return (model.critic_path or model.path) if self.role == "critic" else model.path
+
+    @property
+    def optim(self) -> CriticConfig | TrainConfig:
+        """The section holding this role's lr, warm-up, weight decay and grad clip."""
+        return self.cfg.critic if self.role == "critic" else self.cfg.train
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -85,7 +98,7 @@ class FSDPWorker:
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.backend = hal.get_backend(spec.device)
+        self.backend = hal.get_backend(spec.cfg.device)
         self.batch: StepBatch | None = None
         self.model: torch.nn.Module | None = None
         self.optimizer = None
@@ -111,10 +124,10 @@ class FSDPWorker:
 
         Returns facts for the controller (parameter count, deterministic settings applied).
         """
-        spec = self.spec
+        spec, cfg = self.spec, self.spec.cfg
         torch.set_num_threads(max(1, spec.threads))
-        if spec.deterministic:
-            self.deterministic_settings = self.backend.set_deterministic(spec.seed)
+        if cfg.run.deterministic:
+            self.deterministic_settings = self.backend.set_deterministic(cfg.seed)
         self.backend.init_process_group(
             spec.rank,
             spec.world_size,
@@ -124,13 +137,13 @@ class FSDPWorker:
         )
         self.device = self.backend.device(self.local_rank())
         # Every rank starts from identical weights: same path, same seed.
-        self.backend.manual_seed(spec.seed)
+        self.backend.manual_seed(cfg.seed)
         model = self.build_model()
-        if spec.activation_checkpointing and spec.trainable:
+        if cfg.train.activation_checkpointing and spec.trainable:
             enable_activation_checkpointing(model)
         model.to(self.device)
         mp = MixedPrecisionPolicy(
-            param_dtype=_dtype(spec.param_dtype), reduce_dtype=_dtype(spec.reduce_dtype)
+            param_dtype=_dtype(cfg.train.param_dtype), reduce_dtype=_dtype(cfg.train.reduce_dtype)
         )
         # The mesh names the HAL's device: FSDP2's default mesh takes the machine's
         # accelerator, so a device=cpu run on a GPU node would quietly shard onto the GPU.
@@ -142,18 +155,18 @@ class FSDPWorker:
         if spec.trainable:
             self.optimizer, self.scheduler = build_optimizer(
                 [p for p in model.parameters() if p.requires_grad],
-                lr=spec.lr,
-                weight_decay=spec.weight_decay,
-                warmup_steps=spec.warmup_steps,
-                total_steps=spec.total_optimizer_steps,
-                schedule=spec.lr_schedule,
-                min_lr_ratio=spec.min_lr_ratio,
+                lr=spec.optim.lr,
+                weight_decay=spec.optim.weight_decay,
+                warmup_steps=spec.optim.warmup_steps,
+                total_steps=cfg.optimizer_steps_per_step() * cfg.train.total_steps,
+                schedule=cfg.train.lr_schedule,
+                min_lr_ratio=cfg.train.min_lr_ratio,
             )
         else:
             model.requires_grad_(False)
             model.eval()
         # Different ranks draw different dropout / sampling noise from here on.
-        self.backend.manual_seed(spec.seed + 1000 * (spec.rank + 1))
+        self.backend.manual_seed(cfg.seed + 1000 * (spec.rank + 1))
         num_params = sum(p.numel() for p in model.parameters())
         return {
             "rank": spec.rank,
@@ -181,6 +194,19 @@ class FSDPWorker:
         """The unsharded model of this role (subclasses override)."""
         raise NotImplementedError
 
+    def load_causal_lm(self) -> torch.nn.Module:
+        """This role's causal LM with the HAL's varlen attention, in float32: parameters and
+        optimizer state are master weights whatever ``train.param_dtype`` computes in."""
+        from rollout.models import load_model
+
+        hal.register_attention()
+        return load_model(
+            self.spec.model_path,
+            dtype=torch.float32,
+            seed=self.spec.cfg.seed,
+            attn_implementation=hal.ATTN_IMPLEMENTATION,
+        )
+
     @staticmethod
     def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         inner = getattr(model, "model", model)
@@ -194,7 +220,9 @@ class FSDPWorker:
 
         arrays = ray.get(refs[0]) if not isinstance(refs[0], dict) else refs[0]
         self.batch = StepBatch.from_numpy(arrays)
-        if self.spec.param_offload:  # a new step begins: the weights come back to the device
+        if (
+            self.spec.cfg.train.param_offload
+        ):  # a new step begins: the weights come back to the device
             self.backend.onload(self.model, self.local_rank())
         return self.batch.num_rows
 
@@ -202,9 +230,9 @@ class FSDPWorker:
         """End of a step: park weights / optimizer state in host memory as configured
         (``train.param_offload`` / ``train.optimizer_offload``), so the rollout engine can
         use the device memory. A no-op on the CPU backend."""
-        if self.spec.param_offload:
+        if self.spec.cfg.train.param_offload:
             self.backend.offload(self.model)
-        if self.spec.optimizer_offload and self.optimizer is not None:
+        if self.spec.cfg.train.optimizer_offload and self.optimizer is not None:
             self.backend.offload(self.optimizer)
         self.backend.empty_cache()
 
@@ -263,34 +291,40 @@ class FSDPWorker:
         """Move a batch tensor to this worker's device."""
         return tensor.to(self.device, non_blocking=True)
 
-    def compute_advantages(self, options: dict[str, Any]) -> dict[str, float]:
-        """Advantages and returns for the whole batch, identical on every rank and role.
+    def compute_advantages(self) -> dict[str, float]:
+        """Advantages and returns for the whole batch (``algorithm.*``), identical on every
+        rank and role.
 
         Every worker holds the whole batch, so each computes the same advantages locally
-        instead of shipping them around. ``options``: ``estimator``, ``gamma``, ``lam``,
-        ``norm_adv_by_std``, ``kl_penalty_coef`` (KL to the reference as a reward penalty,
-        needs ``ref_logprobs``), ``kl_estimator``. Returns statistics over real loss tokens.
+        instead of shipping them around. Without the KL loss (``algorithm.use_kl_loss:
+        false``) a ``kl_coef`` > 0 is a per-token reward penalty against ``ref_logprobs``.
+        Returns statistics over real loss tokens.
         """
         from trainer.algorithms import compute_advantages
         from trainer.losses import apply_kl_penalty
 
+        algo = self.spec.cfg.algorithm
         batch = self.batch
-        options = dict(options)
-        kl_coef = float(options.pop("kl_penalty_coef", 0.0))
-        kl_estimator = options.pop("kl_estimator", "k1")
-        if kl_coef and "ref_logprobs" in batch.token_fields:
+        kl_penalty = 0.0 if algo.use_kl_loss else algo.kl_coef
+        if kl_penalty and "ref_logprobs" in batch.token_fields:
             batch.set_token_field(
                 "token_rewards",
                 apply_kl_penalty(
                     batch.token_fields["token_rewards"],
                     batch.token_fields["old_logprobs"],
                     batch.token_fields["ref_logprobs"],
-                    kl_coef,
-                    kl_estimator,
+                    kl_penalty,
+                    algo.kl_estimator,
                     loss_mask=batch.loss_mask,
                 ),
             )
-        advantages, returns = compute_advantages(batch, **options)
+        advantages, returns = compute_advantages(
+            batch,
+            algo.adv_estimator,
+            gamma=algo.gamma,
+            lam=algo.lam,
+            norm_adv_by_std=algo.norm_adv_by_std,
+        )
         batch.set_token_field("advantages", advantages.float())
         batch.set_token_field("returns", returns.float())
         mask = batch.loss_mask > 0
@@ -305,13 +339,14 @@ class FSDPWorker:
         return out
 
     # ---------------------------------------------------------------- update helpers
-    def run_micro_batches(self, micro_batches: list[list[int]], loss_fn) -> dict[str, float]:
+    def run_micro_batches(self, micro_batches: list[list[int]], loss_fn) -> StepStats:
         """Forward/backward every micro-batch, then clip and step the optimizer.
 
         ``loss_fn(micro_batch) -> (loss, metric_sums)``; ``loss`` is this micro-batch's share of
-        the mini-batch loss (global normalizers), metric sums (detached tensors) are added up
-        over micro-batches on the device and read back once. Gradients are synchronised only
-        on the last micro-batch.
+        the mini-batch loss (global normalizers), metric sums (detached tensors, the keys of
+        ``trainer.step_stats.SCHEMAS[role]``) are added up over micro-batches on the device
+        and read back once. Gradients are synchronised only on the last micro-batch. Returns
+        this rank's report of the optimizer step.
         """
         model = self.model
         self.optimizer.zero_grad(set_to_none=True)
@@ -327,18 +362,19 @@ class FSDPWorker:
             for key, value in metric_sums.items():
                 sums[key] = sums.get(key, 0.0) + value
         sums = {key: float(value) for key, value in sums.items()}
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.spec.grad_clip)
+        # grad_clip null: no clipping, but the norm is still measured (an infinite max norm)
+        max_norm = self.spec.optim.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
         if np.isfinite(grad_norm):
-            if self.spec.optimizer_offload:
+            if self.spec.cfg.train.optimizer_offload:
                 self.backend.onload(self.optimizer, self.local_rank())
             self.optimizer.step()
         self.scheduler.step()
-        sums["grad_norm"] = grad_norm
-        sums["lr"] = float(self.scheduler.get_last_lr()[0])
-        return sums
+        lr = float(self.scheduler.get_last_lr()[0])
+        return StepStats.of_update(self.spec.role, sums, grad_norm=grad_norm, lr=lr)
 
     # ---------------------------------------------------------------- state
     def full_state_dict(self) -> dict[str, torch.Tensor]:

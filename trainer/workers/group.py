@@ -19,6 +19,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+#: Seconds a controller call on the workers may take before it is called hung.
+CALL_TIMEOUT_S = 1800.0
+
 
 class WorkerFailedError(RuntimeError):
     """A Ray worker died or raised; the message names the worker."""
@@ -135,3 +138,40 @@ def actor_options(placement: Placement, bundle_index: int, share: float) -> dict
     else:
         opts.update(resources={placement.resource: share}, num_cpus=0)
     return opts
+
+
+class WorkerGroup:
+    """The Ray actors of one role, one per data-parallel rank, called together."""
+
+    def __init__(self, role: str, handles: list) -> None:
+        self.role = role
+        self.handles = handles
+        self.names = [f"{role} rank {r}" for r in range(len(handles))]
+
+    def call(
+        self, method: str, *args, per_rank: list | None = None, timeout_s: float = CALL_TIMEOUT_S
+    ) -> list:
+        """Call ``method`` on every rank (``per_rank[r]`` prepended to rank r's args) and wait,
+        failing fast with the worker's name."""
+        refs = self.submit(method, *args, per_rank=per_rank)
+        return wait_all(refs, self.names, timeout_s=timeout_s, what=f"{self.role}.{method}")
+
+    def submit(self, method: str, *args, per_rank: list | None = None) -> list:
+        """Start ``method`` on every rank; returns the object refs."""
+        return [
+            getattr(h, method).remote(*(([per_rank[r]] if per_rank else []) + list(args)))
+            for r, h in enumerate(self.handles)
+        ]
+
+
+def agree_on_settings(applied: list[tuple[str, dict[str, str]]]) -> dict[str, str]:
+    """The settings every named process applied, ``(name, settings)`` each; they must be the
+    same everywhere (a process that skipped run.deterministic's switches would make the run
+    irreproducible): raises ``WorkerFailedError`` naming the odd one."""
+    first_name, first = applied[0]
+    for name, settings in applied:
+        if settings != first:
+            raise WorkerFailedError(
+                f"{name} applied deterministic settings {settings}, {first_name} applied {first}"
+            )
+    return first

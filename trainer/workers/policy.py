@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
 import hal
 from batching import StepBatch, loss_normalizers
+from trainer.step_stats import StepStats
 from trainer.workers.forward import token_entropy, token_logprobs
 from trainer.workers.fsdp_worker import FSDPWorker
 
@@ -17,16 +16,8 @@ class PolicyWorker(FSDPWorker):
     """Computes log-probabilities of packed rows and runs PPO-family updates on them."""
 
     def build_model(self) -> torch.nn.Module:
-        """The causal LM with the HAL's varlen attention, in the configured storage dtype."""
-        from rollout.models import load_model
-
-        hal.register_attention()
-        return load_model(
-            self.spec.model_path,
-            dtype=self.spec.dtype,
-            seed=self.spec.seed,
-            attn_implementation=hal.ATTN_IMPLEMENTATION,
-        )
+        """The causal LM with the HAL's varlen attention, float32 master weights."""
+        return self.load_causal_lm()
 
     def _logits(self, mb: StepBatch) -> torch.Tensor:
         return hal.packed_forward(
@@ -39,7 +30,7 @@ class PolicyWorker(FSDPWorker):
     def compute_logprobs(self, micro_batches: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Log-probabilities of this rank's rows under the current weights, as
         ``(rows, values)`` (see ``FSDPWorker.per_token_pass``)."""
-        temperature = float(self.spec.extra.get("temperature", 1.0))
+        temperature = self.spec.cfg.rollout.temperature
         return self.per_token_pass(
             micro_batches,
             lambda mb: token_logprobs(
@@ -51,22 +42,22 @@ class PolicyWorker(FSDPWorker):
         )
 
     def train_mini_batch(
-        self, micro_batches: list[list[int]], mini_batch_rows: list[int], options: dict[str, Any]
-    ) -> dict[str, float]:
-        """One optimizer step of the actor on this rank's micro-batches of one mini-batch.
+        self, micro_batches: list[list[int]], mini_batch_rows: list[int]
+    ) -> StepStats:
+        """One optimizer step of the actor (loss settings: ``algorithm.*``) on this rank's
+        micro-batches of one mini-batch.
 
         ``mini_batch_rows`` are all real rows of the mini-batch (every rank's); the loss is
         normalised by their global counts, so the update does not depend on dp size,
-        micro-batch split or padding. Returns metric sums
-        (divide by the global counts) plus ``grad_norm`` and ``lr``.
+        micro-batch split or padding. Returns this rank's ``StepStats`` of the step.
         """
         from trainer.losses import loss_for_micro_batch, masked_sums, policy_loss_terms
 
+        cfg = self.spec.cfg
+        algo = cfg.algorithm
         normalizers = loss_normalizers(self.batch, mini_batch_rows)
         self.model.train()
-        temperature = float(self.spec.extra.get("temperature", 1.0))
-        entropy_coef = float(options.get("entropy_coef", 0.0))
-        use_kl_loss = bool(options.get("use_kl_loss", False))
+        temperature = cfg.rollout.temperature
 
         def loss_fn(mb: StepBatch):
             logits = self._logits(mb)
@@ -77,29 +68,29 @@ class PolicyWorker(FSDPWorker):
             )
             # Entropy is always logged; it carries gradient only when it is in the loss.
             entropy = token_entropy(
-                logits if entropy_coef else logits.detach(), cu, temperature=temperature
+                logits if algo.entropy_coef else logits.detach(), cu, temperature=temperature
             )
             field = mb.token_fields
             terms = policy_loss_terms(
                 logprobs,
                 self.to_device(field["old_logprobs"]),
                 self.to_device(field["advantages"]),
-                ref_logprobs=self.to_device(field["ref_logprobs"]) if use_kl_loss else None,
+                ref_logprobs=self.to_device(field["ref_logprobs"]) if algo.use_kl_loss else None,
                 entropy=entropy,
-                kl_estimator=options.get("kl_estimator", "k3"),
-                clip_ratio_low=options["clip_ratio_low"],
-                clip_ratio_high=options["clip_ratio_high"],
-                clip_ratio_c=options["clip_ratio_c"],
+                kl_estimator=algo.kl_estimator,
+                clip_ratio_low=algo.clip_ratio_low,
+                clip_ratio_high=algo.clip_ratio_high,
+                clip_ratio_c=algo.clip_ratio_c,
             )
             loss = loss_for_micro_batch(
                 terms,
                 mask,
                 cu,
                 normalizers,
-                mode=options["loss_agg"],
-                kl_loss_coef=float(options.get("kl_coef", 0.0)) if use_kl_loss else 0.0,
-                entropy_coef=entropy_coef,
-                horizon=options.get("horizon"),
+                mode=algo.loss_agg,
+                kl_loss_coef=algo.kl_coef if algo.use_kl_loss else 0.0,
+                entropy_coef=algo.entropy_coef,
+                horizon=cfg.loss_horizon_tokens(),
             )
             sums = dict(masked_sums(terms, mask))
             sums["loss"] = loss.detach()
@@ -115,7 +106,7 @@ class PolicyWorker(FSDPWorker):
     def param_stats(self) -> dict[str, list[float]]:
         """This rank's share of the parity checksum (``trainer.parity.local_param_stats``): float64
         sums over its own parameter shards, so no collective; the controller adds the ranks."""
-        from trainer.parity import local_param_stats
+        from trainer.fingerprint import local_param_stats
 
         return local_param_stats(self.model.named_parameters())
 

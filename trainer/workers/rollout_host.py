@@ -14,12 +14,14 @@ import torch
 
 import hal
 from batching import StepBatch, response_length_mean, trajectory_score_mean
+from trainer.config_schema import Config
 
 
 class RolloutHost:
     """Generates one training step's rows: ``rollout(step) -> (metadata, [batch_ref])``."""
 
-    def __init__(self, cfg: dict[str, Any], threads: int = 1) -> None:
+    def __init__(self, cfg: Config, threads: int = 1) -> None:
+        """``cfg``: the typed job config (it pickles into Ray); ``threads``: CPU threads."""
         self.cfg = cfg
         self.threads = threads
         self.engine = None
@@ -34,37 +36,35 @@ class RolloutHost:
 
         torch.set_num_threads(max(1, self.threads))
         cfg = self.cfg
-        backend = hal.get_backend(cfg["device"])
+        backend = hal.get_backend(cfg.device)
         # The engine's process gets the same deterministic switches as the trainers, before
         # any kernel or engine starts (cuBLAS and HCCL read theirs once, at start-up).
-        deterministic = (
-            backend.set_deterministic(cfg["seed"]) if cfg["run"]["deterministic"] else {}
-        )
-        model_path = cfg["model"]["path"]
+        deterministic = backend.set_deterministic(cfg.seed) if cfg.run.deterministic else {}
+        model_path = cfg.model.path
         is_builtin = model_path.startswith("builtin:")
         self.tokenizer = load_tokenizer("builtin" if is_builtin else model_path)
-        roll = cfg["rollout"]
-        if roll["engine"] == "hf":
+        roll = cfg.rollout
+        if roll.engine == "hf":
             model = load_model(
-                model_path, dtype=cfg["model"]["dtype"], seed=cfg["seed"], device=backend.device(0)
+                model_path, dtype=cfg.model.dtype, seed=cfg.seed, device=backend.device(0)
             )
             model.eval()
             self.engine = make_engine("hf", model, self.tokenizer)
         else:
-            directory = builtin_weights_dir(model_path, cfg["seed"]) if is_builtin else model_path
+            directory = builtin_weights_dir(model_path, cfg.seed) if is_builtin else model_path
             self.engine = make_engine(
                 "vllm",
                 str(directory),
                 self.tokenizer,
-                dtype=cfg["model"]["dtype"],
-                seed=cfg["seed"],
-                gpu_memory_utilization=roll["memory_fraction"],
-                tensor_parallel_size=roll["tensor_parallel_size"],
-                max_model_len=roll["max_input_len"] + roll["max_new_tokens"],
+                dtype=cfg.model.dtype,
+                seed=cfg.seed,
+                gpu_memory_utilization=roll.memory_fraction,
+                tensor_parallel_size=roll.tensor_parallel_size,
+                max_model_len=roll.max_input_len + roll.max_new_tokens,
             )
-        self.env_factory = functools.partial(make_env(roll["env"]), **roll["env_kwargs"])
-        self.prompts = PromptSource(cfg["data"]["source"], seed=cfg["seed"])
-        return {"engine": roll["engine"], "deterministic": deterministic}
+        self.env_factory = functools.partial(make_env(roll.env), **roll.env_kwargs)
+        self.prompts = PromptSource(cfg.data.source, seed=cfg.seed)
+        return {"engine": roll.engine, "deterministic": deterministic}
 
     def rollout(self, step: int, record_dir: str | None = None) -> tuple[dict[str, Any], list]:
         """Roll out training step ``step`` (1-based): ``train.batch_size`` prompts x ``rollout.n``.
@@ -77,29 +77,29 @@ class RolloutHost:
         from rollout.agent_loop import run_rollouts
         from rollout.engines import SamplingParams
 
-        cfg, roll = self.cfg, self.cfg["rollout"]
-        items = self.prompts.batch(step - 1, cfg["train"]["batch_size"])
+        cfg, roll = self.cfg, self.cfg.rollout
+        items = self.prompts.batch(step - 1, cfg.train.batch_size)
         sampling = SamplingParams(
-            max_new_tokens=roll["max_new_tokens"],
-            temperature=roll["temperature"],
-            top_p=roll["top_p"],
-            top_k=roll["top_k"],
+            max_new_tokens=roll.max_new_tokens,
+            temperature=roll.temperature,
+            top_p=roll.top_p,
+            top_k=roll.top_k,
         )
         out = run_rollouts(
             self.engine,
             self.tokenizer,
             self.env_factory,
             items,
-            n=roll["n"],
-            max_turns=roll["max_turns"],
-            step_wise=roll["step_wise"],
-            merge_stepwise=roll["merge_stepwise"],
-            max_input_len=roll["max_input_len"],
-            max_new_tokens=roll["max_new_tokens"],
+            n=roll.n,
+            max_turns=roll.max_turns,
+            step_wise=roll.step_wise,
+            merge_stepwise=roll.merge_stepwise,
+            max_input_len=roll.max_input_len,
+            max_new_tokens=roll.max_new_tokens,
             sampling=sampling,
-            seed=cfg["seed"],
+            seed=cfg.seed,
             step=step,
-            stop_strings=tuple(roll["stop_strings"]),
+            stop_strings=tuple(roll.stop_strings),
         )
         if not out.rows:
             raise RuntimeError(
@@ -109,7 +109,7 @@ class RolloutHost:
         batch = StepBatch.from_rows(out.rows)
         arrays = batch.to_numpy()
         if record_dir is not None:
-            from trainer.parity import record_rollout
+            from rollout.replay import record_rollout
 
             record_rollout(record_dir, step, arrays)
         return batch_metadata(batch, out.metrics), [ray.put(arrays)]
@@ -168,7 +168,7 @@ class ReplayHost:
 
         import ray
 
-        from trainer.parity import load_rollout
+        from rollout.replay import load_rollout
 
         path = Path(self.rollouts_dir) / f"step_{step}.npz"
         if not path.is_file():

@@ -1,0 +1,132 @@
+"""A whole run: start Ray and the trainer, loop over steps, log, checkpoint, stop cleanly.
+
+The step itself (rollout -> update -> sync) is ``trainer.controller.Trainer.train_step``; this
+module owns what surrounds it: the run directory's config.yaml, signals, the exit status.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainer.config import Config
+from trainer.controller import Trainer
+from trainer.workers.group import WorkerFailedError
+
+
+def write_run_config(cfg: Config, run_dir: Path, deterministic: dict[str, str]) -> None:
+    """``config.yaml``: the resolved config, plus the deterministic settings the workers
+    applied (as comments, so the file still loads as a config)."""
+    from rollout.files import atomic_write_text
+
+    lines = [cfg.to_yaml().rstrip("\n")]
+    if deterministic:
+        lines.append("# run.deterministic applied on every worker:")
+        lines += [f"#   {key}={value}" for key, value in sorted(deterministic.items())]
+    atomic_write_text(run_dir / "config.yaml", "\n".join(lines) + "\n")
+
+
+class StopRequests:
+    """SIGINT / SIGTERM handling for a run.
+
+    The first signal asks the loop to stop after the current step (and its checkpoint, if one
+    is due): a flag, not an exception, because Ray's own waits may swallow a
+    KeyboardInterrupt raised inside them. A second signal abandons the step at once. Either
+    way Ray shuts down and ``latest`` names the last whole checkpoint.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequests:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"signal {signum} again: abandoning the step")
+        self.signum = signum
+        print(
+            f"crossrl: signal {signum}: stopping after this step (again to stop now)",
+            file=sys.stderr,
+        )
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if a stop was asked for."""
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"signal {self.signum}")
+
+
+def run_training(
+    cfg: Config,
+    *,
+    replay_dir: str | None = None,
+    save_checkpoints: bool = True,
+    command: str = "train",
+) -> int:
+    """Run a whole job; returns the process exit status (0 done, 1 failed, 130 interrupted).
+
+    ``replay_dir``: train on recorded rollouts (``step_<N>.npz``) instead of sampling (the
+    parity probe, which also passes ``save_checkpoints=False``: a probe of a 7B job should not
+    write tens of GB). ``command`` names the CLI command in messages.
+    """
+    from trainer.workers.group import start_ray
+
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with StopRequests() as stop:
+        started_ray = start_ray(
+            cfg.ray.address, num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2)
+        )
+        trainer = Trainer(cfg, run_dir, replay_dir=replay_dir)
+        try:
+            trainer.start()
+            write_run_config(cfg, run_dir, trainer.deterministic_settings)
+            _train_loop(cfg, trainer, run_dir, stop, save_checkpoints=save_checkpoints)
+            return 0
+        except WorkerFailedError as err:
+            print(f"crossrl {command}: {err}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(
+                f"crossrl {command}: interrupted; the last whole checkpoint stays `latest`",
+                file=sys.stderr,
+            )
+            return 130
+        finally:
+            import ray
+
+            try:
+                trainer.shutdown()
+            finally:
+                if started_ray:
+                    ray.shutdown()
+
+
+def _train_loop(
+    cfg: Config, trainer: Trainer, run_dir: Path, stop: StopRequests, *, save_checkpoints: bool
+) -> None:
+    """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint."""
+    from trainer.metrics import FingerprintLogger, MetricsLogger
+
+    total = cfg.train.total_steps
+    with (
+        MetricsLogger(run_dir, total, start_step=trainer.start_step) as log,
+        FingerprintLogger(run_dir, start_step=trainer.start_step) as fp_log,
+    ):
+        for step in range(trainer.start_step + 1, total + 1):
+            stop.check()  # a signal during start-up or the previous step ends the run here
+            metrics, fingerprint = trainer.train_step(step)
+            log.log(step, metrics)
+            fp_log.log(step, fingerprint)
+            due = step == total or (cfg.run.save_every and step % cfg.run.save_every == 0)
+            if save_checkpoints and due:
+                trainer.save_checkpoint(step)
