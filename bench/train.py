@@ -1,32 +1,32 @@
-"""Actor-update throughput: packed varlen rows versus ``[batch, max_len]`` padded micro-batches.
+"""Actor-update throughput: the trainer's packed path versus ``[batch, max_len]`` padded
+micro-batches.
 
     python -m bench train [--quick]
 
-One update = forward + backward over every micro-batch of one mini-batch, then one AdamW step
-(fp32, the HAL's device; a CPU here). The same rows, drawn from a long-tailed length
-distribution (log-normal, clipped to 16-1024 tokens), are laid out two ways:
+One update = forward + backward over every micro-batch of one mini-batch, gradient clipping,
+then one AdamW step (``trainer.optim.build_optimizer``), fp32 on the HAL's device (a CPU here),
+with the CPU default job's actor loss (configs/cpu/tiny.yaml: clipped PPO surrogate,
+token-mean). The same rows (log-normal lengths, clipped to 16-1024 tokens) laid out two ways:
 
-- ``packed``: crossrl's path. ``plan_minibatches`` puts rows into micro-batches under a token
-  budget (first-fit decreasing); each micro-batch is one packed row run through
-  ``hal.packed_forward`` with the HAL's varlen attention. No token is padding.
-- ``padded``: the layout trainers use without remove-padding. Rows in arrival order, a fixed
-  number per micro-batch, right-padded to the micro-batch's longest row, and the model run with
-  transformers' ``sdpa`` attention and an attention mask.
+- ``packed`` (``bench.packed``): the trainer's own code. ``StepBatch`` rows, planner
+  micro-batches under 2048 tokens (the default job's budget), ``batching.loss_normalizers``,
+  and per micro-batch the calls ``PolicyWorker.train_mini_batch`` makes (``hal.packed_forward``
+  with the varlen attention, ``token_logprobs``, ``trainer.losses``). No token is padding.
+- ``padded`` (``bench.padded``): the baseline's own code, the layout without remove-padding:
+  8 rows per micro-batch, right-padded, ``sdpa`` attention with a mask; the same per-token loss.
 
-Both compute the same loss: token-mean, over response tokens of the whole mini-batch, of the
-log-prob objective ``-A_row * log pi(token)`` (``batching.aggregate_loss`` with global
-normalizers). The two layouts start every repeat from identical weights and optimizer state, so
-their losses must agree to float rounding; the benchmark checks that on every repeat (and the
-gradients on the first) and reports both. Within a repeat the two layouts' micro-batches run
-interleaved (each timed on its own), so a burst of load from another process on a shared machine
-hits both alike; the figure that counts is the median of the per-repeat time ratios. Nothing
-here asserts a time.
+Both start every repeat from identical weights, so losses, mean log-probs (every repeat) and
+gradients (first repeat) must agree to float rounding; the benchmark checks and reports them.
+The two layouts' micro-batches run interleaved (each timed on its own), so a burst of load on a
+shared machine hits both alike; the figure that counts is the median of the per-repeat time
+ratios. Nothing here asserts a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -36,32 +36,32 @@ import numpy as np
 import torch
 
 import hal
-from batching import LossNormalizers, aggregate_loss, plan_minibatches
+from batching import LossNormalizers, loss_normalizers
+from bench.packed import default_job, packed_loss, plan_micro_batches, set_old_logprobs, step_batch
+from bench.padded import (
+    PADDED_ROWS_PER_MICRO_BATCH,
+    padded_loss,
+    padded_micro_batches,
+    padded_normalizers,
+)
 
 __all__ = [
     "LOSS_TOLERANCE",
     "TARGET_SPEEDUP",
-    "MicroBatch",
+    "compare",
     "format_table",
     "make_rows",
-    "packed_micro_batches",
-    "padded_micro_batches",
-    "packed_loss",
-    "padded_loss",
-    "row_normalizers",
-    "compare",
     "run",
 ]
 
 #: Packed throughput the issue asks for, as a multiple of the padded throughput.
 TARGET_SPEEDUP = 1.5
-#: Largest allowed |loss_packed - loss_padded| on the same weights (fp32).
+#: Largest allowed |packed - padded| of the mini-batch loss and of the mean log-prob over loss
+#: tokens, on the same weights (fp32).
 LOSS_TOLERANCE = 1e-5
 #: Micro-batch token budget of the packed layout: the default job's
 #: ``train.max_tokens_per_micro_batch`` (configs/cpu/tiny.yaml).
 PACKED_BUDGET_TOKENS = 2048
-#: Rows per padded micro-batch (verl's ``ppo_micro_batch_size_per_gpu`` in its examples: 2-16).
-PADDED_ROWS_PER_MICRO_BATCH = 8
 #: torch intra-op threads while timing on a CPU. One: on a small machine shared with other jobs,
 #: two OpenMP threads spin at every barrier whenever the other one is descheduled, and a 0.2 s
 #: update took 8 s (measured here, CPU time = wall time); one thread degrades only in proportion.
@@ -74,29 +74,6 @@ _PLANS = {
     True: (("builtin:tiny", 64, 5), ("builtin:small", 16, 3)),
     False: (("builtin:tiny", 256, 7), ("builtin:small", 64, 5)),
 }
-
-
-@dataclass
-class MicroBatch:
-    """Tensors of one micro-batch in one layout.
-
-    packed: ``input_ids``/``position_ids``/``loss_mask``/``advantages`` are ``[T]``,
-    ``cu_seqlens`` ``[R+1]`` token offsets, ``attention_mask`` None.
-    padded: the same fields ``[B, S]`` (``position_ids`` None: 0..S-1), ``attention_mask``
-    ``[B, S]`` (1 = real token), ``cu_seqlens`` None.
-    ``computed_tokens``: tokens the model runs over (padding included).
-    """
-
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    advantages: torch.Tensor
-    position_ids: torch.Tensor | None = None
-    cu_seqlens: torch.Tensor | None = None
-    attention_mask: torch.Tensor | None = None
-
-    @property
-    def computed_tokens(self) -> int:
-        return int(self.input_ids.numel())
 
 
 def make_rows(
@@ -134,97 +111,19 @@ def make_rows(
     return rows
 
 
-def packed_micro_batches(
-    rows: list[dict[str, torch.Tensor]], budget_tokens: int = PACKED_BUDGET_TOKENS
-) -> list[MicroBatch]:
-    """crossrl's layout: the planner's micro-batches (one mini-batch, one rank, at most
-    ``budget_tokens`` tokens each unless a row alone is longer), each one packed row."""
-    lens = [int(r["input_ids"].numel()) for r in rows]
-    plan = plan_minibatches(
-        list(range(len(rows))),
-        lens,
-        mini_batch_size=len(rows),
-        dp_size=1,
-        max_tokens_per_micro_batch=budget_tokens,
-    )
-    out = []
-    for mb in plan.mini_batches:
-        for members in mb.micro_batches[0]:
-            picked = [rows[i] for i in members if i >= 0]  # dp 1: the plan has no padding row
-            seg = [int(r["input_ids"].numel()) for r in picked]
-            out.append(
-                MicroBatch(
-                    input_ids=torch.cat([r["input_ids"] for r in picked]),
-                    loss_mask=torch.cat([r["loss_mask"] for r in picked]),
-                    advantages=torch.cat([r["advantage"].expand(n) for r, n in zip(picked, seg)]),
-                    position_ids=torch.cat([torch.arange(n) for n in seg]),
-                    cu_seqlens=torch.tensor(np.concatenate([[0], np.cumsum(seg)])),
-                )
-            )
-    return out
+# ----------------------------------------------------------------------------- timing
 
 
-def padded_micro_batches(
-    rows: list[dict[str, torch.Tensor]],
-    rows_per_micro_batch: int = PADDED_ROWS_PER_MICRO_BATCH,
-    pad_token_id: int = 0,
-) -> list[MicroBatch]:
-    """The remove-padding-off layout: rows in arrival order, ``rows_per_micro_batch`` per
-    micro-batch, right-padded to that micro-batch's longest row (``[B, S]``)."""
-    out = []
-    for start in range(0, len(rows), rows_per_micro_batch):
-        picked = rows[start : start + rows_per_micro_batch]
-        width = max(int(r["input_ids"].numel()) for r in picked)
-        shape = (len(picked), width)
-        ids = torch.full(shape, pad_token_id, dtype=torch.int64)
-        attn = torch.zeros(shape, dtype=torch.int64)
-        mask = torch.zeros(shape, dtype=torch.float32)
-        adv = torch.zeros(shape, dtype=torch.float32)
-        for b, r in enumerate(picked):
-            n = int(r["input_ids"].numel())
-            ids[b, :n], attn[b, :n], mask[b, :n] = r["input_ids"], 1, r["loss_mask"]
-            adv[b, :n] = r["advantage"]
-        out.append(MicroBatch(input_ids=ids, loss_mask=mask, advantages=adv, attention_mask=attn))
-    return out
+@dataclass
+class _Layout:
+    """One side of the comparison: its micro-batches, model, optimizer, loss and counts."""
 
-
-def row_normalizers(rows: list[dict[str, torch.Tensor]]) -> LossNormalizers:
-    """Global loss counts of ``rows`` as one mini-batch (every row real, its own trajectory)."""
-    loss_tokens = int(sum(int(r["loss_mask"].sum()) for r in rows))
-    return LossNormalizers(
-        num_rows=len(rows), num_loss_tokens=loss_tokens, num_trajectories=len(rows)
-    )
-
-
-def _next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """log pi(token t | tokens < t) at position t along the last sequence axis; 0 at t = 0.
-    logits ``[..., S, V]``, input_ids ``[..., S]`` -> ``[..., S]``."""
-    lp = torch.log_softmax(logits[..., :-1, :].float(), dim=-1)
-    lp = lp.gather(-1, input_ids[..., 1:, None]).squeeze(-1)
-    return torch.cat([lp.new_zeros(*lp.shape[:-1], 1), lp], dim=-1)
-
-
-def packed_loss(model, mb: MicroBatch, normalizers: LossNormalizers) -> torch.Tensor:
-    """This packed micro-batch's share of the mini-batch loss (scalar)."""
-    logits = hal.packed_forward(model, mb.input_ids, mb.position_ids, mb.cu_seqlens)
-    # The first token of a row got its "log-prob" from the previous row's last logit; its loss
-    # mask is 0 (a prompt token), and where() keeps that value out of the loss and gradient.
-    logp = _next_token_logprobs(logits, mb.input_ids)
-    token_loss = torch.where(mb.loss_mask > 0, -mb.advantages * logp, 0.0)
-    return aggregate_loss(token_loss, mb.loss_mask, mb.cu_seqlens, normalizers, "token-mean")
-
-
-def padded_loss(model, mb: MicroBatch, normalizers: LossNormalizers) -> torch.Tensor:
-    """This padded micro-batch's share of the mini-batch loss (scalar)."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-    logp = _next_token_logprobs(logits, mb.input_ids)
-    token_loss = torch.where(mb.loss_mask > 0, -mb.advantages * logp, 0.0).reshape(-1)
-    batch, width = mb.input_ids.shape
-    cu = torch.arange(0, (batch + 1) * width, width)
-    return aggregate_loss(token_loss, mb.loss_mask.reshape(-1), cu, normalizers, "token-mean")
-
-
-LossFn = Callable[[torch.nn.Module, MicroBatch, LossNormalizers], torch.Tensor]
+    micro_batches: list
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # packed_loss or padded_loss
+    normalizers: LossNormalizers
 
 
 def _schedule(counts: dict[str, int], first: str) -> list[tuple[str, int]]:
@@ -237,15 +136,20 @@ def _schedule(counts: dict[str, int], first: str) -> list[tuple[str, int]]:
     return [(name, k) for _, _, name, k in sorted(events)]
 
 
-def _interleaved_update(layouts: dict, normalizers, first: str, on_grads=None) -> dict:
+def _interleaved_update(
+    layouts: dict[str, _Layout], cfg, first: str, on_grads=None
+) -> dict[str, tuple[float, float, float, float]]:
     """One actor update of every layout, micro-batches interleaved (see ``_schedule``), each
-    followed by its own AdamW step. Returns {layout: (loss, wall s, process CPU s)}; only each
-    layout's own forward/backward/step is timed. ``on_grads(name, model)`` runs before the
-    steps, untimed."""
+    followed by its own gradient clipping (``train.grad_clip``), AdamW and lr-schedule step, as
+    the worker's ``run_micro_batches`` ends. Returns {layout: (loss, new log-prob sum over loss
+    tokens, wall s, process CPU s)}; only each layout's own work is timed.
+    ``on_grads(name, model)`` runs before the steps, untimed."""
     sync = hal.get_backend("auto").synchronize
     wall = dict.fromkeys(layouts, 0.0)
     cpu = dict.fromkeys(layouts, 0.0)
     loss = dict.fromkeys(layouts, 0.0)
+    logprob = dict.fromkeys(layouts, 0.0)
+    max_norm = cfg.train.grad_clip or math.inf
 
     def timed(name: str, fn) -> None:
         sync()
@@ -255,44 +159,52 @@ def _interleaved_update(layouts: dict, normalizers, first: str, on_grads=None) -
         wall[name] += time.perf_counter() - w
         cpu[name] += time.process_time() - c
 
-    for _mbs, _model, opt, _fn in layouts.values():
-        opt.zero_grad(set_to_none=True)
-    counts = {name: len(layout[0]) for name, layout in layouts.items()}
+    for layout in layouts.values():
+        layout.optimizer.zero_grad(set_to_none=True)
+    counts = {name: len(layout.micro_batches) for name, layout in layouts.items()}
     for name, k in _schedule(counts, first):
-        mbs, model, _opt, loss_fn = layouts[name]
+        layout = layouts[name]
 
-        def step(mb=mbs[k], model=model, loss_fn=loss_fn, name=name) -> None:
-            value = loss_fn(model, mb, normalizers)
+        def forward_backward(layout=layout, mb=layout.micro_batches[k], name=name) -> None:
+            value, lp_sum = layout.loss_fn(layout.model, mb, layout.normalizers, cfg)
             value.backward()
             loss[name] += float(value.detach())
+            logprob[name] += float(lp_sum)
 
-        timed(name, step)
+        timed(name, forward_backward)
     if on_grads is not None:
-        for name, (_mbs, model, _opt, _fn) in layouts.items():
-            on_grads(name, model)
+        for name, layout in layouts.items():
+            on_grads(name, layout.model)
+
+    def step(layout: _Layout) -> None:
+        torch.nn.utils.clip_grad_norm_(layout.model.parameters(), max_norm)
+        layout.optimizer.step()
+        layout.scheduler.step()
+
     for name in sorted(layouts, key=lambda n: n != first):
-        timed(name, layouts[name][2].step)
-    return {name: (loss[name], wall[name], cpu[name]) for name in layouts}
+        timed(name, lambda layout=layouts[name]: step(layout))
+    return {name: (loss[name], logprob[name], wall[name], cpu[name]) for name in layouts}
 
 
-def _warm_up(model, micro_batches, loss_fn: LossFn, normalizers) -> None:
+def _warm_up(layout: _Layout, cfg) -> None:
     """First calls pay one-off costs (allocator growth, lazy init); keep them out of the
     timings with one untimed forward + backward of the first micro-batch."""
-    loss_fn(model, micro_batches[0], normalizers).backward()
-    model.zero_grad(set_to_none=True)
+    value, _ = layout.loss_fn(layout.model, layout.micro_batches[0], layout.normalizers, cfg)
+    value.backward()
+    layout.model.zero_grad(set_to_none=True)
 
 
 def _grad_vector(model) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
-def _copy_state(src_model, src_opt, dst_model, dst_opt) -> None:
+def _copy_state(src: _Layout, dst: _Layout) -> None:
     """Make dst start the next repeat exactly where src is (weights and AdamW moments)."""
     with torch.no_grad():
-        for d, s in zip(dst_model.parameters(), src_model.parameters()):
+        for d, s in zip(dst.model.parameters(), src.model.parameters()):
             d.copy_(s)
     # deepcopy: load_state_dict would otherwise share the moment tensors between the two
-    dst_opt.load_state_dict(copy.deepcopy(src_opt.state_dict()))
+    dst.optimizer.load_state_dict(copy.deepcopy(src.optimizer.state_dict()))
 
 
 def _length_stats(lens: np.ndarray) -> dict[str, float]:
@@ -305,8 +217,9 @@ def _length_stats(lens: np.ndarray) -> dict[str, float]:
     }
 
 
-def _layout_stats(micro_batches: list[MicroBatch], real_tokens: int) -> dict[str, float]:
-    computed = [mb.computed_tokens for mb in micro_batches]
+def _layout_stats(micro_batches: list, real_tokens: int) -> dict[str, float]:
+    # Tokens the model runs over, padding included ([T] packed, [B, S] padded).
+    computed = [int(mb.input_ids.numel()) for mb in micro_batches]
     return {
         "micro_batches": len(micro_batches),
         "computed_tokens": int(sum(computed)),
@@ -326,14 +239,16 @@ def compare(
     budget_tokens: int = PACKED_BUDGET_TOKENS,
     rows_per_micro_batch: int = PADDED_ROWS_PER_MICRO_BATCH,
 ) -> dict:
-    """Packed vs padded actor updates of ``model_name`` on ``num_rows`` rows, ``repeats``
-    interleaved times. Returns layout statistics, per-repeat seconds and losses, the median
-    tokens/s (real tokens per second) of each layout and the median speedup
-    (padded seconds / packed seconds of the same repeat)."""
+    """The trainer's packed update vs the padded baseline on ``model_name`` and ``num_rows``
+    rows, ``repeats`` interleaved times. Returns layout statistics, per-repeat seconds, losses
+    and mean log-probs, the median tokens/s (real tokens per second) of each layout and the
+    median speedup (padded seconds / packed seconds of the same repeat)."""
     from rollout.models import load_model
+    from trainer.optim import build_optimizer
 
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: need at least 1 repeat")
+    cfg = default_job()
     hal.register_attention()
     device = hal.get_backend("auto").device(0)
     packed_model = load_model(
@@ -344,37 +259,42 @@ def compare(
     padded_model.train()
     config = packed_model.config
     rows = make_rows(num_rows, vocab_size=config.vocab_size, seed=seed)
-    lens = np.array([int(r["input_ids"].numel()) for r in rows])
+    batch = step_batch(rows)
+    lens = batch.seq_lens
     real_tokens = int(lens.sum())
-    normalizers = row_normalizers(rows)
+    mini_rows, micro_rows = plan_micro_batches(batch, budget_tokens)
+    set_old_logprobs(packed_model, batch, micro_rows, cfg)
 
-    def to_device(mbs: list[MicroBatch]) -> list[MicroBatch]:
-        for mb in mbs:
-            for name, value in vars(mb).items():
-                if isinstance(value, torch.Tensor) and name != "cu_seqlens":
-                    setattr(mb, name, value.to(device))
-        return mbs
+    def layout(model, micro_batches, loss_fn, normalizers) -> _Layout:
+        optimizer, scheduler = build_optimizer(
+            model.parameters(),
+            lr=lr,
+            weight_decay=cfg.train.weight_decay,
+            warmup_steps=0,
+            total_steps=repeats + 1,
+            schedule="constant",
+            min_lr_ratio=1.0,
+        )
+        return _Layout(micro_batches, model, optimizer, scheduler, loss_fn, normalizers)
 
+    padded_mbs = padded_micro_batches(batch, rows_per_micro_batch, config.pad_token_id or 0)
     layouts = {
-        "packed": (
-            to_device(packed_micro_batches(rows, budget_tokens)),
+        "packed": layout(
             packed_model,
-            torch.optim.AdamW(packed_model.parameters(), lr=lr),
+            [batch.select(r) for r in micro_rows],
             packed_loss,
+            loss_normalizers(batch, mini_rows),
         ),
-        "padded": (
-            to_device(padded_micro_batches(rows, rows_per_micro_batch, config.pad_token_id or 0)),
-            padded_model,
-            torch.optim.AdamW(padded_model.parameters(), lr=lr),
-            padded_loss,
-        ),
+        "padded": layout(padded_model, padded_mbs, padded_loss, padded_normalizers(padded_mbs)),
     }
-    for mbs, model, _opt, loss_fn in layouts.values():
-        _warm_up(model, mbs, loss_fn, normalizers)
+    for side in layouts.values():
+        _warm_up(side, cfg)
     grads: dict[str, torch.Tensor] = {}
     seconds: dict[str, list[float]] = {"packed": [], "padded": []}
     cpu_seconds: dict[str, list[float]] = {"packed": [], "padded": []}
     losses: dict[str, list[float]] = {"packed": [], "padded": []}
+    logprob_means: dict[str, list[float]] = {"packed": [], "padded": []}
+    loss_tokens = layouts["packed"].normalizers.num_loss_tokens
 
     def keep_grads(name: str, model) -> None:
         grads[name] = _grad_vector(model).clone()
@@ -383,37 +303,50 @@ def compare(
         # Alternate which layout goes first, so neither always gets the warmer cache.
         timings = _interleaved_update(
             layouts,
-            normalizers,
+            cfg,
             first="packed" if rep % 2 == 0 else "padded",
             on_grads=keep_grads if rep == 0 else None,
         )
-        for name, (loss, wall, cpu) in timings.items():
+        for name, (loss, lp_sum, wall, cpu) in timings.items():
             seconds[name].append(wall)
             cpu_seconds[name].append(cpu)
             losses[name].append(loss)
-        _copy_state(packed_model, layouts["packed"][2], padded_model, layouts["padded"][2])
+            logprob_means[name].append(lp_sum / max(1, loss_tokens))
+        _copy_state(layouts["packed"], layouts["padded"])
 
     ratios = [pad / pack for pack, pad in zip(seconds["packed"], seconds["padded"])]
     cpu_ratios = [pad / pack for pack, pad in zip(cpu_seconds["packed"], cpu_seconds["padded"])]
     loss_diff = max(abs(a - b) for a, b in zip(losses["packed"], losses["padded"]))
+    logprob_diff = max(abs(a - b) for a, b in zip(logprob_means["packed"], logprob_means["padded"]))
     grad_diff = float((grads["packed"] - grads["padded"]).abs().max())
+    same_counts = layouts["packed"].normalizers == layouts["padded"].normalizers
+    algo = cfg.algorithm
     result = {
         "model": model_name,
         "params": sum(p.numel() for p in packed_model.parameters()),
         "rows": num_rows,
         "repeats": repeats,
         "real_tokens": real_tokens,
-        "loss_tokens": normalizers.num_loss_tokens,
+        "loss_tokens": loss_tokens,
         "row_tokens": _length_stats(lens),
-        "optimizer": f"AdamW lr {lr}",
+        "optimizer": f"AdamW lr {lr}, weight decay {cfg.train.weight_decay}, "
+        f"grad clip {cfg.train.grad_clip}",
+        "objective": f"PPO clipped surrogate (clip {algo.clip_ratio_low}/{algo.clip_ratio_high}, "
+        f"dual clip {algo.clip_ratio_c}), {algo.loss_agg}, entropy coef {algo.entropy_coef}",
         "dtype": str(next(packed_model.parameters()).dtype).replace("torch.", ""),
         "device": str(device),
         "loss": {
             "packed": losses["packed"],
             "padded": losses["padded"],
             "max_abs_diff": loss_diff,
+            "logprob_mean_packed": logprob_means["packed"],
+            "logprob_mean_padded": logprob_means["padded"],
+            "logprob_max_abs_diff": logprob_diff,
+            "normalizers_agree": same_counts,
             "tolerance": LOSS_TOLERANCE,
-            "identical": loss_diff <= LOSS_TOLERANCE,
+            "identical": loss_diff <= LOSS_TOLERANCE
+            and logprob_diff <= LOSS_TOLERANCE
+            and same_counts,
             "grad_max_abs_diff": grad_diff,
             "grad_norm_packed": float(grads["packed"].norm()),
             "grad_norm_padded": float(grads["padded"].norm()),
@@ -430,10 +363,24 @@ def compare(
         },
     }
     for name, extra in (
-        ("packed", {"budget_tokens": budget_tokens, "attention": hal.ATTN_IMPLEMENTATION}),
-        ("padded", {"rows_per_micro_batch": rows_per_micro_batch, "attention": "sdpa"}),
+        (
+            "packed",
+            {
+                "budget_tokens": budget_tokens,
+                "attention": hal.ATTN_IMPLEMENTATION,
+                "code": "trainer (PolicyWorker.train_mini_batch's per-micro-batch calls)",
+            },
+        ),
+        (
+            "padded",
+            {
+                "rows_per_micro_batch": rows_per_micro_batch,
+                "attention": "sdpa",
+                "code": "baseline (bench.padded)",
+            },
+        ),
     ):
-        stats = _layout_stats(layouts[name][0], real_tokens)
+        stats = _layout_stats(layouts[name].micro_batches, real_tokens)
         stats.update(extra)
         stats["seconds"] = seconds[name]
         stats["cpu_seconds"] = cpu_seconds[name]
@@ -459,8 +406,10 @@ def run(quick: bool = False, threads: int | None = CPU_THREADS) -> dict:
         "workload": {
             "lengths": "log-normal, median 96 tokens, sigma 1.0, clipped to 16-1024 tokens",
             "response": "last 40-80 % of each row carries the loss",
-            "loss": "token-mean over response tokens of -A_row * log pi(token)",
-            "update": "forward + backward over all micro-batches + one AdamW step",
+            "loss": "the default job's actor loss (trainer.losses), one advantage per row",
+            "packed": "the trainer's code: StepBatch, planner, loss_normalizers, "
+            "hal.packed_forward, token_logprobs, trainer.losses",
+            "update": "forward + backward over all micro-batches + grad clip + one AdamW step",
         },
         "models": models,
     }
@@ -471,6 +420,7 @@ def format_table(res: dict) -> str:
     lines = [
         f"rows: {res['workload']['lengths']}; loss: {res['workload']['loss']}; "
         f"{res['torch_threads']} torch thread(s)",
+        f"packed: {res['workload'].get('packed', 'crossrl layout')}",
         f"{'':30s}{'packed':>14s}{'padded':>14s}",
     ]
     for m in res["models"]:
@@ -501,13 +451,23 @@ def format_table(res: dict) -> str:
                 f"{statistics.median(q['seconds']):.3f}",
             ),
             ("tokens/s (real), median", f"{p['tokens_per_s']:.0f}", f"{q['tokens_per_s']:.0f}"),
-            ("loss, first repeat", f"{loss['packed'][0]:.7f}", f"{loss['padded'][0]:.7f}"),
+            ("loss, last repeat", f"{loss['packed'][-1]:.7f}", f"{loss['padded'][-1]:.7f}"),
+        ]
+        if "logprob_mean_packed" in loss:
+            table.append(
+                (
+                    "mean log-prob, last repeat",
+                    f"{loss['logprob_mean_packed'][-1]:.7f}",
+                    f"{loss['logprob_mean_padded'][-1]:.7f}",
+                )
+            )
+        table.append(
             (
                 "grad norm, first repeat",
                 f"{loss['grad_norm_packed']:.6f}",
                 f"{loss['grad_norm_padded']:.6f}",
-            ),
-        ]
+            )
+        )
         lines += [f"{label:30s}{a:>14s}{b:>14s}" for label, a, b in table]
         verdict = "meets" if s["meets_target"] else "MISSES"
         lines.append(
@@ -517,7 +477,8 @@ def format_table(res: dict) -> str:
         )
         same = "identical" if loss["identical"] else "DIFFERENT"
         lines.append(
-            f"losses {same}: max |packed - padded| {loss['max_abs_diff']:.2e} over "
+            f"losses {same}: max |packed - padded| {loss['max_abs_diff']:.2e} (loss), "
+            f"{loss.get('logprob_max_abs_diff', float('nan')):.2e} (mean log-prob) over "
             f"{m['repeats']} repeats (tolerance {loss['tolerance']:.0e}); "
             f"max |grad diff| {loss['grad_max_abs_diff']:.2e}"
         )

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
+import batching
 import hal
-from bench import e2e, gpu, train
+from bench import e2e, gpu, packed, padded, train
 from bench.__main__ import main as bench_main
 
 
@@ -23,20 +26,27 @@ def _rows(n=12, seed=3):
 def test_layouts_hold_every_row_once_and_only_pad_the_padded_one():
     rows = _rows()
     lens = sorted(int(r["input_ids"].numel()) for r in rows)
-    packed = train.packed_micro_batches(rows, budget_tokens=128)
-    seg = sorted(int(n) for mb in packed for n in torch.diff(mb.cu_seqlens))
+    batch = packed.step_batch(rows)
+    mini_rows, micro = packed.plan_micro_batches(batch, budget_tokens=128)
+    assert sorted(mini_rows) == list(range(len(rows)))
+    packed_mbs = [batch.select(members) for members in micro]
+    seg = sorted(int(n) for mb in packed_mbs for n in torch.diff(mb.cu_seqlens))
     assert seg == lens
-    assert all(mb.computed_tokens <= 128 for mb in packed)
-    assert sum(mb.computed_tokens for mb in packed) == sum(lens)
+    assert all(mb.num_tokens <= 128 for mb in packed_mbs)
+    assert sum(mb.num_tokens for mb in packed_mbs) == sum(lens)
+    # The advantage of a row sits on its response tokens only.
+    adv = batch.token_fields["advantages"]
+    assert bool((adv[batch.loss_mask == 0] == 0).all())
 
-    padded = train.padded_micro_batches(rows, rows_per_micro_batch=5, pad_token_id=3)
-    assert [mb.input_ids.shape[0] for mb in padded] == [5, 5, 2]
-    real = sorted(int(n) for mb in padded for n in mb.attention_mask.sum(1))
+    padded_mbs = padded.padded_micro_batches(batch, rows_per_micro_batch=5, pad_token_id=3)
+    assert [mb.input_ids.shape[0] for mb in padded_mbs] == [5, 5, 2]
+    real = sorted(int(n) for mb in padded_mbs for n in mb.attention_mask.sum(1))
     assert real == lens
-    for mb in padded:
+    for mb in padded_mbs:
         assert mb.input_ids.shape[1] == int(mb.attention_mask.sum(1).max())
         assert bool((mb.input_ids[mb.attention_mask == 0] == 3).all())
         assert float(mb.loss_mask[mb.attention_mask == 0].abs().sum()) == 0.0
+    assert padded.padded_normalizers(padded_mbs) == batching.loss_normalizers(batch, mini_rows)
 
 
 def test_rows_follow_the_requested_length_range_and_mask_only_responses():
@@ -50,27 +60,44 @@ def test_rows_follow_the_requested_length_range_and_mask_only_responses():
         assert int(r["input_ids"].min()) >= 4  # no special ids in the random text
 
 
-def test_packed_and_padded_updates_give_the_same_loss_and_gradients():
+def test_the_trainers_packed_path_and_the_padded_baseline_give_the_same_update():
     hal.register_attention()
     from rollout.models import load_model
 
+    cfg = packed.default_job()
     rows = _rows(10)
-    norm = train.row_normalizers(rows)
     packed_model = load_model("builtin:tiny", attn_implementation=hal.ATTN_IMPLEMENTATION)
     padded_model = load_model("builtin:tiny", attn_implementation="sdpa")
-    losses, grads = [], []
-    for model, mbs, fn in (
-        (packed_model, train.packed_micro_batches(rows, 96), train.packed_loss),
-        (padded_model, train.padded_micro_batches(rows, 4, pad_token_id=3), train.padded_loss),
+    batch = packed.step_batch(rows)
+    mini_rows, micro = packed.plan_micro_batches(batch, budget_tokens=96)
+    assert len(micro) > 1  # several packed rows, so row starts inside a packed row are tested
+    packed.set_old_logprobs(packed_model, batch, micro, cfg)
+    # Move the old log-probs off the current ones: ratios away from 1, some of them clipped,
+    # so the loss value (not only its gradient) depends on the new log-probs.
+    noise = torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(0))
+    batch.set_token_field("old_logprobs", batch.token_fields["old_logprobs"] + 0.3 * noise)
+    padded_mbs = padded.padded_micro_batches(batch, 4, pad_token_id=3)
+    losses, logprobs, grads = [], [], []
+    for model, mbs, fn, norm in (
+        (
+            packed_model,
+            [batch.select(members) for members in micro],
+            packed.packed_loss,
+            batching.loss_normalizers(batch, mini_rows),
+        ),
+        (padded_model, padded_mbs, padded.padded_loss, padded.padded_normalizers(padded_mbs)),
     ):
-        total = 0.0
+        total, lp_sum = 0.0, 0.0
         for mb in mbs:
-            loss = fn(model, mb, norm)
+            loss, lp = fn(model, mb, norm, cfg)
             loss.backward()
             total += float(loss.detach())
+            lp_sum += float(lp)
         losses.append(total)
+        logprobs.append(lp_sum)
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     assert losses[0] == pytest.approx(losses[1], abs=train.LOSS_TOLERANCE)
+    assert logprobs[0] == pytest.approx(logprobs[1], rel=1e-6)
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
     assert float(grads[0].norm()) > 0
 
@@ -126,6 +153,19 @@ def test_bench_cli_rejects_an_unknown_benchmark(capsys):
     assert bench_main(["speed"]) == 2
     err = capsys.readouterr().err
     assert "'speed'" in err and "planner" in err
+
+
+def test_the_crossrl_cli_imports_bench_only_when_bench_runs():
+    # trainer/ sits below bench/ (bench measures the trainer), so the CLI resolves
+    # `crossrl bench` inside its handler; building the parser must not load bench.
+    code = (
+        "import sys, trainer.cli; trainer.cli.build_parser(); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'bench'))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert proc.stdout.strip() == "[]"
 
 
 def test_bench_cli_writes_results_with_the_machine(tmp_path):

@@ -1,0 +1,142 @@
+"""The packed side of ``bench train``: the trainer's own code, driven one micro-batch at a time.
+
+``packed_loss`` makes the calls ``PolicyWorker.train_mini_batch`` makes for every micro-batch
+(its ``loss_fn``; keep the two in step): ``hal.packed_forward`` with the HAL's varlen attention,
+``trainer.workers.forward.token_logprobs`` / ``token_entropy``, ``trainer.losses``
+(``policy_loss_terms``, ``loss_for_micro_batch``, ``masked_sums``) with the job's
+``algorithm.*`` settings. The rows are a ``batching.StepBatch`` (``step_batch``), cut into
+micro-batches by ``plan_minibatches`` and gathered with ``StepBatch.select``; the loss divides
+by ``batching.loss_normalizers``. Old log-probs come from the same forward, as the controller's
+prepare phase computes them (``set_old_logprobs``). Left out: the FSDP2 wrapper (dp 1 here;
+``bench gpu`` times the whole worker).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import hal
+from batching import LossNormalizers, Row, StepBatch, plan_minibatches
+from trainer.losses import loss_for_micro_batch, masked_sums, policy_loss_terms
+from trainer.workers.forward import token_entropy, token_logprobs
+
+__all__ = ["default_job", "packed_loss", "plan_micro_batches", "set_old_logprobs", "step_batch"]
+
+
+def default_job():
+    """The CPU default job's config (configs/cpu/tiny.yaml): the loss settings both layouts
+    use. Nothing about this machine is checked: the benchmark needs no model path or device."""
+    from trainer.config import load_config
+
+    cfg = load_config(None, check_environment=False)
+    if cfg.algorithm.use_kl_loss:
+        raise ValueError(
+            "algorithm.use_kl_loss=true in the default job: the train benchmark has no "
+            "reference model; it times the default job's loss, which has no KL term"
+        )
+    return cfg
+
+
+def step_batch(rows: list[dict[str, torch.Tensor]]) -> StepBatch:
+    """``rows`` as the trainer holds a step: a ``batching.StepBatch`` whose row prompt is the
+    unmasked head and whose response (all trained on) is the rest, each row its own trajectory
+    and group. Token field ``advantages``: the row's advantage on its response tokens, 0 on the
+    prompt (the layout GRPO's advantages have)."""
+    out = []
+    for i, r in enumerate(rows):
+        ids = r["input_ids"].tolist()
+        prompt_tokens = int((r["loss_mask"] == 0).sum())
+        response = ids[prompt_tokens:]
+        out.append(
+            Row(
+                prompt_ids=ids[:prompt_tokens],
+                response_ids=response,
+                response_mask=[1] * len(response),
+                response_logprobs=[0.0] * len(response),
+                uid=i,
+                trajectory_id=i,
+            )
+        )
+    batch = StepBatch.from_rows(out)
+    per_row = torch.stack([r["advantage"] for r in rows]).float()
+    seq_lens = torch.from_numpy(batch.seq_lens)
+    batch.set_token_field("advantages", per_row.repeat_interleave(seq_lens) * batch.loss_mask)
+    return batch
+
+
+def plan_micro_batches(batch: StepBatch, budget_tokens: int) -> tuple[list[int], list[list[int]]]:
+    """The planner's dp-1 plan of the whole batch as one mini-batch: its row indices and its
+    micro-batches (lists of row indices, at most ``budget_tokens`` tokens each unless a row
+    alone is longer). At dp 1 the plan has no padding row."""
+    plan = plan_minibatches(
+        batch.row_fields["trajectory_id"].numpy(),
+        batch.seq_lens,
+        mini_batch_size=batch.num_rows,
+        dp_size=1,
+        max_tokens_per_micro_batch=budget_tokens,
+    )
+    (mini,) = plan.mini_batches
+    return mini.rows.tolist(), [list(members) for members in mini.micro_batches[0]]
+
+
+@torch.no_grad()
+def set_old_logprobs(model, batch: StepBatch, micro_batches: list[list[int]], cfg) -> None:
+    """Fill ``batch``'s ``old_logprobs`` token field with ``model``'s log-probs, one packed
+    micro-batch at a time, as the controller's prepare phase does
+    (``PolicyWorker.compute_logprobs``)."""
+    device = next(model.parameters()).device
+    old = torch.zeros(batch.num_tokens, dtype=torch.float32)
+    starts = batch.cu_seqlens
+    for rows in micro_batches:
+        mb = batch.select(rows)
+        cu = mb.cu_seqlens.to(device)
+        ids = mb.input_ids.to(device)
+        logits = hal.packed_forward(model, ids, mb.position_ids.to(device), cu)
+        values = token_logprobs(logits, ids, cu, temperature=cfg.rollout.temperature).cpu()
+        for j, r in enumerate(rows):
+            lo, hi = int(mb.cu_seqlens[j]), int(mb.cu_seqlens[j + 1])
+            old[int(starts[r]) : int(starts[r]) + hi - lo] = values[lo:hi]
+    batch.set_token_field("old_logprobs", old)
+
+
+def packed_loss(
+    model, mb: StepBatch, normalizers: LossNormalizers, cfg
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This packed micro-batch's share of the mini-batch actor loss (scalar) and the sum of its
+    new log-probs over loss tokens, computed by the calls ``PolicyWorker.train_mini_batch``
+    makes (its ``loss_fn``) with the settings of ``cfg``; tensors go to the model's device
+    there, as the worker's ``to_device`` does."""
+    algo, temperature = cfg.algorithm, cfg.rollout.temperature
+    device = next(model.parameters()).device
+    logits = hal.packed_forward(
+        model, mb.input_ids.to(device), mb.position_ids.to(device), mb.cu_seqlens.to(device)
+    )
+    cu = mb.cu_seqlens.to(device)
+    mask = mb.loss_mask.to(device)
+    logprobs = token_logprobs(logits, mb.input_ids.to(device), cu, temperature=temperature)
+    # As the worker: entropy is always logged; it carries gradient only when it is in the loss.
+    entropy = token_entropy(
+        logits if algo.entropy_coef else logits.detach(), cu, temperature=temperature
+    )
+    field = mb.token_fields
+    terms = policy_loss_terms(
+        logprobs,
+        field["old_logprobs"].to(device),
+        field["advantages"].to(device),
+        entropy=entropy,
+        kl_estimator=algo.kl_estimator,
+        clip_ratio_low=algo.clip_ratio_low,
+        clip_ratio_high=algo.clip_ratio_high,
+        clip_ratio_c=algo.clip_ratio_c,
+    )
+    loss = loss_for_micro_batch(
+        terms,
+        mask,
+        cu,
+        normalizers,
+        mode=algo.loss_agg,
+        entropy_coef=algo.entropy_coef,
+        horizon=cfg.loss_horizon_tokens(),
+    )
+    masked_sums(terms, mask)  # the worker's metric sums: part of its work per micro-batch
+    return loss, logprobs.detach()[mask > 0].double().sum()
