@@ -1,10 +1,9 @@
 """The packed side of ``bench train``: the trainer's own code, driven one micro-batch at a time.
 
-``packed_loss`` makes the calls ``PolicyWorker.train_mini_batch`` makes for every micro-batch
-(its ``loss_fn``; keep the two in step): ``hal.packed_forward`` with the HAL's varlen attention,
-``trainer.workers.forward.token_logprobs`` / ``token_entropy``, ``trainer.losses``
-(``policy_loss_terms``, ``loss_for_micro_batch``, ``masked_sums``) with the job's
-``algorithm.*`` settings. The rows are a ``batching.StepBatch`` (``step_batch``), cut into
+``packed_loss`` is ``trainer.workers.policy.actor_micro_batch_loss``, the very function
+``PolicyWorker.train_mini_batch`` runs for every micro-batch (``hal.packed_forward`` with the
+HAL's varlen attention, ``token_logprobs`` / ``token_entropy``, ``trainer.losses`` with the
+job's ``algorithm.*`` settings). The rows are a ``batching.StepBatch`` (``step_batch``), cut into
 micro-batches by ``plan_minibatches`` and gathered with ``StepBatch.select``; the loss divides
 by ``batching.loss_normalizers``. Old log-probs come from the same forward, as the controller's
 prepare phase computes them (``set_old_logprobs``). Left out: the FSDP2 wrapper (dp 1 here;
@@ -17,8 +16,8 @@ import torch
 
 import hal
 from batching import LossNormalizers, Row, StepBatch, plan_minibatches
-from trainer.losses import loss_for_micro_batch, masked_sums, policy_loss_terms
-from trainer.workers.forward import token_entropy, token_logprobs
+from trainer.workers.forward import token_logprobs
+from trainer.workers.policy import actor_micro_batch_loss
 
 __all__ = ["default_job", "packed_loss", "plan_micro_batches", "set_old_logprobs", "step_batch"]
 
@@ -103,40 +102,8 @@ def packed_loss(
     model, mb: StepBatch, normalizers: LossNormalizers, cfg
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This packed micro-batch's share of the mini-batch actor loss (scalar) and the sum of its
-    new log-probs over loss tokens, computed by the calls ``PolicyWorker.train_mini_batch``
-    makes (its ``loss_fn``) with the settings of ``cfg``; tensors go to the model's device
-    there, as the worker's ``to_device`` does."""
-    algo, temperature = cfg.algorithm, cfg.rollout.temperature
+    new log-probs over loss tokens: ``trainer.workers.policy.actor_micro_batch_loss``, the
+    function ``PolicyWorker.train_mini_batch`` runs per micro-batch, with ``cfg``'s settings."""
     device = next(model.parameters()).device
-    logits = hal.packed_forward(
-        model, mb.input_ids.to(device), mb.position_ids.to(device), mb.cu_seqlens.to(device)
-    )
-    cu = mb.cu_seqlens.to(device)
-    mask = mb.loss_mask.to(device)
-    logprobs = token_logprobs(logits, mb.input_ids.to(device), cu, temperature=temperature)
-    # As the worker: entropy is always logged; it carries gradient only when it is in the loss.
-    entropy = token_entropy(
-        logits if algo.entropy_coef else logits.detach(), cu, temperature=temperature
-    )
-    field = mb.token_fields
-    terms = policy_loss_terms(
-        logprobs,
-        field["old_logprobs"].to(device),
-        field["advantages"].to(device),
-        entropy=entropy,
-        kl_estimator=algo.kl_estimator,
-        clip_ratio_low=algo.clip_ratio_low,
-        clip_ratio_high=algo.clip_ratio_high,
-        clip_ratio_c=algo.clip_ratio_c,
-    )
-    loss = loss_for_micro_batch(
-        terms,
-        mask,
-        cu,
-        normalizers,
-        mode=algo.loss_agg,
-        entropy_coef=algo.entropy_coef,
-        horizon=cfg.loss_horizon_tokens(),
-    )
-    masked_sums(terms, mask)  # the worker's metric sums: part of its work per micro-batch
-    return loss, logprobs.detach()[mask > 0].double().sum()
+    loss, sums = actor_micro_batch_loss(model, mb, normalizers, cfg, device)
+    return loss, sums["new_logprob"]

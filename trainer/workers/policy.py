@@ -6,10 +6,65 @@ import numpy as np
 import torch
 
 import hal
-from batching import StepBatch, loss_normalizers
+from batching import LossNormalizers, StepBatch, loss_normalizers
+from trainer.config_schema import Config
 from trainer.step_stats import StepStats
 from trainer.workers.forward import token_entropy, token_logprobs
 from trainer.workers.fsdp_worker import FSDPWorker
+
+
+def actor_micro_batch_loss(
+    model: torch.nn.Module,
+    mb: StepBatch,
+    normalizers: LossNormalizers,
+    cfg: Config,
+    device: torch.device,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One packed micro-batch's share of the mini-batch actor loss (``algorithm.*``) and its
+    metric sums (``trainer.step_stats.SCHEMAS["actor"]`` keys, detached); ``mb``'s tensors
+    go to ``device``, the model's compute device. What ``PolicyWorker.train_mini_batch`` runs
+    per micro-batch, and what the train benchmark times."""
+    from trainer.losses import loss_for_micro_batch, masked_sums, policy_loss_terms
+
+    algo, temperature = cfg.algorithm, cfg.rollout.temperature
+    cu = mb.cu_seqlens.to(device)
+    input_ids = mb.input_ids.to(device)
+    logits = hal.packed_forward(model, input_ids, mb.position_ids.to(device), cu)
+    mask = mb.loss_mask.to(device)
+    logprobs = token_logprobs(logits, input_ids, cu, temperature=temperature)
+    # Entropy is always logged; it carries gradient only when it is in the loss.
+    entropy = token_entropy(
+        logits if algo.entropy_coef else logits.detach(), cu, temperature=temperature
+    )
+    field = mb.token_fields
+    terms = policy_loss_terms(
+        logprobs,
+        field["old_logprobs"].to(device),
+        field["advantages"].to(device),
+        ref_logprobs=field["ref_logprobs"].to(device) if algo.use_kl_loss else None,
+        entropy=entropy,
+        kl_estimator=algo.kl_estimator,
+        clip_ratio_low=algo.clip_ratio_low,
+        clip_ratio_high=algo.clip_ratio_high,
+        clip_ratio_c=algo.clip_ratio_c,
+    )
+    loss = loss_for_micro_batch(
+        terms,
+        mask,
+        cu,
+        normalizers,
+        mode=algo.loss_agg,
+        kl_loss_coef=algo.kl_coef if algo.use_kl_loss else 0.0,
+        entropy_coef=algo.entropy_coef,
+        horizon=cfg.loss_horizon_tokens(),
+    )
+    sums = dict(masked_sums(terms, mask))
+    sums["loss"] = loss.detach()
+    # Parity fingerprint: old / new logprob sums over loss tokens (float64).
+    keep = mask > 0
+    sums["old_logprob"] = field["old_logprobs"].to(device)[keep].double().sum()
+    sums["new_logprob"] = logprobs.detach()[keep].double().sum()
+    return loss, sums
 
 
 class PolicyWorker(FSDPWorker):
@@ -51,60 +106,17 @@ class PolicyWorker(FSDPWorker):
         normalised by their global counts, so the update does not depend on dp size,
         micro-batch split or padding. Returns this rank's ``StepStats`` of the step.
         """
-        from trainer.losses import loss_for_micro_batch, masked_sums, policy_loss_terms
-
-        cfg = self.spec.cfg
-        algo = cfg.algorithm
         normalizers = loss_normalizers(self.batch, mini_batch_rows)
         self.model.train()
-        temperature = cfg.rollout.temperature
 
         def loss_fn(mb: StepBatch):
-            logits = self._logits(mb)
-            cu = self.to_device(mb.cu_seqlens)
-            mask = self.to_device(mb.loss_mask)
-            logprobs = token_logprobs(
-                logits, self.to_device(mb.input_ids), cu, temperature=temperature
-            )
-            # Entropy is always logged; it carries gradient only when it is in the loss.
-            entropy = token_entropy(
-                logits if algo.entropy_coef else logits.detach(), cu, temperature=temperature
-            )
-            field = mb.token_fields
-            terms = policy_loss_terms(
-                logprobs,
-                self.to_device(field["old_logprobs"]),
-                self.to_device(field["advantages"]),
-                ref_logprobs=self.to_device(field["ref_logprobs"]) if algo.use_kl_loss else None,
-                entropy=entropy,
-                kl_estimator=algo.kl_estimator,
-                clip_ratio_low=algo.clip_ratio_low,
-                clip_ratio_high=algo.clip_ratio_high,
-                clip_ratio_c=algo.clip_ratio_c,
-            )
-            loss = loss_for_micro_batch(
-                terms,
-                mask,
-                cu,
-                normalizers,
-                mode=algo.loss_agg,
-                kl_loss_coef=algo.kl_coef if algo.use_kl_loss else 0.0,
-                entropy_coef=algo.entropy_coef,
-                horizon=cfg.loss_horizon_tokens(),
-            )
-            sums = dict(masked_sums(terms, mask))
-            sums["loss"] = loss.detach()
-            # Parity fingerprint: old / new logprob sums over loss tokens (float64).
-            keep = mask > 0
-            sums["old_logprob"] = field["old_logprobs"].to(keep.device)[keep].double().sum()
-            sums["new_logprob"] = logprobs.detach()[keep].double().sum()
-            return loss, sums
+            return actor_micro_batch_loss(self.model, mb, normalizers, self.spec.cfg, self.device)
 
         return self.run_micro_batches(micro_batches, loss_fn)
 
     @torch.no_grad()
     def param_stats(self) -> dict[str, list[float]]:
-        """This rank's share of the parity checksum (``trainer.parity.local_param_stats``): float64
+        """This rank's share of the parity checksum (``trainer.fingerprint.local_param_stats``): float64
         sums over its own parameter shards, so no collective; the controller adds the ranks."""
         from trainer.fingerprint import local_param_stats
 
