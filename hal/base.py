@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 import numpy as np
@@ -59,6 +59,26 @@ class DeviceBackend:
     def device_count(self) -> int:
         """Number of devices this process sees (after `visible_devices_env` filtering)."""
         return int(self.device_module().device_count())
+
+    def local_device_index(
+        self, assigned_ids: list[str] | None, environ: Mapping[str, str] | None = None
+    ) -> int:
+        """The index (among the devices this process sees) of the device Ray assigned it:
+        what both the process group and the model use.
+
+        ``assigned_ids``: Ray's accelerator ids for this process, given only when Ray's no-set
+        variable is exported (then the process sees every device, and the ids may come in any
+        rank order); they are the node's device ids, so when the visible-devices variable lists
+        a subset the index is the id's position in that list. Without ids (Ray narrowed the
+        visible devices, or no Ray): ``LOCAL_RANK``, else 0.
+        """
+        env = os.environ if environ is None else environ
+        if assigned_ids:
+            first = str(assigned_ids[0]).strip()
+            visible = env.get(self.visible_devices_env or "", "")
+            listed = [v.strip() for v in visible.split(",") if v.strip()]
+            return listed.index(first) if first in listed else int(first)
+        return int(env.get("LOCAL_RANK", "0"))
 
     def set_device(self, local_rank: int) -> None:
         """Make device `local_rank` the current one for this process."""

@@ -470,3 +470,20 @@ def test_npu_kernel_gets_contiguous_q_k_v(monkeypatch):
     )
     assert seen == [(True, True, True, 4)]
     torch.testing.assert_close(out, q)
+
+
+def test_local_device_index_follows_rays_assignment_in_any_rank_order():
+    """With Ray's no-set variable exported every rank sees all devices and Ray's ids may come
+    out of rank order; the process group and the model must both use the assigned device,
+    not rank % device_count."""
+    cuda, npu = hal.CudaBackend(), hal.NpuBackend()
+    # rank 0 was given device 1 and rank 1 device 0
+    assert [cuda.local_device_index([i], environ={}) for i in ("1", "0")] == [1, 0]
+    # the node exposes a subset: Ray's ids are node ids, the index is their position
+    env = {"CUDA_VISIBLE_DEVICES": "4,6"}
+    assert cuda.local_device_index(["6"], environ=env) == 1
+    assert npu.local_device_index(["3"], environ={"ASCEND_RT_VISIBLE_DEVICES": "2, 3"}) == 1
+    # without Ray's ids (Ray narrowed the visible devices, or no Ray): LOCAL_RANK, else 0
+    assert cuda.local_device_index(None, environ={"LOCAL_RANK": "2"}) == 2
+    assert cuda.local_device_index([], environ={}) == 0
+    assert hal.CpuBackend().local_device_index(None, environ={}) == 0

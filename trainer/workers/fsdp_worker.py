@@ -128,14 +128,18 @@ class FSDPWorker:
         torch.set_num_threads(max(1, spec.threads))
         if cfg.run.deterministic:
             self.deterministic_settings = self.backend.set_deterministic(cfg.seed)
+        # One index for the process group and the model, right also when Ray's ids come
+        # out of rank order (rank % device_count would not be).
+        local_rank = self.local_rank()
         self.backend.init_process_group(
             spec.rank,
             spec.world_size,
             master_addr=master_addr,
             master_port=master_port,
             timeout_s=600,
+            local_rank=local_rank,
         )
-        self.device = self.backend.device(self.local_rank())
+        self.device = self.backend.device(local_rank)
         # Every rank starts from identical weights: same path, same seed.
         self.backend.manual_seed(cfg.seed)
         model = self.build_model()
@@ -175,20 +179,20 @@ class FSDPWorker:
         }
 
     def local_rank(self) -> int:
-        """This process's device index among the devices it can see.
+        """This process's device index among the devices it can see
+        (``DeviceBackend.local_device_index``).
 
         By default Ray narrows the visible-devices variable to the device it assigned, so the
         index is 0. With the HAL's Ray no-set variable exported (docs/cluster.md), every
         process sees all devices and takes the one Ray assigned it.
         """
         noset = self.backend.ray_noset_env_var
+        ids = None
         if noset and os.environ.get(noset) == "1":
             import ray
 
             ids = ray.get_runtime_context().get_accelerator_ids().get(self.backend.ray_resource)
-            if ids:
-                return int(ids[0])
-        return int(os.environ.get("LOCAL_RANK", "0"))
+        return self.backend.local_device_index(ids)
 
     def build_model(self) -> torch.nn.Module:
         """The unsharded model of this role (subclasses override)."""
