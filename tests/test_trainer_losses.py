@@ -30,6 +30,7 @@ def _ppo(ratios, advs, **kw):
     lp = torch.log(ratios).requires_grad_(True)
     old = torch.zeros_like(lp)
     adv = torch.tensor(advs, dtype=torch.float64)
+    kw.setdefault("clip_ratio_c", 3.0)
     loss, ratio, clipped, dual = ppo_policy_loss(lp, old, adv, **kw)
     loss.sum().backward()
     return loss.detach(), ratio.detach(), clipped, dual, lp.grad
@@ -73,11 +74,11 @@ def test_ppo_asymmetric_clip_by_hand():
 def test_ppo_rejects_bad_clip_settings():
     x = torch.zeros(2)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        ppo_policy_loss(x, x, x, clip_ratio_c=1.0)
+        ppo_policy_loss(x, x, x, clip_ratio_low=0.2, clip_ratio_c=1.0)
     with pytest.raises(ValueError, match="clip_ratio_low"):
-        ppo_policy_loss(x, x, x, clip_ratio_low=1.0)
+        ppo_policy_loss(x, x, x, clip_ratio_low=1.0, clip_ratio_c=3.0)
     with pytest.raises(ValueError, match="clip_ratio_high"):
-        ppo_policy_loss(x, x, x, clip_ratio_high=-0.1)
+        ppo_policy_loss(x, x, x, clip_ratio_low=0.2, clip_ratio_high=-0.1, clip_ratio_c=3.0)
 
 
 # ----------------------------------------------------------------------------- KL, entropy, value
@@ -180,7 +181,16 @@ def test_masked_sums_ignore_padding_even_when_it_holds_nan():
     ref = torch.tensor([0.0, 0.0, float("nan")], dtype=torch.float64)
     ent = torch.tensor([1.0, 2.0, float("inf")], dtype=torch.float64)
     mask = torch.tensor([1.0, 1.0, 0.0])
-    terms = policy_loss_terms(lp, old, adv, ref_logprobs=ref, entropy=ent, kl_estimator="k1")
+    terms = policy_loss_terms(
+        lp,
+        old,
+        adv,
+        ref_logprobs=ref,
+        entropy=ent,
+        kl_estimator="k1",
+        clip_ratio_low=0.2,
+        clip_ratio_c=3.0,
+    )
     sums = masked_sums(terms, mask)
     # token 0: r = 1.5, A = 1 -> clipped, loss -1.2; token 1: r = 1, A = -1 -> loss 1
     assert sums["loss_tokens"].item() == 2
@@ -252,6 +262,7 @@ def test_loss_and_gradient_invariant_to_micro_batches_and_padding(mode):
             kl_estimator="k3",
             clip_ratio_low=0.2,
             clip_ratio_high=0.28,
+            clip_ratio_c=3.0,
         )
         cu_mb = torch.tensor(np.concatenate([[0], np.cumsum(seg_lens)]), dtype=torch.int64)
         return loss_for_micro_batch(terms, mask, cu_mb, norm, **kw), masked_sums(terms, mask)
@@ -286,7 +297,7 @@ def test_loss_and_gradient_invariant_to_micro_batches_and_padding(mode):
 
 def test_loss_needs_the_terms_its_coefficients_use():
     x = torch.zeros(2)
-    terms = policy_loss_terms(x, x, x, kl_estimator="k3")
+    terms = policy_loss_terms(x, x, x, kl_estimator="k3", clip_ratio_low=0.2, clip_ratio_c=3.0)
     norm = batching.LossNormalizers(num_rows=1, num_loss_tokens=2, num_trajectories=1)
     cu = torch.tensor([0, 2])
     with pytest.raises(ValueError, match="kl_loss_coef"):

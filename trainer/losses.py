@@ -104,9 +104,9 @@ def ppo_policy_loss(
     old_logprobs,
     advantages,
     *,
-    clip_ratio_low: float = 0.2,
+    clip_ratio_low: float,
     clip_ratio_high: float | None = None,
-    clip_ratio_c: float = 3.0,
+    clip_ratio_c: float,
 ):
     """PPO clipped surrogate with asymmetric clip and dual clip, per token.
 
@@ -206,9 +206,9 @@ def policy_loss_terms(
     ref_logprobs=None,
     entropy=None,
     kl_estimator: str,
-    clip_ratio_low: float = 0.2,
+    clip_ratio_low: float,
     clip_ratio_high: float | None = None,
-    clip_ratio_c: float = 3.0,
+    clip_ratio_c: float,
 ) -> PolicyLossTerms:
     """All per-token actor terms for one micro-batch.
 
