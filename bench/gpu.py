@@ -171,7 +171,8 @@ def make_batch(sizes: GpuSizes, vocab_size: int, seed: int = 0):
     in tokens, random ids), each a ``batching.Row`` whose prompt is the row's unmasked head and
     whose response (all trained on) is the rest; GRPO groups of ``ROWS_PER_GROUP`` rows with a
     random score per row, one step per trajectory."""
-    from batching import Row, StepBatch
+    from batching import StepBatch
+    from bench.packed import trainer_rows
     from bench.train import make_rows
 
     rows = make_rows(
@@ -182,26 +183,7 @@ def make_batch(sizes: GpuSizes, vocab_size: int, seed: int = 0):
         max_tokens=sizes.max_row_tokens,
     )
     scores = np.random.default_rng(seed + 1).random(len(rows))
-    out = []
-    for i, r in enumerate(rows):
-        ids = r["input_ids"].tolist()
-        prompt_tokens = int((r["loss_mask"] == 0).sum())
-        response = ids[prompt_tokens:]
-        out.append(
-            Row(
-                prompt_ids=ids[:prompt_tokens],
-                response_ids=response,
-                response_mask=[1] * len(response),
-                # The rollout engine's logprobs; only a logged gap reads them, never the loss.
-                response_logprobs=[-1.0] * len(response),
-                uid=i // ROWS_PER_GROUP,
-                trajectory_id=i,
-                step_index=0,
-                is_last_step=True,
-                score=float(scores[i]),
-            )
-        )
-    return StepBatch.from_rows(out)
+    return StepBatch.from_rows(trainer_rows(rows, rows_per_group=ROWS_PER_GROUP, scores=scores))
 
 
 def _one_mini_batch(batch, budget_tokens: int):

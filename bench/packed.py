@@ -36,11 +36,14 @@ def default_job():
     return cfg
 
 
-def step_batch(rows: list[dict[str, torch.Tensor]]) -> StepBatch:
-    """``rows`` as the trainer holds a step: a ``batching.StepBatch`` whose row prompt is the
-    unmasked head and whose response (all trained on) is the rest, each row its own trajectory
-    and group. Token field ``advantages``: the row's advantage on its response tokens, 0 on the
-    prompt (the layout GRPO's advantages have)."""
+def trainer_rows(
+    rows: list[dict[str, torch.Tensor]], *, rows_per_group: int = 1, scores=None
+) -> list[Row]:
+    """``bench.train.make_rows`` rows as the trainer's ``batching.Row``s: the prompt is the
+    row's unmasked head, the response (all trained on) the rest, one step per trajectory,
+    groups (``uid``) of ``rows_per_group`` consecutive rows, ``scores[i]`` as row i's score
+    (0 when not given). The engine's log-probs are a constant: nothing but a logged gap
+    reads them."""
     out = []
     for i, r in enumerate(rows):
         ids = r["input_ids"].tolist()
@@ -51,12 +54,22 @@ def step_batch(rows: list[dict[str, torch.Tensor]]) -> StepBatch:
                 prompt_ids=ids[:prompt_tokens],
                 response_ids=response,
                 response_mask=[1] * len(response),
-                response_logprobs=[0.0] * len(response),
-                uid=i,
+                response_logprobs=[-1.0] * len(response),
+                uid=i // rows_per_group,
                 trajectory_id=i,
+                step_index=0,
+                is_last_step=True,
+                score=0.0 if scores is None else float(scores[i]),
             )
         )
-    batch = StepBatch.from_rows(out)
+    return out
+
+
+def step_batch(rows: list[dict[str, torch.Tensor]]) -> StepBatch:
+    """``rows`` as the trainer holds a step (``trainer_rows``, each row its own group), with
+    token field ``advantages``: the row's advantage on its response tokens, 0 on the prompt
+    (the layout GRPO's advantages have)."""
+    batch = StepBatch.from_rows(trainer_rows(rows))
     per_row = torch.stack([r["advantage"] for r in rows]).float()
     seq_lens = torch.from_numpy(batch.seq_lens)
     batch.set_token_field("advantages", per_row.repeat_interleave(seq_lens) * batch.loss_mask)
