@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from batching import LossNormalizers, StepBatch
-from trainer.losses import loss_for_micro_batch, masked_sums, policy_loss_terms
+from trainer.losses import actor_loss, masked_sums
 
 __all__ = [
     "PADDED_ROWS_PER_MICRO_BATCH",
@@ -107,25 +107,16 @@ def padded_loss(
     entropy = _from_previous(-(lp_all.exp() * lp_all).sum(-1))
     batch, width = ids.shape
     mask = mb.loss_mask.to(device).reshape(-1)
-    terms = policy_loss_terms(
+    cu = torch.arange(0, (batch + 1) * width, width, device=device)
+    loss, terms = actor_loss(
         logprobs.reshape(-1),
         mb.old_logprobs.to(device).reshape(-1),
         mb.advantages.to(device).reshape(-1),
-        entropy=entropy.reshape(-1),
-        kl_estimator=algo.kl_estimator,
-        clip_ratio_low=algo.clip_ratio_low,
-        clip_ratio_high=algo.clip_ratio_high,
-        clip_ratio_c=algo.clip_ratio_c,
-    )
-    cu = torch.arange(0, (batch + 1) * width, width, device=device)
-    loss = loss_for_micro_batch(
-        terms,
         mask,
         cu,
         normalizers,
-        mode=algo.loss_agg,
-        entropy_coef=algo.entropy_coef,
-        horizon=cfg.loss_horizon_tokens(),
+        cfg,
+        entropy=entropy.reshape(-1),
     )
     masked_sums(terms, mask)
     return loss, logprobs.detach().reshape(-1)[mask > 0].double().sum()

@@ -4,6 +4,7 @@ flash-attn when installed and loadable, else torch's own flash varlen kernel
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import warnings
@@ -61,13 +62,22 @@ def _mark_broken(kernel: str, err: BaseException) -> None:
         )
 
 
+@functools.cache
 def _torch_varlen_fn() -> Callable | None:
-    """``torch.nn.attention.varlen.varlen_attn`` when this torch has it, else None."""
+    """``torch.nn.attention.varlen.varlen_attn`` when this torch has it, else None (looked
+    up once: attention runs once per layer per micro-batch)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     return varlen_attn
+
+
+@functools.cache
+def _torch_varlen_params() -> frozenset[str]:
+    """The parameter names of this torch's ``varlen_attn`` (read once)."""
+    fn = _torch_varlen_fn()
+    return frozenset(inspect.signature(fn).parameters) if fn is not None else frozenset()
 
 
 def torch_varlen_kwargs(
@@ -200,7 +210,7 @@ class CudaBackend(DeviceBackend):
             return None
         gqa = q.shape[1] != k.shape[1]
         kwargs = torch_varlen_kwargs(
-            inspect.signature(fn).parameters, scale=scale, head_dim=q.shape[-1], gqa=gqa
+            _torch_varlen_params(), scale=scale, head_dim=q.shape[-1], gqa=gqa
         )
         if kwargs is None:
             return None

@@ -21,6 +21,7 @@ import torch
 import torch.utils.checkpoint
 
 import batching
+from trainer.config_schema import Config
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 """Values allowed for a KL estimator (Schulman, "Approximating KL Divergence").
@@ -357,3 +358,43 @@ def value_loss_for_micro_batch(
     ):
         sums[name] = _masked(x.detach(), loss_mask).to(torch.float64).sum()
     return share, sums
+
+
+def actor_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    loss_mask,
+    cu_seqlens,
+    normalizers,
+    cfg: Config,
+    *,
+    ref_logprobs=None,
+    entropy=None,
+) -> tuple[torch.Tensor, PolicyLossTerms]:
+    """The job's actor loss for one micro-batch: ``policy_loss_terms`` and
+    ``loss_for_micro_batch`` with ``cfg.algorithm``'s settings (the KL loss term only with
+    ``use_kl_loss``). Returns this micro-batch's share of the mini-batch loss and its terms."""
+    algo = cfg.algorithm
+    terms = policy_loss_terms(
+        logprobs,
+        old_logprobs,
+        advantages,
+        ref_logprobs=ref_logprobs if algo.use_kl_loss else None,
+        entropy=entropy,
+        kl_estimator=algo.kl_estimator,
+        clip_ratio_low=algo.clip_ratio_low,
+        clip_ratio_high=algo.clip_ratio_high,
+        clip_ratio_c=algo.clip_ratio_c,
+    )
+    loss = loss_for_micro_batch(
+        terms,
+        loss_mask,
+        cu_seqlens,
+        normalizers,
+        mode=algo.loss_agg,
+        kl_loss_coef=algo.kl_coef if algo.use_kl_loss else 0.0,
+        entropy_coef=algo.entropy_coef,
+        horizon=cfg.loss_horizon_tokens(),
+    )
+    return loss, terms

@@ -104,6 +104,7 @@ class FSDPWorker:
         self.optimizer = None
         self.scheduler = None
         self.deterministic_settings: dict[str, str] = {}
+        self.local_index = 0  # this rank's device among the visible ones, set by setup
 
     # ---------------------------------------------------------------- setup
     @staticmethod
@@ -130,7 +131,7 @@ class FSDPWorker:
             self.deterministic_settings = self.backend.set_deterministic(cfg.seed)
         # One index for the process group and the model, right also when Ray's ids come
         # out of rank order (rank % device_count would not be).
-        local_rank = self.local_rank()
+        local_rank = self.local_index = self.local_rank()
         self.backend.init_process_group(
             spec.rank,
             spec.world_size,
@@ -227,7 +228,7 @@ class FSDPWorker:
         if (
             self.spec.cfg.train.param_offload
         ):  # a new step begins: the weights come back to the device
-            self.backend.onload(self.model, self.local_rank())
+            self.backend.onload(self.model, self.local_index)
         return self.batch.num_rows
 
     def offload_states(self) -> None:
@@ -374,7 +375,7 @@ class FSDPWorker:
         grad_norm = float(grad_norm)
         if np.isfinite(grad_norm):
             if self.spec.cfg.train.optimizer_offload:
-                self.backend.onload(self.optimizer, self.local_rank())
+                self.backend.onload(self.optimizer, self.local_index)
             self.optimizer.step()
         self.scheduler.step()
         lr = float(self.scheduler.get_last_lr()[0])

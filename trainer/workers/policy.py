@@ -24,7 +24,7 @@ def actor_micro_batch_loss(
     metric sums (``trainer.step_stats.SCHEMAS["actor"]`` keys, detached); ``mb``'s tensors
     go to ``device``, the model's compute device. What ``PolicyWorker.train_mini_batch`` runs
     per micro-batch, and what the train benchmark times."""
-    from trainer.losses import loss_for_micro_batch, masked_sums, policy_loss_terms
+    from trainer.losses import actor_loss, masked_sums
 
     algo, temperature = cfg.algorithm, cfg.rollout.temperature
     cu = mb.cu_seqlens.to(device)
@@ -37,26 +37,16 @@ def actor_micro_batch_loss(
         logits if algo.entropy_coef else logits.detach(), cu, temperature=temperature
     )
     field = mb.token_fields
-    terms = policy_loss_terms(
+    loss, terms = actor_loss(
         logprobs,
         field["old_logprobs"].to(device),
         field["advantages"].to(device),
-        ref_logprobs=field["ref_logprobs"].to(device) if algo.use_kl_loss else None,
-        entropy=entropy,
-        kl_estimator=algo.kl_estimator,
-        clip_ratio_low=algo.clip_ratio_low,
-        clip_ratio_high=algo.clip_ratio_high,
-        clip_ratio_c=algo.clip_ratio_c,
-    )
-    loss = loss_for_micro_batch(
-        terms,
         mask,
         cu,
         normalizers,
-        mode=algo.loss_agg,
-        kl_loss_coef=algo.kl_coef if algo.use_kl_loss else 0.0,
-        entropy_coef=algo.entropy_coef,
-        horizon=cfg.loss_horizon_tokens(),
+        cfg,
+        ref_logprobs=field["ref_logprobs"].to(device) if cfg.algorithm.use_kl_loss else None,
+        entropy=entropy,
     )
     sums = dict(masked_sums(terms, mask))
     sums["loss"] = loss.detach()
