@@ -241,6 +241,12 @@ class TrainConfig(BaseModel):
         description="recompute each decoder layer's activations in backward instead of "
         "keeping them (less memory, about a third more compute)",
     )
+    lean_logprobs: bool = Field(
+        True,
+        description="log-probs and entropy from the hidden states through the LM head a chunk "
+        "of tokens at a time, recomputed in backward (no [tokens, vocab] logits kept); false = "
+        "from the full logits (more memory, same values)",
+    )
 
 
 class RunConfig(BaseModel):

@@ -1,15 +1,34 @@
-"""Per-token log-probabilities, entropies and values from packed logits.
+"""Per-token log-probabilities, entropies and values of packed rows.
 
 Convention shared with rollout: the log-probability of token ``t`` is stored at position
 ``t`` and comes from the logits at position ``t - 1`` of the same row. The first token of a
 row has no predecessor, so its entry is 0 (it is always a prompt token with loss mask 0).
+
+Two paths give the same numbers (``train.lean_logprobs``):
+
+- lean (``packed_token_logprobs(..., lean=True)``, the default): the model's body gives the
+  final hidden states ``[T, H]``; the LM head runs on them a chunk of tokens at a time, and
+  each chunk's logits, log-softmax and entropy are recomputed in backward instead of kept. No
+  ``[T, V]`` tensor ever exists; the largest one is a chunk's ``[chunk, V]`` (``LEAN_CHUNK_BYTES``).
+- plain (``lean=False``): the model's full ``[T, V]`` logits, then ``token_logprobs`` /
+  ``token_entropy`` chunk by chunk over them. The logits stay alive until backward.
 """
 
 from __future__ import annotations
 
 import functools
+import types
+from types import SimpleNamespace
 
 import torch
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+import hal
+
+#: Largest float32 logits chunk of the lean path, in bytes: ``LEAN_CHUNK_BYTES // (4 * V)``
+#: tokens per chunk (220 tokens at Qwen2.5's 151,936-token vocabulary). Backward holds a few
+#: tensors of this size at a time (logits, log-softmax, probabilities, their gradients).
+LEAN_CHUNK_BYTES = 128 * 2**20
 
 
 def row_start_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -26,20 +45,35 @@ def shift_to_targets(per_position: torch.Tensor, cu_seqlens: torch.Tensor) -> to
     return out.masked_fill(row_start_mask(cu_seqlens, per_position.shape[0]), 0.0)
 
 
-def _per_chunk(fn, tensors: tuple[torch.Tensor, ...], chunk_tokens: int) -> torch.Tensor:
-    """``fn`` over row chunks of ``tensors`` (split along dim 0), concatenated. Under autograd
-    each chunk is checkpointed: its float32 copy of the logits and log-softmax are recomputed
-    in backward instead of kept, so at most one chunk's exists at any time."""
+def _per_chunk(fn, tensors: tuple[torch.Tensor, ...], chunk_tokens: int, *, need_grad=None):
+    """``fn`` over row chunks of ``tensors`` (split along dim 0), concatenated (each output
+    of ``fn`` on its own when it returns a tuple). Under autograd each chunk is checkpointed:
+    what ``fn`` computes from its chunk (a float32 copy of the logits, the log-softmax) is
+    recomputed in backward instead of kept, so at most one chunk's exists at any time.
+    ``need_grad``: None = whether ``tensors[0]`` requires grad."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r} must be >= 1")
-    need_grad = torch.is_grad_enabled() and tensors[0].requires_grad
+    if need_grad is None:
+        need_grad = tensors[0].requires_grad
+    need_grad = need_grad and torch.is_grad_enabled()
     pieces = []
     for chunk in zip(*(t.split(chunk_tokens, dim=0) for t in tensors)):
         if need_grad:
             pieces.append(torch.utils.checkpoint.checkpoint(fn, *chunk, use_reentrant=False))
         else:
             pieces.append(fn(*chunk))
+    if isinstance(pieces[0], tuple):
+        return tuple(torch.cat(outputs) for outputs in zip(*pieces))
     return torch.cat(pieces)
+
+
+def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
+    """[T] -> [T]: the token each position predicts (the next one; 0 past the end). Across a
+    row boundary the target is the next row's first token, a value ``shift_to_targets``
+    drops."""
+    targets = torch.zeros_like(input_ids)
+    targets[:-1] = input_ids[1:]
+    return targets
 
 
 def token_logprobs(
@@ -55,8 +89,7 @@ def token_logprobs(
     ``logits`` is [T, V] from a packed forward, computed ``chunk_tokens`` tokens at a time
     (see ``_per_chunk``: no whole float32 copy of the logits, none kept for backward).
     """
-    targets = torch.zeros_like(input_ids)
-    targets[:-1] = input_ids[1:]
+    targets = next_token_targets(input_ids)
 
     def chunk_logprobs(part: torch.Tensor, part_targets: torch.Tensor) -> torch.Tensor:
         lp = torch.log_softmax(part.float() / temperature, dim=-1)
@@ -98,3 +131,154 @@ def token_entropy(
     as ``token_logprobs``)."""
     entropy = logits_entropy(logits, temperature=temperature, chunk_tokens=chunk_tokens)
     return shift_to_targets(entropy.float(), cu_seqlens)
+
+
+# ----------------------------------------------------------------------------- lean path
+
+
+def _logprob_and_entropy(
+    hidden: torch.Tensor, targets: torch.Tensor, *, head: torch.nn.Module, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk through the LM head: ``[c, H]`` hidden states and ``[c]`` targets ->
+    (log-prob of the target, entropy in nats), both ``[c]`` float32, of
+    ``softmax(head(hidden) / temperature)``. One function for both, so the chunk's logits are
+    computed (and recomputed in backward) once."""
+    z = head(hidden).float()
+    if temperature != 1.0:  # x / 1.0 == x: skipping the copy changes no bit
+        z = z / temperature
+    logprob = torch.log_softmax(z, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    return logprob, _entropy(z, temperature=1.0)
+
+
+def head_logprobs_entropy(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position ``t``: log-prob of ``targets[t]`` and entropy (float32, ``[T]`` each) of
+    ``softmax(head(hidden[t]) / temperature)``, from ``hidden`` ``[T, H]`` through the LM head
+    ``chunk_tokens`` tokens at a time (None: as many as fit ``LEAN_CHUNK_BYTES`` of float32
+    logits). Under autograd each chunk is recomputed in backward (``_per_chunk``): only the
+    hidden states are kept, never a chunk's logits."""
+    if chunk_tokens is None:
+        vocab = head.weight.shape[0]
+        chunk_tokens = max(1, LEAN_CHUNK_BYTES // (4 * vocab))
+    need_grad = hidden.requires_grad or any(p.requires_grad for p in head.parameters())
+    chunk_fn = functools.partial(_logprob_and_entropy, head=head, temperature=temperature)
+    return _per_chunk(chunk_fn, (hidden, targets), chunk_tokens, need_grad=need_grad)
+
+
+#: The name under which the lean forward is attached to a model (an FSDP2 forward method).
+_LEAN_METHOD = "crossrl_lean_forward"
+
+
+def _lean_forward(
+    self: torch.nn.Module,
+    *,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int | None,
+    **body_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal LM's body, then ``head_logprobs_entropy`` on its last hidden states; bound to
+    the model as its method ``_LEAN_METHOD``. Per-position ``(log-probs, entropies)``."""
+    hidden = self.base_model(**body_kwargs).last_hidden_state[0]
+    return head_logprobs_entropy(
+        hidden,
+        self.get_output_embeddings(),
+        targets,
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
+    )
+
+
+def _lean_method(model: torch.nn.Module):
+    """``model``'s lean forward, attached on first use.
+
+    Under FSDP2 the LM head (tied to the embedding or not) belongs to the root module's
+    parameter group, which FSDP2 all-gathers in the root's pre-forward hook and whose gradients
+    it reduce-scatters through hooks set up there. ``register_fsdp_forward_method`` runs those
+    hooks around this method as around ``model.forward``, so the head sees whole weights and
+    its gradients are reduced. Nothing is added to the module tree: parameter names, state
+    dicts and checkpoints are those of the plain model.
+    """
+    fsdp = isinstance(model, FSDPModule)
+    if model.__dict__.get("_crossrl_lean_fsdp") != fsdp:  # first use, or sharded since
+        config = model.config
+        for key in ("final_logit_softcapping", "logit_scale"):
+            if getattr(config, key, None) not in (None, 1.0):
+                raise ValueError(
+                    f"train.lean_logprobs=true: {type(model).__name__} transforms its logits "
+                    f"after the LM head ({key}={getattr(config, key)!r}), which the lean path "
+                    "does not; set train.lean_logprobs=false"
+                )
+        model.__dict__[_LEAN_METHOD] = types.MethodType(_lean_forward, model)
+        register_fsdp_forward_method(model, _LEAN_METHOD)
+        model.__dict__["_crossrl_lean_fsdp"] = fsdp
+    return getattr(model, _LEAN_METHOD)
+
+
+class _LeanCall:
+    """What ``hal.packed_forward`` calls in the model's place on the lean path: it checks the
+    model's attention and builds the packed-row arguments as for any forward, and gets the
+    stacked ``[1, T, 2]`` (log-prob, entropy) per position back as ``logits``. The entropy is
+    detached before stacking unless ``entropy_grad``: no backward runs through it then."""
+
+    def __init__(self, model: torch.nn.Module, entropy_grad: bool) -> None:
+        self.config = model.config
+        self._forward = _lean_method(model)
+        self._entropy_grad = entropy_grad
+
+    def __call__(self, **kwargs) -> SimpleNamespace:
+        logprob, entropy = self._forward(**kwargs)
+        if not self._entropy_grad:
+            entropy = entropy.detach()
+        return SimpleNamespace(logits=torch.stack([logprob, entropy], dim=-1)[None])
+
+
+def packed_token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    lean: bool = True,
+    entropy_grad: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability and entropy ``[T]`` (float32, nats) of every token of one packed row
+    under ``model``'s ``softmax(logits / temperature)``, aligned as ``token_logprobs`` (0 at
+    every row start). What every estimator and loss reads log-probs and entropies from.
+
+    ``lean`` (``train.lean_logprobs``): from the hidden states through the LM head chunk by
+    chunk, never a ``[T, V]`` tensor (``head_logprobs_entropy``; ``chunk_tokens`` None = by
+    ``LEAN_CHUNK_BYTES``); False: from the model's full logits (``token_logprobs`` /
+    ``token_entropy``). ``entropy_grad``: whether the entropy carries gradient (it does when
+    it is in the loss); it is detached otherwise.
+    """
+    if not lean:
+        logits = hal.packed_forward(model, input_ids, position_ids, cu_seqlens)
+        chunk = {} if chunk_tokens is None else {"chunk_tokens": chunk_tokens}
+        logprobs = token_logprobs(logits, input_ids, cu_seqlens, temperature=temperature, **chunk)
+        entropy = token_entropy(
+            logits if entropy_grad else logits.detach(),
+            cu_seqlens,
+            temperature=temperature,
+            **chunk,
+        )
+        return logprobs, entropy
+    stats = hal.packed_forward(
+        _LeanCall(model, entropy_grad),
+        input_ids,
+        position_ids,
+        cu_seqlens,
+        targets=next_token_targets(input_ids),
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
+    )
+    entropy = stats[:, 1] if entropy_grad else stats[:, 1].detach()
+    return shift_to_targets(stats[:, 0], cu_seqlens), shift_to_targets(entropy, cu_seqlens)

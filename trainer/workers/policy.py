@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import hal
 from batching import LossNormalizers, StepBatch, loss_normalizers
 from trainer.config_schema import Config
 from trainer.step_stats import StepStats
-from trainer.workers.forward import token_entropy, token_logprobs
+from trainer.workers.forward import packed_token_logprobs
 from trainer.workers.fsdp_worker import FSDPWorker
 
 
@@ -26,16 +25,19 @@ def actor_micro_batch_loss(
     per micro-batch, and what the train benchmark times."""
     from trainer.losses import actor_loss, masked_sums
 
-    algo, temperature = cfg.algorithm, cfg.rollout.temperature
+    algo = cfg.algorithm
     cu = mb.cu_seqlens.to(device)
-    input_ids = mb.input_ids.to(device)
-    logits = hal.packed_forward(model, input_ids, mb.position_ids.to(device), cu)
-    mask = mb.loss_mask.to(device)
-    logprobs = token_logprobs(logits, input_ids, cu, temperature=temperature)
     # Entropy is always logged; it carries gradient only when it is in the loss.
-    entropy = token_entropy(
-        logits if algo.entropy_coef else logits.detach(), cu, temperature=temperature
+    logprobs, entropy = packed_token_logprobs(
+        model,
+        mb.input_ids.to(device),
+        mb.position_ids.to(device),
+        cu,
+        temperature=cfg.rollout.temperature,
+        lean=cfg.train.lean_logprobs,
+        entropy_grad=bool(algo.entropy_coef),
     )
+    mask = mb.loss_mask.to(device)
     field = mb.token_fields
     loss, terms = actor_loss(
         logprobs,
@@ -64,27 +66,23 @@ class PolicyWorker(FSDPWorker):
         """The causal LM with the HAL's varlen attention, float32 master weights."""
         return self.load_causal_lm()
 
-    def _logits(self, mb: StepBatch) -> torch.Tensor:
-        return hal.packed_forward(
+    def _logprobs(self, mb: StepBatch) -> torch.Tensor:
+        cfg = self.spec.cfg
+        logprobs, _ = packed_token_logprobs(
             self.model,
             self.to_device(mb.input_ids),
             self.to_device(mb.position_ids),
             self.to_device(mb.cu_seqlens),
+            temperature=cfg.rollout.temperature,
+            lean=cfg.train.lean_logprobs,
         )
+        return logprobs
 
     def compute_logprobs(self, micro_batches: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Log-probabilities of this rank's rows under the current weights, as
-        ``(rows, values)`` (see ``FSDPWorker.per_token_pass``)."""
-        temperature = self.spec.cfg.rollout.temperature
-        return self.per_token_pass(
-            micro_batches,
-            lambda mb: token_logprobs(
-                self._logits(mb),
-                self.to_device(mb.input_ids),
-                self.to_device(mb.cu_seqlens),
-                temperature=temperature,
-            ),
-        )
+        ``(rows, values)`` (see ``FSDPWorker.per_token_pass``); old log-probs for the actor,
+        reference log-probs for the reference model."""
+        return self.per_token_pass(micro_batches, self._logprobs)
 
     def train_mini_batch(
         self, micro_batches: list[list[int]], mini_batch_rows: list[int]
