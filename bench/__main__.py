@@ -1,6 +1,6 @@
 """crossrl benchmarks: one table per benchmark, every result in one JSON file.
 
-    python -m bench [planner|stepwise|train|e2e|gpu|all ...] [--quick] [--out FILE]
+    python -m bench [planner|stepwise|train|e2e|gpu|memory|all ...] [--quick] [--out FILE]
     crossrl bench [which ...] [--quick]
 
 Every figure that counts is a ratio measured side by side in the same process (or the same
@@ -57,6 +57,12 @@ def _gpu():
     return gpu.run, gpu.format_table
 
 
+def _memory():
+    from bench import memory
+
+    return memory.run, memory.format_table
+
+
 #: name -> (title, loader of (run(quick) -> dict, format_table(dict) -> str)), in `all` order.
 BENCHMARKS: dict[str, tuple[str, Callable]] = {
     "planner": ("mini-batch planner vs a greedy baseline", _planner),
@@ -64,6 +70,10 @@ BENCHMARKS: dict[str, tuple[str, Callable]] = {
     "train": ("actor update: packed varlen rows vs padded micro-batches", _train),
     "e2e": ("seconds per step of the default job, dp 1 and dp 2", _e2e),
     "gpu": ("accelerator: MFU of the actor update, HF rollout tokens/s", _gpu),
+    "memory": (
+        "actor update memory: activation checkpointing and lean log-probs, alone and together",
+        _memory,
+    ),
 }
 
 

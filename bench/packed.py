@@ -2,7 +2,7 @@
 
 ``packed_loss`` is ``trainer.workers.policy.actor_micro_batch_loss``, the very function
 ``PolicyWorker.train_mini_batch`` runs for every micro-batch (``hal.packed_forward`` with the
-HAL's varlen attention, ``token_logprobs`` / ``token_entropy``, ``trainer.losses`` with the
+HAL's varlen attention, ``packed_token_logprobs``, ``trainer.losses`` with the
 job's ``algorithm.*`` settings). The rows are a ``batching.StepBatch`` (``step_batch``), cut into
 micro-batches by ``plan_minibatches`` and gathered with ``StepBatch.select``; the loss divides
 by ``batching.loss_normalizers``. Old log-probs come from the same forward, as the controller's
@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-import hal
 from batching import LossNormalizers, Row, StepBatch, plan_minibatches
-from trainer.workers.forward import token_logprobs
+from trainer.workers.forward import packed_token_logprobs
 from trainer.workers.policy import actor_micro_batch_loss
 
 __all__ = ["default_job", "packed_loss", "plan_micro_batches", "set_old_logprobs", "step_batch"]
@@ -103,8 +102,15 @@ def set_old_logprobs(model, batch: StepBatch, micro_batches: list[list[int]], cf
         mb = batch.select(rows)
         cu = mb.cu_seqlens.to(device)
         ids = mb.input_ids.to(device)
-        logits = hal.packed_forward(model, ids, mb.position_ids.to(device), cu)
-        values = token_logprobs(logits, ids, cu, temperature=cfg.rollout.temperature).cpu()
+        values, _ = packed_token_logprobs(
+            model,
+            ids,
+            mb.position_ids.to(device),
+            cu,
+            temperature=cfg.rollout.temperature,
+            lean=cfg.train.lean_logprobs,
+        )
+        values = values.cpu()
         for j, r in enumerate(rows):
             lo, hi = int(mb.cu_seqlens[j]), int(mb.cu_seqlens[j + 1])
             old[int(starts[r]) : int(starts[r]) + hi - lo] = values[lo:hi]

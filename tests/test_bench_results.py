@@ -188,3 +188,21 @@ def test_gpu_bench_skips_without_an_accelerator():
     assert res["skipped"] is True
     assert "no accelerator" in res["reason"]
     assert gpu.format_table(res).startswith("skipped:")
+
+
+@pytest.mark.slow
+def test_memory_bench_measures_the_four_variants_of_one_update():
+    from bench import memory
+
+    res = memory.run(sizes=memory.SMOKE_SIZES)
+    assert list(res["variants"]) == ["today", "checkpointing", "lean", "both"]
+    for name, v in res["variants"].items():
+        assert "error" not in v, f"{name}: {v.get('error')}"
+        assert (v["activation_checkpointing"], v["lean_logprobs"]) == memory.VARIANTS[name]
+        assert v["tokens"] == memory.SMOKE_SIZES.tokens
+        assert v["peak_gb"] >= v["before_gb"] > 0
+    # The switches change how the update is computed, not what it computes.
+    assert res["same_update"]
+    table = memory.format_table(res)
+    assert all(name in table for name in memory.VARIANTS)
+    assert "FAILED" not in table
