@@ -10,6 +10,7 @@ configs, the docs and every reader.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -19,8 +20,9 @@ from hal.registry import BACKEND_NAMES
 from rollout.models import BUILTIN_MODELS
 
 # Values every section shares: unknown keys are errors (a typo must fail in the first
-# second, not after an hour of rollout) and no silent type coercion ("8" is not 8).
-_SECTION = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+# second, not after an hour of rollout), no silent type coercion ("8" is not 8), and no
+# inf/nan in any float (``train.lr=.inf`` would train every weight to inf).
+_SECTION = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
 
 # Exactly the names hal.get_backend accepts: one name per device, owned by the HAL.
 DeviceName = Literal[BACKEND_NAMES]
@@ -29,6 +31,24 @@ TrainDtype = Literal["float32", "bfloat16"]
 
 _ENV_SPEC = re.compile(r"^(?:[A-Za-z_][\w-]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 _HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
+
+
+def _first_nonfinite(tree: Any, where: str = "") -> tuple[str, float] | None:
+    """``(path, value)`` of the first inf/nan float in nested dicts/lists, else None."""
+    if isinstance(tree, float) and not math.isfinite(tree):
+        return where or "value", tree
+    items = (
+        tree.items()
+        if isinstance(tree, dict)
+        else enumerate(tree)
+        if isinstance(tree, list)
+        else ()
+    )
+    for key, child in items:
+        found = _first_nonfinite(child, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 class ModelConfig(BaseModel):
@@ -125,6 +145,14 @@ class RolloutConfig(BaseModel):
     tensor_parallel_size: int = Field(
         1, ge=1, description="devices per engine replica (vllm only; must divide train.dp_size)"
     )
+
+    @field_validator("env_kwargs")
+    @classmethod
+    def _finite_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        bad = _first_nonfinite(value)
+        if bad is not None:
+            raise ValueError(f"{bad[0]} is {bad[1]!r}; every number must be finite")
+        return value
 
     @field_validator("env")
     @classmethod
@@ -265,6 +293,24 @@ class RunConfig(BaseModel):
         ge=0,
         description="steps between parameter checksums in fingerprint.jsonl (written every step); 0 = never",
     )
+    max_env_error_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="a step whose rollout loses more than this fraction of its trajectories to "
+        "environment faults stops the run (exit 1, before that step's checkpoint); 1 = never",
+    )
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        description="optimizer steps in a row skipped for a non-finite loss or grad norm that "
+        "stop the run (exit 1)",
+    )
+    overwrite: bool = Field(
+        False,
+        description="allow run.resume=never (and crossrl probe --out) on a directory that holds "
+        "a run; its metrics and newer checkpoints are then replaced",
+    )
 
     @field_validator("dir", "resume")
     @classmethod
@@ -288,6 +334,9 @@ class RayConfig(BaseModel):
     num_cpus: int | None = Field(
         None, ge=1, description="CPUs of a local Ray (null = all); ignored when joining"
     )
+    connect_timeout_s: float = Field(
+        60.0, gt=0, description="seconds to wait for the cluster at ray.address before failing"
+    )
 
     @field_validator("address")
     @classmethod
@@ -304,7 +353,7 @@ class Config(BaseModel):
     """A whole job. Build it with ``trainer.config.load_config``, which also runs the
     cross-field and environment checks."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    model_config = _SECTION
 
     device: DeviceName = Field(
         "auto", description="device backend: auto picks the best accelerator present, else cpu"
