@@ -19,9 +19,12 @@ outcome there, see ``rollout/envs/base.py``; 0 if no step happened). It is copie
 step row and placed in ``token_rewards`` on the last generated (mask 1) token of the last row;
 every other token reward is 0. Each row keeps its own env reward as ``step_reward``.
 
-Env faults (an exception, a non-string observation, a reward that is not a finite number in
-[0, 1]) end that trajectory with score 0; its rows so far are KEPT (so GRPO groups keep their
-size and the failure counts as a bad outcome) and ``rollout/env_errors`` counts it.
+Env faults (an exception in the constructor, ``reset`` or ``step``, a non-string observation, a
+reward that is not a finite real number inside the env's ``reward_range``, a ``done`` that is
+not a bool) end that trajectory with score 0; its rows so far are KEPT (so GRPO groups keep
+their size and the failure counts as a bad outcome) and ``rollout/env_errors`` counts it. Each
+fault's text (with the offending value) is kept in ``RolloutOutput.faults`` with its trajectory
+id, so the trainer can show why when too many trajectories fault (``fault_summary``).
 """
 
 from __future__ import annotations
@@ -32,8 +35,12 @@ import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from batching import Row
 from rollout.engines.base import Engine, GenerationRequest, SamplingParams
+from rollout.envs import exception_line, reward_range_of
+from rollout.envs.base import DEFAULT_REWARD_RANGE
 from rollout.envs.prompts import PromptItem
 from rollout.seeding import stable_seed
 from rollout.tokenizer import chat_token_ids, eos_token_ids
@@ -41,10 +48,12 @@ from rollout.tokenizer import chat_token_ids, eos_token_ids
 
 @dataclass
 class RolloutOutput:
-    """Rows for the trainer plus ``rollout/*`` metrics (floats)."""
+    """Rows for the trainer plus ``rollout/*`` metrics (floats), and ``faults``: one
+    ``(trajectory_id, text)`` per trajectory an environment fault ended, in trajectory order."""
 
     rows: list[Row]
     metrics: dict[str, float]
+    faults: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -70,24 +79,64 @@ class _Trajectory:
     done: bool = False
     truncated: bool = False
     error: str | None = None
+    reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE
 
 
 class EnvError(ValueError):
     """An environment broke its contract (wrong type, bad reward); ends that trajectory."""
 
 
-def _check_step(out: object) -> tuple[str, float, bool]:
+def _shown(value: object) -> str:
+    """A value and its type, short enough for one line of an error."""
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _check_step(out: object, reward_range: tuple[float, float]) -> tuple[str, float, bool]:
     if not isinstance(out, tuple) or len(out) != 4:
-        raise EnvError(f"step() must return (obs, reward, done, info), got {out!r:.80}")
+        raise EnvError(f"step() must return (obs, reward, done, info), got {_shown(out)}")
     obs, reward, done, _info = out
     if not isinstance(obs, str):
-        raise EnvError(f"step() observation must be str, got {type(obs).__name__}")
+        raise EnvError(f"step() observation must be a str, got {_shown(obs)}")
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
-        raise EnvError(f"step() reward must be a float, got {type(reward).__name__}")
+        raise EnvError(f"step() reward must be a real number, got {_shown(reward)}")
     reward = float(reward)
-    if not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
-        raise EnvError(f"step() reward {reward!r} is not a finite number in [0, 1]")
+    low, high = reward_range
+    if not math.isfinite(reward) or not low <= reward <= high:
+        raise EnvError(
+            f"step() reward {reward!r} is outside the env's reward_range [{low:g}, {high:g}]"
+            if math.isfinite(reward)
+            else f"step() reward {reward!r} is not a finite number"
+        )
+    if not isinstance(done, bool | np.bool_):
+        raise EnvError(f"step() done must be a bool, got {_shown(done)}")
     return obs, reward, bool(done)
+
+
+def _fault_text(where: str, exc: Exception) -> str:
+    """``"<where>: <message>"``; an env's own exception keeps its type name."""
+    message = " ".join(str(exc).split()) if isinstance(exc, EnvError) else exception_line(exc)
+    return f"{where}: {message}"
+
+
+def fault_summary(faults: Sequence[tuple[int, str]], total: int, *, limit: int = 3) -> str:
+    """One line on a rollout's environment faults: how many of ``total`` trajectories, then up
+    to ``limit`` distinct fault texts, each with the ids of the trajectories it ended."""
+    by_text: dict[str, list[int]] = {}
+    for trajectory_id, text in faults:
+        by_text.setdefault(text, []).append(trajectory_id)
+    parts = []
+    for text, ids in list(by_text.items())[:limit]:
+        shown = ", ".join(str(i) for i in ids[:4]) + (
+            f" +{len(ids) - 4} more" if len(ids) > 4 else ""
+        )
+        parts.append(f"[trajector{'ies' if len(ids) > 1 else 'y'} {shown}] {text}")
+    if len(by_text) > limit:
+        parts.append(f"... {len(by_text) - limit} more distinct fault(s)")
+    return f"{len(faults)} of {total} trajectories ended by an environment fault: " + "; ".join(
+        parts
+    )
 
 
 def _observation_ids(tokenizer, messages: list[dict], obs: str) -> list[int]:
@@ -167,13 +216,16 @@ def run_rollouts(
         for k in range(n)
     ]
     for t in trajs:
+        where = "constructor"
         try:
             t.env = env_factory(**t.item.env_kwargs)
+            t.reward_range = reward_range_of(t.env)
+            where = "reset"
             obs = t.env.reset(t.item.seed)
             if not isinstance(obs, str):
-                raise EnvError(f"reset() must return str, got {type(obs).__name__}")
+                raise EnvError(f"reset() must return a str, got {_shown(obs)}")
         except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
-            t.error, t.done = f"reset: {exc}", True
+            t.error, t.done = _fault_text(where, exc), True
             continue
         t.messages = [{"role": "user", "content": obs}]
         if not step_wise:
@@ -209,9 +261,9 @@ def run_rollouts(
             t.turns.append(record)
             t.messages.append({"role": "assistant", "content": text})
             try:
-                obs, reward, done = _check_step(t.env.step(text))
+                obs, reward, done = _check_step(t.env.step(text), t.reward_range)
             except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
-                t.error, t.done = f"step {turn}: {exc}", True
+                t.error, t.done = _fault_text(f"step {turn}", exc), True
                 continue
             record.reward = reward
             if done:
@@ -225,7 +277,8 @@ def run_rollouts(
     rows: list[Row] = []
     for t in trajs:
         rows.extend(_rows_of(t, step_wise=step_wise, merge=merge_stepwise))
-    return RolloutOutput(rows=rows, metrics=_metrics(trajs, rows))
+    faults = [(t.trajectory_id, t.error) for t in trajs if t.error is not None]
+    return RolloutOutput(rows=rows, metrics=_metrics(trajs, rows), faults=faults)
 
 
 def stop_string_cut(tokenizer, token_ids: list[int], stop_strings: Sequence[str]) -> int:

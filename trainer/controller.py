@@ -20,6 +20,7 @@ import numpy as np
 
 from batching import plan_minibatches, plan_stats
 from trainer.config import Config
+from trainer.health import NonfiniteStreak, check_env_faults, check_finite_weights
 from trainer.step_stats import StepStats
 from trainer.workers.group import CALL_TIMEOUT_S, WorkerGroup, agree_on_settings, wait_all
 
@@ -39,6 +40,7 @@ class Trainer:
         self.ref: WorkerGroup | None = None
         self.critic: WorkerGroup | None = None
         self.deterministic_settings: dict[str, str] = {}
+        self.nonfinite = NonfiniteStreak(cfg.run.max_nonfinite_steps)
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -136,11 +138,13 @@ class Trainer:
         timer = StepTimer()
         with timer.section("rollout"):
             meta, batch_ref = self._rollout(step)
+        check_env_faults(meta, self.cfg.run.max_env_error_fraction, step)
         plan = self._plan(meta)
         with timer.section("prepare"):
             adv_metrics = self._prepare(plan, batch_ref)
         with timer.section("update"):
-            stats = self._update(plan)
+            stats = self._update(plan, step)
+        self._check_weights(step)
         with timer.section("sync"):
             self._sync_weights()
             for group in self._all_groups():
@@ -193,7 +197,7 @@ class Trainer:
         for group in self._training_groups():
             group.call("set_token_field", field, piece_refs)
 
-    def _update(self, plan) -> dict[str, StepStats]:
+    def _update(self, plan, step: int) -> dict[str, StepStats]:
         """``ppo_epochs`` passes over the plan's mini-batches; one optimizer step each.
         Returns each training role's statistics of the whole step."""
         groups = self._training_groups()
@@ -212,7 +216,13 @@ class Trainer:
                         what=f"{g.role}.train_mini_batch",
                     )
                     totals[g.role].add_update(reports)
+                    self.nonfinite.observe(g.role, reports[0], step)
         return totals
+
+    def _check_weights(self, step: int) -> None:
+        """Stop before non-finite weights reach the rollout engine or a checkpoint."""
+        for group in self._training_groups():
+            check_finite_weights(group.role, group.call("weights_finite"), step)
 
     def _sync_weights(self) -> None:
         """Push the actor's weights into the rollout engine (nothing to push when replaying)."""
@@ -275,6 +285,7 @@ class Trainer:
             save_torch,
         )
 
+        self._check_weights(step)  # never commit non-finite weights over good checkpoints
         staging = begin_checkpoint(self.run_dir, step)
         for group in self._training_groups():
             group.call("save_pieces", str(staging))

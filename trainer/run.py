@@ -13,6 +13,7 @@ from typing import Any
 
 from trainer.config import Config
 from trainer.controller import Trainer
+from trainer.health import HealthError
 from trainer.workers.group import WorkerFailedError
 
 
@@ -92,7 +93,7 @@ def run_training(
             write_run_config(cfg, run_dir, trainer.deterministic_settings)
             _train_loop(cfg, trainer, run_dir, stop, save_checkpoints=save_checkpoints)
             return 0
-        except WorkerFailedError as err:
+        except (WorkerFailedError, HealthError) as err:
             print(f"crossrl {command}: {err}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:

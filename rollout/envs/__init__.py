@@ -7,9 +7,10 @@ a prompt-file record) to get a fresh ``Env``. See ``base.py`` for the interface.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 
-from rollout.envs.base import Env, match_credit
+from rollout.envs.base import DEFAULT_REWARD_RANGE, Env, match_credit
 from rollout.envs.calc import CalcEnv, calculator
 from rollout.envs.qa import QAEnv
 from rollout.envs.recall import RecallEnv
@@ -21,8 +22,10 @@ __all__ = [
     "QAEnv",
     "RecallEnv",
     "calculator",
+    "exception_line",
     "make_env",
     "match_credit",
+    "reward_range_of",
 ]
 
 #: Built-in environments by the name used in ``rollout.env``.
@@ -55,6 +58,11 @@ def make_env(spec: str) -> EnvFactory:
             f"rollout.env={spec!r}: cannot import module {module_name!r} ({exc}); "
             "check the module is on PYTHONPATH"
         ) from exc
+    except Exception as exc:  # noqa: BLE001 - the user's module raised while importing
+        raise ValueError(
+            f"rollout.env={spec!r}: importing module {module_name!r} raised "
+            f"{exception_line(exc)}; fix that module (run `python -c 'import {module_name}'`)"
+        ) from exc
     cls = getattr(module, attr, None)
     if cls is None:
         raise ValueError(f"rollout.env={spec!r}: module {module_name!r} has no attribute {attr!r}")
@@ -63,4 +71,30 @@ def make_env(spec: str) -> EnvFactory:
             f"rollout.env={spec!r}: {attr!r} is not an environment class "
             "(needs reset(seed) -> str and step(text) -> (obs, reward, done, info))"
         )
+    reward_range_of(cls, spec)
     return cls
+
+
+def reward_range_of(env: object, spec: str = "") -> tuple[float, float]:
+    """The inclusive ``(low, high)`` reward range an environment (class or instance) declares
+    in ``reward_range``; ``DEFAULT_REWARD_RANGE`` when it declares none. A declaration that is
+    not two finite numbers with low < high raises ValueError naming it."""
+    declared = getattr(env, "reward_range", DEFAULT_REWARD_RANGE)
+    try:
+        low, high = (float(x) for x in declared)
+        ok = math.isfinite(low) and math.isfinite(high) and low < high
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        name = spec or getattr(env, "__name__", type(env).__name__)
+        raise ValueError(
+            f"rollout.env={name!r}: reward_range={declared!r} must be (low, high), two finite "
+            "numbers with low < high: the rewards step() may return"
+        )
+    return low, high
+
+
+def exception_line(exc: BaseException) -> str:
+    """``"TypeName: message"`` of an exception, on one line (an environment's error text)."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -208,6 +208,44 @@ def _module_available(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
+    except Exception:  # noqa: BLE001 - a parent package raised: it exists, importing names why
+        return True
+
+
+def _env_problem(cfg: Config) -> Problem | None:
+    """Import the environment class and construct it once with ``rollout.env_kwargs``, so a
+    module that raises on import or a constructor that raises fails now, in one line."""
+    env, kwargs = cfg.rollout.env, cfg.rollout.env_kwargs
+    if ":" in env and not _module_available(env.split(":", 1)[0]):
+        module = env.split(":", 1)[0]
+        return problem(
+            "rollout.env",
+            env,
+            f"module {module!r} is not importable; check PYTHONPATH or the spelling",
+        )
+    try:
+        from rollout.envs import exception_line, make_env
+    except ImportError:
+        return None
+    try:
+        factory = make_env(env)  # imports the class and checks it has reset/step
+    except ValueError as exc:
+        reason = str(exc).split(": ", 1)[-1]  # drop its own "rollout.env=...: " head
+        return problem("rollout.env", env, reason)
+    try:
+        factory(**kwargs)
+    except (TypeError, ValueError) as exc:
+        if kwargs:
+            return problem("rollout.env_kwargs", kwargs, f"{env} does not accept them: {exc}")
+        return problem("rollout.env", env, f"constructing it raised {exception_line(exc)}")
+    except Exception as exc:  # noqa: BLE001 - the user's constructor: report, never crash
+        return problem(
+            "rollout.env",
+            env,
+            f"constructing it with rollout.env_kwargs={kwargs} raised {exception_line(exc)}; "
+            "fix the environment's __init__",
+        )
+    return None
 
 
 def _environment_problems(cfg: Config) -> list[Problem]:
@@ -259,41 +297,9 @@ def _environment_problems(cfg: Config) -> list[Problem]:
                 "must be auto, never or an existing checkpoint directory",
             )
         )
-    env = cfg.rollout.env
-    if ":" not in env and cfg.rollout.env_kwargs:
-        try:
-            from rollout.envs import make_env
-
-            make_env(env)(**cfg.rollout.env_kwargs)
-        except (TypeError, ValueError) as exc:
-            p.append(
-                problem(
-                    "rollout.env_kwargs",
-                    cfg.rollout.env_kwargs,
-                    f"{env} does not accept them: {exc}",
-                )
-            )
-    if ":" in env:
-        module = env.split(":", 1)[0]
-        if not _module_available(module):
-            p.append(
-                problem(
-                    "rollout.env",
-                    env,
-                    f"module {module!r} is not importable; check PYTHONPATH or the spelling",
-                )
-            )
-        else:
-            try:
-                from rollout.envs import make_env
-            except ImportError:
-                make_env = None
-            try:
-                if make_env is not None:
-                    make_env(env)  # imports the class and checks it has reset/step
-            except ValueError as exc:
-                reason = str(exc).split(": ", 1)[-1]  # drop its own "rollout.env=...: " head
-                p.append(problem("rollout.env", env, reason))
+    env_problem = _env_problem(cfg)
+    if env_problem:
+        p.append(env_problem)
     return p
 
 

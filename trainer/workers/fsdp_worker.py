@@ -373,13 +373,36 @@ class FSDPWorker:
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
-        if np.isfinite(grad_norm):
+        # A non-finite loss or grad norm on any rank skips the step on every rank (the shards
+        # must stay in step); the controller counts skips against run.max_nonfinite_steps.
+        skip = self._any_rank(not (np.isfinite(grad_norm) and np.isfinite(sums.get("loss", 0.0))))
+        if not skip:
             if self.spec.cfg.train.optimizer_offload:
                 self.backend.onload(self.optimizer, self.local_index)
             self.optimizer.step()
         self.scheduler.step()
         lr = float(self.scheduler.get_last_lr()[0])
+        sums["skipped"] = float(skip)
         return StepStats.of_update(self.spec.role, sums, grad_norm=grad_norm, lr=lr)
+
+    @torch.no_grad()
+    def weights_finite(self) -> bool:
+        """Whether every element of this rank's parameter shards is finite (no collective)."""
+        for param in self.model.parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if not bool(torch.isfinite(local).all()):
+                return False
+        return True
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any data-parallel rank (one tiny all-reduce)."""
+        import torch.distributed as dist
+
+        if self.spec.world_size == 1 or not dist.is_initialized():
+            return flag
+        value = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     # ---------------------------------------------------------------- state
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -102,9 +102,12 @@ class RolloutHost:
             stop_strings=tuple(roll.stop_strings),
         )
         if not out.rows:
+            from rollout.agent_loop import fault_summary
+
+            why = fault_summary(out.faults, len(items) * roll.n) if out.faults else out.metrics
             raise RuntimeError(
-                f"step {step}: the rollout produced no rows (every trajectory failed: "
-                f"{out.metrics}); check rollout.env and rollout.max_input_len"
+                f"step {step}: the rollout produced no rows ({why}); check rollout.env and "
+                "rollout.max_input_len"
             )
         batch = StepBatch.from_rows(out.rows)
         arrays = batch.to_numpy()
@@ -112,7 +115,9 @@ class RolloutHost:
             from rollout.replay import record_rollout
 
             record_rollout(record_dir, step, arrays)
-        return batch_metadata(batch, out.metrics), [ray.put(arrays)]
+        meta = batch_metadata(batch, out.metrics)
+        meta["env_faults"] = out.faults  # the health gate shows them (trainer/health.py)
+        return meta, [ray.put(arrays)]
 
     def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
         """Load one bucket of new weights (HF names -> float32 arrays) into the engine."""
