@@ -373,14 +373,15 @@ class FSDPWorker:
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
-        # A non-finite loss or grad norm on any rank skips the step on every rank (the shards
-        # must stay in step); the controller counts skips against run.max_nonfinite_steps.
+        # A non-finite loss or grad norm on any rank skips the step (and its lr schedule tick)
+        # on every rank, so the shards stay in step; the controller counts skips against
+        # run.max_nonfinite_steps.
         skip = self._any_rank(not (np.isfinite(grad_norm) and np.isfinite(sums.get("loss", 0.0))))
         if not skip:
             if self.spec.cfg.train.optimizer_offload:
                 self.backend.onload(self.optimizer, self.local_index)
             self.optimizer.step()
-        self.scheduler.step()
+            self.scheduler.step()
         lr = float(self.scheduler.get_last_lr()[0])
         sums["skipped"] = float(skip)
         return StepStats.of_update(self.spec.role, sums, grad_norm=grad_norm, lr=lr)
