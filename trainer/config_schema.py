@@ -280,7 +280,8 @@ class RunConfig(BaseModel):
     save_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     resume: str = Field(
         "auto",
-        description="auto (latest checkpoint in run.dir if any), never, or a checkpoint path",
+        description="auto or latest (the latest checkpoint in run.dir if any), never, step_<N> "
+        "(that checkpoint in run.dir) or the path of a step_<N> checkpoint directory",
     )
     deterministic: bool = Field(
         False, description="deterministic kernels and seeds (slower; for parity checks)"

@@ -102,7 +102,8 @@ class Trainer:
     def _resume(self) -> None:
         from trainer.checkpoint import LAYOUT, load_json, resolve_resume
 
-        ckpt = resolve_resume(self.run_dir, self.cfg.run.resume)
+        # run_training's preflight verified every file's sha256 seconds ago; sizes suffice here
+        ckpt = resolve_resume(self.run_dir, self.cfg.run.resume, check_hashes=False)
         if ckpt is None:
             return
         state = load_json(ckpt / LAYOUT.trainer_state)

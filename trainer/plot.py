@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout.files import atomic_write_bytes
+from rollout.files import atomic_write_bytes, undecodable
 from trainer.metrics import METRICS_FILE, read_jsonl
 
 PLOT_DIR = "plots"
@@ -109,13 +109,21 @@ def plot_run(
     """
     run_dir = Path(run_dir)
     metrics_path = run_dir / METRICS_FILE
-    if not metrics_path.is_file():
+    if not metrics_path.exists():
         hint = "" if run_dir.is_dir() else f" ({run_dir} does not exist)"
         raise FileNotFoundError(
             f"{metrics_path} not found{hint}; pass a run dir (run.dir) of a run that has "
             "finished at least one step"
         )
-    records = read_jsonl(metrics_path, allow_torn_tail=True)
+    try:
+        records = read_jsonl(metrics_path, allow_torn_tail=True)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{metrics_path}: {undecodable(metrics_path, err)}") from None
+    except OSError as err:  # e.g. a directory named metrics.jsonl
+        raise ValueError(
+            f"{metrics_path}: cannot be read as a file ({err.strerror or err}); it should be "
+            "the run's metrics file"
+        ) from None
     if not records:
         raise ValueError(f"{metrics_path} has no steps yet; plot again after the first step")
     if isinstance(keys, str):
@@ -128,7 +136,12 @@ def plot_run(
     records = sorted(records, key=lambda r: r["step"])
     Figure = _figure_class()
     out = Path(out_dir) if out_dir is not None else run_dir / PLOT_DIR
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file in the way, or no permission
+        raise ValueError(
+            f"--out {out}: cannot be made a directory ({err.strerror or err}); pass another --out"
+        ) from None
 
     written: list[Path] = []
     series = {key: _series(records, key) for key in keys}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import logging
+import re
 from pathlib import Path
 
 from rollout.models import BUILTIN_MODELS
@@ -289,12 +290,15 @@ def _environment_problems(cfg: Config) -> list[Problem]:
                 "data.source", cfg.data.source, "file not found; give an existing .jsonl/.parquet"
             )
         )
-    if cfg.run.resume not in ("auto", "never") and not Path(cfg.run.resume).exists():
+    resume = cfg.run.resume
+    named_step = re.fullmatch(r"(step_)?\d+", resume) is not None
+    if resume not in ("auto", "latest", "never") and not named_step and not Path(resume).exists():
         p.append(
             problem(
                 "run.resume",
-                cfg.run.resume,
-                "must be auto, never or an existing checkpoint directory",
+                resume,
+                "must be auto, latest, never, step_<N> (a checkpoint in run.dir) or the path "
+                "of an existing checkpoint directory (step_<N>)",
             )
         )
     env_problem = _env_problem(cfg)

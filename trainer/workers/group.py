@@ -27,14 +27,57 @@ class WorkerFailedError(RuntimeError):
     """A Ray worker died or raised; the message names the worker."""
 
 
-def start_ray(address: str | None, *, num_cpus: int | None = None) -> bool:
-    """Start a local Ray (``address=None``) or join a cluster (``auto`` or ``host:port``).
+class RayConnectError(ValueError):
+    """The cluster at ``ray.address`` did not answer; the message names it and the fix."""
+
+
+def _cluster_address(address: str) -> str | None:
+    """``host:port`` that ``address`` (``auto``, ``host:port`` or ``ray://host:port``) points
+    at, or None when it cannot be told without asking Ray (``ray.init`` then reports)."""
+    if address == "auto":
+        try:  # RAY_ADDRESS, else the cluster this machine last started
+            from ray._private.services import canonicalize_bootstrap_address
+
+            return canonicalize_bootstrap_address("auto")
+        except Exception:  # noqa: BLE001 - none found: ray.init says so itself
+            return None
+    return address.removeprefix("ray://")
+
+
+def check_reachable(address: str, timeout_s: float) -> None:
+    """Raise ``RayConnectError`` unless a TCP connection to the cluster at ``address`` opens
+    within ``timeout_s`` seconds (``ray.init`` itself retries an unreachable address forever)."""
+    target = _cluster_address(address)
+    if not target:
+        return
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return
+    except (OSError, ValueError) as err:
+        reason = "timed out" if isinstance(err, TimeoutError) else (err.strerror or str(err))
+    shown = address if target == address else f"{address} ({target})"
+    raise RayConnectError(
+        f"ray.address={shown}: no Ray cluster answered within {timeout_s:g} s ({reason}); start "
+        "one there (`ray start --head`), fix the address, set ray.address=null for a local Ray, "
+        "or raise ray.connect_timeout_s"
+    )
+
+
+def start_ray(
+    address: str | None, *, num_cpus: int | None = None, connect_timeout_s: float = 60.0
+) -> bool:
+    """Start a local Ray (``address=None``) or join a cluster (``auto`` or ``host:port``),
+    failing with ``RayConnectError`` when the cluster does not answer within
+    ``connect_timeout_s`` seconds.
 
     Returns False when Ray was already running in this process (the caller then leaves it
     running), True when this call started or joined it.
     """
     if ray.is_initialized():
         return False
+    if address is not None:
+        check_reachable(address, connect_timeout_s)
     # Local runs need no token; a cluster the user started keeps its own settings.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
