@@ -5,7 +5,8 @@ devices exist, and imported and constructed the environment once. ``preflight`` 
 those files hold, so a bad line 3 of a prompt file, a truncated safetensors file or a corrupt
 checkpoint fails in seconds with one line (exit 2) instead of after every worker started:
 
-- prompt files, every record (``rollout.envs.prompts``: file, line or row, field);
+- prompt files, every record (``rollout.envs.prompts``: file, line or row, field), and the
+  environment constructed with the first record's fields (``trainer.config.checks``);
 - model directories (``model.path``, and ``model.critic_path`` with a critic): config.json
   readable, weights present, safetensors headers whole, tokenizer loadable; ``builtin:`` skip;
 - the resume target, resolved and verified against its manifest (``trainer.checkpoint``);
@@ -38,25 +39,30 @@ def preflight(cfg: Config, *, command: str = "train", replay: bool = False) -> N
     is resumed (the probe checks its recording itself, ``trainer.probe``)."""
     from trainer.run_dir import usable_problem
 
+    problem = usable_problem(cfg.run.dir, command=command)
+    if problem:
+        raise PreflightError(problem)
     if not replay:
         _check_prompts(cfg)
     _check_model(cfg)
     if not replay:
         _check_resume(cfg)
-    problem = usable_problem(cfg.run.dir, command=command)
-    if problem:
-        raise PreflightError(problem)
 
 
 def _check_prompts(cfg: Config) -> None:
     if cfg.data.source == "env":
         return
     from rollout.envs.prompts import PromptSource
+    from trainer.config.checks import env_problem
 
     try:
-        PromptSource(cfg.data.source, seed=cfg.seed)  # reads and checks every record
+        source = PromptSource(cfg.data.source, seed=cfg.seed)  # reads and checks every record
     except (ValueError, OSError) as err:
         raise PreflightError(f"data.source: {err}") from None
+    # The environment, constructed as the rollout will: with a record's fields.
+    bad_env = env_problem(cfg, record=source.item(0).env_kwargs)
+    if bad_env:
+        raise PreflightError(bad_env[2])
 
 
 def _check_model(cfg: Config) -> None:
@@ -109,15 +115,33 @@ def model_dir_problem(key: str, directory: Path) -> str | None:
         problem = safetensors_header_problem(shard)
         if problem:
             return f"{head}: {shard.name} {problem}; re-download that file"
+    return _tokenizer_problem(head, directory)
+
+
+#: Files that hold a tokenizer's vocabulary (transformers builds an empty one without them).
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _tokenizer_problem(head: str, directory: Path) -> str | None:
     from rollout.tokenizer import load_tokenizer
 
+    if not any((directory / name).is_file() for name in _VOCAB_FILES):
+        return (
+            f"{head}: no tokenizer there (none of {', '.join(_VOCAB_FILES)}); copy the model's "
+            "tokenizer files next to config.json"
+        )
     try:
-        load_tokenizer(directory)
+        tokenizer = load_tokenizer(directory)
     except Exception as err:  # noqa: BLE001 - transformers raises many types for a bad tokenizer
         text = " ".join(str(err).split())[:200]
         return (
-            f"{head}: its tokenizer does not load ({type(err).__name__}: {text}); the directory "
-            "needs tokenizer.json or tokenizer_config.json with its vocabulary"
+            f"{head}: its tokenizer does not load ({type(err).__name__}: {text}); re-download "
+            "the tokenizer files"
+        )
+    if tokenizer.eos_token is None:
+        return (
+            f"{head}: its tokenizer has no eos_token, which ends every turn; set eos_token in "
+            "tokenizer_config.json"
         )
     return None
 

@@ -17,7 +17,6 @@ import datetime
 import json
 import os
 import socket
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -51,23 +50,18 @@ def run_contents(run_dir: str | os.PathLike) -> list[str]:
 
 
 def usable_problem(run_dir: str | os.PathLike, *, command: str = "train") -> str | None:
-    """Why ``run_dir`` cannot hold a run, or None: it (or a parent) is a file, or it cannot be
-    created or written. Creates the directory."""
-    root = Path(run_dir)
+    """Why ``run_dir`` cannot hold a run, or None: it (or a parent) is a file, or it (or the
+    nearest parent that exists, where it would be created) is not writable. Creates nothing."""
+    root = Path(run_dir).absolute()
     key = "--out" if command == "probe" else "run.dir"
+    shown = str(Path(run_dir))
     for parent in (root, *root.parents):
         if parent.exists() and not parent.is_dir():
-            return f"{key}={str(root)!r}: {parent} is a file, not a directory; choose another {key}"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".write-test-{uuid.uuid4().hex}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        return (
-            f"{key}={str(root)!r}: cannot create or write it ({err.strerror or err}); choose a "
-            f"{key} you can write to"
-        )
+            return f"{key}={shown!r}: {parent} is a file, not a directory; choose another {key}"
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        made = "write to it" if existing == root else f"create it in {existing}"
+        return f"{key}={shown!r}: cannot {made} (permission denied); choose a {key} you can write"
     return None
 
 
@@ -145,6 +139,13 @@ class RunDirLock:
     def acquire(self) -> None:
         """Take the lock or raise ``RunDirError``."""
         host, pid = socket.gethostname(), os.getpid()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RunDirError(
+                f"run.dir={str(self.path.parent)!r}: cannot create it ({err.strerror or err}); "
+                "choose a run.dir you can write"
+            ) from None
         for _attempt in range(5):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:

@@ -213,10 +213,13 @@ def _module_available(name: str) -> bool:
         return True
 
 
-def _env_problem(cfg: Config) -> Problem | None:
-    """Import the environment class and construct it once with ``rollout.env_kwargs``, so a
-    module that raises on import or a constructor that raises fails now, in one line."""
-    env, kwargs = cfg.rollout.env, cfg.rollout.env_kwargs
+def env_problem(cfg: Config, record: dict | None = None) -> Problem | None:
+    """Import the environment class and construct it once, so a module that raises on import
+    or a constructor that raises fails at start-up, in one line. The constructor gets
+    ``rollout.env_kwargs`` updated by ``record`` (a prompt file's first record, as the rollout
+    passes it); with a prompt file and no record yet the class is only imported (its required
+    arguments may come from the file: ``trainer.preflight`` constructs it then)."""
+    env, kwargs = cfg.rollout.env, dict(cfg.rollout.env_kwargs)
     if ":" in env and not _module_available(env.split(":", 1)[0]):
         module = env.split(":", 1)[0]
         return problem(
@@ -233,18 +236,23 @@ def _env_problem(cfg: Config) -> Problem | None:
     except ValueError as exc:
         reason = str(exc).split(": ", 1)[-1]  # drop its own "rollout.env=...: " head
         return problem("rollout.env", env, reason)
+    if record is None and cfg.data.source != "env":
+        return None
+    where = "rollout.env_kwargs" + (f" and {cfg.data.source}'s first record" if record else "")
     try:
-        factory(**kwargs)
+        factory(**{**kwargs, **(record or {})})
     except (TypeError, ValueError) as exc:
-        if kwargs:
+        if kwargs and record is None:
             return problem("rollout.env_kwargs", kwargs, f"{env} does not accept them: {exc}")
-        return problem("rollout.env", env, f"constructing it raised {exception_line(exc)}")
+        return problem(
+            "rollout.env", env, f"constructing it with {where} raised {exception_line(exc)}"
+        )
     except Exception as exc:  # noqa: BLE001 - the user's constructor: report, never crash
         return problem(
             "rollout.env",
             env,
-            f"constructing it with rollout.env_kwargs={kwargs} raised {exception_line(exc)}; "
-            "fix the environment's __init__",
+            f"constructing it with {where} raised {exception_line(exc)}; fix the "
+            "environment's __init__",
         )
     return None
 
@@ -301,9 +309,9 @@ def _environment_problems(cfg: Config) -> list[Problem]:
                 "of an existing checkpoint directory (step_<N>)",
             )
         )
-    env_problem = _env_problem(cfg)
-    if env_problem:
-        p.append(env_problem)
+    bad_env = env_problem(cfg)
+    if bad_env:
+        p.append(bad_env)
     return p
 
 
