@@ -12,7 +12,7 @@ import torch
 
 from batching import Row, StepBatch, plan_minibatches
 from trainer.config import load_config
-from trainer.health import HealthError, NonfiniteStreak, check_finite_weights
+from trainer.health import HealthError, NonfiniteStreak, check_finite_weights, checkpoint_veto
 from trainer.step_stats import StepStats
 from trainer.workers.fsdp_worker import WorkerSpec
 from trainer.workers.group import free_port
@@ -123,3 +123,10 @@ def test_max_nonfinite_steps_in_a_row_stop_the_run():
     assert "step 2: the actor's last 3 optimizer steps" in message
     assert "run.max_nonfinite_steps=3" in message and "loss nan" in message
     streak.observe("critic", _report(True), step=2)  # roles count separately
+
+
+def test_a_step_with_a_skipped_update_is_not_checkpointed():
+    healthy = {"step": 5, "actor/skipped_updates": 0.0, "actor/loss": 0.1}
+    assert checkpoint_veto(healthy) is None
+    veto = checkpoint_veto({"step": 6, "actor/skipped_updates": 2.0, "critic/skipped_updates": 0})
+    assert veto.startswith("step 6: not checkpointed: 2 actor updates skipped")

@@ -11,6 +11,8 @@ raising ``HealthError`` (the CLI exits 1, before the step's checkpoint):
   (``<role>/skipped_updates``); ``run.max_nonfinite_steps`` such steps in a row stop the run.
 - ``check_finite_weights``: weights that are no longer finite (a finite gradient times a huge
   lr) stop the run before they reach the rollout engine or a checkpoint.
+- ``checkpoint_veto``: a step with a skipped update is not checkpointed (its weights are
+  suspect), so retention never prunes a good checkpoint in favour of it.
 """
 
 from __future__ import annotations
@@ -67,6 +69,24 @@ class NonfiniteStreak:
                 f"and were skipped; run.max_nonfinite_steps={self.limit} stops the run before "
                 "this step's checkpoint. Lower the lr, set a grad clip, or check the rewards"
             )
+
+
+def checkpoint_veto(metrics: Mapping[str, Any]) -> str | None:
+    """Why the step described by ``metrics`` must not be checkpointed, or None: an update of
+    it was skipped for a non-finite loss or grad norm, so its weights are suspect (a finite
+    update that sends them towards inf shows up as the next update's nan loss)."""
+    skipped = {
+        key.split("/")[0]: int(value)
+        for key, value in metrics.items()
+        if key.endswith("/skipped_updates") and value
+    }
+    if not skipped:
+        return None
+    what = ", ".join(f"{n} {role} update{'s' if n > 1 else ''}" for role, n in skipped.items())
+    return (
+        f"step {metrics.get('step')}: not checkpointed: {what} skipped for a non-finite loss or "
+        "grad norm; the last whole checkpoint stays `latest`"
+    )
 
 
 def check_finite_weights(role: str, per_rank: Sequence[bool], step: int) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from trainer.config import Config
 from trainer.controller import Trainer
-from trainer.health import HealthError
+from trainer.health import HealthError, checkpoint_veto
 from trainer.workers.group import WorkerFailedError
 
 
@@ -178,5 +178,8 @@ def _train_loop(
             log.log(step, metrics)
             fp_log.log(step, fingerprint)
             due = step == total or (cfg.run.save_every and step % cfg.run.save_every == 0)
-            if save_checkpoints and due:
+            veto = checkpoint_veto(metrics) if save_checkpoints and due else None
+            if veto:
+                print(f"crossrl: {veto}", file=sys.stderr)
+            elif save_checkpoints and due:
                 trainer.save_checkpoint(step)
