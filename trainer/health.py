@@ -33,9 +33,11 @@ def check_env_faults(meta: Mapping[str, Any], max_fraction: float, step: int) ->
     """Raise ``HealthError`` when more than ``max_fraction`` of the rollout's trajectories were
     ended by an environment fault. ``meta``: the rollout host's step metadata (``env_faults``:
     ``(trajectory_id, text)`` pairs; ``metrics["rollout/num_trajectories"]``)."""
-    faults = meta.get("env_faults") or []
+    faults = meta.get("env_faults") or []  # a replayed recording has none
+    if not faults:
+        return
     total = int(meta["metrics"]["rollout/num_trajectories"])
-    if not faults or len(faults) <= max_fraction * total:
+    if len(faults) <= max_fraction * total:
         return
     raise HealthError(
         f"step {step}: {fault_summary(faults, total)}. More than run.max_env_error_fraction="
