@@ -58,7 +58,8 @@ def check_reachable(address: str, timeout_s: float) -> None:
         reason = "timed out" if isinstance(err, TimeoutError) else (err.strerror or str(err))
     shown = address if target == address else f"{address} ({target})"
     raise RayConnectError(
-        f"ray.address={shown}: no Ray cluster answered within {timeout_s:g} s ({reason}); start "
+        f"ray.address={shown}: no Ray cluster answered ({reason}; waited at most "
+        f"{timeout_s:g} s); start "
         "one there (`ray start --head`), fix the address, set ray.address=null for a local Ray, "
         "or raise ray.connect_timeout_s"
     )
