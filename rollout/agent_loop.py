@@ -90,6 +90,21 @@ def _check_step(out: object) -> tuple[str, float, bool]:
     return obs, reward, bool(done)
 
 
+def _first_messages(obs: object) -> list[dict]:
+    """The chat a trajectory starts from: ``reset()`` returns the user's first message (str)
+    or a whole chat (a list of ``{"role", "content"}`` messages, e.g. a verl dataset's prompt
+    with its system message)."""
+    if isinstance(obs, str):
+        return [{"role": "user", "content": obs}]
+    if (
+        isinstance(obs, list)
+        and obs
+        and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in obs)
+    ):
+        return [{"role": m["role"], "content": m["content"]} for m in obs]
+    raise EnvError(f"reset() must return str or a list of chat messages, got {obs!r:.80}")
+
+
 def _observation_ids(tokenizer, messages: list[dict], obs: str) -> list[int]:
     """Tokens the chat template puts after the assistant's EOS and around the observation, up to
     and including the next generation prompt (whole-trajectory mode)."""
@@ -169,13 +184,10 @@ def run_rollouts(
     for t in trajs:
         try:
             t.env = env_factory(**t.item.env_kwargs)
-            obs = t.env.reset(t.item.seed)
-            if not isinstance(obs, str):
-                raise EnvError(f"reset() must return str, got {type(obs).__name__}")
+            t.messages = _first_messages(t.env.reset(t.item.seed))
         except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
             t.error, t.done = f"reset: {exc}", True
             continue
-        t.messages = [{"role": "user", "content": obs}]
         if not step_wise:
             t.seq = chat_token_ids(tokenizer, t.messages)
 

@@ -2,8 +2,9 @@
 
 An environment is a multi-turn text game:
 
-- ``reset(seed) -> str``: start a new episode deterministically from ``seed``; the first
-  observation (the user's first message).
+- ``reset(seed) -> str | list[dict]``: start a new episode deterministically from ``seed``; the
+  first observation (the user's first message), or a whole chat to start from (a list of
+  ``{"role", "content"}`` messages, e.g. a dataset row's system + user prompt).
 - ``step(action_text) -> (observation, reward, done, info)``: the model's reply (decoded text,
   special tokens removed); the next observation (ignored when ``done``), a reward in [0, 1],
   whether the episode ended, and free-form info.
@@ -25,9 +26,13 @@ from abc import ABC, abstractmethod
 class Env(ABC):
     """A multi-turn text environment (see module docstring for the contract)."""
 
+    #: Range a step's reward must lie in (the agent loop counts anything else as an env
+    #: fault); None: any finite number (a user reward function's scale is its own).
+    reward_bounds: tuple[float, float] | None = (0.0, 1.0)
+
     @abstractmethod
-    def reset(self, seed: int) -> str:
-        """Start an episode from ``seed``; return the first observation."""
+    def reset(self, seed: int) -> str | list[dict]:
+        """Start an episode from ``seed``; return the first observation (or chat messages)."""
 
     @abstractmethod
     def step(self, action_text: str) -> tuple[str, float, bool, dict]:
