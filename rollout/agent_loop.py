@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from batching import Row
 from rollout.engines.base import Engine, GenerationRequest, SamplingParams
 from rollout.envs.prompts import PromptItem
+from rollout.rewards import RewardError
 from rollout.seeding import stable_seed
 from rollout.tokenizer import chat_token_ids, eos_token_ids
 
@@ -70,24 +71,41 @@ class _Trajectory:
     done: bool = False
     truncated: bool = False
     error: str | None = None
+    reward_error: bool = False  # the fault was the reward function's (rollout.rewards)
+    reward_extra: dict[str, float] = field(default_factory=dict)  # its extra keys, final turn
 
 
 class EnvError(ValueError):
     """An environment broke its contract (wrong type, bad reward); ends that trajectory."""
 
 
-def _check_step(out: object) -> tuple[str, float, bool]:
+def _check_step(out: object, bounds: tuple[float, float] | None = (0.0, 1.0)) -> tuple:
+    """(obs, reward, done, info) of a valid ``step()`` result; ``bounds``: the env's
+    ``reward_bounds`` (None: any finite reward)."""
     if not isinstance(out, tuple) or len(out) != 4:
         raise EnvError(f"step() must return (obs, reward, done, info), got {out!r:.80}")
-    obs, reward, done, _info = out
+    obs, reward, done, info = out
     if not isinstance(obs, str):
         raise EnvError(f"step() observation must be str, got {type(obs).__name__}")
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
         raise EnvError(f"step() reward must be a float, got {type(reward).__name__}")
     reward = float(reward)
-    if not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
-        raise EnvError(f"step() reward {reward!r} is not a finite number in [0, 1]")
-    return obs, reward, bool(done)
+    if not math.isfinite(reward):
+        raise EnvError(f"step() reward {reward!r} is not a finite number")
+    if bounds is not None and not bounds[0] <= reward <= bounds[1]:
+        raise EnvError(f"step() reward {reward!r} is not in [{bounds[0]}, {bounds[1]}]")
+    return obs, reward, bool(done), info if isinstance(info, dict) else {}
+
+
+def _numbers(extra: object) -> dict[str, float]:
+    """The finite numeric entries of a reward's extra keys (``info["reward_extra"]``)."""
+    if not isinstance(extra, dict):
+        return {}
+    return {
+        str(k): float(v)
+        for k, v in extra.items()
+        if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 def _first_messages(obs: object) -> list[dict]:
@@ -221,13 +239,16 @@ def run_rollouts(
             t.turns.append(record)
             t.messages.append({"role": "assistant", "content": text})
             try:
-                obs, reward, done = _check_step(t.env.step(text))
+                bounds = getattr(t.env, "reward_bounds", (0.0, 1.0))
+                obs, reward, done, info = _check_step(t.env.step(text), bounds)
             except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
                 t.error, t.done = f"step {turn}: {exc}", True
+                t.reward_error = isinstance(exc, RewardError)
                 continue
             record.reward = reward
             if done:
                 t.done = True
+                t.reward_extra = _numbers(info.get("reward_extra"))
                 continue
             t.messages.append({"role": "user", "content": obs})
             if not step_wise:
@@ -354,7 +375,24 @@ def _metrics(trajs: list[_Trajectory], rows: list[Row]) -> dict[str, float]:
         ),
         "rollout/mean_response_length": sum(len(r.response_ids) for r in rows) / max(len(rows), 1),
         "rollout/score_mean": sum(_score(t) for t in with_rows) / max(len(with_rows), 1),
+        **_reward_metrics(trajs),
     }
+
+
+def _reward_metrics(trajs: list[_Trajectory]) -> dict[str, float]:
+    """``reward/errors`` (reward-function faults, also in ``rollout/env_errors``) when any env
+    scores with a reward function, and ``reward/extra/<key>``: the mean of each extra key a reward
+    function returned, over the trajectories that returned it."""
+    out: dict[str, float] = {}
+    if any(getattr(t.env, "reward_fn", None) is not None for t in trajs):
+        out["reward/errors"] = float(sum(t.reward_error for t in trajs))
+    totals: dict[str, list[float]] = {}
+    for t in trajs:
+        for key, value in t.reward_extra.items():
+            totals.setdefault(key, []).append(value)
+    for key, values in sorted(totals.items()):
+        out[f"reward/extra/{key}"] = sum(values) / len(values)
+    return out
 
 
 def _finished(t: _Trajectory) -> bool:

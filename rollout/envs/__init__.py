@@ -6,6 +6,7 @@ a prompt-file record) to get a fresh ``Env``. See ``base.py`` for the interface.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 
@@ -13,6 +14,7 @@ from rollout.envs.base import Env, match_credit
 from rollout.envs.calc import CalcEnv, calculator
 from rollout.envs.qa import QAEnv
 from rollout.envs.recall import RecallEnv
+from rollout.envs.single_turn import SingleTurnEnv
 
 __all__ = [
     "BUILTIN_ENVS",
@@ -20,13 +22,21 @@ __all__ = [
     "Env",
     "QAEnv",
     "RecallEnv",
+    "SingleTurnEnv",
     "calculator",
+    "bind_env",
     "make_env",
+    "takes_reward_fn",
     "match_credit",
 ]
 
 #: Built-in environments by the name used in ``rollout.env``.
-BUILTIN_ENVS: dict[str, type[Env]] = {"recall": RecallEnv, "calc": CalcEnv, "qa": QAEnv}
+BUILTIN_ENVS: dict[str, type[Env]] = {
+    "recall": RecallEnv,
+    "calc": CalcEnv,
+    "qa": QAEnv,
+    "single_turn": SingleTurnEnv,
+}
 
 EnvFactory = Callable[..., Env]
 
@@ -64,3 +74,24 @@ def make_env(spec: str) -> EnvFactory:
             "(needs reset(seed) -> str and step(text) -> (obs, reward, done, info))"
         )
     return cls
+
+
+def takes_reward_fn(factory: EnvFactory) -> bool:
+    """Whether an environment class accepts ``reward_fn=`` (by name or ``**kwargs``): then the
+    trainer hands it ``reward.function`` to score its final turn."""
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "reward_fn" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def bind_env(spec: str, env_kwargs: dict, reward_fn=None) -> EnvFactory:
+    """The env factory a rollout uses: ``make_env(spec)`` with the config's ``env_kwargs``
+    and, when given, ``reward_fn`` (a prompt-file row's fields still override the kwargs)."""
+    kwargs = dict(env_kwargs)
+    if reward_fn is not None:
+        kwargs["reward_fn"] = reward_fn
+    return functools.partial(make_env(spec), **kwargs)
