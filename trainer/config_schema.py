@@ -205,7 +205,8 @@ class AlgorithmConfig(BaseModel):
         description="weight of KL(policy || reference); 0 = none. As a reward penalty "
         "(use_kl_loss false) with grpo / rloo / reinforce_pp_baseline, each trajectory's "
         "summed token penalty is added to its score before the group statistics (as verl "
-        "does), so the penalty moves the advantages instead of being silently ignored",
+        "does), so the penalty moves the advantages instead of being silently ignored and a "
+        "verl config that relies on it trains the same here",
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="per-token KL estimator (k3 = low-variance)"
