@@ -110,6 +110,13 @@ class Trainer:
         for group in self._training_groups():
             group.call("load_pieces", str(ckpt))
         self.start_step = int(state["step"])
+        consumed = state.get("prompts_consumed", self.start_step * self.cfg.train.batch_size)
+        wait_all(
+            [self.rollout.set_prompts_consumed.remote(consumed)],
+            ["rollout host"],
+            timeout_s=CALL_TIMEOUT_S,
+            what="rollout.set_prompts_consumed",
+        )
         self._sync_weights()
         print(f"crossrl: resumed from {ckpt} (step {self.start_step})", file=sys.stderr)
 
@@ -225,6 +232,21 @@ class Trainer:
         for group in self._training_groups():
             check_finite_weights(group.role, group.call("weights_finite"), step)
 
+    def validate(self, step: int) -> dict[str, Any]:
+        """``val/*`` metrics on ``data.val_source`` with the current weights (see
+        ``trainer.validation``) and ``timing/val_s``; ``step``: the step just finished."""
+        from trainer.metrics import StepTimer
+
+        timer = StepTimer()
+        with timer.section("val"):
+            (metrics,) = wait_all(
+                [self.rollout.validate.remote(step)],
+                ["rollout host"],
+                timeout_s=CALL_TIMEOUT_S,
+                what="rollout.validate",
+            )
+        return {**metrics, "timing/val_s": timer.sections["val"]}
+
     def _sync_weights(self) -> None:
         """Push the actor's weights into the rollout engine (nothing to push when replaying)."""
         if self.replay_dir is None:
@@ -290,10 +312,13 @@ class Trainer:
         staging = begin_checkpoint(self.run_dir, step)
         for group in self._training_groups():
             group.call("save_pieces", str(staging))
-        save_json(
-            {"step": step, "prompts_consumed": step * self.cfg.train.batch_size},
-            staging / LAYOUT.trainer_state,
+        (consumed,) = wait_all(
+            [self.rollout.get_prompts_consumed.remote()],
+            ["rollout host"],
+            timeout_s=CALL_TIMEOUT_S,
+            what="rollout.get_prompts_consumed",
         )
+        save_json({"step": step, "prompts_consumed": consumed}, staging / LAYOUT.trainer_state)
         save_torch(rng_state(), staging / LAYOUT.controller_rng)
         return commit_checkpoint(self.run_dir, step, staging)
 

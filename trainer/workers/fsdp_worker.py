@@ -302,26 +302,29 @@ class FSDPWorker:
 
         Every worker holds the whole batch, so each computes the same advantages locally
         instead of shipping them around. Without the KL loss (``algorithm.use_kl_loss:
-        false``) a ``kl_coef`` > 0 is a per-token reward penalty against ``ref_logprobs``.
-        Returns statistics over real loss tokens.
+        false``) a ``kl_coef`` > 0 is a per-token reward penalty against ``ref_logprobs``
+        (summed into the trajectory score by the outcome estimators). With
+        ``algorithm.rollout_correction`` the truncated importance weights are stored as the
+        token field ``is_weights``. Returns statistics over real loss tokens.
         """
         from trainer.algorithms import compute_advantages
-        from trainer.losses import apply_kl_penalty
+        from trainer.algorithms.rollout_correction import (
+            mismatch_metrics,
+            rollout_correction_weights,
+        )
+        from trainer.losses import kl_reward_penalty
 
         algo = self.spec.cfg.algorithm
         batch = self.batch
         kl_penalty = 0.0 if algo.use_kl_loss else algo.kl_coef
+        penalty = None
         if kl_penalty and "ref_logprobs" in batch.token_fields:
-            batch.set_token_field(
-                "token_rewards",
-                apply_kl_penalty(
-                    batch.token_fields["token_rewards"],
-                    batch.token_fields["old_logprobs"],
-                    batch.token_fields["ref_logprobs"],
-                    kl_penalty,
-                    algo.kl_estimator,
-                    loss_mask=batch.loss_mask,
-                ),
+            penalty = kl_reward_penalty(
+                batch.token_fields["old_logprobs"],
+                batch.token_fields["ref_logprobs"],
+                kl_penalty,
+                algo.kl_estimator,
+                loss_mask=batch.loss_mask,
             )
         advantages, returns = compute_advantages(
             batch,
@@ -329,6 +332,7 @@ class FSDPWorker:
             gamma=algo.gamma,
             lam=algo.lam,
             norm_adv_by_std=algo.norm_adv_by_std,
+            token_penalty=penalty,
         )
         batch.set_token_field("advantages", advantages.float())
         batch.set_token_field("returns", returns.float())
@@ -337,10 +341,26 @@ class FSDPWorker:
             return {"advantage/mean": 0.0, "advantage/std": 0.0}
         adv = advantages[mask].double()
         out = {"advantage/mean": float(adv.mean()), "advantage/std": float(adv.std(unbiased=False))}
+        if penalty is not None:
+            out["algorithm/kl_penalty_token_mean"] = float(penalty[mask].double().mean())
         if "old_logprobs" in batch.token_fields:
             # Engine vs trainer logprobs of the same tokens: the rollout/training mismatch.
-            gap = batch.token_fields["old_logprobs"] - batch.token_fields["rollout_logprobs"]
-            out["rollout/logprob_abs_diff"] = float(gap[mask].double().abs().mean())
+            old, rollout = (
+                batch.token_fields["old_logprobs"],
+                batch.token_fields["rollout_logprobs"],
+            )
+            out.update(mismatch_metrics(old, rollout, batch.loss_mask))
+            if algo.rollout_correction != "none":
+                weights, weight_metrics = rollout_correction_weights(
+                    old,
+                    rollout,
+                    batch.loss_mask,
+                    batch.cu_seqlens,
+                    level=algo.rollout_correction,
+                    cap=algo.rollout_correction_cap,
+                )
+                batch.set_token_field("is_weights", weights)
+                out.update(weight_metrics)
         return out
 
     # ---------------------------------------------------------------- update helpers

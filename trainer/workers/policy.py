@@ -47,6 +47,7 @@ def actor_micro_batch_loss(
         cfg,
         ref_logprobs=field["ref_logprobs"].to(device) if cfg.algorithm.use_kl_loss else None,
         entropy=entropy,
+        is_weights=field["is_weights"].to(device) if "is_weights" in field else None,
     )
     sums = dict(masked_sums(terms, mask))
     sums["loss"] = loss.detach()

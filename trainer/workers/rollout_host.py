@@ -6,7 +6,6 @@ packed batch itself goes into Ray's object store as numpy arrays for the trainin
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -14,6 +13,7 @@ import torch
 
 import hal
 from batching import StepBatch, response_length_mean, trajectory_score_mean
+from rollout.agent_loop import RolloutOutput
 from trainer.config_schema import Config
 
 
@@ -29,9 +29,10 @@ class RolloutHost:
     def setup(self) -> dict[str, Any]:
         """Load tokenizer, model and engine; check the environment spec."""
         from rollout.engines import make_engine
-        from rollout.envs import make_env
+        from rollout.envs import bind_env
         from rollout.envs.prompts import PromptSource
         from rollout.models import builtin_weights_dir, load_model
+        from rollout.rewards import RewardFunction
         from rollout.tokenizer import load_tokenizer
 
         torch.set_num_threads(max(1, self.threads))
@@ -62,8 +63,16 @@ class RolloutHost:
                 tensor_parallel_size=roll.tensor_parallel_size,
                 max_model_len=roll.max_input_len + roll.max_new_tokens,
             )
-        self.env_factory = functools.partial(make_env(roll.env), **roll.env_kwargs)
+        reward_fn = None
+        if cfg.reward.function is not None:
+            reward_fn = RewardFunction(cfg.reward.function, timeout_s=cfg.reward.timeout_s)
+        self.env_factory = bind_env(roll.env, roll.env_kwargs, reward_fn)
         self.prompts = PromptSource(cfg.data.source, seed=cfg.seed)
+        self.prompts_consumed = 0
+        self.val_items = []
+        if cfg.data.val_source is not None:
+            val = PromptSource(cfg.data.val_source, seed=cfg.seed, key="data.val_source")
+            self.val_items = val.all_records()
         return {"engine": roll.engine, "deterministic": deterministic}
 
     def rollout(self, step: int, record_dir: str | None = None) -> tuple[dict[str, Any], list]:
@@ -74,11 +83,57 @@ class RolloutHost:
         """
         import ray
 
+        from trainer.algorithms.dynamic_sampling import GroupSelection
+
+        size = self.cfg.train.batch_size
+        batches = self.cfg.rollout.max_sample_batches
+        # Without dynamic sampling every step takes exactly batch_size prompts.
+        first = (step - 1) * size if batches == 1 else self.prompts_consumed
+        selection, outputs = GroupSelection(), []
+        for _ in range(batches):
+            outputs.append(self._sample(step, self.prompts.take(first, size)))
+            first += size
+            if batches == 1:
+                break
+            selection.add(outputs[-1].rows)
+            if len(selection.kept) >= size:
+                break
+        self.prompts_consumed = first
+        metrics = combine_rollout_metrics([o.metrics for o in outputs])
+        if batches == 1:
+            rows = outputs[0].rows
+        else:
+            rows, picked = selection.final(size)
+            metrics.update(picked, **{"dynamic_sampling/sample_batches": float(len(outputs))})
+        faults = [fault for o in outputs for fault in o.faults]
+        out = RolloutOutput(rows=rows, metrics=metrics, faults=faults)
+        if not out.rows:
+            from rollout.agent_loop import fault_summary
+
+            total = int(metrics.get("rollout/num_trajectories", 0))
+            why = fault_summary(faults, total) if faults else out.metrics
+            raise RuntimeError(
+                f"step {step}: the rollout produced no rows ({why}); check rollout.env and "
+                "rollout.max_input_len"
+            )
+        batch = StepBatch.from_rows(out.rows)
+        arrays = batch.to_numpy()
+        if record_dir is not None:
+            from rollout.replay import record_rollout
+
+            record_rollout(record_dir, step, arrays)
+        meta = batch_metadata(batch, out.metrics)
+        meta["prompts_consumed"] = self.prompts_consumed
+        meta["env_faults"] = out.faults  # the health gate shows them (trainer/health.py)
+        return meta, [ray.put(arrays)]
+
+    def _sample(self, step: int, items: list) -> RolloutOutput:
+        """One sampled batch: ``items`` x ``rollout.n`` trajectories, with reward shaping."""
         from rollout.agent_loop import run_rollouts
         from rollout.engines import SamplingParams
+        from rollout.rewards import apply_overlong_penalty
 
         cfg, roll = self.cfg, self.cfg.rollout
-        items = self.prompts.batch(step - 1, cfg.train.batch_size)
         sampling = SamplingParams(
             max_new_tokens=roll.max_new_tokens,
             temperature=roll.temperature,
@@ -101,23 +156,34 @@ class RolloutHost:
             step=step,
             stop_strings=tuple(roll.stop_strings),
         )
-        if not out.rows:
-            from rollout.agent_loop import fault_summary
-
-            why = fault_summary(out.faults, len(items) * roll.n) if out.faults else out.metrics
-            raise RuntimeError(
-                f"step {step}: the rollout produced no rows ({why}); check rollout.env and "
-                "rollout.max_input_len"
+        if cfg.reward.overlong_buffer_len:
+            rows, shaped = apply_overlong_penalty(
+                out.rows,
+                horizon=roll.max_new_tokens - 1,  # the engine generates at most this many
+                buffer_len=cfg.reward.overlong_buffer_len,
+                factor=cfg.reward.overlong_penalty_factor,
             )
-        batch = StepBatch.from_rows(out.rows)
-        arrays = batch.to_numpy()
-        if record_dir is not None:
-            from rollout.replay import record_rollout
+            out = RolloutOutput(rows=rows, metrics={**out.metrics, **shaped}, faults=out.faults)
+        return out
 
-            record_rollout(record_dir, step, arrays)
-        meta = batch_metadata(batch, out.metrics)
-        meta["env_faults"] = out.faults  # the health gate shows them (trainer/health.py)
-        return meta, [ray.put(arrays)]
+    def validate(self, step: int) -> dict[str, float]:
+        """``val/*`` metrics of the validation set (``data.val_source``) under the engine's
+        current weights; ``step``: the training step just finished (0 before training)."""
+        from trainer.validation import run_validation
+
+        if not self.val_items:
+            raise ValueError("run.val_every / run.val_before_train need data.val_source")
+        return run_validation(
+            self.engine, self.tokenizer, self.env_factory, self.val_items, self.cfg, step
+        )
+
+    def get_prompts_consumed(self) -> int:
+        """Training prompts taken from the stream so far (saved in checkpoints)."""
+        return self.prompts_consumed
+
+    def set_prompts_consumed(self, count: int) -> None:
+        """Resume the prompt stream after ``count`` prompts (from a checkpoint)."""
+        self.prompts_consumed = int(count)
 
     def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
         """Load one bucket of new weights (HF names -> float32 arrays) into the engine."""
@@ -130,6 +196,26 @@ class RolloutHost:
         """Release the engine."""
         if self.engine is not None:
             self.engine.shutdown()
+
+
+#: rollout metrics that count things: summed over a step's sampled batches (the rest are
+#: means, weighted by each batch's trajectories).
+_COUNTS = ("num_trajectories", "num_rows", "_trajectories", "errors")
+
+
+def combine_rollout_metrics(per_batch: list[dict[str, float]]) -> dict[str, float]:
+    """One step's rollout metrics from those of its sampled batches (dynamic sampling)."""
+    if len(per_batch) == 1:
+        return dict(per_batch[0])
+    weights = [m.get("rollout/num_trajectories", 1.0) for m in per_batch]
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for m in per_batch for k in m):
+        present = [(m[key], w) for m, w in zip(per_batch, weights) if key in m]
+        if key.endswith(_COUNTS):
+            out[key] = sum(v for v, _ in present)
+        else:
+            out[key] = sum(v * w for v, w in present) / max(sum(w for _, w in present), 1e-12)
+    return out
 
 
 def batch_metadata(batch: StepBatch, rollout_metrics: dict[str, float]) -> dict[str, Any]:
@@ -187,6 +273,13 @@ class ReplayHost:
     def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
         """No engine to update."""
         return len(bucket)
+
+    def get_prompts_consumed(self) -> int:
+        """A replay samples no prompts."""
+        return 0
+
+    def set_prompts_consumed(self, count: int) -> None:
+        """A replay samples no prompts."""
 
     def shutdown(self) -> None:
         """Nothing to release."""
