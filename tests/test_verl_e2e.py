@@ -94,3 +94,42 @@ def test_verl_parquet_reward_module_validation_every_step(local_ray, tmp_path):
     state = json.loads((find_latest(plain) / "trainer_state.json").read_text())
     batches = sum(m["dynamic_sampling/sample_batches"] for m in read_jsonl(plain / "metrics.jsonl"))
     assert state["prompts_consumed"] == 2 * batches
+
+
+def test_dynamic_sampling_prompt_stream_resumes_where_it_stopped(local_ray, tmp_path):
+    """With dynamic sampling a step consumes a variable number of prompts; a host that resumes
+    from the saved count samples exactly what the uninterrupted host sampled next."""
+    from trainer.workers.rollout_host import RolloutHost
+
+    train = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(_rows(8, "train")), str(train))
+    cfg = load_config(
+        None,
+        [
+            f"data.source={train}",
+            "rollout.env=single_turn",
+            "reward.function=tests.verl_reward_fns:length_score",
+            "train.batch_size=2",
+            "train.mini_batch_size=2",
+            "rollout.n=2",
+            "rollout.max_new_tokens=4",
+            "rollout.max_sample_batches=3",
+            f"run.dir={tmp_path / 'run'}",
+        ],
+    )
+    straight = RolloutHost(cfg)
+    straight.setup()
+    straight.rollout(1)
+    after_step_1 = straight.get_prompts_consumed()
+    meta, ref = straight.rollout(2)
+    batches = meta["metrics"]["dynamic_sampling/sample_batches"]
+    assert after_step_1 % 2 == 0 and after_step_1 >= 2
+    assert straight.get_prompts_consumed() == after_step_1 + 2 * batches
+
+    resumed = RolloutHost(cfg)
+    resumed.setup()
+    resumed.set_prompts_consumed(after_step_1)
+    meta2, ref2 = resumed.rollout(2)
+    assert meta2["prompts_consumed"] == meta["prompts_consumed"]
+    a, b = ray.get(ref[0]), ray.get(ref2[0])
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)

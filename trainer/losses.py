@@ -105,12 +105,9 @@ def apply_kl_penalty(
     Returns:
         [T] penalised rewards (a new tensor; the arguments are left unchanged).
     """
-    if not kl_coef >= 0:
-        raise ValueError(f"algorithm.kl_coef={kl_coef!r} must be >= 0")
-    kl = kl_divergence(logprobs, ref_logprobs, estimator).detach()
-    if loss_mask is not None:
-        kl = torch.where(loss_mask > 0, kl, torch.zeros_like(kl))
-    return token_rewards - kl_coef * kl.to(token_rewards.dtype)
+    mask = torch.ones_like(logprobs) if loss_mask is None else loss_mask
+    penalty = kl_reward_penalty(logprobs, ref_logprobs, kl_coef, estimator, loss_mask=mask)
+    return token_rewards + penalty.to(token_rewards.dtype)
 
 
 # ----------------------------------------------------------------------------- policy
