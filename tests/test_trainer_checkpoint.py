@@ -26,10 +26,13 @@ from trainer.checkpoint import (
     load_json,
     load_safetensors,
     load_torch,
+    read_model_weights,
+    read_sharded,
     resolve_resume,
     rng_state,
     save_json,
     save_safetensors,
+    save_sharded,
     save_torch,
     set_rng_state,
     verify_checkpoint,
@@ -45,11 +48,17 @@ def _model_state(seed: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(8, 4, generator=g), "b": torch.randn(4, generator=g)}
 
 
+MODEL_SHARD = f"{LAYOUT.model_dir(ROLE)}/__0_0.distcp"  # rank 0's shard of the model
+
+
 def _written_files(ranks: int) -> list[str]:
-    """Every file of a checkpoint of one trainable role over ``ranks`` data-parallel ranks."""
+    """Every file of a checkpoint of one trainable role over ``ranks`` data-parallel ranks
+    (the sharded dirs written by one process here: one shard each)."""
     return [
-        LAYOUT.model(ROLE),
-        LAYOUT.optim(ROLE),
+        MODEL_SHARD,
+        f"{LAYOUT.model_dir(ROLE)}/.metadata",
+        f"{LAYOUT.optim_dir(ROLE)}/__0_0.distcp",
+        f"{LAYOUT.optim_dir(ROLE)}/.metadata",
         LAYOUT.scheduler(ROLE),
         *(LAYOUT.rng(ROLE, r) for r in range(ranks)),
         LAYOUT.trainer_state,
@@ -61,8 +70,8 @@ def _write_checkpoint(run_dir: Path, step: int, *, ranks: int = 2, keep_last: in
     """What the controller and the workers write (``Trainer.save_checkpoint`` and
     ``FSDPWorker.save_pieces``): stage every piece, then commit."""
     staging = begin_checkpoint(run_dir, step)
-    save_safetensors(_model_state(step), staging / LAYOUT.model(ROLE))  # rank 0
-    save_torch({"exp_avg": torch.full((3,), float(step))}, staging / LAYOUT.optim(ROLE))
+    save_sharded(_model_state(step), staging / LAYOUT.model_dir(ROLE))
+    save_sharded({"exp_avg": torch.full((3,), float(step))}, staging / LAYOUT.optim_dir(ROLE))
     save_torch({"last_epoch": step}, staging / LAYOUT.scheduler(ROLE))
     for rank in range(ranks):
         save_torch(rng_state(), staging / LAYOUT.rng(ROLE, rank))
@@ -75,10 +84,10 @@ def _write_checkpoint(run_dir: Path, step: int, *, ranks: int = 2, keep_last: in
 def _assert_whole(ckpt: Path, step: int) -> None:
     verify_checkpoint(ckpt)
     assert load_json(ckpt / LAYOUT.trainer_state)["step"] == step
-    loaded = load_safetensors(ckpt / LAYOUT.model(ROLE))
+    loaded = read_model_weights(ckpt, ROLE)
     for name, tensor in _model_state(step).items():
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)
-    assert load_torch(ckpt / LAYOUT.optim(ROLE))["exp_avg"][0].item() == step
+    assert read_sharded(ckpt / LAYOUT.optim_dir(ROLE))["exp_avg"][0].item() == step
     assert load_torch(ckpt / LAYOUT.scheduler(ROLE))["last_epoch"] == step
     assert "torch" in load_torch(ckpt / LAYOUT.rng(ROLE, 1))
 
@@ -88,8 +97,10 @@ def _assert_whole(ckpt: Path, step: int) -> None:
 
 def test_layout_names_are_what_existing_checkpoints_hold():
     """Runs saved before must resume: these names are an on-disk contract."""
-    assert LAYOUT.model("actor") == "actor_model.safetensors"
-    assert LAYOUT.optim("critic") == "critic_optim.pt"
+    assert LAYOUT.model_dir("actor") == "actor_model"
+    assert LAYOUT.optim_dir("critic") == "critic_optim"
+    assert LAYOUT.legacy_model("actor") == "actor_model.safetensors"
+    assert LAYOUT.legacy_optim("critic") == "critic_optim.pt"
     assert LAYOUT.scheduler("actor") == "actor_scheduler.pt"
     assert LAYOUT.rng("actor", 3) == "actor_rng_rank3.pt"
     assert (LAYOUT.trainer_state, LAYOUT.controller_rng) == (
@@ -138,7 +149,7 @@ def test_recommit_same_step_replaces_it(tmp_path):
     ckpt = commit_checkpoint(tmp_path, 2, staging)
     verify_checkpoint(ckpt)
     assert load_json(ckpt / LAYOUT.trainer_state)["prompts_consumed"] == 999
-    assert not (ckpt / LAYOUT.model(ROLE)).exists()  # the old dir was replaced, not merged
+    assert not (ckpt / LAYOUT.model_dir(ROLE)).exists()  # the old dir was replaced, not merged
 
 
 def test_commit_rejects_bad_input(tmp_path):
@@ -188,6 +199,7 @@ def _run_child(code: str, *args: str) -> subprocess.Popen:
 def test_writer_killed_mid_write_leaves_previous_checkpoint(tmp_path):
     _write_checkpoint(tmp_path, 1)
     staging = begin_checkpoint(tmp_path, 2)
+    (staging / MODEL_SHARD).parent.mkdir()
     child = _run_child(
         """
         import sys
@@ -199,14 +211,14 @@ def test_writer_killed_mid_write_leaves_previous_checkpoint(tmp_path):
             while True:  # a model too big to finish before the kill
                 fh.write(chunk)
         """,
-        str(staging / LAYOUT.model(ROLE)),
+        str(staging / MODEL_SHARD),
     )
     assert child.stdout.readline().strip() == "started"
     child.send_signal(signal.SIGKILL)
     child.wait(timeout=30)
     child.stdout.close()
     assert child.returncode == -signal.SIGKILL
-    assert (staging / LAYOUT.model(ROLE)).stat().st_size > 0  # the torn piece is really there
+    assert (staging / MODEL_SHARD).stat().st_size > 0  # the torn piece is really there
 
     latest = find_latest(tmp_path)
     assert latest.name == "step_1"
@@ -221,7 +233,7 @@ def test_writer_killed_mid_write_leaves_previous_checkpoint(tmp_path):
 def test_kill_after_rename_before_latest_keeps_previous_checkpoint(tmp_path):
     _write_checkpoint(tmp_path, 1)
     staging = begin_checkpoint(tmp_path, 2)
-    save_safetensors(_model_state(2), staging / LAYOUT.model(ROLE))
+    save_sharded(_model_state(2), staging / LAYOUT.model_dir(ROLE))
     save_json({"step": 2, "prompts_consumed": 8}, staging / LAYOUT.trainer_state)
     child = _run_child(
         """
@@ -277,7 +289,7 @@ def _corrupt_flip(path: Path) -> None:
     ("how", "expect"),
     [(_corrupt_truncate, "bytes"), (_corrupt_flip, "sha256"), (Path.unlink, "missing")],
 )
-@pytest.mark.parametrize("victim", [LAYOUT.model(ROLE), LAYOUT.rng(ROLE, 1)])
+@pytest.mark.parametrize("victim", [MODEL_SHARD, LAYOUT.rng(ROLE, 1)])
 def test_corrupted_file_named_in_error(tmp_path, how, expect, victim):
     ckpt = _write_checkpoint(tmp_path, 5)
     how(ckpt / victim)
@@ -301,13 +313,13 @@ def test_missing_or_bad_manifest(tmp_path):
 
 
 def test_loaders_wrap_errors_naming_file(tmp_path):
-    garbage = tmp_path / LAYOUT.optim(ROLE)
+    garbage = tmp_path / LAYOUT.scheduler(ROLE)
     garbage.write_bytes(b"\x00not a torch file")
-    with pytest.raises(CheckpointError, match=LAYOUT.optim(ROLE)):
+    with pytest.raises(CheckpointError, match=LAYOUT.scheduler(ROLE)):
         load_torch(garbage)
-    bad_st = tmp_path / LAYOUT.model(ROLE)
+    bad_st = tmp_path / LAYOUT.legacy_model(ROLE)
     bad_st.write_bytes(b"\xff" * 64)
-    with pytest.raises(CheckpointError, match=LAYOUT.model(ROLE)):
+    with pytest.raises(CheckpointError, match=LAYOUT.legacy_model(ROLE)):
         load_safetensors(bad_st)
     with pytest.raises(CheckpointError, match="missing"):
         load_torch(tmp_path / "absent.pt")
@@ -343,7 +355,7 @@ def test_safetensors_tied_and_noncontiguous_weights(tmp_path):
         "half": torch.randn(3, dtype=torch.bfloat16),
         "slice": base[1],  # a view into a larger buffer
     }
-    path = save_safetensors(state, tmp_path / LAYOUT.model(ROLE))
+    path = save_safetensors(state, tmp_path / LAYOUT.legacy_model(ROLE))
     loaded = load_safetensors(path)
     assert set(loaded) == set(state)
     for name, tensor in state.items():
@@ -360,8 +372,8 @@ def test_optimizer_state_round_trip_with_weights_only(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    save_torch(opt.state_dict(), tmp_path / LAYOUT.optim(ROLE))
-    loaded = load_torch(tmp_path / LAYOUT.optim(ROLE))
+    save_torch(opt.state_dict(), tmp_path / "optim.pt")
+    loaded = load_torch(tmp_path / "optim.pt")
     fresh = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters(), lr=1e-3)
     fresh.load_state_dict(loaded)
     for key in ("exp_avg", "exp_avg_sq"):
