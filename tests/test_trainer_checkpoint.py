@@ -659,6 +659,12 @@ def test_resume_at_another_dp_size_continues_the_run(dp2_checkpoint, world):
     expected = dp2_checkpoint["continued"]
     for ckpt in dirs:
         got = _step_result(per_rank, ckpt)
+        print(
+            f"dp=2 -> dp={world} from {Path(ckpt).parent.name}/{Path(ckpt).name}: "
+            f"loss {got['loss']:.9g} vs {expected['loss']:.9g}, grad norm "
+            f"{got['grad_norm']:.9g} vs {expected['grad_norm']:.9g}, "
+            f"parameters {_rel_distance(got, expected):.2e} apart"
+        )
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-7), ckpt
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), ckpt
         assert _rel_distance(got, expected) <= 1e-5, ckpt
