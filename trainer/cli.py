@@ -1,4 +1,4 @@
-"""The ``crossrl`` command line: train, devices, doctor, plot, probe, parity, bench.
+"""The ``crossrl`` command line: train, devices, doctor, plot, probe, parity, export, bench.
 
 Every subcommand validates its input before starting anything heavy; a bad argument or
 config exits with status 2 and one message naming the key, the bad value and the fix.
@@ -81,6 +81,18 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     return 0 if report.agree else 1
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from trainer.export import ExportError, export_run
+
+    try:
+        out = export_run(args.run_dir, args.out_dir, step=args.step, max_shard_mb=args.max_shard_mb)
+    except ExportError as err:
+        print(f"crossrl export: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(out)
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from bench.__main__ import main as bench_main
 
@@ -90,6 +102,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every ``crossrl`` subcommand."""
+    from trainer.export import DEFAULT_MAX_SHARD_MB  # light: no torch at import
+
     parser = argparse.ArgumentParser(prog="crossrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -155,6 +169,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--failures-only", action="store_true", help="print only the disagreeing rows of the table"
     )
     parity.set_defaults(func=_cmd_parity)
+
+    export = sub.add_parser(
+        "export",
+        help="write a run's trained actor as a Hugging Face model directory (docs/export.md)",
+    )
+    export.add_argument("run_dir", help="the run directory (run.dir of `crossrl train`)")
+    export.add_argument("out_dir", help="a new directory for the model (never overwritten)")
+    export.add_argument(
+        "--step", type=int, default=None, help="checkpoint step_<N> to export (default: latest)"
+    )
+    export.add_argument(
+        "--max-shard-mb",
+        type=float,
+        default=DEFAULT_MAX_SHARD_MB,
+        help="largest safetensors file in MB (1e6 bytes); bigger models are sharded",
+    )
+    export.set_defaults(func=_cmd_export)
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
     bench.add_argument("which", nargs="*", default=["all"])

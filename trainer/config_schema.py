@@ -63,7 +63,9 @@ class ModelConfig(BaseModel):
         "(config.json + safetensors); nothing is downloaded",
     )
     dtype: ModelDtype = Field(
-        "float32", description="dtype of the rollout engine's weights and of saved checkpoints"
+        "float32",
+        description="dtype of the rollout engine's weights and of `crossrl export`'s weights "
+        "(checkpoints keep the float32 master weights)",
     )
     critic_path: str | None = Field(
         None, description="critic initial weights (same forms as path); null = model.path"

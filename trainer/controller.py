@@ -310,8 +310,10 @@ class Trainer:
 
         self._check_weights(step)  # never commit non-finite weights over good checkpoints
         staging = begin_checkpoint(self.run_dir, step)
+        expected: set[str] = set()  # what the workers say they wrote; the commit checks it
         for group in self._training_groups():
-            group.call("save_pieces", str(staging))
+            for names in group.call("save_pieces", str(staging)):
+                expected.update(names)
         (consumed,) = wait_all(
             [self.rollout.get_prompts_consumed.remote()],
             ["rollout host"],
@@ -320,7 +322,7 @@ class Trainer:
         )
         save_json({"step": step, "prompts_consumed": consumed}, staging / LAYOUT.trainer_state)
         save_torch(rng_state(), staging / LAYOUT.controller_rng)
-        return commit_checkpoint(self.run_dir, step, staging)
+        return commit_checkpoint(self.run_dir, step, staging, expect_files=sorted(expected))
 
     def shutdown(self) -> None:
         """Stop every worker (best effort: a dead one is already gone)."""
