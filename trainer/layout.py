@@ -8,7 +8,7 @@ asks no device, so ``crossrl layout`` and the tests run it anywhere; the control
 exactly this shape (one placement group of ``tp`` bundles per replica, see
 ``trainer.workers.group.make_placement``).
 
-``deal_prompt`` says which replica serves a prompt: all ``rollout.n`` samples of a prompt, on
+``deal_prompt`` (``rollout.engines.router``) says which replica serves a prompt: all ``rollout.n`` samples of a prompt, on
 every turn, go to one replica, chosen from the prompt's index in the run's prompt stream only
 (never from timing), so runs stay reproducible and the samples of a group share the
 replica's prefix cache.
@@ -19,7 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from rollout.engines.router import deal_prompt
 from trainer.config_schema import Config
+
+__all__ = ["Layout", "LayoutError", "Replica", "deal_prompt", "format_layout", "plan_layout"]
 
 #: Ray's share of one bundle's device each process asks for: they add up to one device.
 #: (Shares only keep Ray's books; device memory is handed over by sleep/wake, not by them.)
@@ -144,12 +147,6 @@ def plan_layout(cfg: Config, nodes: Sequence[int], resource: str, device: str = 
         engine_memory_fraction=cfg.rollout.memory_fraction,
         shares={role: RAY_SHARES[role] for role in (*roles, "rollout")},
     )
-
-
-def deal_prompt(prompt_index: int, num_replicas: int) -> int:
-    """The replica that serves every sample and turn of prompt ``prompt_index`` (its index in
-    the run's prompt stream): round robin, so a step's consecutive prompts spread evenly."""
-    return int(prompt_index) % num_replicas
 
 
 def local_ray_cpus(cfg: Config) -> int:
