@@ -65,7 +65,7 @@ class EngineHost:
                 self.tokenizer,
                 dtype=cfg.model.dtype,
                 seed=cfg.seed,
-                gpu_memory_utilization=roll.memory_fraction,
+                gpu_memory_utilization=engine_memory_fraction(cfg, backend.is_accelerator),
                 tensor_parallel_size=roll.tensor_parallel_size,
                 max_model_len=roll.max_input_len + roll.max_new_tokens,
                 # colocated: free the devices while the ranks train (ignored on the CPU)
@@ -111,6 +111,16 @@ class EngineHost:
         """Release the engine."""
         if self.engine is not None:
             self.engine.shutdown()
+
+
+def engine_memory_fraction(cfg: Config, on_accelerator: bool) -> float:
+    """The share of its device memory one replica's engine may take: ``rollout.memory_fraction``
+    of each of its own devices on an accelerator; on the CPU all replicas share the host's
+    memory, so they split the fraction."""
+    if on_accelerator:
+        return cfg.rollout.memory_fraction
+    replicas = cfg.train.dp_size // cfg.rollout.tensor_parallel_size
+    return cfg.rollout.memory_fraction / replicas
 
 
 class RemoteEngine(Engine):
