@@ -60,7 +60,8 @@ def plan_buckets(
     return [b for b in buckets if b], largest
 
 
-def _view(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+def tensor_view(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """The tensor ``spec`` describes, as a view of the bucket ``flat`` (uint8): no copy."""
     dtype = getattr(torch, spec.dtype)
     nbytes = tensor_nbytes(spec.shape, dtype)
     return flat[spec.offset : spec.offset + nbytes].view(dtype).view(spec.shape)
@@ -68,11 +69,11 @@ def _view(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 
 def pack_tensor(flat: torch.Tensor, spec: TensorSpec, tensor: torch.Tensor) -> None:
     """Copy ``tensor`` (any device or dtype, same shape) into its place in ``flat``."""
-    _view(flat, spec).copy_(tensor.reshape(spec.shape))
+    tensor_view(flat, spec).copy_(tensor.reshape(spec.shape))
 
 
 def unpack_bucket(
     flat: torch.Tensor, specs: Sequence[TensorSpec]
 ) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` views of a bucket's tensors in ``flat`` (a uint8 tensor): no copy."""
-    return [(spec.name, _view(flat, spec)) for spec in specs]
+    return [(spec.name, tensor_view(flat, spec)) for spec in specs]

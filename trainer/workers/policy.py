@@ -141,6 +141,8 @@ class PolicyWorker(FSDPWorker):
 
         if via_object_store:
             return self._push_weights_object_store(engine, bucket_bytes)
+        if not self.backend.is_accelerator and self._ranks_share_a_host():
+            return self._push_weights_host_buffer(engine)
         cfg = self.spec.cfg
         tp = cfg.rollout.tensor_parallel_size
         leader = self.spec.rank % tp == 0
@@ -165,6 +167,62 @@ class PolicyWorker(FSDPWorker):
                 self.backend.release_shared_buffer(handles[self.spec.rank % tp])
                 fresh = False
         return len(buckets) if leader else 0
+
+    def _ranks_share_a_host(self) -> bool:
+        """Whether every rank runs on this host (asked once: a collective of host names)."""
+        known = getattr(self, "_one_host", None)
+        if known is None:
+            import socket
+
+            names: list = [None] * self.spec.world_size
+            torch.distributed.all_gather_object(names, socket.gethostname())
+            known = self._one_host = len(set(names)) == 1
+        return known
+
+    def _push_weights_host_buffer(self, engine) -> int:
+        """The CPU sync when all ranks share one host: the whole model, in the engine's
+        dtype, lives in one shared-memory buffer that every rank maps; each rank writes its
+        own FSDP shard's rows in place, so shared memory replaces the gather collective, and
+        after one barrier every replica reads the full weights from it. Returns 1 bucket on
+        the ranks that sent (each tp group's first), else 0."""
+        import ray
+
+        from rollout.engines.buckets import plan_buckets, tensor_view
+        from rollout.models import parse_dtype
+
+        cfg, rank, world = self.spec.cfg, self.spec.rank, self.spec.world_size
+        state = self.model.state_dict()
+        dtype = parse_dtype(cfg.model.dtype)
+        (specs,), nbytes = plan_buckets(((n, t.shape) for n, t in state.items()), dtype, 1 << 62)
+        held = getattr(self, "_host_buffer", None)
+        fresh = held is None or held[0].numel() < nbytes
+        if fresh:
+            made = self.backend.shared_buffer(nbytes) if rank == 0 else (None, None)
+            shared = [made[1]]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            buf = made[0] if rank == 0 else hal.open_shared_buffer(shared[0])
+            held = self._host_buffer = (buf, shared[0])
+        buf, handle = held
+        for spec in specs:
+            tensor, view = state[spec.name], tensor_view(buf, spec)
+            placements = getattr(tensor, "placements", None)
+            if placements is not None and len(placements) == 1 and placements[0].is_shard(0):
+                local = tensor.to_local()  # FSDP2 shards dim 0 in torch.chunk order
+                start = rank * -(-spec.shape[0] // world)
+                view[start : start + local.shape[0]].copy_(local.detach())
+            else:
+                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                if rank == 0:
+                    view.copy_(full.detach())
+        torch.distributed.barrier()  # every shard is in place
+        leader = rank % cfg.rollout.tensor_parallel_size == 0
+        if leader:
+            ray.get(engine.load_shared_bucket.remote([handle], [tuple(s) for s in specs]))
+        if fresh:  # every replica has mapped it: the name can go
+            torch.distributed.barrier()
+            if rank == 0:
+                self.backend.release_shared_buffer(handle)
+        return 1 if leader else 0
 
     def _shared_weight_buffer(self, nbytes: int, tp: int) -> tuple[torch.Tensor, list, bool]:
         """This rank's buffer shared with its engine (made once, grown when too small), the
