@@ -269,7 +269,7 @@ def run_rollouts(
                 continue
             live.append((t, prompt))
             req_seed = stable_seed(seed, step, t.item.index, t.sample, turn)
-            requests.append(GenerationRequest(prompt_ids=prompt, seed=req_seed))
+            requests.append(GenerationRequest(prompt_ids=prompt, seed=req_seed, group=t.item.index))
         if not requests:
             break
         results = engine.generate(requests, params)

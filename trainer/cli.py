@@ -1,4 +1,5 @@
-"""The ``crossrl`` command line: train, devices, doctor, plot, probe, parity, export, bench.
+"""The ``crossrl`` command line: train, devices, layout, doctor, plot, probe, parity, export,
+bench.
 
 Every subcommand validates its input before starting anything heavy; a bad argument or
 config exits with status 2 and one message naming the key, the bad value and the fix.
@@ -17,6 +18,21 @@ def _cmd_devices(args: argparse.Namespace) -> int:
     from hal.cli_devices import format_devices
 
     print(format_devices(describe()))
+    return 0
+
+
+def _cmd_layout(args: argparse.Namespace) -> int:
+    from trainer.config import ConfigError, load_config
+    from trainer.layout import LayoutError, format_layout, layout_for_cli
+
+    try:
+        # The cluster's config is read on any machine: no check of this one's devices or files.
+        cfg = load_config(args.config, args.overrides, check_environment=False)
+        layout = layout_for_cli(cfg, nodes=args.nodes, devices_per_node=args.devices_per_node)
+    except (ConfigError, LayoutError) as err:
+        print(f"crossrl layout: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(format_layout(layout))
     return 0
 
 
@@ -114,6 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     devices = sub.add_parser("devices", help="what the device layer sees")
     devices.set_defaults(func=_cmd_devices)
+
+    layout = sub.add_parser(
+        "layout",
+        help="which process runs on which device of which node, without starting anything; "
+        "exit 2 when the layout cannot work",
+    )
+    layout.add_argument("--config", default=None, help="job YAML; omitted: the CPU default job")
+    layout.add_argument("--nodes", type=int, default=None, help="nodes in the cluster (default: 1)")
+    layout.add_argument(
+        "--devices-per-node",
+        type=int,
+        default=None,
+        help="devices of the config's type per node (default: what this machine has when the "
+        "device is here, else enough for train.dp_size)",
+    )
+    layout.add_argument(
+        "overrides", nargs="*", help="key.path=value overrides, e.g. train.dp_size=4"
+    )
+    layout.set_defaults(func=_cmd_layout)
 
     doctor = sub.add_parser(
         "doctor",

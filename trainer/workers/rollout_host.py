@@ -1,7 +1,11 @@
-"""The rollout host: owns the generation engine, the environment and the prompt stream.
+"""Engine replicas and the rollout host.
 
-It hands the controller only metadata (row lengths, trajectory and group ids, metrics); the
-packed batch itself goes into Ray's object store as numpy arrays for the training workers.
+``train.dp_size / rollout.tensor_parallel_size`` engine replicas run colocated with the
+training ranks (``trainer.layout``). Replica 0 is the ``RolloutHost``: it also owns the
+environment, the prompt stream and the agent loop, and deals generation requests to every
+replica by prompt. The others are plain ``EngineHost``s. The host hands the controller only
+metadata (row lengths, trajectory and group ids, metrics); the packed batch itself goes into
+Ray's object store as numpy arrays for the training workers.
 """
 
 from __future__ import annotations
@@ -14,25 +18,27 @@ import torch
 import hal
 from batching import StepBatch, response_length_mean, trajectory_score_mean
 from rollout.agent_loop import RolloutOutput
+from rollout.engines.base import Engine
 from trainer.config_schema import Config
 
 
-class RolloutHost:
-    """Generates one training step's rows: ``rollout(step) -> (metadata, [batch_ref])``."""
+class EngineHost:
+    """One engine replica's process: the engine on its tp group's devices, sharing them with
+    that group's training ranks. Generates what the rollout host deals it, sleeps while the
+    ranks train, and takes new weights straight from its own ranks (``load_shared_bucket``)."""
 
-    def __init__(self, cfg: Config, threads: int = 1) -> None:
-        """``cfg``: the typed job config (it pickles into Ray); ``threads``: CPU threads."""
+    def __init__(self, cfg: Config, threads: int = 1, replica: int = 0) -> None:
+        """``cfg``: the typed job config (it pickles into Ray); ``threads``: CPU threads;
+        ``replica``: this replica's index (``trainer.layout``)."""
         self.cfg = cfg
         self.threads = threads
+        self.replica = replica
         self.engine = None
 
     def setup(self) -> dict[str, Any]:
-        """Load tokenizer, model and engine; check the environment spec."""
+        """Load tokenizer, model and engine."""
         from rollout.engines import make_engine
-        from rollout.envs import bind_env
-        from rollout.envs.prompts import PromptSource
         from rollout.models import builtin_weights_dir, load_model
-        from rollout.rewards import RewardFunction
         from rollout.tokenizer import load_tokenizer
 
         torch.set_num_threads(max(1, self.threads))
@@ -59,10 +65,94 @@ class RolloutHost:
                 self.tokenizer,
                 dtype=cfg.model.dtype,
                 seed=cfg.seed,
-                gpu_memory_utilization=roll.memory_fraction,
+                gpu_memory_utilization=engine_memory_fraction(cfg, backend.is_accelerator),
                 tensor_parallel_size=roll.tensor_parallel_size,
                 max_model_len=roll.max_input_len + roll.max_new_tokens,
+                # colocated: free the devices while the ranks train (ignored on the CPU)
+                enable_sleep_mode=backend.is_accelerator,
             )
+        return {"engine": roll.engine, "replica": self.replica, "deterministic": deterministic}
+
+    def generate(self, requests: list, sampling) -> list:
+        """The engine's ``generate`` on the requests dealt to this replica."""
+        return self.engine.generate(requests, sampling)
+
+    def sleep(self) -> None:
+        """Free the devices for the training ranks (weights and KV cache)."""
+        self.engine.sleep()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Retake ``tags`` (``rollout.engines.base.WAKE_TAGS``; None: all)."""
+        self.engine.wake_up(tags)
+
+    def awake_tags(self) -> list[str]:
+        """What of the engine is awake (``weights``, ``kv_cache``)."""
+        return list(getattr(self.engine, "awake_tags", ()))
+
+    def load_shared_bucket(self, handles: list, specs: list) -> int:
+        """Load one bucket of new weights that this replica's training ranks put in memory
+        shared with this process (``trainer.workers.policy.PolicyWorker.push_weights``);
+        returns the tensor count."""
+        from rollout.engines.buckets import TensorSpec
+
+        specs = [TensorSpec(*s) for s in specs]
+        self.engine.load_shared_bucket(hal.open_shared_buffer, handles, specs)
+        return len(specs)
+
+    def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
+        """Load one bucket of new weights (HF names -> arrays) sent through Ray's object
+        store: the path before in-node sync, kept for ``bench e2e``'s comparison only."""
+        self.engine.update_weights(
+            (name, torch.from_numpy(array)) for name, array in bucket.items()
+        )
+        return len(bucket)
+
+    def shutdown(self) -> None:
+        """Release the engine."""
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def engine_memory_fraction(cfg: Config, on_accelerator: bool) -> float:
+    """The share of its device memory one replica's engine may take: ``rollout.memory_fraction``
+    of each of its own devices on an accelerator; on the CPU all replicas share the host's
+    memory, so they split the fraction."""
+    if on_accelerator:
+        return cfg.rollout.memory_fraction
+    replicas = cfg.train.dp_size // cfg.rollout.tensor_parallel_size
+    return cfg.rollout.memory_fraction / replicas
+
+
+class RemoteEngine(Engine):
+    """An ``EngineHost`` actor seen as an ``Engine`` by the rollout host's router."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def generate(self, requests, sampling):
+        """Generate on the remote replica and wait for it."""
+        import ray
+
+        return ray.get(self.handle.generate.remote(requests, sampling))
+
+    def update_weights(self, named_tensors) -> None:
+        """Not here: the replica's own training ranks sync it."""
+        raise NotImplementedError("engine replicas are synced by their own training ranks")
+
+
+class RolloutHost(EngineHost):
+    """Replica 0, which also owns the environment, the prompt stream and the agent loop:
+    ``rollout(step) -> (metadata, [batch_ref])``. With several replicas its agent loop deals
+    requests to all of them by prompt (``rollout.engines.router``); only it reads prompts."""
+
+    def setup(self) -> dict[str, Any]:
+        """Load tokenizer, model and engine; check the environment spec."""
+        from rollout.envs import bind_env
+        from rollout.envs.prompts import PromptSource
+        from rollout.rewards import RewardFunction
+
+        info = super().setup()
+        cfg, roll = self.cfg, self.cfg.rollout
         reward_fn = None
         if cfg.reward.function is not None:
             reward_fn = RewardFunction(cfg.reward.function, timeout_s=cfg.reward.timeout_s)
@@ -73,7 +163,17 @@ class RolloutHost:
         if cfg.data.val_source is not None:
             val = PromptSource(cfg.data.val_source, seed=cfg.seed, key="data.val_source")
             self.val_items = val.all_records()
-        return {"engine": roll.engine, "deterministic": deterministic}
+        self.generator = self.engine
+        return info
+
+    def connect(self, peers: list) -> int:
+        """Generate on this replica and on ``peers`` (the other replicas' ``EngineHost``
+        handles, in replica order); returns the replica count."""
+        from rollout.engines.router import ReplicaRouter
+
+        if peers:
+            self.generator = ReplicaRouter([self.engine, *(RemoteEngine(h) for h in peers)])
+        return 1 + len(peers)
 
     def rollout(self, step: int, record_dir: str | None = None) -> tuple[dict[str, Any], list]:
         """Roll out training step ``step`` (1-based): ``train.batch_size`` prompts x ``rollout.n``.
@@ -141,7 +241,7 @@ class RolloutHost:
             top_k=roll.top_k,
         )
         out = run_rollouts(
-            self.engine,
+            self.generator,
             self.tokenizer,
             self.env_factory,
             items,
@@ -174,7 +274,7 @@ class RolloutHost:
         if not self.val_items:
             raise ValueError("run.val_every / run.val_before_train need data.val_source")
         return run_validation(
-            self.engine, self.tokenizer, self.env_factory, self.val_items, self.cfg, step
+            self.generator, self.tokenizer, self.env_factory, self.val_items, self.cfg, step
         )
 
     def get_prompts_consumed(self) -> int:
@@ -184,18 +284,6 @@ class RolloutHost:
     def set_prompts_consumed(self, count: int) -> None:
         """Resume the prompt stream after ``count`` prompts (from a checkpoint)."""
         self.prompts_consumed = int(count)
-
-    def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
-        """Load one bucket of new weights (HF names -> float32 arrays) into the engine."""
-        self.engine.update_weights(
-            (name, torch.from_numpy(array)) for name, array in bucket.items()
-        )
-        return len(bucket)
-
-    def shutdown(self) -> None:
-        """Release the engine."""
-        if self.engine is not None:
-            self.engine.shutdown()
 
 
 #: rollout metrics that count things: summed over a step's sampled batches (the rest are
@@ -280,6 +368,16 @@ class ReplayHost:
 
     def set_prompts_consumed(self, count: int) -> None:
         """A replay samples no prompts."""
+
+    def sleep(self) -> None:
+        """No engine to put to sleep."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """No engine to wake."""
+
+    def awake_tags(self) -> list[str]:
+        """No engine: nothing awake."""
+        return []
 
     def shutdown(self) -> None:
         """Nothing to release."""
