@@ -227,6 +227,36 @@ class DeviceBackend:
         target = self.device(index)
         walk_tensors(obj, lambda t: t.to(target, non_blocking=True))
 
+    # ---- weight handoff to a colocated engine --------------------------------------------
+
+    def shared_buffer(self, nbytes: int, local_index: int = 0) -> tuple[torch.Tensor, tuple]:
+        """A flat uint8 buffer of ``nbytes`` bytes on device ``local_index`` that another process
+        on the same device can map, and its picklable handle (``open_shared_buffer``).
+
+        Accelerators: device memory shared by IPC handle (``torch.multiprocessing``'s
+        reductions). Keep the tensor alive while a reader may use it; after writing, call
+        ``synchronize`` before handing the handle over."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        buf = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device(local_index))
+        return buf, ("ipc", reduce_tensor(buf))
+
+    def release_shared_buffer(self, handle: tuple) -> None:
+        """Drop the name of a shared buffer once every reader has mapped it (mappings stay
+        valid; the memory goes when the last process lets go). A no-op for IPC handles."""
+
+    def engine_env(self, device_ids: list[str]) -> dict[str, str]:
+        """Environment of an engine replica's process that runs on the node's devices
+        ``device_ids`` (its tp group's, in tp rank order): it sees exactly those, in that
+        order (its engine's per-device workers pick them by tp rank), and Ray must not narrow
+        them to the one device of the bundle it sits on."""
+        if not self.visible_devices_env:
+            return {}
+        env = {self.visible_devices_env: ",".join(str(i) for i in device_ids)}
+        if self.ray_noset_env_var:
+            env[self.ray_noset_env_var] = "1"
+        return env
+
     # ---- attention --------------------------------------------------------------------------
 
     @property
@@ -255,6 +285,30 @@ class DeviceBackend:
         """
         offsets = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.tolist()
         return segmented_sdpa(q, k, v, offsets, scale=scale, dropout=dropout)
+
+
+def ipc_rebuild_args(args: tuple, device_index: int) -> list:
+    """``torch.multiprocessing.reductions.reduce_tensor``'s rebuild arguments for a reader
+    whose device index differs from the writer's (another visible-devices list): the storage
+    device is argument 6 of ``rebuild_cuda_tensor`` (and of torch_npu's ``rebuild_npu_tensor``).
+    """
+    out = list(args)
+    out[6] = int(device_index)
+    return out
+
+
+def open_shared_buffer(handle: tuple, device_index: int = 0) -> torch.Tensor:
+    """Map a buffer another process made with ``DeviceBackend.shared_buffer``: the flat uint8
+    tensor, the same memory (no copy), on this process's device ``device_index``."""
+    kind = handle[0]
+    if kind == "file":
+        from hal.cpu import open_shm_file
+
+        return open_shm_file(handle[1], handle[2])
+    if kind == "ipc":
+        rebuild, args = handle[1]
+        return rebuild(*ipc_rebuild_args(args, device_index))
+    raise ValueError(f"shared buffer handle of kind {kind!r}: expected 'file' or 'ipc'")
 
 
 # ---- tensor walking for offload/onload (device-free logic, tested on cpu) ----------------------

@@ -42,6 +42,7 @@ from rollout.engines.base import Engine, GenerationRequest, SamplingParams
 from rollout.envs import exception_line, reward_range_of
 from rollout.envs.base import DEFAULT_REWARD_RANGE
 from rollout.envs.prompts import PromptItem
+from rollout.rewards import RewardError
 from rollout.seeding import stable_seed
 from rollout.tokenizer import chat_token_ids, eos_token_ids
 
@@ -80,6 +81,8 @@ class _Trajectory:
     truncated: bool = False
     error: str | None = None
     reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE
+    reward_error: bool = False  # the fault was the reward function's (rollout.rewards)
+    reward_extra: dict[str, float] = field(default_factory=dict)  # its extra keys, final turn
 
 
 class EnvError(ValueError):
@@ -93,10 +96,10 @@ def _shown(value: object) -> str:
     return f"{text} ({type(value).__name__})"
 
 
-def _check_step(out: object, reward_range: tuple[float, float]) -> tuple[str, float, bool]:
+def _check_step(out: object, reward_range: tuple[float, float]) -> tuple[str, float, bool, dict]:
     if not isinstance(out, tuple) or len(out) != 4:
         raise EnvError(f"step() must return (obs, reward, done, info), got {_shown(out)}")
-    obs, reward, done, _info = out
+    obs, reward, done, info = out
     if not isinstance(obs, str):
         raise EnvError(f"step() observation must be a str, got {_shown(obs)}")
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
@@ -111,7 +114,33 @@ def _check_step(out: object, reward_range: tuple[float, float]) -> tuple[str, fl
         )
     if not isinstance(done, bool | np.bool_):
         raise EnvError(f"step() done must be a bool, got {_shown(done)}")
-    return obs, reward, bool(done)
+    return obs, reward, bool(done), info if isinstance(info, dict) else {}
+
+
+def _numbers(extra: object) -> dict[str, float]:
+    """The finite numeric entries of a reward's extra keys (``info["reward_extra"]``)."""
+    if not isinstance(extra, dict):
+        return {}
+    return {
+        str(k): float(v)
+        for k, v in extra.items()
+        if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    }
+
+
+def _first_messages(obs: object) -> list[dict]:
+    """The chat a trajectory starts from: ``reset()`` returns the user's first message (str)
+    or a whole chat (a list of ``{"role", "content"}`` messages, e.g. a verl dataset's prompt
+    with its system message)."""
+    if isinstance(obs, str):
+        return [{"role": "user", "content": obs}]
+    if (
+        isinstance(obs, list)
+        and obs
+        and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in obs)
+    ):
+        return [{"role": m["role"], "content": m["content"]} for m in obs]
+    raise EnvError(f"reset() must return str or a list of chat messages, got {obs!r:.80}")
 
 
 def _fault_text(where: str, exc: Exception) -> str:
@@ -221,13 +250,10 @@ def run_rollouts(
             t.env = env_factory(**t.item.env_kwargs)
             t.reward_range = reward_range_of(t.env)
             where = "reset"
-            obs = t.env.reset(t.item.seed)
-            if not isinstance(obs, str):
-                raise EnvError(f"reset() must return a str, got {_shown(obs)}")
+            t.messages = _first_messages(t.env.reset(t.item.seed))
         except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
             t.error, t.done = _fault_text(where, exc), True
             continue
-        t.messages = [{"role": "user", "content": obs}]
         if not step_wise:
             t.seq = chat_token_ids(tokenizer, t.messages)
 
@@ -243,7 +269,7 @@ def run_rollouts(
                 continue
             live.append((t, prompt))
             req_seed = stable_seed(seed, step, t.item.index, t.sample, turn)
-            requests.append(GenerationRequest(prompt_ids=prompt, seed=req_seed))
+            requests.append(GenerationRequest(prompt_ids=prompt, seed=req_seed, group=t.item.index))
         if not requests:
             break
         results = engine.generate(requests, params)
@@ -261,13 +287,15 @@ def run_rollouts(
             t.turns.append(record)
             t.messages.append({"role": "assistant", "content": text})
             try:
-                obs, reward, done = _check_step(t.env.step(text), t.reward_range)
+                obs, reward, done, info = _check_step(t.env.step(text), t.reward_range)
             except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
                 t.error, t.done = _fault_text(f"step {turn}", exc), True
+                t.reward_error = isinstance(exc, RewardError)
                 continue
             record.reward = reward
             if done:
                 t.done = True
+                t.reward_extra = _numbers(info.get("reward_extra"))
                 continue
             t.messages.append({"role": "user", "content": obs})
             if not step_wise:
@@ -395,7 +423,24 @@ def _metrics(trajs: list[_Trajectory], rows: list[Row]) -> dict[str, float]:
         ),
         "rollout/mean_response_length": sum(len(r.response_ids) for r in rows) / max(len(rows), 1),
         "rollout/score_mean": sum(_score(t) for t in with_rows) / max(len(with_rows), 1),
+        **_reward_metrics(trajs),
     }
+
+
+def _reward_metrics(trajs: list[_Trajectory]) -> dict[str, float]:
+    """``reward/errors`` (reward-function faults, also in ``rollout/env_errors``) when any env
+    scores with a reward function, and ``reward/extra/<key>``: the mean of each extra key a reward
+    function returned, over the trajectories that returned it."""
+    out: dict[str, float] = {}
+    if any(getattr(t.env, "reward_fn", None) is not None for t in trajs):
+        out["reward/errors"] = float(sum(t.reward_error for t in trajs))
+    totals: dict[str, list[float]] = {}
+    for t in trajs:
+        for key, value in t.reward_extra.items():
+            totals.setdefault(key, []).append(value)
+    for key, values in sorted(totals.items()):
+        out[f"reward/extra/{key}"] = sum(values) / len(values)
+    return out
 
 
 def _finished(t: _Trajectory) -> bool:

@@ -30,6 +30,7 @@ ModelDtype = Literal["float32", "bfloat16", "float16"]
 TrainDtype = Literal["float32", "bfloat16"]
 
 _ENV_SPEC = re.compile(r"^(?:[A-Za-z_][\w-]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+_FUNCTION_SPEC = re.compile(r"^(?:builtin:[a-z0-9_]+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 _HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
 
 
@@ -62,7 +63,9 @@ class ModelConfig(BaseModel):
         "(config.json + safetensors); nothing is downloaded",
     )
     dtype: ModelDtype = Field(
-        "float32", description="dtype of the rollout engine's weights and of saved checkpoints"
+        "float32",
+        description="dtype of the rollout engine's weights and of `crossrl export`'s weights "
+        "(checkpoints keep the float32 master weights)",
     )
     critic_path: str | None = Field(
         None, description="critic initial weights (same forms as path); null = model.path"
@@ -92,11 +95,24 @@ class DataConfig(BaseModel):
         ".jsonl / .parquet file of prompts",
     )
 
+    val_source: str | None = Field(
+        None,
+        description="a .jsonl / .parquet file of validation prompts (every record once per "
+        "validation, in file order); null = no validation",
+    )
+
     @field_validator("source")
     @classmethod
     def _env_or_file(cls, value: str) -> str:
         if value != "env" and not value.endswith((".jsonl", ".parquet")):
             raise ValueError("must be 'env' or a path ending in .jsonl or .parquet")
+        return value
+
+    @field_validator("val_source")
+    @classmethod
+    def _val_file(cls, value: str | None) -> str | None:
+        if value is not None and not value.endswith((".jsonl", ".parquet")):
+            raise ValueError("must be null or a path ending in .jsonl or .parquet")
         return value
 
 
@@ -145,6 +161,17 @@ class RolloutConfig(BaseModel):
     tensor_parallel_size: int = Field(
         1, ge=1, description="devices per engine replica (vllm only; must divide train.dp_size)"
     )
+    max_sample_batches: int = Field(
+        1,
+        ge=1,
+        description="DAPO dynamic sampling when > 1: groups whose scores are all equal are "
+        "dropped and another train.batch_size prompts sampled, up to this many batches per "
+        "step; still short, the step is topped up with dropped groups; 1 = off",
+    )
+    val_n: int = Field(1, ge=1, description="validation samples per prompt (k of val/pass@k)")
+    val_temperature: float = Field(
+        0.0, ge=0, description="validation sampling temperature; 0 = greedy"
+    )
 
     @field_validator("env_kwargs")
     @classmethod
@@ -169,8 +196,15 @@ class AlgorithmConfig(BaseModel):
 
     model_config = _SECTION
 
-    adv_estimator: Literal["grpo", "rloo", "gae", "reinforce_pp"] = Field(
-        "grpo", description="advantage estimator (gae needs critic.enable)"
+    adv_estimator: Literal["grpo", "rloo", "gae", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "grpo",
+        description="advantage estimator (gae needs critic.enable); reinforce_pp_baseline "
+        "is REINFORCE++ with the group mean as baseline",
+    )
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        "ppo",
+        description="ppo: token-level clipped ratio (with dual clip); gspo: one ratio per "
+        "sequence (geometric mean of its token ratios), clipped at the sequence level",
     )
     loss_agg: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -195,7 +229,15 @@ class AlgorithmConfig(BaseModel):
     clip_ratio_c: float = Field(
         3.0, gt=1, description="dual-clip bound on the ratio for negative advantages (> 1)"
     )
-    kl_coef: float = Field(0.0, ge=0, description="weight of KL(policy || reference); 0 = none")
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="weight of KL(policy || reference); 0 = none. As a reward penalty "
+        "(use_kl_loss false) with grpo / rloo / reinforce_pp_baseline, each trajectory's "
+        "summed token penalty is added to its score before the group statistics (as verl "
+        "does), so the penalty moves the advantages instead of being silently ignored and a "
+        "verl config that relies on it trains the same here",
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="per-token KL estimator (k3 = low-variance)"
     )
@@ -206,6 +248,46 @@ class AlgorithmConfig(BaseModel):
     cliprange_value: float = Field(
         0.2, gt=0, description="critic value clipping around the old values (gae)"
     )
+    rollout_correction: Literal["none", "token", "sequence"] = Field(
+        "none",
+        description="truncated importance weights min(pi_old / pi_rollout, cap) on the policy "
+        "loss, for the engine / trainer log-prob mismatch: per token, or one per sequence",
+    )
+    rollout_correction_cap: float = Field(
+        2.0, ge=1, description="upper bound of the rollout-correction weights (>= 1)"
+    )
+
+
+class RewardConfig(BaseModel):
+    """Reward functions and reward shaping."""
+
+    model_config = _SECTION
+
+    function: str | None = Field(
+        None,
+        description="module:function with verl's signature f(data_source, solution_str, "
+        "ground_truth, extra_info) -> float or dict with score (other keys become reward/extra/* "
+        "metrics), or builtin:gsm8k / builtin:math; the env scores its final turn with it",
+    )
+    timeout_s: float = Field(
+        10.0, gt=0, description="seconds one reward call may take; longer counts as a fault"
+    )
+    overlong_buffer_len: int = Field(
+        0,
+        ge=0,
+        description="tokens: DAPO overlong shaping; a turn longer than rollout.max_new_tokens - "
+        "1 - this loses up to overlong_penalty_factor, linearly; 0 = off",
+    )
+    overlong_penalty_factor: float = Field(
+        1.0, ge=0, description="DAPO overlong shaping: the penalty at the length cap"
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _function_spec(cls, value: str | None) -> str | None:
+        if value is not None and not _FUNCTION_SPEC.match(value):
+            raise ValueError("must be null, builtin:gsm8k, builtin:math or module.path:function")
+        return value
 
 
 class CriticConfig(BaseModel):
@@ -312,6 +394,18 @@ class RunConfig(BaseModel):
         description="allow run.resume=never (and crossrl probe --out) on a directory that holds "
         "a run; its metrics and newer checkpoints are then replaced",
     )
+    val_every: int = Field(
+        0, ge=0, description="steps between validations on data.val_source; 0 = never"
+    )
+    val_before_train: bool = Field(
+        False, description="validate once before the first step of a fresh run (step 0)"
+    )
+    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="where metrics go: jsonl (metrics.jsonl, always required), tensorboard "
+        "(<run.dir>/tensorboard), wandb (honours WANDB_MODE=offline)",
+    )
+    wandb_project: str = Field("crossrl", description="wandb project name (run.loggers: wandb)")
 
     @field_validator("dir", "resume")
     @classmethod
@@ -364,6 +458,7 @@ class Config(BaseModel):
     data: DataConfig = Field(default_factory=DataConfig, description="prompt source")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="RL math")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="rewards")
     critic: CriticConfig = Field(default_factory=CriticConfig, description="value model")
     train: TrainConfig = Field(default_factory=TrainConfig, description="optimisation")
     run: RunConfig = Field(default_factory=RunConfig, description="outputs")
@@ -407,6 +502,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "data": DataConfig,
     "rollout": RolloutConfig,
     "algorithm": AlgorithmConfig,
+    "reward": RewardConfig,
     "critic": CriticConfig,
     "train": TrainConfig,
     "run": RunConfig,

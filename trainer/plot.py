@@ -94,12 +94,26 @@ def _save(fig: Any, path: Path) -> Path:
     return atomic_write_bytes(path, buf.getvalue())
 
 
+def validation_keys(records: list[dict]) -> list[str]:
+    """The ``val/*`` metrics a run logged (validation, ``trainer.validation``):
+    ``val/reward_mean`` first, then ``val/pass@k`` and the per-data-source means."""
+    found = {k for rec in records for k in rec if k.startswith("val/")}
+    first = [k for k in ("val/reward_mean",) if k in found]
+    passes = sorted(k for k in found if k.startswith("val/pass@"))
+    sources = sorted(k for k in found if k.startswith("val/reward_mean/"))
+    return first + passes + sources
+
+
 def plot_run(
     run_dir: str | os.PathLike,
     out_dir: str | os.PathLike | None = None,
-    keys: Sequence[str] = DEFAULT_KEYS,
+    keys: Sequence[str] | None = None,
 ) -> list[Path]:
     """Write one PNG per metric in ``keys`` plus ``overview.png`` (all in a grid).
+
+    ``keys`` None: ``DEFAULT_KEYS`` plus the validation curves the run has (``val/reward_mean``,
+    ``val/pass@k``, ``val/reward_mean/<data_source>``); validation points are drawn at the steps
+    that validated (step 0: before training).
 
     Reads ``<run_dir>/metrics.jsonl``; writes to ``out_dir`` (default ``<run_dir>/plots``).
     File names are the keys with ``/`` replaced by ``_`` (``reward_mean.png``). A key with no
@@ -126,6 +140,8 @@ def plot_run(
         ) from None
     if not records:
         raise ValueError(f"{metrics_path} has no steps yet; plot again after the first step")
+    if keys is None:
+        keys = [*DEFAULT_KEYS, *validation_keys(records)]
     if isinstance(keys, str):
         keys = [keys]
     if not keys:

@@ -166,15 +166,20 @@ def _train_loop(
 ) -> None:
     """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint."""
     from trainer.metrics import FingerprintLogger, MetricsLogger
+    from trainer.validation import validation_due
 
     total = cfg.train.total_steps
     with (
-        MetricsLogger(run_dir, total, start_step=trainer.start_step) as log,
+        MetricsLogger.for_run(cfg, run_dir, start_step=trainer.start_step) as log,
         FingerprintLogger(run_dir, start_step=trainer.start_step) as fp_log,
     ):
+        if cfg.run.val_before_train and trainer.start_step == 0:
+            log.log(0, trainer.validate(0))
         for step in range(trainer.start_step + 1, total + 1):
             stop.check()  # a signal during start-up or the previous step ends the run here
             metrics, fingerprint = trainer.train_step(step)
+            if validation_due(cfg, step):
+                metrics.update(trainer.validate(step))
             log.log(step, metrics)
             fp_log.log(step, fingerprint)
             due = step == total or (cfg.run.save_every and step % cfg.run.save_every == 0)

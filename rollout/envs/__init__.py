@@ -6,14 +6,15 @@ a prompt-file record) to get a fresh ``Env``. See ``base.py`` for the interface.
 
 from __future__ import annotations
 
+import functools
 import importlib
-import math
 from collections.abc import Callable
 
 from rollout.envs.base import DEFAULT_REWARD_RANGE, Env, match_credit
 from rollout.envs.calc import CalcEnv, calculator
 from rollout.envs.qa import QAEnv
 from rollout.envs.recall import RecallEnv
+from rollout.envs.single_turn import SingleTurnEnv
 
 __all__ = [
     "BUILTIN_ENVS",
@@ -21,15 +22,23 @@ __all__ = [
     "Env",
     "QAEnv",
     "RecallEnv",
+    "SingleTurnEnv",
     "calculator",
     "exception_line",
+    "bind_env",
     "make_env",
+    "takes_reward_fn",
     "match_credit",
     "reward_range_of",
 ]
 
 #: Built-in environments by the name used in ``rollout.env``.
-BUILTIN_ENVS: dict[str, type[Env]] = {"recall": RecallEnv, "calc": CalcEnv, "qa": QAEnv}
+BUILTIN_ENVS: dict[str, type[Env]] = {
+    "recall": RecallEnv,
+    "calc": CalcEnv,
+    "qa": QAEnv,
+    "single_turn": SingleTurnEnv,
+}
 
 EnvFactory = Callable[..., Env]
 
@@ -77,19 +86,20 @@ def make_env(spec: str) -> EnvFactory:
 
 def reward_range_of(env: object, spec: str = "") -> tuple[float, float]:
     """The inclusive ``(low, high)`` reward range an environment (class or instance) declares
-    in ``reward_range``; ``DEFAULT_REWARD_RANGE`` when it declares none. A declaration that is
-    not two finite numbers with low < high raises ValueError naming it."""
+    in ``reward_range``; ``DEFAULT_REWARD_RANGE`` when it declares none; ``(-inf, inf)``
+    accepts any finite reward. A declaration that is not two numbers with low < high raises
+    ValueError naming it."""
     declared = getattr(env, "reward_range", DEFAULT_REWARD_RANGE)
     try:
         low, high = (float(x) for x in declared)
-        ok = math.isfinite(low) and math.isfinite(high) and low < high
+        ok = low < high  # False with a NaN; infinite bounds: any finite reward
     except (TypeError, ValueError):
         ok = False
     if not ok:
         name = spec or getattr(env, "__name__", type(env).__name__)
         raise ValueError(
-            f"rollout.env={name!r}: reward_range={declared!r} must be (low, high), two finite "
-            "numbers with low < high: the rewards step() may return"
+            f"rollout.env={name!r}: reward_range={declared!r} must be (low, high), two numbers "
+            "with low < high (math.inf for no bound): the rewards step() may return"
         )
     return low, high
 
@@ -98,3 +108,24 @@ def exception_line(exc: BaseException) -> str:
     """``"TypeName: message"`` of an exception, on one line (an environment's error text)."""
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def takes_reward_fn(factory: EnvFactory) -> bool:
+    """Whether an environment class accepts ``reward_fn=`` (by name or ``**kwargs``): then the
+    trainer hands it ``reward.function`` to score its final turn."""
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "reward_fn" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def bind_env(spec: str, env_kwargs: dict, reward_fn=None) -> EnvFactory:
+    """The env factory a rollout uses: ``make_env(spec)`` with the config's ``env_kwargs``
+    and, when given, ``reward_fn`` (a prompt-file row's fields still override the kwargs)."""
+    kwargs = dict(env_kwargs)
+    if reward_fn is not None:
+        kwargs["reward_fn"] = reward_fn
+    return functools.partial(make_env(spec), **kwargs)

@@ -2,8 +2,9 @@
 
 An environment is a multi-turn text game:
 
-- ``reset(seed) -> str``: start a new episode deterministically from ``seed``; the first
-  observation (the user's first message).
+- ``reset(seed) -> str | list[dict]``: start a new episode deterministically from ``seed``; the
+  first observation (the user's first message), or a whole chat to start from (a list of
+  ``{"role", "content"}`` messages, e.g. a dataset row's system + user prompt).
 - ``step(action_text) -> (observation, reward, done, info)``: the model's reply (decoded text,
   special tokens removed); the next observation (a str, ignored when ``done``), a reward (a
   finite real number inside the class's ``reward_range``), whether the episode ended (a
@@ -39,8 +40,8 @@ class Env(ABC):
     reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE
 
     @abstractmethod
-    def reset(self, seed: int) -> str:
-        """Start an episode from ``seed``; return the first observation."""
+    def reset(self, seed: int) -> str | list[dict]:
+        """Start an episode from ``seed``; return the first observation (or chat messages)."""
 
     @abstractmethod
     def step(self, action_text: str) -> tuple[str, float, bool, dict]:

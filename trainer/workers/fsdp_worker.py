@@ -302,26 +302,29 @@ class FSDPWorker:
 
         Every worker holds the whole batch, so each computes the same advantages locally
         instead of shipping them around. Without the KL loss (``algorithm.use_kl_loss:
-        false``) a ``kl_coef`` > 0 is a per-token reward penalty against ``ref_logprobs``.
-        Returns statistics over real loss tokens.
+        false``) a ``kl_coef`` > 0 is a per-token reward penalty against ``ref_logprobs``
+        (summed into the trajectory score by the outcome estimators). With
+        ``algorithm.rollout_correction`` the truncated importance weights are stored as the
+        token field ``is_weights``. Returns statistics over real loss tokens.
         """
         from trainer.algorithms import compute_advantages
-        from trainer.losses import apply_kl_penalty
+        from trainer.algorithms.rollout_correction import (
+            mismatch_metrics,
+            rollout_correction_weights,
+        )
+        from trainer.losses import kl_reward_penalty
 
         algo = self.spec.cfg.algorithm
         batch = self.batch
         kl_penalty = 0.0 if algo.use_kl_loss else algo.kl_coef
+        penalty = None
         if kl_penalty and "ref_logprobs" in batch.token_fields:
-            batch.set_token_field(
-                "token_rewards",
-                apply_kl_penalty(
-                    batch.token_fields["token_rewards"],
-                    batch.token_fields["old_logprobs"],
-                    batch.token_fields["ref_logprobs"],
-                    kl_penalty,
-                    algo.kl_estimator,
-                    loss_mask=batch.loss_mask,
-                ),
+            penalty = kl_reward_penalty(
+                batch.token_fields["old_logprobs"],
+                batch.token_fields["ref_logprobs"],
+                kl_penalty,
+                algo.kl_estimator,
+                loss_mask=batch.loss_mask,
             )
         advantages, returns = compute_advantages(
             batch,
@@ -329,6 +332,7 @@ class FSDPWorker:
             gamma=algo.gamma,
             lam=algo.lam,
             norm_adv_by_std=algo.norm_adv_by_std,
+            token_penalty=penalty,
         )
         batch.set_token_field("advantages", advantages.float())
         batch.set_token_field("returns", returns.float())
@@ -337,10 +341,26 @@ class FSDPWorker:
             return {"advantage/mean": 0.0, "advantage/std": 0.0}
         adv = advantages[mask].double()
         out = {"advantage/mean": float(adv.mean()), "advantage/std": float(adv.std(unbiased=False))}
+        if penalty is not None:
+            out["algorithm/kl_penalty_token_mean"] = float(penalty[mask].double().mean())
         if "old_logprobs" in batch.token_fields:
             # Engine vs trainer logprobs of the same tokens: the rollout/training mismatch.
-            gap = batch.token_fields["old_logprobs"] - batch.token_fields["rollout_logprobs"]
-            out["rollout/logprob_abs_diff"] = float(gap[mask].double().abs().mean())
+            old, rollout = (
+                batch.token_fields["old_logprobs"],
+                batch.token_fields["rollout_logprobs"],
+            )
+            out.update(mismatch_metrics(old, rollout, batch.loss_mask))
+            if algo.rollout_correction != "none":
+                weights, weight_metrics = rollout_correction_weights(
+                    old,
+                    rollout,
+                    batch.loss_mask,
+                    batch.cu_seqlens,
+                    level=algo.rollout_correction,
+                    cap=algo.rollout_correction_cap,
+                )
+                batch.set_token_field("is_weights", weights)
+                out.update(weight_metrics)
         return out
 
     # ---------------------------------------------------------------- update helpers
@@ -415,32 +435,32 @@ class FSDPWorker:
         )
 
     def save_pieces(self, staging_dir: str) -> list[str]:
-        """Write this rank's part of a checkpoint into ``staging_dir``; returns file names."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
+        """Write this rank's part of a checkpoint into ``staging_dir`` (a collective: every rank
+        of the role calls). Model and optimizer state go as torch.distributed.checkpoint shards,
+        every rank writing its own in parallel (no gather); rank 0 adds the scheduler, each
+        rank its RNG. Returns the relative paths the checkpoint must hold (for the commit)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-        from trainer.checkpoint import LAYOUT, rng_state, save_safetensors, save_torch
+        from trainer.checkpoint import LAYOUT, rng_state, save_sharded, save_torch
 
         staging = Path(staging_dir)
-        written = []
         role = self.spec.role
-        state = self.full_state_dict()
-        optim = None
         if self.optimizer is not None:
-            optim = get_optimizer_state_dict(
-                self.model,
-                self.optimizer,
-                options=StateDictOptions(full_state_dict=True, cpu_offload=True),
-            )
-        if self.spec.rank == 0:
-            save_safetensors(state, staging / LAYOUT.model(role))
-            written.append(LAYOUT.model(role))
-            if optim is not None:
-                save_torch(optim, staging / LAYOUT.optim(role))
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        else:
+            model_state, optim_state = get_model_state_dict(self.model), None
+        written = [
+            f"{LAYOUT.model_dir(role)}/{name}"
+            for name in save_sharded(model_state, staging / LAYOUT.model_dir(role))
+        ]
+        if optim_state is not None:
+            written += [
+                f"{LAYOUT.optim_dir(role)}/{name}"
+                for name in save_sharded(optim_state, staging / LAYOUT.optim_dir(role))
+            ]
+            if self.spec.rank == 0:
                 save_torch(self.scheduler.state_dict(), staging / LAYOUT.scheduler(role))
-                written += [LAYOUT.optim(role), LAYOUT.scheduler(role)]
+                written.append(LAYOUT.scheduler(role))
         rng_name = LAYOUT.rng(role, self.spec.rank)
         save_torch(rng_state(self._device_rng_getter()), staging / rng_name)
         written.append(rng_name)
@@ -455,29 +475,68 @@ class FSDPWorker:
         return self.backend.set_device_rng_state if self.backend.is_accelerator else None
 
     def load_pieces(self, ckpt_dir: str) -> None:
-        """Restore model, optimizer, scheduler and this rank's RNG from a checkpoint."""
+        """Restore model, optimizer, scheduler and this rank's RNG from a checkpoint (a
+        collective). Sharded state loads at any dp size: each rank reads the slices of its
+        fresh shards. A rank with no RNG file of its own (the checkpoint had fewer ranks)
+        keeps its fresh stream."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
+
+        from trainer.checkpoint import LAYOUT, load_sharded, load_torch, set_rng_state
+
+        ckpt = Path(ckpt_dir)
+        role = self.spec.role
+        if not (ckpt / LAYOUT.model_dir(role)).is_dir():
+            self._load_single_file_pieces(ckpt)
+        elif self.optimizer is not None:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            load_sharded(model_state, ckpt / LAYOUT.model_dir(role))
+            load_sharded(optim_state, ckpt / LAYOUT.optim_dir(role))
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=model_state,
+                optim_state_dict=optim_state,
+            )
+        else:
+            model_state = get_model_state_dict(self.model)
+            load_sharded(model_state, ckpt / LAYOUT.model_dir(role))
+            set_model_state_dict(self.model, model_state)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(load_torch(ckpt / LAYOUT.scheduler(role)))
+        rng_file = ckpt / LAYOUT.rng(role, self.spec.rank)
+        if rng_file.exists():  # a larger dp size resumes its new ranks with fresh streams
+            set_rng_state(load_torch(rng_file), self._device_rng_setter())
+
+    def _load_single_file_pieces(self, ckpt: Path) -> None:
+        """Model and optimizer of a checkpoint in the single-file layout (written before the
+        sharded one): every rank reads the whole files and keeps its own shard."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
 
-        from trainer.checkpoint import LAYOUT, load_safetensors, load_torch, set_rng_state
+        from trainer.checkpoint import LAYOUT, CheckpointError, load_safetensors, load_torch
 
-        ckpt = Path(ckpt_dir)
         role = self.spec.role
+        if not (ckpt / LAYOUT.legacy_model(role)).is_file():
+            raise CheckpointError(
+                f"checkpoint {ckpt} holds no {role} model ({LAYOUT.model_dir(role)}/ or "
+                f"{LAYOUT.legacy_model(role)}); resume from a checkpoint of this job "
+                "(same critic.enable) or set run.resume=never"
+            )
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         set_model_state_dict(
-            self.model, load_safetensors(ckpt / LAYOUT.model(role)), options=options
+            self.model, load_safetensors(ckpt / LAYOUT.legacy_model(role)), options=options
         )
         if self.optimizer is not None:
-            set_optimizer_state_dict(
-                self.model, self.optimizer, load_torch(ckpt / LAYOUT.optim(role)), options=options
-            )
-            self.scheduler.load_state_dict(load_torch(ckpt / LAYOUT.scheduler(role)))
-        rng_file = ckpt / LAYOUT.rng(role, self.spec.rank)
-        if rng_file.exists():  # a different dp size resumes with fresh per-rank streams
-            set_rng_state(load_torch(rng_file), self._device_rng_setter())
+            optim = load_torch(ckpt / LAYOUT.legacy_optim(role))
+            set_optimizer_state_dict(self.model, self.optimizer, optim, options=options)
 
     def shutdown(self) -> None:
         """Leave the process group."""
