@@ -209,3 +209,15 @@ def test_an_unreadable_manifest_is_named(tmp_path, capsys):
     (ckpt / "manifest.json").write_text(json.dumps({"files": 3}))
     code, err = _train(tmp_path, capsys)
     assert code == 2 and "manifest.json is unreadable" in _one_line(err)
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def test_a_layout_the_machine_cannot_hold_fails_before_ray(tmp_path, capsys):
+    # 4 ranks on a local Ray of 2 CPUs: trainer.layout refuses it before Ray starts.
+    code = main(["train", f"run.dir={tmp_path / 'run'}", "train.dp_size=4", "ray.num_cpus=2"])
+    line = _one_line(capsys.readouterr().err)
+    assert code == 2
+    assert "train.dp_size=4 needs 4 CPU devices" in line and "lower train.dp_size" in line
+    assert not ray.is_initialized() and not (tmp_path / "run").exists()

@@ -44,9 +44,23 @@ def preflight(cfg: Config, *, command: str = "train", replay: bool = False) -> N
         raise PreflightError(problem)
     if not replay:
         _check_prompts(cfg)
+    _check_layout(cfg)
     _check_model(cfg)
     if not replay:
         _check_resume(cfg)
+
+
+def _check_layout(cfg: Config) -> None:
+    """A local run's layout must fit this machine (``trainer.layout``); a cluster's is checked
+    against the cluster's resources once Ray has joined it."""
+    if cfg.ray.address is not None:
+        return
+    from trainer.layout import LayoutError, layout_for_cli
+
+    try:
+        layout_for_cli(cfg)
+    except LayoutError as err:
+        raise PreflightError(str(err)) from None
 
 
 def _check_prompts(cfg: Config) -> None:

@@ -127,12 +127,13 @@ def _run(
 ) -> int:
     """Start Ray and the trainer, train, and shut everything down again."""
     from trainer.checkpoint import CheckpointError
+    from trainer.layout import LayoutError, local_ray_cpus
     from trainer.workers.group import start_ray
 
     with StopRequests() as stop:
         started_ray = start_ray(
             cfg.ray.address,
-            num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2),
+            num_cpus=local_ray_cpus(cfg),
             connect_timeout_s=cfg.ray.connect_timeout_s,
         )
         stop.install()  # ray.init replaced the SIGTERM handler
@@ -145,6 +146,9 @@ def _run(
         except (WorkerFailedError, HealthError, CheckpointError) as err:
             print(f"crossrl {command}: {err}", file=sys.stderr)
             return 1
+        except LayoutError as err:  # the cluster joined cannot hold the job
+            print(f"crossrl {command}: {err}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:
             print(
                 f"crossrl {command}: interrupted; the last whole checkpoint stays `latest`",
