@@ -94,7 +94,8 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
             eng, tokenizer, env_factory, items, **settings, deterministic=True, env_concurrency=64
         ),
     }
-    runners["lockstep"](engine)  # warm-up: first calls pay for allocation and kernel choice
+    # Warm-up (2 prompts): the first calls pay for allocation and kernel choice.
+    run_rollouts(engine, tokenizer, env_factory, items[:2], **settings, deterministic=False)
     samples: dict[str, list[dict]] = {m: [] for m in MODES}
     tokens: dict[str, list] = {}
     for r in range(repeats):
