@@ -22,6 +22,7 @@ import importlib
 import math
 import numbers
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -218,22 +219,28 @@ class RewardFunction:
         self.spec, self.timeout_s, self.max_workers = spec, float(timeout_s), max_workers
         self.fn = load_reward_function(spec)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # the agent loop steps environments on several threads
 
     def __call__(
         self, data_source: str, solution_str: str, ground_truth: object, extra_info: dict
     ) -> RewardResult:
         """Score one response; ``RewardError`` on an exception, timeout or bad value."""
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                self.max_workers, thread_name_prefix="reward"
-            )
-        future = self._pool.submit(self.fn, data_source, solution_str, ground_truth, extra_info)
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.max_workers, thread_name_prefix="reward"
+                )
+            pool = self._pool
+            future = pool.submit(self.fn, data_source, solution_str, ground_truth, extra_info)
         try:
             value = future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
-            # The stuck call keeps its thread; later calls get a fresh pool.
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+            # The stuck call keeps its thread; later calls get a fresh pool. Calls already
+            # queued on the old pool (other environments' steps) still run there.
+            with self._lock:
+                if self._pool is pool:
+                    pool.shutdown(wait=False)
+                    self._pool = None
             raise RewardError(
                 f"{self.spec} took longer than reward.timeout_s={self.timeout_s:g} s"
             ) from None
@@ -242,7 +249,10 @@ class RewardFunction:
         return check_reward(value, self.spec)
 
     def __getstate__(self) -> dict:  # a pool does not pickle; a fresh one starts lazily
-        return {**self.__dict__, "_pool": None}
+        return {**self.__dict__, "_pool": None, "_lock": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
 
 # ----------------------------------------------------------------------------- shaping

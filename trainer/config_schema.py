@@ -168,6 +168,18 @@ class RolloutConfig(BaseModel):
         "dropped and another train.batch_size prompts sampled, up to this many batches per "
         "step; still short, the step is topped up with dropped groups; 1 = off",
     )
+    env_timeout_s: float | None = Field(
+        120.0,
+        gt=0,
+        description="seconds each environment reset/step call may take; past it the "
+        "trajectory ends as an environment fault (rollout/env_errors); null = no limit",
+    )
+    env_concurrency: int = Field(
+        64,
+        ge=1,
+        description="environment calls (reset/step) running at once, at most; synchronous "
+        "environments run on this many threads",
+    )
     val_n: int = Field(1, ge=1, description="validation samples per prompt (k of val/pass@k)")
     val_temperature: float = Field(
         0.0, ge=0, description="validation sampling temperature; 0 = greedy"

@@ -86,6 +86,9 @@ def run_validation(engine, tokenizer, env_factory, items, cfg: Config, step: int
         seed=stable_seed(cfg.seed, VAL_STREAM),
         step=step,
         stop_strings=tuple(roll.stop_strings),
+        env_timeout_s=roll.env_timeout_s,
+        env_concurrency=roll.env_concurrency,
+        deterministic=cfg.run.deterministic,
     )
     # A trajectory without rows (its env failed at reset) scores 0, like a failed one.
     scores = [[0.0] * k for _ in items]

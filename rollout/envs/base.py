@@ -16,6 +16,14 @@ An environment is a multi-turn text game:
   and when more than ``run.max_env_error_fraction`` of a step's trajectories fault the run
   stops, showing the faults.
 
+Both methods may be ``async def`` (awaited on the agent loop's event loop: never block in them)
+or plain methods (run on a worker thread, so they may block on I/O). Every trajectory has its own
+environment instance, and the agent loop runs up to ``rollout.env_concurrency`` calls at once;
+state shared between instances needs a lock. A call that takes longer than
+``rollout.env_timeout_s`` seconds ends its trajectory like any other fault (a thread cannot be
+killed: a stuck plain method keeps running, abandoned). The constructor runs on the caller's
+thread, in trajectory order.
+
 Convention for the trajectory outcome: the reward of the FINAL step is the trajectory's score
 (the agent loop copies it to every step row), so an env that wants to credit several turns
 reports their aggregate on its last step. Rewards of earlier steps are per-turn progress

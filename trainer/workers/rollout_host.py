@@ -155,7 +155,12 @@ class RolloutHost(EngineHost):
         cfg, roll = self.cfg, self.cfg.rollout
         reward_fn = None
         if cfg.reward.function is not None:
-            reward_fn = RewardFunction(cfg.reward.function, timeout_s=cfg.reward.timeout_s)
+            # One worker per concurrent env step: a reward call never queues behind others.
+            reward_fn = RewardFunction(
+                cfg.reward.function,
+                timeout_s=cfg.reward.timeout_s,
+                max_workers=roll.env_concurrency,
+            )
         self.env_factory = bind_env(roll.env, roll.env_kwargs, reward_fn)
         self.prompts = PromptSource(cfg.data.source, seed=cfg.seed)
         self.prompts_consumed = 0
@@ -255,6 +260,9 @@ class RolloutHost(EngineHost):
             seed=cfg.seed,
             step=step,
             stop_strings=tuple(roll.stop_strings),
+            env_timeout_s=roll.env_timeout_s,
+            env_concurrency=roll.env_concurrency,
+            deterministic=cfg.run.deterministic,
         )
         if cfg.reward.overlong_buffer_len:
             rows, shaped = apply_overlong_penalty(
