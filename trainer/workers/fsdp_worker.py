@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 import hal
 from batching import StepBatch
@@ -143,19 +149,15 @@ class FSDPWorker:
         self.device = self.backend.device(local_rank)
         # Every rank starts from identical weights: same path, same seed.
         self.backend.manual_seed(cfg.seed)
+        # Built on the meta device, sharded, then loaded: a node's host memory holds at most
+        # one full copy of the weights (rank 0's), whatever the dp size.
         model = self.build_model()
+        # What the role built for real, not on meta (the critic's value head), keeps its values.
+        own = {k: v.detach().clone() for k, v in model.state_dict().items() if not v.is_meta}
         if cfg.train.activation_checkpointing and spec.trainable:
             enable_activation_checkpointing(model)
-        model.to(self.device)
-        mp = MixedPrecisionPolicy(
-            param_dtype=_dtype(cfg.train.param_dtype), reduce_dtype=_dtype(cfg.train.reduce_dtype)
-        )
-        # The mesh names the HAL's device: FSDP2's default mesh takes the machine's
-        # accelerator, so a device=cpu run on a GPU node would quietly shard onto the GPU.
-        mesh = init_device_mesh(self.backend.device_type, (spec.world_size,))
-        for layer in self._layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        self._shard(model)
+        self._load_initial_weights(model, own)
         self.model = model
         if spec.trainable:
             self.optimizer, self.scheduler = build_optimizer(
@@ -200,16 +202,68 @@ class FSDPWorker:
         raise NotImplementedError
 
     def load_causal_lm(self) -> torch.nn.Module:
-        """This role's causal LM with the HAL's varlen attention, in float32: parameters and
-        optimizer state are master weights whatever ``train.param_dtype`` computes in."""
-        from rollout.models import load_model
+        """This role's causal LM with the HAL's varlen attention, in float32 (parameters and
+        optimizer state are master weights whatever ``train.param_dtype`` computes in), on
+        the meta device: ``setup`` shards it, then loads the checkpoint's weights into it."""
+        from rollout.models import build_empty_model
 
         hal.register_attention()
-        return load_model(
+        return build_empty_model(
             self.spec.model_path,
             dtype=torch.float32,
             seed=self.spec.cfg.seed,
             attn_implementation=hal.ATTN_IMPLEMENTATION,
+        )
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        """FSDP2 in place: each decoder layer, then the root. ``train.param_offload`` keeps
+        the sharded parameters (and so their gradients and optimizer step) in host memory
+        through FSDP2's CPU-offload policy, pinned on an accelerator."""
+        train = self.spec.cfg.train
+        mp = MixedPrecisionPolicy(
+            param_dtype=_dtype(train.param_dtype), reduce_dtype=_dtype(train.reduce_dtype)
+        )
+        offload = (
+            CPUOffloadPolicy(pin_memory=self.backend.is_accelerator)
+            if train.param_offload
+            else OffloadPolicy()
+        )
+        # The mesh names the HAL's device: FSDP2's default mesh takes the machine's
+        # accelerator, so a device=cpu run on a GPU node would quietly shard onto the GPU.
+        mesh = init_device_mesh(self.backend.device_type, (self.spec.world_size,))
+        for layer in self._layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+
+    def _load_initial_weights(self, model: torch.nn.Module, own: dict[str, torch.Tensor]) -> None:
+        """Give the sharded meta model its starting weights (a collective: every rank calls).
+
+        Parameters on the meta device come from the checkpoint, which only rank 0 reads (one
+        full copy on the host) and broadcasts tensor by tensor; each rank keeps its shard.
+        ``own``: the full tensors the role built for real (the critic's value head), kept.
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        from rollout.models import load_model, reset_non_persistent_buffers
+
+        # FSDP2 moves offloaded shards back to (pinned) host memory itself.
+        model.to_empty(device=self.device)
+        reset_non_persistent_buffers(model, self.device)
+        full: dict[str, torch.Tensor] = {}
+        if self.spec.rank == 0:
+            full = load_model(
+                self.spec.model_path, dtype=torch.float32, seed=self.spec.cfg.seed
+            ).state_dict()
+            # Keys the checkpoint holds but this role replaced (the LM head under a value
+            # head) are left out; tied weights appear under each of their names.
+            full = {k: own[k] if k in own else full[k] for k in model.state_dict()}
+        set_model_state_dict(
+            model,
+            full,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
         )
 
     @staticmethod
