@@ -145,6 +145,8 @@ class FSDPWorker:
             master_port=master_port,
             timeout_s=600,
             local_rank=local_rank,
+            # FSDP2's CPU offload reduces the gradient norm of host-resident shards.
+            host_collectives=cfg.train.param_offload,
         )
         self.device = self.backend.device(local_rank)
         # Every rank starts from identical weights: same path, same seed.
@@ -279,18 +281,19 @@ class FSDPWorker:
 
         arrays = ray.get(refs[0]) if not isinstance(refs[0], dict) else refs[0]
         self.batch = StepBatch.from_numpy(arrays)
-        if (
-            self.spec.cfg.train.param_offload
-        ):  # a new step begins: the weights come back to the device
-            self.backend.onload(self.model, self.local_index)
         return self.batch.num_rows
 
     def offload_states(self) -> None:
-        """End of a step: park weights / optimizer state in host memory as configured
-        (``train.param_offload`` / ``train.optimizer_offload``), so the rollout engine can
-        use the device memory. A no-op on the CPU backend."""
-        if self.spec.cfg.train.param_offload:
-            self.backend.offload(self.model)
+        """End of a step: free this worker's device memory for the rollout engine.
+
+        The root's unsharded parameters (which a forward without backward leaves gathered)
+        are freed. ``train.optimizer_offload`` parks the optimizer state in (pinned) host
+        memory until the next optimizer step. ``train.param_offload`` needs nothing here:
+        FSDP2's CPU-offload policy keeps the sharded parameters, their gradients and so the
+        optimizer state in host memory all along, and gathers them onto the device per use.
+        """
+        if isinstance(self.model, FSDPModule):
+            self.model.reshard()
         if self.spec.cfg.train.optimizer_offload and self.optimizer is not None:
             self.backend.offload(self.optimizer)
         self.backend.empty_cache()
