@@ -232,6 +232,39 @@ def build_empty_model(
         return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
+class CheckpointTensors:
+    """The tensors of a model directory's safetensors files, read one at a time by name.
+
+    Holds only the names and which file has each; ``read(name)`` copies one tensor into
+    memory. Each read opens and closes its file, so the memory-mapped pages leave the process
+    with it: reading a whole model this way never holds more than one tensor.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        self.directory = directory
+        self.files: dict[str, Path] = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                self.files.update(dict.fromkeys(handle.keys(), file))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.files
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as stored (its file's dtype), on the CPU."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+
+def checkpoint_tensors(path_or_name: str | Path, seed: int = 0) -> CheckpointTensors:
+    """``CheckpointTensors`` of ``load_model(path_or_name, seed=seed)``'s weights files."""
+    return CheckpointTensors(model_directory(path_or_name, seed))
+
+
 @torch.no_grad()
 def reset_non_persistent_buffers(model: PreTrainedModel, device: str | torch.device) -> int:
     """Recompute, on ``device``, the buffers a checkpoint does not hold (e.g. rotary

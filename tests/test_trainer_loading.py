@@ -151,70 +151,101 @@ def test_meta_build_reads_no_weights_and_names_a_bad_path(tmp_path):
         build_empty_model(str(tmp_path / "nowhere"))
 
 
+def test_checkpoint_names_transformers_converts_fall_back_to_a_whole_load(monkeypatch):
+    """When the files' names are not the modules' (transformers renames some architectures'
+    weights on load), rank 0 reads the model whole through ``from_pretrained``."""
+    import rollout.models
+
+    loads = []
+    real_load = rollout.models.load_model
+    monkeypatch.setattr(rollout.models.CheckpointTensors, "__contains__", lambda self, n: False)
+    monkeypatch.setattr(
+        rollout.models, "load_model", lambda *a, **k: loads.append(a[0]) or real_load(*a, **k)
+    )
+    worker = _worker("actor", "builtin:tiny")
+    worker.setup("127.0.0.1", free_port())
+    try:
+        assert loads == ["builtin:tiny"]
+        expected = _plain("builtin:tiny").state_dict()
+        state = worker.full_state_dict()
+        assert all(torch.equal(state[k], v) for k, v in expected.items())
+    finally:
+        worker.shutdown()
+
+
 # ---- dp=2: two spawned ranks over gloo -------------------------------------------------------
 
+#: What the dp=2 ranks start: every role on the builtin model, and the actor on a model with
+#: an odd vocabulary (FSDP2 pads rank 0's shard of the embedding, 49 rows against 48).
+DP2_STARTS = [("actor", "tiny"), ("reference", "tiny"), ("critic", "tiny"), ("actor", "odd")]
 
-def _start_rank(rank: int, ports: list[int], queue) -> None:
-    """Set up actor, reference and critic at dp=2 on this rank; report what each holds."""
+
+def _start_rank(rank: int, paths: dict, ports: list[int], queue) -> None:
+    """Start every entry of ``DP2_STARTS`` at dp=2 on this rank; report what each holds and
+    which checkpoint tensors this rank read."""
     import rollout.models
 
     torch.set_num_threads(1)
-    reads = []
-    real_load = rollout.models.load_model
+    reads: list[str] = []
+    real_read = rollout.models.CheckpointTensors.read
 
-    def counting_load(*args, **kwargs):
-        reads.append(args[0])
-        return real_load(*args, **kwargs)
+    def counting_read(self, name):
+        reads.append(name)
+        return real_read(self, name)
 
-    rollout.models.load_model = counting_load
+    rollout.models.CheckpointTensors.read = counting_read
     out = {}
-    for role, port in zip(("actor", "reference", "critic"), ports, strict=True):
-        worker = _worker(role, "builtin:tiny", rank, 2)
+    for (role, model), port in zip(DP2_STARTS, ports, strict=True):
+        reads.clear()
+        worker = _worker(role, paths[model], rank, 2)
         worker.setup("127.0.0.1", port)
-        shards = {n: p.to_local().numel() for n, p in worker.model.named_parameters()}
+        shards = {n: p.to_local().shape[0] for n, p in worker.model.named_parameters()}
         with torch.no_grad():
             logits = hal.packed_forward(worker.model, *_packed_inputs())
         state = {k: v.numpy().copy() for k, v in worker.full_state_dict().items()}
-        out[role] = (logits.numpy().copy(), state, shards)
+        out[role, model] = (logits.numpy().copy(), state, shards, list(reads))
         worker.shutdown()
-    queue.put((rank, out, list(reads)))
+    queue.put((rank, out))
 
 
 @pytest.mark.slow
-def test_dp2_start_up_loads_on_rank0_and_every_rank_computes_todays_logits():
+def test_dp2_start_up_reads_on_rank0_and_every_rank_computes_todays_logits(tmp_path):
+    paths = {
+        "tiny": "builtin:tiny",
+        "odd": str(write_random_model(tmp_path / "odd", {**UNTIED, "vocab_size": 97}, seed=5)),
+    }
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    ports = [free_port() for _ in range(3)]
-    procs = [ctx.Process(target=_start_rank, args=(r, ports, queue)) for r in range(2)]
+    ports = [free_port() for _ in DP2_STARTS]
+    procs = [ctx.Process(target=_start_rank, args=(r, paths, ports, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = {}
-    for _ in procs:
-        rank, out, reads = queue.get(timeout=300)
-        results[rank] = (out, reads)
+    results = dict(queue.get(timeout=600) for _ in procs)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
-    # Only rank 0 reads the checkpoint, once per role: one full copy in host memory.
-    assert results[0][1] == ["builtin:tiny"] * 3
-    assert results[1][1] == []
-    plain = _plain("builtin:tiny")
-    expected = {k: v.numpy() for k, v in plain.state_dict().items()}
-    with torch.no_grad():
-        want = hal.packed_forward(plain, *_packed_inputs()).numpy()
-    for role in ("actor", "reference"):
-        for rank in (0, 1):
-            logits, _, shards = results[rank][0][role]
-            np.testing.assert_array_equal(logits, want, err_msg=f"{role} rank {rank}")
-        state = results[0][0][role][1]
-        assert state.keys() == expected.keys()
+    for role, model in DP2_STARTS:
+        plain = _plain(paths[model])
+        expected = {k: v.numpy() for k, v in plain.state_dict().items()}
+        with torch.no_grad():
+            want = hal.packed_forward(plain, *_packed_inputs()).numpy()
+        what = f"{role} on {model}"
+        # Only rank 0 reads the checkpoint, each stored tensor once (tied weights are one).
+        reads = results[0][role, model][3]
+        assert len(reads) == len(set(reads)) and results[1][role, model][3] == [], what
+        state = results[0][role, model][1]
+        if role == "critic":
+            assert not state["lm_head.weight"].any() and not state["lm_head.bias"].any()
+            assert not any(name.startswith("lm_head.") for name in reads)
+            expected = {k: v for k, v in expected.items() if not k.startswith("lm_head.")}
+        else:
+            assert state.keys() == expected.keys(), what
+            for rank in (0, 1):
+                logits = results[rank][role, model][0]
+                np.testing.assert_array_equal(logits, want, err_msg=f"{what}, rank {rank}")
         for key, value in expected.items():
-            np.testing.assert_array_equal(state[key], value, err_msg=f"{role} {key}")
-    # Each rank holds half of a sharded parameter, not the whole.
+            np.testing.assert_array_equal(state[key], value, err_msg=f"{what}: {key}")
+    # Each rank holds its own rows of a sharded parameter, not the whole.
     embed = "model.embed_tokens.weight"
-    assert [results[r][0]["actor"][2][embed] for r in (0, 1)] == [51 * 64, 51 * 64]
-    critic = results[0][0]["critic"][1]
-    assert not critic["lm_head.weight"].any()
-    for key in expected:
-        if not key.startswith("lm_head."):
-            np.testing.assert_array_equal(critic[key], expected[key], err_msg=f"critic {key}")
+    assert [results[r]["actor", "tiny"][2][embed] for r in (0, 1)] == [51, 51]
+    assert [results[r]["actor", "odd"][2][embed] for r in (0, 1)] == [49, 48]

@@ -237,36 +237,54 @@ class FSDPWorker:
             fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
         fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
 
+    @torch.no_grad()
     def _load_initial_weights(self, model: torch.nn.Module, own: dict[str, torch.Tensor]) -> None:
         """Give the sharded meta model its starting weights (a collective: every rank calls).
 
-        Parameters on the meta device come from the checkpoint, which only rank 0 reads (one
-        full copy on the host) and broadcasts tensor by tensor; each rank keeps its shard.
-        ``own``: the full tensors the role built for real (the critic's value head), kept.
+        Tensor by tensor, rank 0 reads a weight from the checkpoint's safetensors files and
+        broadcasts it, and every rank keeps its shard: no process holds more than its shards
+        and one full tensor. A checkpoint whose names transformers converts on load is read
+        whole by rank 0 through ``from_pretrained`` instead (one full copy on the host).
+        ``own``: full tensors the role built for real (the critic's value head), sent instead.
         """
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-        )
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
-        from rollout.models import load_model, reset_non_persistent_buffers
+        from rollout.models import checkpoint_tensors, load_model, reset_non_persistent_buffers
 
         # FSDP2 moves offloaded shards back to (pinned) host memory itself.
         model.to_empty(device=self.device)
         reset_non_persistent_buffers(model, self.device)
-        full: dict[str, torch.Tensor] = {}
+        # Tied weights are one tensor under several names: sent once.
+        targets: dict[int, tuple[list[str], torch.Tensor]] = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            targets.setdefault(id(tensor), ([], tensor))[0].append(name)
         if self.spec.rank == 0:
-            full = load_model(
-                self.spec.model_path, dtype=torch.float32, seed=self.spec.cfg.seed
-            ).state_dict()
-            # Keys the checkpoint holds but this role replaced (the LM head under a value
-            # head) are left out; tied weights appear under each of their names.
-            full = {k: own[k] if k in own else full[k] for k in model.state_dict()}
-        set_model_state_dict(
-            model,
-            full,
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-        )
+            path, seed = self.spec.model_path, self.spec.cfg.seed
+            source = checkpoint_tensors(path, seed)
+            read = source.read
+            if any(
+                all(n not in source and n not in own for n in names)
+                for names, _ in targets.values()
+            ):
+                source = load_model(path, dtype=torch.float32, seed=seed).state_dict()
+                read = source.__getitem__
+        for names, target in targets.values():
+            if self.spec.rank == 0:
+                name = next(n for n in names if n in own or n in source)
+                value = own[name] if name in own else read(name)
+                full = value.to(self.device, target.dtype)
+            else:
+                full = torch.empty(target.shape, dtype=target.dtype, device=self.device)
+            dist.broadcast(full, src=0)
+            if isinstance(target, DTensor):
+                # This rank's slice of the full tensor, as FSDP2 shards it; no communication.
+                placed = distribute_tensor(
+                    full, target.device_mesh, target.placements, src_data_rank=None
+                )
+                target.to_local().copy_(placed.to_local())
+            else:
+                target.copy_(full)
 
     @staticmethod
     def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
