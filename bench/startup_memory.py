@@ -8,7 +8,9 @@ its peak RSS at the end of ``setup``, in MB (1e6 bytes). The start-up's own memo
 difference. ``--baseline-tree`` runs the same start-up with another checkout's trainer (e.g.
 the commit before meta-device loading) side by side in this invocation. The model is a random
 Qwen2-shaped one written once (``rollout.models.write_random_model``) into ``--model-dir`` or a
-temporary directory.
+temporary directory, stored in bf16 like published checkpoints (``--dtype``): the trainer
+loads fp32 master weights, so each full read is a private fp32 copy. (A float32 file that
+``from_pretrained`` memory-maps is shared page cache, counted in every rank's RSS.)
 """
 
 from __future__ import annotations
@@ -115,13 +117,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp", type=int, default=2, help="ranks on this node")
     parser.add_argument("--layers", type=int, default=12, help="decoder layers of the model")
     parser.add_argument("--model-dir", default=None, help="reuse (or write) the model here")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="stored weights' dtype (published checkpoints are bf16; the trainer loads fp32)",
+    )
     args = parser.parse_args(argv)
     from rollout.models import write_random_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model_dir or Path(tmp) / "model")
         if not (model_dir / "config.json").is_file():
-            write_random_model(model_dir, {**SHAPE, "num_hidden_layers": args.layers})
+            shape = {**SHAPE, "num_hidden_layers": args.layers}
+            write_random_model(model_dir, shape, dtype=args.dtype)
         results = []
         if args.baseline_tree:
             results.append(measure(str(model_dir), args.dp, args.baseline_tree))
