@@ -345,10 +345,12 @@ class TrainConfig(BaseModel):
     )
     ppo_epochs: int = Field(1, ge=1, description="passes over each step's batch")
     param_offload: bool = Field(
-        False, description="keep sharded parameters in host memory between uses"
+        False,
+        description="keep sharded parameters, their gradients and the optimizer step in host "
+        "memory, gathered onto the device per use (FSDP2's CPU-offload policy)",
     )
     optimizer_offload: bool = Field(
-        False, description="keep optimizer state in host memory between steps"
+        False, description="keep optimizer state in host memory between optimizer steps"
     )
     param_dtype: TrainDtype = Field(
         "float32",

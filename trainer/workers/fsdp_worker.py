@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 import hal
 from batching import StepBatch
@@ -139,23 +145,21 @@ class FSDPWorker:
             master_port=master_port,
             timeout_s=600,
             local_rank=local_rank,
+            # FSDP2's CPU offload reduces the gradient norm of host-resident shards.
+            host_collectives=cfg.train.param_offload,
         )
         self.device = self.backend.device(local_rank)
         # Every rank starts from identical weights: same path, same seed.
         self.backend.manual_seed(cfg.seed)
+        # Built on the meta device, sharded, then loaded: a node's host memory holds at most
+        # one full copy of the weights (rank 0's), whatever the dp size.
         model = self.build_model()
+        # What the role built for real, not on meta (the critic's value head), keeps its values.
+        own = {k: v.detach().clone() for k, v in model.state_dict().items() if not v.is_meta}
         if cfg.train.activation_checkpointing and spec.trainable:
             enable_activation_checkpointing(model)
-        model.to(self.device)
-        mp = MixedPrecisionPolicy(
-            param_dtype=_dtype(cfg.train.param_dtype), reduce_dtype=_dtype(cfg.train.reduce_dtype)
-        )
-        # The mesh names the HAL's device: FSDP2's default mesh takes the machine's
-        # accelerator, so a device=cpu run on a GPU node would quietly shard onto the GPU.
-        mesh = init_device_mesh(self.backend.device_type, (spec.world_size,))
-        for layer in self._layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        self._shard(model)
+        self._load_initial_weights(model, own)
         self.model = model
         if spec.trainable:
             self.optimizer, self.scheduler = build_optimizer(
@@ -200,17 +204,87 @@ class FSDPWorker:
         raise NotImplementedError
 
     def load_causal_lm(self) -> torch.nn.Module:
-        """This role's causal LM with the HAL's varlen attention, in float32: parameters and
-        optimizer state are master weights whatever ``train.param_dtype`` computes in."""
-        from rollout.models import load_model
+        """This role's causal LM with the HAL's varlen attention, in float32 (parameters and
+        optimizer state are master weights whatever ``train.param_dtype`` computes in), on
+        the meta device: ``setup`` shards it, then loads the checkpoint's weights into it."""
+        from rollout.models import build_empty_model
 
         hal.register_attention()
-        return load_model(
+        return build_empty_model(
             self.spec.model_path,
             dtype=torch.float32,
             seed=self.spec.cfg.seed,
             attn_implementation=hal.ATTN_IMPLEMENTATION,
         )
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        """FSDP2 in place: each decoder layer, then the root. ``train.param_offload`` keeps
+        the sharded parameters (and so their gradients and optimizer step) in host memory
+        through FSDP2's CPU-offload policy, pinned on an accelerator."""
+        train = self.spec.cfg.train
+        mp = MixedPrecisionPolicy(
+            param_dtype=_dtype(train.param_dtype), reduce_dtype=_dtype(train.reduce_dtype)
+        )
+        offload = (
+            CPUOffloadPolicy(pin_memory=self.backend.is_accelerator)
+            if train.param_offload
+            else OffloadPolicy()
+        )
+        # The mesh names the HAL's device: FSDP2's default mesh takes the machine's
+        # accelerator, so a device=cpu run on a GPU node would quietly shard onto the GPU.
+        mesh = init_device_mesh(self.backend.device_type, (self.spec.world_size,))
+        for layer in self._layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+
+    @torch.no_grad()
+    def _load_initial_weights(self, model: torch.nn.Module, own: dict[str, torch.Tensor]) -> None:
+        """Give the sharded meta model its starting weights (a collective: every rank calls).
+
+        Tensor by tensor, rank 0 reads a weight from the checkpoint's safetensors files and
+        broadcasts it, and every rank keeps its shard: no process holds more than its shards
+        and one full tensor. A checkpoint whose names transformers converts on load is read
+        whole by rank 0 through ``from_pretrained`` instead (one full copy on the host).
+        ``own``: full tensors the role built for real (the critic's value head), sent instead.
+        """
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        from rollout.models import checkpoint_tensors, load_model, reset_non_persistent_buffers
+
+        # FSDP2 moves offloaded shards back to (pinned) host memory itself.
+        model.to_empty(device=self.device)
+        reset_non_persistent_buffers(model, self.device)
+        # Tied weights are one tensor under several names: sent once.
+        targets: dict[int, tuple[list[str], torch.Tensor]] = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            targets.setdefault(id(tensor), ([], tensor))[0].append(name)
+        if self.spec.rank == 0:
+            path, seed = self.spec.model_path, self.spec.cfg.seed
+            source = checkpoint_tensors(path, seed)
+            read = source.read
+            if any(
+                all(n not in source and n not in own for n in names)
+                for names, _ in targets.values()
+            ):
+                source = load_model(path, dtype=torch.float32, seed=seed).state_dict()
+                read = source.__getitem__
+        for names, target in targets.values():
+            if self.spec.rank == 0:
+                name = next(n for n in names if n in own or n in source)
+                value = own[name] if name in own else read(name)
+                full = value.to(self.device, target.dtype)
+            else:
+                full = torch.empty(target.shape, dtype=target.dtype, device=self.device)
+            dist.broadcast(full, src=0)
+            if isinstance(target, DTensor):
+                # This rank's slice of the full tensor, as FSDP2 shards it; no communication.
+                placed = distribute_tensor(
+                    full, target.device_mesh, target.placements, src_data_rank=None
+                )
+                target.to_local().copy_(placed.to_local())
+            else:
+                target.copy_(full)
 
     @staticmethod
     def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -225,18 +299,19 @@ class FSDPWorker:
 
         arrays = ray.get(refs[0]) if not isinstance(refs[0], dict) else refs[0]
         self.batch = StepBatch.from_numpy(arrays)
-        if (
-            self.spec.cfg.train.param_offload
-        ):  # a new step begins: the weights come back to the device
-            self.backend.onload(self.model, self.local_index)
         return self.batch.num_rows
 
     def offload_states(self) -> None:
-        """End of a step: park weights / optimizer state in host memory as configured
-        (``train.param_offload`` / ``train.optimizer_offload``), so the rollout engine can
-        use the device memory. A no-op on the CPU backend."""
-        if self.spec.cfg.train.param_offload:
-            self.backend.offload(self.model)
+        """End of a step: free this worker's device memory for the rollout engine.
+
+        The root's unsharded parameters (which a forward without backward leaves gathered)
+        are freed. ``train.optimizer_offload`` parks the optimizer state in (pinned) host
+        memory until the next optimizer step. ``train.param_offload`` needs nothing here:
+        FSDP2's CPU-offload policy keeps the sharded parameters, their gradients and so the
+        optimizer state in host memory all along, and gathers them onto the device per use.
+        """
+        if isinstance(self.model, FSDPModule):
+            self.model.reshard()
         if self.spec.cfg.train.optimizer_offload and self.optimizer is not None:
             self.backend.offload(self.optimizer)
         self.backend.empty_cache()
