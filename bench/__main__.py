@@ -1,6 +1,6 @@
 """crossrl benchmarks: one table per benchmark, every result in one JSON file.
 
-    python -m bench [planner|stepwise|train|e2e|gpu|memory|all ...] [--quick] [--out FILE]
+    python -m bench [planner|stepwise|rollout|train|e2e|gpu|memory|all ...] [--quick] [--out FILE]
     crossrl bench [which ...] [--quick]
 
 Every figure that counts is a ratio measured side by side in the same process (or the same
@@ -39,6 +39,12 @@ def _stepwise():
     return stepwise.run, stepwise.format_table
 
 
+def _rollout():
+    from bench import rollout
+
+    return rollout.run, rollout.format_table
+
+
 def _train():
     from bench import train
 
@@ -67,6 +73,7 @@ def _memory():
 BENCHMARKS: dict[str, tuple[str, Callable]] = {
     "planner": ("mini-batch planner vs a greedy baseline", _planner),
     "stepwise": ("row shapes of multi-turn rollouts under four layouts", _stepwise),
+    "rollout": ("multi-turn rollout wall time: async agent loop vs lockstep", _rollout),
     "train": ("actor update: packed varlen rows vs padded micro-batches", _train),
     "e2e": ("seconds per step of the default job, dp 1 and dp 2", _e2e),
     "gpu": ("accelerator: MFU of the actor update, HF rollout tokens/s", _gpu),

@@ -8,6 +8,10 @@ run directory under a temporary folder, once with ``train.dp_size=1`` and once w
 summarises their metrics.jsonl: the median seconds of every ``timing/<section>_s`` over the
 steps after each run's first (which pays for warm-up and is reported on its own), each
 section's share of the summed step time, and the median ``throughput/tokens_per_s``.
+
+Then the weight sync alone (``sync_run``): the trainer at ``train.dp_size=2`` on
+``builtin:small`` (two engine replicas), one step's sync timed again and again through the
+in-node shared-memory handoff and through the earlier object-store path, alternating.
 """
 
 from __future__ import annotations
@@ -22,7 +26,15 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["SECTIONS", "format_table", "run", "run_job", "summarise_metrics", "summarise_runs"]
+__all__ = [
+    "SECTIONS",
+    "format_table",
+    "run",
+    "run_job",
+    "summarise_metrics",
+    "summarise_runs",
+    "sync_run",
+]
 
 #: Timed sections of a step, in the order the controller runs them; ``other`` is the rest.
 SECTIONS = ("rollout", "prepare", "update", "sync", "other")
@@ -113,6 +125,54 @@ def run_job(overrides: list[str], workdir: Path, timeout_s: float = TIMEOUT_S) -
     return {"records": records, "wall_s": wall, "command": command}
 
 
+#: The sync benchmark's job: the CPU default job at dp 2 on the 19M-parameter model.
+SYNC_OVERRIDES = ["train.dp_size=2", "model.path=builtin:small", "run.resume=never"]
+
+
+def sync_run(repeats: int = 10) -> dict:
+    """Seconds of one step's weight sync at dp 2 on builtin:small, both ways in one run.
+
+    Starts Ray and the trainer once (two ranks, two engine replicas), then times
+    ``Trainer._sync_weights`` ``repeats`` times per path, alternating (shared memory first,
+    then the object store, and so on), after one untimed warm-up each. Returns medians,
+    minimums, the ratio object-store / shared-memory, the parameter count and the bucket
+    count of one sync.
+    """
+    from trainer.config import load_config
+    from trainer.controller import Trainer
+    from trainer.workers.group import start_ray
+
+    with tempfile.TemporaryDirectory(prefix="crossrl-bench-sync-") as tmp:
+        cfg = load_config(None, [*SYNC_OVERRIDES, f"run.dir={tmp}"])
+        started = start_ray(None, num_cpus=8)
+        trainer = Trainer(cfg, Path(tmp))
+        try:
+            trainer.start()
+            times: dict[str, list[float]] = {"shared_memory": [], "object_store": []}
+            for i in range(repeats + 1):
+                for path, via_store in (("shared_memory", False), ("object_store", True)):
+                    t0 = time.perf_counter()
+                    trainer._sync_weights(via_object_store=via_store)
+                    if i:  # the first round maps buffers and warms caches
+                        times[path].append(time.perf_counter() - t0)
+            params = sum(info["num_params"] for info in trainer.actor.setup_info[:1])
+        finally:
+            trainer.shutdown()
+            if started:
+                import ray
+
+                ray.shutdown()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "job": "configs/cpu/tiny.yaml with " + " ".join(SYNC_OVERRIDES),
+        "repeats": repeats,
+        "params": params,
+        "median_s": med,
+        "min_s": {k: min(v) for k, v in times.items()},
+        "object_store_over_shared_memory": med["object_store"] / med["shared_memory"],
+    }
+
+
 def run(quick: bool = False) -> dict:
     """The default job at dp 1 and dp 2: ``{"steps": N, "order": [...], "runs": {"dp1": ...,
     "dp2": ...}, "dp2_over_dp1_step_s": ratio}``. Quick: one run each of 10 steps. Full: 30
@@ -137,6 +197,7 @@ def run(quick: bool = False) -> dict:
         "order": [f"dp{dp}" for dp in order],
         "runs": runs,
         "dp2_over_dp1_step_s": runs["dp2"]["step_s"] / runs["dp1"]["step_s"],
+        "sync": sync_run(repeats=5 if quick else 10),
     }
 
 
@@ -169,13 +230,37 @@ def format_table(res: dict) -> str:
     for label, cell in rows:
         lines.append(f"{label:22s}" + "".join(cell(runs[n]) for n in names))
     lines.append(f"dp2 / dp1 seconds per step: {res['dp2_over_dp1_step_s']:.2f}x")
+    if "sync" in res:
+        lines += ["", format_sync(res["sync"])]
+    return "\n".join(lines)
+
+
+def format_sync(sync: dict) -> str:
+    """The sync benchmark: seconds per sync by path, and their ratio."""
+    lines = [
+        f"weight sync, {sync['job']} ({sync['params'] / 1e6:.1f}M params), "
+        f"{sync['repeats']} syncs per path, alternating",
+        f"{'path':40s}{'median s':>10s}{'min s':>10s}",
+    ]
+    names = {
+        "shared_memory": "in-node shared memory (each rank -> its replica)",
+        "object_store": "Ray object store (the earlier path)",
+    }
+    for key, label in names.items():
+        lines.append(f"{label:40s}{sync['median_s'][key]:10.3f}{sync['min_s'][key]:10.3f}")
+    lines.append(f"object store / shared memory: {sync['object_store_over_shared_memory']:.2f}x")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="10 steps per run instead of 30")
-    print(format_table(run(quick=parser.parse_args().quick)))
+    parser.add_argument("--sync-only", action="store_true", help="only the weight-sync part")
+    args = parser.parse_args()
+    if args.sync_only:
+        print(format_sync(sync_run(repeats=5 if args.quick else 10)))
+    else:
+        print(format_table(run(quick=args.quick)))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,13 @@ from hal.attention import (
     validate_cu_seqlens,
     varlen_attention,
 )
-from hal.base import DeviceBackend, DeviceNotAvailableError, walk_tensors
+from hal.base import (
+    DeviceBackend,
+    DeviceNotAvailableError,
+    ipc_rebuild_args,
+    open_shared_buffer,
+    walk_tensors,
+)
 from hal.cpu import CpuBackend
 from hal.cuda import CudaBackend, flash_attn_varlen_kwargs
 from hal.describe import describe
@@ -39,8 +45,10 @@ __all__ = [
     "describe",
     "flash_attn_varlen_kwargs",
     "get_backend",
+    "ipc_rebuild_args",
     "npu_causal_mask",
     "npu_fusion_attention_args",
+    "open_shared_buffer",
     "packed_forward",
     "register_attention",
     "validate_cu_seqlens",

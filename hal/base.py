@@ -179,12 +179,15 @@ class DeviceBackend:
         master_port: int,
         timeout_s: float = 600.0,
         local_rank: int | None = None,
+        host_collectives: bool = False,
     ) -> None:
         """Join the default torch.distributed group with this device's backend.
 
         rank, world_size: global process rank and count. local_rank: the device index on this node
         (default: env LOCAL_RANK, else rank modulo the visible device count). The device is set
-        before the group is created so that collectives use the right one.
+        before the group is created so that collectives use the right one. host_collectives: on
+        an accelerator, also reduce tensors in host memory (through gloo), as FSDP2's CPU
+        offload needs for the gradient norm and the full state dict of host-resident shards.
         """
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
@@ -199,8 +202,11 @@ class DeviceBackend:
                 local_rank = int(env_local) if env_local else rank % max(self.device_count(), 1)
             self.set_device(local_rank)
         host = f"[{master_addr}]" if ":" in master_addr else master_addr
+        backend = self.process_group_backend
+        if host_collectives and self.is_accelerator:
+            backend = f"{self.device_type}:{backend},cpu:gloo"
         dist.init_process_group(
-            backend=self.process_group_backend,
+            backend=backend,
             init_method=f"tcp://{host}:{int(master_port)}",
             rank=rank,
             world_size=world_size,
@@ -210,9 +216,12 @@ class DeviceBackend:
     # ---- memory offload ---------------------------------------------------------------------
 
     def offload(self, obj: torch.nn.Module | torch.optim.Optimizer) -> None:
-        """Move a module's params/buffers/grads, or an optimizer's state, to (pinned) CPU memory.
+        """Move an optimizer's state, or a plain module's params/buffers/grads, to pinned CPU
+        memory. DTensor state (an optimizer over FSDP2 parameters) moves its local shard.
 
-        In place; pair with `onload`. A no-op on cpu.
+        In place; pair with `onload`. A no-op on cpu. FSDP2-sharded parameters are not moved
+        here: FSDP2 keeps its own reference to each shard, so they are offloaded by its
+        CPU-offload policy (``fully_shard(offload_policy=CPUOffloadPolicy())``).
         """
         if not self.is_accelerator:
             return
@@ -220,12 +229,50 @@ class DeviceBackend:
         self.synchronize()  # the pinned copies are non-blocking; finish before the caller frees
 
     def onload(self, obj: torch.nn.Module | torch.optim.Optimizer, local_rank: int | None = None):
-        """Move what `offload` moved back to the device (default: the current device)."""
+        """Move what `offload` moved back: a module to the device (default: the current
+        device); an optimizer's state to its parameter's device, so that state stays in host
+        memory where FSDP2 offloads the parameters (the optimizer step then runs there)."""
         if not self.is_accelerator:
+            return
+        if isinstance(obj, torch.optim.Optimizer):
+            for param, state in obj.state.items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        state[key] = value.to(param.device, non_blocking=True)
             return
         index = self.device_module().current_device() if local_rank is None else local_rank
         target = self.device(index)
         walk_tensors(obj, lambda t: t.to(target, non_blocking=True))
+
+    # ---- weight handoff to a colocated engine --------------------------------------------
+
+    def shared_buffer(self, nbytes: int, local_index: int = 0) -> tuple[torch.Tensor, tuple]:
+        """A flat uint8 buffer of ``nbytes`` bytes on device ``local_index`` that another process
+        on the same device can map, and its picklable handle (``open_shared_buffer``).
+
+        Accelerators: device memory shared by IPC handle (``torch.multiprocessing``'s
+        reductions). Keep the tensor alive while a reader may use it; after writing, call
+        ``synchronize`` before handing the handle over."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        buf = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device(local_index))
+        return buf, ("ipc", reduce_tensor(buf))
+
+    def release_shared_buffer(self, handle: tuple) -> None:
+        """Drop the name of a shared buffer once every reader has mapped it (mappings stay
+        valid; the memory goes when the last process lets go). A no-op for IPC handles."""
+
+    def engine_env(self, device_ids: list[str]) -> dict[str, str]:
+        """Environment of an engine replica's process that runs on the node's devices
+        ``device_ids`` (its tp group's, in tp rank order): it sees exactly those, in that
+        order (its engine's per-device workers pick them by tp rank), and Ray must not narrow
+        them to the one device of the bundle it sits on."""
+        if not self.visible_devices_env:
+            return {}
+        env = {self.visible_devices_env: ",".join(str(i) for i in device_ids)}
+        if self.ray_noset_env_var:
+            env[self.ray_noset_env_var] = "1"
+        return env
 
     # ---- attention --------------------------------------------------------------------------
 
@@ -257,17 +304,53 @@ class DeviceBackend:
         return segmented_sdpa(q, k, v, offsets, scale=scale, dropout=dropout)
 
 
+def ipc_rebuild_args(args: tuple, device_index: int) -> list:
+    """``torch.multiprocessing.reductions.reduce_tensor``'s rebuild arguments for a reader
+    whose device index differs from the writer's (another visible-devices list): the storage
+    device is argument 6 of ``rebuild_cuda_tensor`` (and of torch_npu's ``rebuild_npu_tensor``).
+    """
+    out = list(args)
+    out[6] = int(device_index)
+    return out
+
+
+def open_shared_buffer(handle: tuple, device_index: int = 0) -> torch.Tensor:
+    """Map a buffer another process made with ``DeviceBackend.shared_buffer``: the flat uint8
+    tensor, the same memory (no copy), on this process's device ``device_index``."""
+    kind = handle[0]
+    if kind == "file":
+        from hal.cpu import open_shm_file
+
+        return open_shm_file(handle[1], handle[2])
+    if kind == "ipc":
+        rebuild, args = handle[1]
+        return rebuild(*ipc_rebuild_args(args, device_index))
+    raise ValueError(f"shared buffer handle of kind {kind!r}: expected 'file' or 'ipc'")
+
+
 # ---- tensor walking for offload/onload (device-free logic, tested on cpu) ----------------------
 
 
 def walk_tensors(obj: torch.nn.Module | torch.optim.Optimizer, fn: TensorFn) -> int:
     """Replace, in place, every tensor `obj` owns with `fn(tensor)`; returns how many were replaced.
 
-    Module: parameters, their grads, and buffers. Optimizer: every tensor with at least one
-    dimension in its per-parameter state. 0-d state tensors (Adam's `step`) stay where they are:
-    torch keeps them on CPU unless `capturable`, and moving them would break that contract.
+    Module: parameters, their grads, and buffers; a module with DTensor (FSDP2-sharded)
+    parameters is refused, since assigning ``param.data`` leaves FSDP2's own shard where it
+    was. Optimizer: every tensor with at least one dimension in its per-parameter state
+    (DTensor state included: ``fn`` gets the DTensor). 0-d state tensors (Adam's `step`) stay
+    where they are: torch keeps them on CPU unless `capturable`, and moving them would break
+    that contract.
     """
+    from torch.distributed.tensor import DTensor  # lazily: a 2-5 s import
+
     if isinstance(obj, torch.nn.Module):
+        sharded = [name for name, p in obj.named_parameters() if isinstance(p, DTensor)]
+        if sharded:
+            raise ValueError(
+                f"offload/onload: parameter {sharded[0]!r} is sharded (DTensor); FSDP2 keeps "
+                "its own reference to the shard, so move it with FSDP2's CPU-offload policy "
+                "(fully_shard(offload_policy=CPUOffloadPolicy())), not here"
+            )
         count = 0
         for param in obj.parameters():
             param.data = fn(param.data)
@@ -295,8 +378,10 @@ def walk_tensors(obj: torch.nn.Module | torch.optim.Optimizer, fn: TensorFn) -> 
 def _to_pinned_cpu(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu":
         return t
-    if type(t) is not torch.Tensor:  # DTensor and other subclasses: let them move their shards
-        return t.to("cpu")
+    if type(t) is not torch.Tensor:  # DTensor (optimizer state of FSDP2 parameters)
+        # A non-blocking device-to-host copy lands in pinned memory (torch pins the
+        # destination itself); DTensor applies it to its local shard and keeps its layout.
+        return t.to("cpu", non_blocking=True)
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out

@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import resource
 import sys
+import tempfile
+import uuid
 
 import torch
 
 from hal.base import DeviceBackend
+
+#: Shared-memory files this process has mapped, by path: a reader maps each buffer once.
+_MAPPED: dict[str, torch.Tensor] = {}
+
+
+def shm_dir() -> str:
+    """Where shared buffers live: /dev/shm (memory, not disk) when there is one."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def open_shm_file(path: str, nbytes: int) -> torch.Tensor:
+    """The flat uint8 tensor mapped onto shared-memory file ``path`` (``nbytes`` bytes),
+    mapped once per process and kept: later buckets reuse the mapping."""
+    mapped = _MAPPED.get(path)
+    if mapped is None or mapped.numel() < nbytes:
+        mapped = torch.from_file(path, shared=True, size=int(nbytes), dtype=torch.uint8)
+        _MAPPED[path] = mapped
+    return mapped[:nbytes]
 
 
 class CpuBackend(DeviceBackend):
@@ -51,6 +72,20 @@ class CpuBackend(DeviceBackend):
 
     def reset_peak_memory(self) -> None:
         """No-op: a process's peak RSS cannot be reset."""
+
+    def shared_buffer(self, nbytes: int, local_index: int = 0) -> tuple[torch.Tensor, tuple]:
+        """A buffer in a shared-memory file (``shm_dir()``) that an engine process on this
+        host maps without a copy; the handle is ``("file", path, nbytes)``."""
+        path = os.path.join(shm_dir(), f"crossrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        return open_shm_file(path, nbytes), ("file", path, int(nbytes))
+
+    def release_shared_buffer(self, handle: tuple) -> None:
+        """Unlink the file: the writer's and reader's mappings stay, the name goes, so a
+        crash later leaves nothing in /dev/shm."""
+        try:
+            os.unlink(handle[1])
+        except FileNotFoundError:
+            pass
 
     def device_names(self) -> list[str]:
         """One human-readable name for the host processor."""

@@ -110,6 +110,16 @@ class NpuBackend(DeviceBackend):
         import_torch_npu()  # torch learns the "npu" device type from torch_npu
         return super().device(local_rank)
 
+    def shared_buffer(self, nbytes: int, local_index: int = 0):
+        """As on CUDA; torch_npu registers the IPC reductions of NPU tensors on import."""
+        import_torch_npu()
+        return super().shared_buffer(nbytes, local_index)
+
+    def engine_env(self, device_ids: list[str]) -> dict[str, str]:
+        """Plus what vllm-ascend needs to sleep and reload weights in place: no NZ (fractal)
+        weight format, which its reload path cannot rebuild from HF-layout tensors."""
+        return {**super().engine_env(device_ids), "VLLM_ASCEND_ENABLE_NZ": "0"}
+
     def device_names(self) -> list[str]:
         """Chip name of every visible NPU (e.g. Ascend910B3)."""
         mod = self.device_module()

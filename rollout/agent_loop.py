@@ -1,7 +1,13 @@
 """The multi-turn agent loop: environments x engine -> training rows.
 
-``run_rollouts`` drives every trajectory of a step at once: each turn, the prompts of all live
-trajectories go to ONE ``engine.generate`` call. It emits either one row per trajectory
+``run_rollouts`` runs every trajectory of a step as its own asyncio task: generate a turn, step
+its environment, generate the next turn, while the other trajectories go on. Turns reach the
+engine through ``rollout/engines/batcher.py``, which sends the requests waiting at that moment
+to ``engine.generate`` in one call on a worker thread. Environment ``reset``/``step`` run on a
+thread pool (or on the event loop when they are ``async def``), at most ``env_concurrency`` at
+once, each bounded by ``env_timeout_s``. A turn's request seed is ``stable_seed(seed, step,
+prompt, sample, turn)`` and rows come out in trajectory order, so what a trajectory samples
+never depends on which one finished first. It emits either one row per trajectory
 (``step_wise=False``) or one row per turn (``step_wise=True``), following DESIGN.md:
 
 a. step-wise: the chat history is re-tokenized FIRST and only then checked against
@@ -19,32 +25,46 @@ outcome there, see ``rollout/envs/base.py``; 0 if no step happened). It is copie
 step row and placed in ``token_rewards`` on the last generated (mask 1) token of the last row;
 every other token reward is 0. Each row keeps its own env reward as ``step_reward``.
 
-Env faults (an exception, a non-string observation, a reward that is not a finite number in
-[0, 1]) end that trajectory with score 0; its rows so far are KEPT (so GRPO groups keep their
-size and the failure counts as a bad outcome) and ``rollout/env_errors`` counts it.
+Env faults (an exception in the constructor, ``reset`` or ``step``, a call that runs past
+``env_timeout_s``, a non-string observation, a reward that is not a finite real number inside
+the env's ``reward_range``, a ``done`` that is not a bool) end that trajectory with score 0; its rows so far are KEPT (so GRPO groups keep
+their size and the failure counts as a bad outcome) and ``rollout/env_errors`` counts it. Each
+fault's text (with the offending value) is kept in ``RolloutOutput.faults`` with its trajectory
+id, so the trainer can show why when too many trajectories fault (``fault_summary``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
+import inspect
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from batching import Row
 from rollout.engines.base import Engine, GenerationRequest, SamplingParams
+from rollout.engines.batcher import RequestBatcher
+from rollout.envs import exception_line, reward_range_of
+from rollout.envs.base import DEFAULT_REWARD_RANGE
 from rollout.envs.prompts import PromptItem
+from rollout.rewards import RewardError
 from rollout.seeding import stable_seed
 from rollout.tokenizer import chat_token_ids, eos_token_ids
 
 
 @dataclass
 class RolloutOutput:
-    """Rows for the trainer plus ``rollout/*`` metrics (floats)."""
+    """Rows for the trainer plus ``rollout/*`` metrics (floats), and ``faults``: one
+    ``(trajectory_id, text)`` per trajectory an environment fault ended, in trajectory order."""
 
     rows: list[Row]
     metrics: dict[str, float]
+    faults: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -70,24 +90,93 @@ class _Trajectory:
     done: bool = False
     truncated: bool = False
     error: str | None = None
+    reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE
+    reward_error: bool = False  # the fault was the reward function's (rollout.rewards)
+    timed_out: bool = False  # the fault was an env call past rollout.env_timeout_s
+    reward_extra: dict[str, float] = field(default_factory=dict)  # its extra keys, final turn
 
 
 class EnvError(ValueError):
     """An environment broke its contract (wrong type, bad reward); ends that trajectory."""
 
 
-def _check_step(out: object) -> tuple[str, float, bool]:
+def _shown(value: object) -> str:
+    """A value and its type, short enough for one line of an error."""
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _check_step(out: object, reward_range: tuple[float, float]) -> tuple[str, float, bool, dict]:
     if not isinstance(out, tuple) or len(out) != 4:
-        raise EnvError(f"step() must return (obs, reward, done, info), got {out!r:.80}")
-    obs, reward, done, _info = out
+        raise EnvError(f"step() must return (obs, reward, done, info), got {_shown(out)}")
+    obs, reward, done, info = out
     if not isinstance(obs, str):
-        raise EnvError(f"step() observation must be str, got {type(obs).__name__}")
+        raise EnvError(f"step() observation must be a str, got {_shown(obs)}")
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
-        raise EnvError(f"step() reward must be a float, got {type(reward).__name__}")
+        raise EnvError(f"step() reward must be a real number, got {_shown(reward)}")
     reward = float(reward)
-    if not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
-        raise EnvError(f"step() reward {reward!r} is not a finite number in [0, 1]")
-    return obs, reward, bool(done)
+    low, high = reward_range
+    if not math.isfinite(reward) or not low <= reward <= high:
+        raise EnvError(
+            f"step() reward {reward!r} is outside the env's reward_range [{low:g}, {high:g}]"
+            if math.isfinite(reward)
+            else f"step() reward {reward!r} is not a finite number"
+        )
+    if not isinstance(done, bool | np.bool_):
+        raise EnvError(f"step() done must be a bool, got {_shown(done)}")
+    return obs, reward, bool(done), info if isinstance(info, dict) else {}
+
+
+def _numbers(extra: object) -> dict[str, float]:
+    """The finite numeric entries of a reward's extra keys (``info["reward_extra"]``)."""
+    if not isinstance(extra, dict):
+        return {}
+    return {
+        str(k): float(v)
+        for k, v in extra.items()
+        if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    }
+
+
+def _first_messages(obs: object) -> list[dict]:
+    """The chat a trajectory starts from: ``reset()`` returns the user's first message (str)
+    or a whole chat (a list of ``{"role", "content"}`` messages, e.g. a verl dataset's prompt
+    with its system message)."""
+    if isinstance(obs, str):
+        return [{"role": "user", "content": obs}]
+    if (
+        isinstance(obs, list)
+        and obs
+        and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in obs)
+    ):
+        return [{"role": m["role"], "content": m["content"]} for m in obs]
+    raise EnvError(f"reset() must return str or a list of chat messages, got {obs!r:.80}")
+
+
+def _fault_text(where: str, exc: Exception) -> str:
+    """``"<where>: <message>"``; an env's own exception keeps its type name."""
+    message = " ".join(str(exc).split()) if isinstance(exc, EnvError) else exception_line(exc)
+    return f"{where}: {message}"
+
+
+def fault_summary(faults: Sequence[tuple[int, str]], total: int, *, limit: int = 3) -> str:
+    """One line on a rollout's environment faults: how many of ``total`` trajectories, then up
+    to ``limit`` distinct fault texts, each with the ids of the trajectories it ended."""
+    by_text: dict[str, list[int]] = {}
+    for trajectory_id, text in faults:
+        by_text.setdefault(text, []).append(trajectory_id)
+    parts = []
+    for text, ids in list(by_text.items())[:limit]:
+        shown = ", ".join(str(i) for i in ids[:4]) + (
+            f" +{len(ids) - 4} more" if len(ids) > 4 else ""
+        )
+        parts.append(f"[trajector{'ies' if len(ids) > 1 else 'y'} {shown}] {text}")
+    if len(by_text) > limit:
+        parts.append(f"... {len(by_text) - limit} more distinct fault(s)")
+    return f"{len(faults)} of {total} trajectories ended by an environment fault: " + "; ".join(
+        parts
+    )
 
 
 def _observation_ids(tokenizer, messages: list[dict], obs: str) -> list[int]:
@@ -126,6 +215,9 @@ def run_rollouts(
     seed: int = 0,
     step: int = 0,
     stop_strings: Sequence[str] = (),
+    env_timeout_s: float | None = None,
+    env_concurrency: int = 64,
+    deterministic: bool = True,
 ) -> RolloutOutput:
     """Roll out ``n`` trajectories per prompt for up to ``max_turns`` turns.
 
@@ -137,6 +229,14 @@ def run_rollouts(
     ``stop_strings`` end a turn at the first token whose text completes one of them (the
     string stays in the response, what follows is dropped, and the turn is closed by an
     appended, untrained EOS: rule b); handled here, so every engine behaves the same.
+
+    Each trajectory is its own asyncio task (see the module docstring). ``env_timeout_s``
+    (seconds, None = no limit) bounds each ``reset``/``step`` call; ``env_concurrency`` caps
+    the env calls running at once. ``deterministic``: engine calls hold every live
+    trajectory's turn (lockstep calls, logprobs repeat bit for bit); False: the engine takes
+    whatever waits whenever it is free (``rollout/engines/batcher.py``). Rows come out in
+    trajectory order either way. Runs its own event loop (on a helper thread when the caller's
+    thread already runs one).
     """
     if n < 1:
         raise ValueError(f"rollout.n={n}: must be >= 1 sample per prompt")
@@ -149,13 +249,28 @@ def run_rollouts(
         )
     if max_input_len < 1:
         raise ValueError(f"rollout.max_input_len={max_input_len}: must be >= 1 token")
+    if env_timeout_s is not None and not env_timeout_s > 0:
+        raise ValueError(
+            f"rollout.env_timeout_s={env_timeout_s!r}: must be > 0 seconds (null: no limit)"
+        )
+    if env_concurrency < 1:
+        raise ValueError(f"rollout.env_concurrency={env_concurrency}: must be >= 1 env call")
     sampling = sampling or SamplingParams()
     eos_ids = eos_token_ids(tokenizer)
     if not eos_ids:
         raise ValueError("the tokenizer has no eos_token; the agent loop needs one to end turns")
-    eos = eos_ids[0]
     stops = tuple(dict.fromkeys(eos_ids + tuple(sampling.stop_token_ids)))
     params = dataclasses.replace(sampling, max_new_tokens=max_new_tokens - 1, stop_token_ids=stops)
+    ctx = _Context(
+        tokenizer=tokenizer,
+        eos=eos_ids[0],
+        stop_strings=tuple(stop_strings),
+        max_turns=max_turns,
+        step_wise=step_wise,
+        max_input_len=max_input_len,
+        seed=seed,
+        step=step,
+    )
 
     items = [
         p if isinstance(p, PromptItem) else PromptItem(index=i, seed=int(p))
@@ -166,66 +281,161 @@ def run_rollouts(
         for j, item in enumerate(items)
         for k in range(n)
     ]
+    # Constructors run here, in trajectory order: a factory may count or share state.
     for t in trajs:
         try:
             t.env = env_factory(**t.item.env_kwargs)
-            obs = t.env.reset(t.item.seed)
-            if not isinstance(obs, str):
-                raise EnvError(f"reset() must return str, got {type(obs).__name__}")
+            t.reward_range = reward_range_of(t.env)
         except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
-            t.error, t.done = f"reset: {exc}", True
-            continue
-        t.messages = [{"role": "user", "content": obs}]
-        if not step_wise:
-            t.seq = chat_token_ids(tokenizer, t.messages)
+            t.error, t.done = _fault_text("constructor", exc), True
 
-    for turn in range(max_turns):
-        live, requests = [], []
-        for t in trajs:
-            if t.done:
-                continue
-            # Rule a: re-tokenize the history first, then check the length.
-            prompt = chat_token_ids(tokenizer, t.messages) if step_wise else list(t.seq)
-            if len(prompt) > max_input_len:
-                t.truncated, t.done = True, True
-                continue
-            live.append((t, prompt))
-            req_seed = stable_seed(seed, step, t.item.index, t.sample, turn)
-            requests.append(GenerationRequest(prompt_ids=prompt, seed=req_seed))
-        if not requests:
-            break
-        results = engine.generate(requests, params)
-        for (t, prompt), res in zip(live, results):
-            gen, lps = list(res.token_ids), [float(x) for x in res.logprobs]
-            if stop_strings:
-                cut = stop_string_cut(tokenizer, gen, stop_strings)
-                gen, lps = gen[:cut], lps[:cut]
-            mask = [1] * len(gen)
-            if not gen or gen[-1] != eos:  # rule b: close the turn with an untrained EOS
-                gen, lps, mask = gen + [eos], lps + [0.0], mask + [0]
-            content = gen[:-1]
-            text = tokenizer.decode(content, skip_special_tokens=True)
-            record = _Turn(prompt_ids=prompt, response_ids=gen, mask=mask, logprobs=lps)
-            t.turns.append(record)
-            t.messages.append({"role": "assistant", "content": text})
-            try:
-                obs, reward, done = _check_step(t.env.step(text))
-            except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
-                t.error, t.done = f"step {turn}: {exc}", True
-                continue
-            record.reward = reward
-            if done:
-                t.done = True
-                continue
-            t.messages.append({"role": "user", "content": obs})
-            if not step_wise:
-                record.obs_ids = _observation_ids(tokenizer, t.messages[:-1], obs)
-                t.seq = prompt + gen + record.obs_ids
+    async def roll_all() -> None:
+        batcher = RequestBatcher(engine, params, waves=deterministic)
+        env_calls = _EnvCalls(env_concurrency, env_timeout_s)
+        live = [t for t in trajs if not t.done]
+        batcher.join(len(live))
+        tasks = [asyncio.create_task(_roll_one(t, ctx, batcher, env_calls)) for t in live]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:  # an engine failure: stop the other trajectories, re-raise it
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            env_calls.close()
+            batcher.close()
+
+    _run_coroutine(roll_all)
 
     rows: list[Row] = []
     for t in trajs:
         rows.extend(_rows_of(t, step_wise=step_wise, merge=merge_stepwise))
-    return RolloutOutput(rows=rows, metrics=_metrics(trajs, rows))
+    faults = [(t.trajectory_id, t.error) for t in trajs if t.error is not None]
+    return RolloutOutput(rows=rows, metrics=_metrics(trajs, rows), faults=faults)
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What every trajectory task of one ``run_rollouts`` call shares (read-only)."""
+
+    tokenizer: object
+    eos: int
+    stop_strings: tuple[str, ...]
+    max_turns: int
+    step_wise: bool
+    max_input_len: int  # tokens
+    seed: int
+    step: int
+
+
+class EnvTimeout(EnvError):
+    """An environment call ran past ``rollout.env_timeout_s``; ends that trajectory."""
+
+
+class _EnvCalls:
+    """Environment calls of one rollout: synchronous methods on a thread pool, ``async def``
+    ones on the event loop; at most ``concurrency`` at once, each bounded by ``timeout_s``
+    seconds (None: no bound). A call that overruns cannot be killed (a Python thread cannot
+    be): it is abandoned with its thread, and later calls get a fresh pool."""
+
+    def __init__(self, concurrency: int, timeout_s: float | None) -> None:
+        self.concurrency, self.timeout_s = concurrency, timeout_s
+        self._slots = asyncio.Semaphore(concurrency)
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="env")
+
+    async def __call__(self, method: Callable, *args: object) -> object:
+        """``method(*args)``'s result; its exception, or ``EnvTimeout`` when it overruns."""
+        async with self._slots:
+            if inspect.iscoroutinefunction(method):
+                task = asyncio.ensure_future(method(*args))
+            else:
+                task = asyncio.get_running_loop().run_in_executor(self._pool, method, *args)
+            done, _ = await asyncio.wait([task], timeout=self.timeout_s)
+            if not done:
+                task.cancel()
+                if not inspect.iscoroutinefunction(method):
+                    # The stuck call keeps its worker thread; later calls get fresh ones.
+                    self._pool.shutdown(wait=False)
+                    self._pool = self._new_pool()
+                raise EnvTimeout(f"took longer than rollout.env_timeout_s={self.timeout_s:g} s")
+            return task.result()
+
+    def close(self) -> None:
+        """Release the worker threads (an abandoned, still running call keeps its own)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _run_coroutine(make: Callable[[], Awaitable[None]]) -> None:
+    """Run ``make()`` to completion on a fresh event loop (a helper thread's when this thread
+    already runs one, e.g. inside an async Ray actor or a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(make())
+        return
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout") as helper:
+        helper.submit(lambda: asyncio.run(make())).result()
+
+
+async def _roll_one(
+    t: _Trajectory, ctx: _Context, batcher: RequestBatcher, env_call: _EnvCalls
+) -> None:
+    """One trajectory: reset, then (generate a turn -> env step) until done, truncated, faulty
+    or out of turns. Faults are recorded on ``t``; only an engine failure raises."""
+    tokenizer = ctx.tokenizer
+    try:
+        try:
+            t.messages = _first_messages(await env_call(t.env.reset, t.item.seed))
+        except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
+            t.error, t.done = _fault_text("reset", exc), True
+            t.timed_out = isinstance(exc, EnvTimeout)
+            return
+        if not ctx.step_wise:
+            t.seq = chat_token_ids(tokenizer, t.messages)
+        for turn in range(ctx.max_turns):
+            # Rule a: re-tokenize the history first, then check the length.
+            prompt = chat_token_ids(tokenizer, t.messages) if ctx.step_wise else list(t.seq)
+            if len(prompt) > ctx.max_input_len:
+                t.truncated, t.done = True, True
+                return
+            req_seed = stable_seed(ctx.seed, ctx.step, t.item.index, t.sample, turn)
+            request = GenerationRequest(prompt_ids=prompt, seed=req_seed, group=t.item.index)
+            res = await batcher.generate(request, key=t.trajectory_id)
+            gen, lps = list(res.token_ids), [float(x) for x in res.logprobs]
+            if ctx.stop_strings:
+                cut = stop_string_cut(tokenizer, gen, ctx.stop_strings)
+                gen, lps = gen[:cut], lps[:cut]
+            mask = [1] * len(gen)
+            if not gen or gen[-1] != ctx.eos:  # rule b: close the turn with an untrained EOS
+                gen, lps, mask = gen + [ctx.eos], lps + [0.0], mask + [0]
+            text = tokenizer.decode(gen[:-1], skip_special_tokens=True)
+            record = _Turn(prompt_ids=prompt, response_ids=gen, mask=mask, logprobs=lps)
+            t.turns.append(record)
+            t.messages.append({"role": "assistant", "content": text})
+            try:
+                obs, reward, done, info = _check_step(
+                    await env_call(t.env.step, text), t.reward_range
+                )
+            except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
+                t.error, t.done = _fault_text(f"step {turn}", exc), True
+                t.reward_error = isinstance(exc, RewardError)
+                t.timed_out = isinstance(exc, EnvTimeout)
+                return
+            record.reward = reward
+            if done:
+                t.done = True
+                t.reward_extra = _numbers(info.get("reward_extra"))
+                return
+            t.messages.append({"role": "user", "content": obs})
+            if not ctx.step_wise:
+                record.obs_ids = _observation_ids(tokenizer, t.messages[:-1], obs)
+                t.seq = prompt + gen + record.obs_ids
+    finally:
+        batcher.leave()
 
 
 def stop_string_cut(tokenizer, token_ids: list[int], stop_strings: Sequence[str]) -> int:
@@ -334,6 +544,7 @@ def _metrics(trajs: list[_Trajectory], rows: list[Row]) -> dict[str, float]:
         "rollout/mean_turns": sum(len(t.turns) for t in trajs) / max(num, 1),
         "rollout/truncated_trajectories": float(sum(t.truncated for t in trajs)),
         "rollout/env_errors": float(sum(t.error is not None for t in trajs)),
+        "rollout/env_timeout_errors": float(sum(t.timed_out for t in trajs)),
         "rollout/unfinished_trajectories": float(
             sum(
                 not t.truncated and t.error is None and bool(t.turns) and not _finished(t)
@@ -342,7 +553,24 @@ def _metrics(trajs: list[_Trajectory], rows: list[Row]) -> dict[str, float]:
         ),
         "rollout/mean_response_length": sum(len(r.response_ids) for r in rows) / max(len(rows), 1),
         "rollout/score_mean": sum(_score(t) for t in with_rows) / max(len(with_rows), 1),
+        **_reward_metrics(trajs),
     }
+
+
+def _reward_metrics(trajs: list[_Trajectory]) -> dict[str, float]:
+    """``reward/errors`` (reward-function faults, also in ``rollout/env_errors``) when any env
+    scores with a reward function, and ``reward/extra/<key>``: the mean of each extra key a reward
+    function returned, over the trajectories that returned it."""
+    out: dict[str, float] = {}
+    if any(getattr(t.env, "reward_fn", None) is not None for t in trajs):
+        out["reward/errors"] = float(sum(t.reward_error for t in trajs))
+    totals: dict[str, list[float]] = {}
+    for t in trajs:
+        for key, value in t.reward_extra.items():
+            totals.setdefault(key, []).append(value)
+    for key, values in sorted(totals.items()):
+        out[f"reward/extra/{key}"] = sum(values) / len(values)
+    return out
 
 
 def _finished(t: _Trajectory) -> bool:

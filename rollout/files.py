@@ -85,3 +85,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """``atomic_write_bytes`` for UTF-8 text."""
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def undecodable(path: str | os.PathLike, err: UnicodeDecodeError) -> str:
+    """One line for a file that is not UTF-8 text: the first bad byte, its line and the fix.
+
+    ``err`` is what decoding the file's bytes (from its start) raised; the line number counts
+    the newlines before the bad byte.
+    """
+    line = err.object[: err.start].count(b"\n") + 1
+    byte = err.object[err.start : err.start + 1].hex()
+    return f"not UTF-8 text (byte 0x{byte} on line {line}); save {Path(path).name} as UTF-8"

@@ -162,6 +162,24 @@ def write_random_model(
     return final
 
 
+def model_directory(path_or_name: str | Path, seed: int = 0) -> Path:
+    """The local directory holding the model's ``config.json`` and safetensors weights.
+
+    ``builtin:tiny`` / ``builtin:small``: the seed's cached weights (written on first use); a
+    local directory must have a ``config.json`` (nothing is downloaded).
+    """
+    name = str(path_or_name)
+    if name.startswith("builtin:"):
+        return builtin_weights_dir(name, seed)
+    directory = Path(name).expanduser()
+    if not (directory / "config.json").is_file():
+        raise ValueError(
+            f"model.path={name!r}: no config.json there; pass a local HF model directory or "
+            f"one of {[f'builtin:{m}' for m in BUILTIN_MODELS]} (nothing is downloaded)"
+        )
+    return directory
+
+
 def load_model(
     path_or_name: str | Path,
     *,
@@ -180,16 +198,7 @@ def load_model(
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    name = str(path_or_name)
-    if name.startswith("builtin:"):
-        directory = builtin_weights_dir(name, seed)
-    else:
-        directory = Path(name).expanduser()
-        if not (directory / "config.json").is_file():
-            raise ValueError(
-                f"model.path={name!r}: no config.json there; pass a local HF model directory or "
-                f"one of {[f'builtin:{m}' for m in BUILTIN_MODELS]} (nothing is downloaded)"
-            )
+    directory = model_directory(path_or_name, seed)
     kwargs = {"dtype": parse_dtype(dtype), "local_files_only": True}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
@@ -197,6 +206,93 @@ def load_model(
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs)
     return model.to(torch.device(device))
+
+
+def build_empty_model(
+    path_or_name: str | Path,
+    *,
+    dtype: str | torch.dtype = torch.float32,
+    seed: int = 0,
+    attn_implementation: str | None = None,
+) -> PreTrainedModel:
+    """The architecture of ``load_model(path_or_name, ...)`` with every parameter and buffer on
+    the meta device: no memory, no weights read (only ``config.json``).
+
+    For sharded training: shard it, ``to_empty`` it onto the device, then call
+    ``reset_non_persistent_buffers`` and load the weights. Tied weights are tied here already.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = model_directory(path_or_name, seed)
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    kwargs = {"dtype": parse_dtype(dtype)}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+class CheckpointTensors:
+    """The tensors of a model directory's safetensors files, read one at a time by name.
+
+    Holds only the names and which file has each; ``read(name)`` copies one tensor into
+    memory. Each read opens and closes its file, so the memory-mapped pages leave the process
+    with it: reading a whole model this way never holds more than one tensor.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        self.directory = directory
+        self.files: dict[str, Path] = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                self.files.update(dict.fromkeys(handle.keys(), file))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.files
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as stored (its file's dtype), on the CPU."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+
+def checkpoint_tensors(path_or_name: str | Path, seed: int = 0) -> CheckpointTensors:
+    """``CheckpointTensors`` of ``load_model(path_or_name, seed=seed)``'s weights files."""
+    return CheckpointTensors(model_directory(path_or_name, seed))
+
+
+@torch.no_grad()
+def reset_non_persistent_buffers(model: PreTrainedModel, device: str | torch.device) -> int:
+    """Recompute, on ``device``, the buffers a checkpoint does not hold (e.g. rotary
+    ``inv_freq``): after meta init and ``to_empty`` they are garbage.
+
+    The values come from transformers' own initialiser for the module (computed on the CPU,
+    as ``from_pretrained`` computes them), so they equal ``load_model``'s bit for bit. Only
+    modules without parameters of their own are touched: initialising one would also redraw
+    parameters. Returns the number of buffers reset.
+    """
+    count = 0
+    for name, module in model.named_modules():
+        owned = [
+            n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None
+        ]
+        if not owned:
+            continue
+        if any(True for _ in module.parameters(recurse=False)):
+            raise NotImplementedError(
+                f"{name or type(module).__name__}: a module with both parameters and "
+                "non-persistent buffers cannot be rebuilt after meta-device init"
+            )
+        for buffer_name in owned:
+            old = module._buffers[buffer_name]
+            module._buffers[buffer_name] = torch.empty_like(old, device=torch.device(device))
+        model._init_weights(module)
+        count += len(owned)
+    return count
 
 
 def main(argv: list[str] | None = None) -> int:

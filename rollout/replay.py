@@ -9,6 +9,8 @@ in for the rollout engine).
 
 from __future__ import annotations
 
+import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -30,10 +32,26 @@ def record_rollout(record_dir: str | Path, step: int, arrays: Mapping[str, np.nd
     return path
 
 
+class RecordingError(ValueError):
+    """A recorded rollout file that cannot be read; the message names the file and the fix."""
+
+
 def load_rollout(path: str | Path) -> dict[str, np.ndarray]:
-    """Arrays of a recorded rollout batch, read without pickle."""
-    with np.load(path, allow_pickle=False) as data:
-        return {key: data[key] for key in data.files}
+    """Arrays of a recorded rollout batch, read without pickle. A file that is not a whole
+    npz archive of plain arrays (truncated, random bytes, pickled objects, a directory)
+    raises ``RecordingError`` naming it."""
+    path = Path(path)
+    fix = "record it again with run.record_rollouts=true"
+    if not path.is_file():
+        raise RecordingError(f"{path}: not a file; {fix}")
+    if not zipfile.is_zipfile(path):
+        raise RecordingError(f"{path}: not an npz archive (truncated or not a recording); {fix}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {key: data[key] for key in data.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as err:
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise RecordingError(f"{path}: damaged recording ({reason}); {fix}") from None
 
 
 def recorded_steps(rollouts_dir: str | Path) -> list[int]:

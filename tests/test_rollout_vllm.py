@@ -337,3 +337,39 @@ def test_vllm_rejects_prompt_longer_than_max_model_len(engine):
         engine.generate(
             [GenerationRequest(prompt_ids=long_prompt, seed=0)], SamplingParams(max_new_tokens=8)
         )
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_serves_a_crossrl_export(tmp_path):
+    """The default job's run, exported (``crossrl export``), loads in vLLM as a model dir;
+    its logprobs match transformers on the same directory."""
+    from rollout.engines import make_engine
+    from trainer.cli import main
+    from trainer.config import load_config
+    from trainer.run import run_training
+
+    run, out = tmp_path / "run", tmp_path / "exported"
+    short = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4"]
+    cfg = load_config(None, [*short, f"run.dir={run}", "train.total_steps=1", "run.resume=never"])
+    assert run_training(cfg) == 0
+    assert main(["export", str(run), str(out)]) == 0
+
+    eng = make_engine(
+        "vllm",
+        str(out),
+        dtype="float32",
+        seed=0,
+        max_model_len=256,
+        kv_cache_memory_bytes=64 << 20,
+        enforce_eager=True,
+    )
+    try:
+        reqs = _requests()
+        results = eng.generate(reqs, SamplingParams(max_new_tokens=8, temperature=1.0))
+        assert all(len(r.token_ids) == 8 for r in results)
+        err = _max_logprob_error(_hf_model(out), reqs, results, 1.0)
+        print(f"max |vllm - hf| logprob on the export: {err:.2e}")
+        assert err < LOGPROB_ATOL
+    finally:
+        eng.shutdown()

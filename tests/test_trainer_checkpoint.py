@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import queue as queue_module
 import random
 import re
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +28,13 @@ from trainer.checkpoint import (
     load_json,
     load_safetensors,
     load_torch,
+    read_model_weights,
+    read_sharded,
     resolve_resume,
     rng_state,
     save_json,
     save_safetensors,
+    save_sharded,
     save_torch,
     set_rng_state,
     verify_checkpoint,
@@ -45,11 +50,17 @@ def _model_state(seed: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(8, 4, generator=g), "b": torch.randn(4, generator=g)}
 
 
+MODEL_SHARD = f"{LAYOUT.model_dir(ROLE)}/__0_0.distcp"  # rank 0's shard of the model
+
+
 def _written_files(ranks: int) -> list[str]:
-    """Every file of a checkpoint of one trainable role over ``ranks`` data-parallel ranks."""
+    """Every file of a checkpoint of one trainable role over ``ranks`` data-parallel ranks
+    (the sharded dirs written by one process here: one shard each)."""
     return [
-        LAYOUT.model(ROLE),
-        LAYOUT.optim(ROLE),
+        MODEL_SHARD,
+        f"{LAYOUT.model_dir(ROLE)}/.metadata",
+        f"{LAYOUT.optim_dir(ROLE)}/__0_0.distcp",
+        f"{LAYOUT.optim_dir(ROLE)}/.metadata",
         LAYOUT.scheduler(ROLE),
         *(LAYOUT.rng(ROLE, r) for r in range(ranks)),
         LAYOUT.trainer_state,
@@ -61,8 +72,8 @@ def _write_checkpoint(run_dir: Path, step: int, *, ranks: int = 2, keep_last: in
     """What the controller and the workers write (``Trainer.save_checkpoint`` and
     ``FSDPWorker.save_pieces``): stage every piece, then commit."""
     staging = begin_checkpoint(run_dir, step)
-    save_safetensors(_model_state(step), staging / LAYOUT.model(ROLE))  # rank 0
-    save_torch({"exp_avg": torch.full((3,), float(step))}, staging / LAYOUT.optim(ROLE))
+    save_sharded(_model_state(step), staging / LAYOUT.model_dir(ROLE))
+    save_sharded({"exp_avg": torch.full((3,), float(step))}, staging / LAYOUT.optim_dir(ROLE))
     save_torch({"last_epoch": step}, staging / LAYOUT.scheduler(ROLE))
     for rank in range(ranks):
         save_torch(rng_state(), staging / LAYOUT.rng(ROLE, rank))
@@ -75,10 +86,10 @@ def _write_checkpoint(run_dir: Path, step: int, *, ranks: int = 2, keep_last: in
 def _assert_whole(ckpt: Path, step: int) -> None:
     verify_checkpoint(ckpt)
     assert load_json(ckpt / LAYOUT.trainer_state)["step"] == step
-    loaded = load_safetensors(ckpt / LAYOUT.model(ROLE))
+    loaded = read_model_weights(ckpt, ROLE)
     for name, tensor in _model_state(step).items():
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)
-    assert load_torch(ckpt / LAYOUT.optim(ROLE))["exp_avg"][0].item() == step
+    assert read_sharded(ckpt / LAYOUT.optim_dir(ROLE))["exp_avg"][0].item() == step
     assert load_torch(ckpt / LAYOUT.scheduler(ROLE))["last_epoch"] == step
     assert "torch" in load_torch(ckpt / LAYOUT.rng(ROLE, 1))
 
@@ -88,8 +99,10 @@ def _assert_whole(ckpt: Path, step: int) -> None:
 
 def test_layout_names_are_what_existing_checkpoints_hold():
     """Runs saved before must resume: these names are an on-disk contract."""
-    assert LAYOUT.model("actor") == "actor_model.safetensors"
-    assert LAYOUT.optim("critic") == "critic_optim.pt"
+    assert LAYOUT.model_dir("actor") == "actor_model"
+    assert LAYOUT.optim_dir("critic") == "critic_optim"
+    assert LAYOUT.legacy_model("actor") == "actor_model.safetensors"
+    assert LAYOUT.legacy_optim("critic") == "critic_optim.pt"
     assert LAYOUT.scheduler("actor") == "actor_scheduler.pt"
     assert LAYOUT.rng("actor", 3) == "actor_rng_rank3.pt"
     assert (LAYOUT.trainer_state, LAYOUT.controller_rng) == (
@@ -138,7 +151,7 @@ def test_recommit_same_step_replaces_it(tmp_path):
     ckpt = commit_checkpoint(tmp_path, 2, staging)
     verify_checkpoint(ckpt)
     assert load_json(ckpt / LAYOUT.trainer_state)["prompts_consumed"] == 999
-    assert not (ckpt / LAYOUT.model(ROLE)).exists()  # the old dir was replaced, not merged
+    assert not (ckpt / LAYOUT.model_dir(ROLE)).exists()  # the old dir was replaced, not merged
 
 
 def test_commit_rejects_bad_input(tmp_path):
@@ -188,6 +201,7 @@ def _run_child(code: str, *args: str) -> subprocess.Popen:
 def test_writer_killed_mid_write_leaves_previous_checkpoint(tmp_path):
     _write_checkpoint(tmp_path, 1)
     staging = begin_checkpoint(tmp_path, 2)
+    (staging / MODEL_SHARD).parent.mkdir()
     child = _run_child(
         """
         import sys
@@ -199,14 +213,14 @@ def test_writer_killed_mid_write_leaves_previous_checkpoint(tmp_path):
             while True:  # a model too big to finish before the kill
                 fh.write(chunk)
         """,
-        str(staging / LAYOUT.model(ROLE)),
+        str(staging / MODEL_SHARD),
     )
     assert child.stdout.readline().strip() == "started"
     child.send_signal(signal.SIGKILL)
     child.wait(timeout=30)
     child.stdout.close()
     assert child.returncode == -signal.SIGKILL
-    assert (staging / LAYOUT.model(ROLE)).stat().st_size > 0  # the torn piece is really there
+    assert (staging / MODEL_SHARD).stat().st_size > 0  # the torn piece is really there
 
     latest = find_latest(tmp_path)
     assert latest.name == "step_1"
@@ -221,7 +235,7 @@ def test_writer_killed_mid_write_leaves_previous_checkpoint(tmp_path):
 def test_kill_after_rename_before_latest_keeps_previous_checkpoint(tmp_path):
     _write_checkpoint(tmp_path, 1)
     staging = begin_checkpoint(tmp_path, 2)
-    save_safetensors(_model_state(2), staging / LAYOUT.model(ROLE))
+    save_sharded(_model_state(2), staging / LAYOUT.model_dir(ROLE))
     save_json({"step": 2, "prompts_consumed": 8}, staging / LAYOUT.trainer_state)
     child = _run_child(
         """
@@ -277,7 +291,7 @@ def _corrupt_flip(path: Path) -> None:
     ("how", "expect"),
     [(_corrupt_truncate, "bytes"), (_corrupt_flip, "sha256"), (Path.unlink, "missing")],
 )
-@pytest.mark.parametrize("victim", [LAYOUT.model(ROLE), LAYOUT.rng(ROLE, 1)])
+@pytest.mark.parametrize("victim", [MODEL_SHARD, LAYOUT.rng(ROLE, 1)])
 def test_corrupted_file_named_in_error(tmp_path, how, expect, victim):
     ckpt = _write_checkpoint(tmp_path, 5)
     how(ckpt / victim)
@@ -301,13 +315,13 @@ def test_missing_or_bad_manifest(tmp_path):
 
 
 def test_loaders_wrap_errors_naming_file(tmp_path):
-    garbage = tmp_path / LAYOUT.optim(ROLE)
+    garbage = tmp_path / LAYOUT.scheduler(ROLE)
     garbage.write_bytes(b"\x00not a torch file")
-    with pytest.raises(CheckpointError, match=LAYOUT.optim(ROLE)):
+    with pytest.raises(CheckpointError, match=LAYOUT.scheduler(ROLE)):
         load_torch(garbage)
-    bad_st = tmp_path / LAYOUT.model(ROLE)
+    bad_st = tmp_path / LAYOUT.legacy_model(ROLE)
     bad_st.write_bytes(b"\xff" * 64)
-    with pytest.raises(CheckpointError, match=LAYOUT.model(ROLE)):
+    with pytest.raises(CheckpointError, match=LAYOUT.legacy_model(ROLE)):
         load_safetensors(bad_st)
     with pytest.raises(CheckpointError, match="missing"):
         load_torch(tmp_path / "absent.pt")
@@ -343,7 +357,7 @@ def test_safetensors_tied_and_noncontiguous_weights(tmp_path):
         "half": torch.randn(3, dtype=torch.bfloat16),
         "slice": base[1],  # a view into a larger buffer
     }
-    path = save_safetensors(state, tmp_path / LAYOUT.model(ROLE))
+    path = save_safetensors(state, tmp_path / LAYOUT.legacy_model(ROLE))
     loaded = load_safetensors(path)
     assert set(loaded) == set(state)
     for name, tensor in state.items():
@@ -360,8 +374,8 @@ def test_optimizer_state_round_trip_with_weights_only(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    save_torch(opt.state_dict(), tmp_path / LAYOUT.optim(ROLE))
-    loaded = load_torch(tmp_path / LAYOUT.optim(ROLE))
+    save_torch(opt.state_dict(), tmp_path / "optim.pt")
+    loaded = load_torch(tmp_path / "optim.pt")
     fresh = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters(), lr=1e-3)
     fresh.load_state_dict(loaded)
     for key in ("exp_avg", "exp_avg_sq"):
@@ -436,3 +450,228 @@ def test_resume_from_older_step_drops_abandoned_newer_checkpoints(tmp_path):
     _write_checkpoint(tmp_path, 2, keep_last=None)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_1", "step_2"]
     assert find_latest(tmp_path).name == "step_2"
+
+
+# ------------------------------------------------------------------ resume at another dp size
+
+#: The default job's tiny actor on the CPU, no KL, fixed lr: what ``FSDPWorker`` saves/loads.
+RESHARD_JOB = [
+    "device=cpu",
+    "model.path=builtin:tiny",
+    "seed=1",
+    "train.lr=1e-3",
+    "train.grad_clip=null",
+    "algorithm.kl_coef=0.0",
+    "algorithm.use_kl_loss=false",
+    "run.deterministic=false",
+]
+
+
+def _reshard_batch():
+    """3 prompts x 4 samples of random tokens with old logprobs a little off the policy."""
+    from batching import Row, StepBatch
+
+    rnd = random.Random(11)
+    rows = []
+    for uid in range(3):
+        for sample in range(4):
+            resp = [rnd.randrange(3, 90) for _ in range(rnd.randint(2, 9))]
+            rows.append(
+                Row(
+                    prompt_ids=[rnd.randrange(3, 90) for _ in range(rnd.randint(3, 12))],
+                    response_ids=resp,
+                    response_mask=[1] * len(resp),
+                    response_logprobs=[-rnd.random() * 3 for _ in resp],
+                    uid=uid,
+                    trajectory_id=uid * 4 + sample,
+                    step_index=0,
+                    is_last_step=True,
+                    score=rnd.random(),
+                )
+            )
+    batch = StepBatch.from_rows(rows)
+    noise = 0.3 * torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(3))
+    batch.set_token_field("old_logprobs", (batch.token_fields["rollout_logprobs"] + noise))
+    return batch
+
+
+def _reshard_rank(rank, world, port, arrays, staging, legacy, resume_from, queue) -> None:
+    """One data-parallel rank of the actor. ``staging`` set: train 2 steps, save the
+    checkpoint (and its single-file twin into ``legacy``), train step 3, then load the
+    checkpoint and train step 3 again. Else: load each dir of ``resume_from`` and train step 3
+    from it."""
+    from batching import StepBatch, plan_minibatches
+    from trainer.config import load_config
+    from trainer.workers.fsdp_worker import WorkerSpec
+    from trainer.workers.policy import PolicyWorker
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, [*RESHARD_JOB, f"train.dp_size={world}"])
+    worker = PolicyWorker(WorkerSpec(role="actor", rank=rank, cfg=cfg))
+    worker.setup("127.0.0.1", port)
+    worker.load_batch([arrays])
+    worker.compute_advantages()
+    batch = StepBatch.from_numpy(arrays)
+    plan = plan_minibatches(
+        batch.row_fields["trajectory_id"].numpy(),
+        batch.seq_lens,
+        mini_batch_size=3,
+        dp_size=world,
+        group_ids=batch.row_fields["uid"].numpy(),
+    )
+    (mini,) = plan.mini_batches
+
+    def step() -> dict:
+        report = worker.train_mini_batch(mini.micro_batches[rank], mini.rows.tolist())
+        params = {k: v.numpy().copy() for k, v in worker.full_state_dict().items()}
+        return {"loss": report.values["loss"], "grad_norm": report.values["grad_norm"], **params}
+
+    out = {}
+    if staging is not None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        step(), step()
+        out["written"] = worker.save_pieces(staging)
+        # What rank 0 wrote before the sharded layout existed (gathers: every rank calls).
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        optim = get_optimizer_state_dict(worker.model, worker.optimizer, options=full)
+        model = worker.full_state_dict()
+        if rank == 0:
+            save_safetensors(model, Path(legacy) / LAYOUT.legacy_model("actor"))
+            save_torch(optim, Path(legacy) / LAYOUT.legacy_optim("actor"))
+        out["continued"] = step()
+        worker.load_pieces(staging)
+        out["again"] = step()
+    else:
+        for ckpt in resume_from:
+            worker.load_pieces(ckpt)
+            out[ckpt] = step()
+    worker.shutdown()
+    queue.put((rank, out))
+
+
+def _spawn_ranks(world: int, arrays, staging=None, legacy=None, resume_from=()) -> dict[int, dict]:
+    import torch.multiprocessing as mp
+
+    from trainer.workers.group import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_reshard_rank,
+            args=(r, world, port, arrays, staging, legacy, resume_from, queue),
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    per_rank: dict[int, dict] = {}
+    deadline = time.monotonic() + 600
+    while len(per_rank) < world:  # a rank that dies fails the test now, not at the deadline
+        try:
+            rank, out = queue.get(timeout=2)
+            per_rank[rank] = out
+        except queue_module.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead and time.monotonic() < deadline, f"rank processes exited {dead}"
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    return per_rank
+
+
+def _step_result(per_rank: dict[int, dict], key: str) -> dict:
+    """Rank 0's parameters and grad norm (shared by all ranks); loss shares summed."""
+    out = dict(per_rank[0][key])
+    out["loss"] = sum(r[key]["loss"] for r in per_rank.values())
+    return out
+
+
+@pytest.fixture(scope="module")
+def dp2_checkpoint(tmp_path_factory):
+    """A dp=2 actor trained 2 steps and checkpointed (committed like the controller does),
+    plus the same checkpoint in the single-file layout of older runs."""
+    run_dir = tmp_path_factory.mktemp("reshard")
+    arrays = _reshard_batch().to_numpy()
+    staging = begin_checkpoint(run_dir, 2)
+    legacy = tmp_path_factory.mktemp("legacy") / "step_2"
+    legacy.mkdir()
+    per_rank = _spawn_ranks(2, arrays, staging=str(staging), legacy=str(legacy))
+    written = sorted({name for r in per_rank.values() for name in r["written"]})
+    save_json({"step": 2, "prompts_consumed": 6}, staging / LAYOUT.trainer_state)
+    ckpt = commit_checkpoint(run_dir, 2, staging, keep_last=None, expect_files=written)
+    for name in (LAYOUT.scheduler("actor"), LAYOUT.rng("actor", 0), LAYOUT.rng("actor", 1)):
+        (legacy / name).write_bytes((ckpt / name).read_bytes())
+    return {
+        "arrays": arrays,
+        "ckpt": ckpt,
+        "written": written,
+        "legacy": legacy,
+        "continued": _step_result(per_rank, "continued"),
+        "again": _step_result(per_rank, "again"),
+    }
+
+
+def _rel_distance(a: dict, b: dict) -> float:
+    """Relative L2 distance of the whole parameter vectors (see test_trainer_dp_invariance)."""
+    names = sorted(k for k in a if k not in ("loss", "grad_norm"))
+    va = np.concatenate([np.asarray(a[k], np.float64).ravel() for k in names])
+    vb = np.concatenate([np.asarray(b[k], np.float64).ravel() for k in names])
+    return float(np.linalg.norm(va - vb) / np.linalg.norm(va))
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_every_rank_writes_its_shard(dp2_checkpoint):
+    ckpt = dp2_checkpoint["ckpt"]
+    manifest = verify_checkpoint(ckpt)
+    for sub in (LAYOUT.model_dir("actor"), LAYOUT.optim_dir("actor")):
+        shards = sorted(p.name for p in (ckpt / sub).glob("*.distcp"))
+        assert shards == ["__0_0.distcp", "__1_0.distcp"], shards  # one file per rank
+        assert f"{sub}/__1_0.distcp" in dp2_checkpoint["written"]
+        assert f"{sub}/.metadata" in manifest["files"]
+    assert not list(ckpt.glob("*.safetensors"))  # nothing gathered into one file
+    weights = read_model_weights(ckpt, "actor")
+    assert weights["model.embed_tokens.weight"].shape == (102, 64)
+
+
+@pytest.mark.slow
+def test_same_dp_resume_is_bit_exact(dp2_checkpoint):
+    continued, again = dp2_checkpoint["continued"], dp2_checkpoint["again"]
+    assert again.keys() == continued.keys()
+    for key, value in continued.items():
+        np.testing.assert_array_equal(again[key], value, err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 4])
+def test_resume_at_another_dp_size_continues_the_run(dp2_checkpoint, world):
+    """A checkpoint written at dp=2 resumes at dp=1 and dp=4: the next step's loss, grad norm
+    and updated parameters equal the dp=2 run's own step 3 (dp invariance, fp32)."""
+    dirs = [str(dp2_checkpoint["ckpt"])]
+    if world == 1:  # the single-file layout of older checkpoints still loads
+        dirs.append(str(dp2_checkpoint["legacy"]))
+    per_rank = _spawn_ranks(world, dp2_checkpoint["arrays"], resume_from=dirs)
+    expected = dp2_checkpoint["continued"]
+    for ckpt in dirs:
+        got = _step_result(per_rank, ckpt)
+        print(
+            f"dp=2 -> dp={world} from {Path(ckpt).parent.name}/{Path(ckpt).name}: "
+            f"loss {got['loss']:.9g} vs {expected['loss']:.9g}, grad norm "
+            f"{got['grad_norm']:.9g} vs {expected['grad_norm']:.9g}, "
+            f"parameters {_rel_distance(got, expected):.2e} apart"
+        )
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-7), ckpt
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), ckpt
+        assert _rel_distance(got, expected) <= 1e-5, ckpt
+
+
+def test_checkpoint_without_the_role_names_both_layouts(tmp_path):
+    with pytest.raises(CheckpointError) as info:
+        read_model_weights(tmp_path, "critic")
+    msg = str(info.value)
+    assert LAYOUT.model_dir("critic") in msg and LAYOUT.legacy_model("critic") in msg

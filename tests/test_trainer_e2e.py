@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from trainer.checkpoint import find_latest, load_safetensors, verify_checkpoint
+from trainer.checkpoint import LAYOUT, find_latest, read_model_weights, verify_checkpoint
 from trainer.config import load_config
 from trainer.controller import Trainer
 from trainer.metrics import REQUIRED_KEYS, read_jsonl
@@ -67,7 +67,7 @@ def test_run_directory_contract(local_ray, tmp_path):
     assert latest is not None and latest.name == "step_3"
     assert (run_dir / "checkpoints" / "step_2").is_dir()
     verify_checkpoint(latest)
-    weights = load_safetensors(latest / "actor_model.safetensors")
+    weights = read_model_weights(latest, "actor")
     assert "model.embed_tokens.weight" in weights
     state = json.loads((latest / "trainer_state.json").read_text())
     assert state["step"] == 3
@@ -204,4 +204,6 @@ def test_algorithm_variants_train(local_ray, tmp_path, overrides, keys):
     assert any(m["actor/grad_norm"] > 0 for m in metrics)
     if "critic.enable=true" in overrides:
         latest = find_latest(run_dir)
-        assert (latest / "critic_model.safetensors").is_file()
+        value_head = read_model_weights(latest, "critic")["lm_head.weight"]
+        assert value_head.shape[0] == 1  # the critic's own model: one value per token
+        assert (latest / LAYOUT.optim_dir("critic")).is_dir()

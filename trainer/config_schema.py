@@ -10,6 +10,7 @@ configs, the docs and every reader.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -19,8 +20,9 @@ from hal.registry import BACKEND_NAMES
 from rollout.models import BUILTIN_MODELS
 
 # Values every section shares: unknown keys are errors (a typo must fail in the first
-# second, not after an hour of rollout) and no silent type coercion ("8" is not 8).
-_SECTION = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+# second, not after an hour of rollout), no silent type coercion ("8" is not 8), and no
+# inf/nan in any float (``train.lr=.inf`` would train every weight to inf).
+_SECTION = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
 
 # Exactly the names hal.get_backend accepts: one name per device, owned by the HAL.
 DeviceName = Literal[BACKEND_NAMES]
@@ -28,7 +30,26 @@ ModelDtype = Literal["float32", "bfloat16", "float16"]
 TrainDtype = Literal["float32", "bfloat16"]
 
 _ENV_SPEC = re.compile(r"^(?:[A-Za-z_][\w-]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+_FUNCTION_SPEC = re.compile(r"^(?:builtin:[a-z0-9_]+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 _HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
+
+
+def _first_nonfinite(tree: Any, where: str = "") -> tuple[str, float] | None:
+    """``(path, value)`` of the first inf/nan float in nested dicts/lists, else None."""
+    if isinstance(tree, float) and not math.isfinite(tree):
+        return where or "value", tree
+    items = (
+        tree.items()
+        if isinstance(tree, dict)
+        else enumerate(tree)
+        if isinstance(tree, list)
+        else ()
+    )
+    for key, child in items:
+        found = _first_nonfinite(child, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 class ModelConfig(BaseModel):
@@ -42,7 +63,9 @@ class ModelConfig(BaseModel):
         "(config.json + safetensors); nothing is downloaded",
     )
     dtype: ModelDtype = Field(
-        "float32", description="dtype of the rollout engine's weights and of saved checkpoints"
+        "float32",
+        description="dtype of the rollout engine's weights and of `crossrl export`'s weights "
+        "(checkpoints keep the float32 master weights)",
     )
     critic_path: str | None = Field(
         None, description="critic initial weights (same forms as path); null = model.path"
@@ -72,11 +95,24 @@ class DataConfig(BaseModel):
         ".jsonl / .parquet file of prompts",
     )
 
+    val_source: str | None = Field(
+        None,
+        description="a .jsonl / .parquet file of validation prompts (every record once per "
+        "validation, in file order); null = no validation",
+    )
+
     @field_validator("source")
     @classmethod
     def _env_or_file(cls, value: str) -> str:
         if value != "env" and not value.endswith((".jsonl", ".parquet")):
             raise ValueError("must be 'env' or a path ending in .jsonl or .parquet")
+        return value
+
+    @field_validator("val_source")
+    @classmethod
+    def _val_file(cls, value: str | None) -> str | None:
+        if value is not None and not value.endswith((".jsonl", ".parquet")):
+            raise ValueError("must be null or a path ending in .jsonl or .parquet")
         return value
 
 
@@ -125,6 +161,37 @@ class RolloutConfig(BaseModel):
     tensor_parallel_size: int = Field(
         1, ge=1, description="devices per engine replica (vllm only; must divide train.dp_size)"
     )
+    max_sample_batches: int = Field(
+        1,
+        ge=1,
+        description="DAPO dynamic sampling when > 1: groups whose scores are all equal are "
+        "dropped and another train.batch_size prompts sampled, up to this many batches per "
+        "step; still short, the step is topped up with dropped groups; 1 = off",
+    )
+    env_timeout_s: float | None = Field(
+        120.0,
+        gt=0,
+        description="seconds each environment reset/step call may take; past it the "
+        "trajectory ends as an environment fault (rollout/env_errors); null = no limit",
+    )
+    env_concurrency: int = Field(
+        64,
+        ge=1,
+        description="environment calls (reset/step) running at once, at most; synchronous "
+        "environments run on this many threads",
+    )
+    val_n: int = Field(1, ge=1, description="validation samples per prompt (k of val/pass@k)")
+    val_temperature: float = Field(
+        0.0, ge=0, description="validation sampling temperature; 0 = greedy"
+    )
+
+    @field_validator("env_kwargs")
+    @classmethod
+    def _finite_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        bad = _first_nonfinite(value)
+        if bad is not None:
+            raise ValueError(f"{bad[0]} is {bad[1]!r}; every number must be finite")
+        return value
 
     @field_validator("env")
     @classmethod
@@ -141,8 +208,15 @@ class AlgorithmConfig(BaseModel):
 
     model_config = _SECTION
 
-    adv_estimator: Literal["grpo", "rloo", "gae", "reinforce_pp"] = Field(
-        "grpo", description="advantage estimator (gae needs critic.enable)"
+    adv_estimator: Literal["grpo", "rloo", "gae", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "grpo",
+        description="advantage estimator (gae needs critic.enable); reinforce_pp_baseline "
+        "is REINFORCE++ with the group mean as baseline",
+    )
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        "ppo",
+        description="ppo: token-level clipped ratio (with dual clip); gspo: one ratio per "
+        "sequence (geometric mean of its token ratios), clipped at the sequence level",
     )
     loss_agg: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -167,7 +241,15 @@ class AlgorithmConfig(BaseModel):
     clip_ratio_c: float = Field(
         3.0, gt=1, description="dual-clip bound on the ratio for negative advantages (> 1)"
     )
-    kl_coef: float = Field(0.0, ge=0, description="weight of KL(policy || reference); 0 = none")
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="weight of KL(policy || reference); 0 = none. As a reward penalty "
+        "(use_kl_loss false) with grpo / rloo / reinforce_pp_baseline, each trajectory's "
+        "summed token penalty is added to its score before the group statistics (as verl "
+        "does), so the penalty moves the advantages instead of being silently ignored and a "
+        "verl config that relies on it trains the same here",
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="per-token KL estimator (k3 = low-variance)"
     )
@@ -178,6 +260,46 @@ class AlgorithmConfig(BaseModel):
     cliprange_value: float = Field(
         0.2, gt=0, description="critic value clipping around the old values (gae)"
     )
+    rollout_correction: Literal["none", "token", "sequence"] = Field(
+        "none",
+        description="truncated importance weights min(pi_old / pi_rollout, cap) on the policy "
+        "loss, for the engine / trainer log-prob mismatch: per token, or one per sequence",
+    )
+    rollout_correction_cap: float = Field(
+        2.0, ge=1, description="upper bound of the rollout-correction weights (>= 1)"
+    )
+
+
+class RewardConfig(BaseModel):
+    """Reward functions and reward shaping."""
+
+    model_config = _SECTION
+
+    function: str | None = Field(
+        None,
+        description="module:function with verl's signature f(data_source, solution_str, "
+        "ground_truth, extra_info) -> float or dict with score (other keys become reward/extra/* "
+        "metrics), or builtin:gsm8k / builtin:math; the env scores its final turn with it",
+    )
+    timeout_s: float = Field(
+        10.0, gt=0, description="seconds one reward call may take; longer counts as a fault"
+    )
+    overlong_buffer_len: int = Field(
+        0,
+        ge=0,
+        description="tokens: DAPO overlong shaping; a turn longer than rollout.max_new_tokens - "
+        "1 - this loses up to overlong_penalty_factor, linearly; 0 = off",
+    )
+    overlong_penalty_factor: float = Field(
+        1.0, ge=0, description="DAPO overlong shaping: the penalty at the length cap"
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _function_spec(cls, value: str | None) -> str | None:
+        if value is not None and not _FUNCTION_SPEC.match(value):
+            raise ValueError("must be null, builtin:gsm8k, builtin:math or module.path:function")
+        return value
 
 
 class CriticConfig(BaseModel):
@@ -223,10 +345,12 @@ class TrainConfig(BaseModel):
     )
     ppo_epochs: int = Field(1, ge=1, description="passes over each step's batch")
     param_offload: bool = Field(
-        False, description="keep sharded parameters in host memory between uses"
+        False,
+        description="keep sharded parameters, their gradients and the optimizer step in host "
+        "memory, gathered onto the device per use (FSDP2's CPU-offload policy)",
     )
     optimizer_offload: bool = Field(
-        False, description="keep optimizer state in host memory between steps"
+        False, description="keep optimizer state in host memory between optimizer steps"
     )
     param_dtype: TrainDtype = Field(
         "float32",
@@ -258,7 +382,8 @@ class RunConfig(BaseModel):
     save_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     resume: str = Field(
         "auto",
-        description="auto (latest checkpoint in run.dir if any), never, or a checkpoint path",
+        description="auto or latest (the latest checkpoint in run.dir if any), never, step_<N> "
+        "(that checkpoint in run.dir) or the path of a step_<N> checkpoint directory",
     )
     deterministic: bool = Field(
         False, description="deterministic kernels and seeds (slower; for parity checks)"
@@ -271,6 +396,36 @@ class RunConfig(BaseModel):
         ge=0,
         description="steps between parameter checksums in fingerprint.jsonl (written every step); 0 = never",
     )
+    max_env_error_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="a step whose rollout loses more than this fraction of its trajectories to "
+        "environment faults stops the run (exit 1, before that step's checkpoint); 1 = never",
+    )
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        description="optimizer steps in a row skipped for a non-finite loss or grad norm that "
+        "stop the run (exit 1)",
+    )
+    overwrite: bool = Field(
+        False,
+        description="allow run.resume=never (and crossrl probe --out) on a directory that holds "
+        "a run; its metrics and newer checkpoints are then replaced",
+    )
+    val_every: int = Field(
+        0, ge=0, description="steps between validations on data.val_source; 0 = never"
+    )
+    val_before_train: bool = Field(
+        False, description="validate once before the first step of a fresh run (step 0)"
+    )
+    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="where metrics go: jsonl (metrics.jsonl, always required), tensorboard "
+        "(<run.dir>/tensorboard), wandb (honours WANDB_MODE=offline)",
+    )
+    wandb_project: str = Field("crossrl", description="wandb project name (run.loggers: wandb)")
 
     @field_validator("dir", "resume")
     @classmethod
@@ -294,6 +449,9 @@ class RayConfig(BaseModel):
     num_cpus: int | None = Field(
         None, ge=1, description="CPUs of a local Ray (null = all); ignored when joining"
     )
+    connect_timeout_s: float = Field(
+        60.0, gt=0, description="seconds to wait for the cluster at ray.address before failing"
+    )
 
     @field_validator("address")
     @classmethod
@@ -310,7 +468,7 @@ class Config(BaseModel):
     """A whole job. Build it with ``trainer.config.load_config``, which also runs the
     cross-field and environment checks."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    model_config = _SECTION
 
     device: DeviceName = Field(
         "auto", description="device backend: auto picks the best accelerator present, else cpu"
@@ -320,6 +478,7 @@ class Config(BaseModel):
     data: DataConfig = Field(default_factory=DataConfig, description="prompt source")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="RL math")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="rewards")
     critic: CriticConfig = Field(default_factory=CriticConfig, description="value model")
     train: TrainConfig = Field(default_factory=TrainConfig, description="optimisation")
     run: RunConfig = Field(default_factory=RunConfig, description="outputs")
@@ -363,6 +522,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "data": DataConfig,
     "rollout": RolloutConfig,
     "algorithm": AlgorithmConfig,
+    "reward": RewardConfig,
     "critic": CriticConfig,
     "train": TrainConfig,
     "run": RunConfig,

@@ -3,8 +3,10 @@
     rollout -> old/ref logprobs (+ values) -> advantages -> plan_minibatches
     -> actor (and critic) updates for ppo_epochs -> weight sync -> metrics, fingerprint, checkpoint
 
-The controller holds metadata and plans only. The batch goes from the rollout host to the
-training workers through Ray's object store; per-token results (logprobs, values) go from
+The controller holds metadata and plans only. Engine replicas share the training ranks'
+devices (``trainer.layout``): they sleep while the ranks train and wake for the weight sync,
+which goes from each tp group's ranks straight to their own replica. The batch goes from the
+rollout host to the training workers through Ray's object store; per-token results (logprobs, values) go from
 worker to worker the same way. Each concern lives in its own module: the plan in
 ``batching``, the math in ``trainer.algorithms`` / ``trainer.losses``, the device in ``hal``.
 """
@@ -20,6 +22,7 @@ import numpy as np
 
 from batching import plan_minibatches, plan_stats
 from trainer.config import Config
+from trainer.health import NonfiniteStreak, check_env_faults, check_finite_weights
 from trainer.step_stats import StepStats
 from trainer.workers.group import CALL_TIMEOUT_S, WorkerGroup, agree_on_settings, wait_all
 
@@ -33,55 +36,48 @@ class Trainer:
         self.replay_dir = replay_dir
         self.start_step = 0
         self.placement = None
-        self.rollout = None
+        self.layout = None
+        self.rollout = None  # replica 0, the rollout host
+        self.replicas: list = []  # every engine replica's actor, replica order
         self.rollout_info: dict[str, Any] = {}
+        self.replica_info: list[dict[str, Any]] = []
         self.actor: WorkerGroup | None = None
         self.ref: WorkerGroup | None = None
         self.critic: WorkerGroup | None = None
         self.deterministic_settings: dict[str, str] = {}
+        self.nonfinite = NonfiniteStreak(cfg.run.max_nonfinite_steps)
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
-        """Reserve devices, start rollout host and training workers, resume if asked."""
+        """Reserve devices, start the engine replicas and training workers, resume if asked."""
         import ray
 
         import hal
+        from trainer.layout import plan_layout
         from trainer.workers.critic import CriticWorker
         from trainer.workers.fsdp_worker import WorkerSpec
-        from trainer.workers.group import actor_options, make_placement
+        from trainer.workers.group import actor_options, cluster_nodes, make_placement
         from trainer.workers.policy import PolicyWorker
-        from trainer.workers.rollout_host import ReplayHost, RolloutHost
 
         cfg = self.cfg
         dp = cfg.train.dp_size
         backend = hal.get_backend(cfg.device)
-        placement = make_placement(backend.ray_resource, dp, timeout_s=cfg.ray.placement_timeout_s)
+        resource = backend.ray_resource
+        # Fails here, naming the key, when the cluster cannot hold the job (trainer/layout.py).
+        self.layout = plan_layout(cfg, cluster_nodes(resource), resource, device=backend.name)
+        placement = make_placement(
+            resource, dp, tp=self.layout.tp, timeout_s=cfg.ray.placement_timeout_s
+        )
         self.placement = placement
         threads = max(1, (os.cpu_count() or 1) // dp) if backend.name == "cpu" else 4
-        self.use_ref = cfg.algorithm.kl_coef > 0
-        self.use_critic = cfg.critic.enable
-        shares = {"actor": 0.4, "reference": 0.2, "critic": 0.2, "rollout": 0.2}
-
-        host_opts = actor_options(placement, 0, shares["rollout"])
-        if self.replay_dir is not None:
-            self.rollout = ray.remote(ReplayHost).options(**host_opts).remote(self.replay_dir)
-        else:
-            self.rollout = (
-                ray.remote(RolloutHost)
-                .options(**host_opts)
-                .remote(cfg, threads=os.cpu_count() or 1)
-            )
-        (self.rollout_info,) = wait_all(
-            [self.rollout.setup.remote()],
-            ["rollout host"],
-            timeout_s=CALL_TIMEOUT_S,
-            what="rollout.setup",
-        )
+        self.use_ref = "reference" in self.layout.roles
+        self.use_critic = "critic" in self.layout.roles
+        self._start_replicas(backend)
 
         def spawn(role: str, cls) -> WorkerGroup:
             handles = [
                 ray.remote(cls)
-                .options(**actor_options(placement, rank, shares[role]))
+                .options(**actor_options(placement, rank, self.layout.shares[role]))
                 .remote(WorkerSpec(role=role, rank=rank, cfg=cfg, threads=threads))
                 for rank in range(dp)
             ]
@@ -97,16 +93,74 @@ class Trainer:
         self.deterministic_settings = self._agreed_deterministic_settings()
         self._resume()
 
+    def _start_replicas(self, backend) -> None:
+        """One engine replica per tp group, on the group's first rank's bundle; replica 0 is
+        the rollout host (agent loop, prompts) and deals requests to the others."""
+        import ray
+
+        from trainer.workers.group import actor_options, bundle_device_ids
+        from trainer.workers.rollout_host import EngineHost, ReplayHost, RolloutHost
+
+        cfg, layout, placement = self.cfg, self.layout, self.placement
+        share = layout.shares["rollout"]
+        if self.replay_dir is not None:
+            opts = actor_options(placement, 0, share)
+            self.replicas = [ray.remote(ReplayHost).options(**opts).remote(self.replay_dir)]
+        else:
+            # CPU: the replicas split the cores; an accelerator's engine uses few of them.
+            cpus = os.cpu_count() or 1
+            threads = max(1, cpus // len(layout.replicas)) if backend.name == "cpu" else 4
+            self.replicas = []
+            for rep in layout.replicas:
+                opts = actor_options(placement, rep.ranks[0], share)
+                if backend.is_accelerator:
+                    # The replica's process sees exactly its tp group's devices (Ray would
+                    # show it only its own bundle's) plus what the device's engine needs.
+                    ids = [
+                        i
+                        for r in rep.ranks
+                        for i in bundle_device_ids(placement, r, timeout_s=CALL_TIMEOUT_S)
+                    ]
+                    opts["runtime_env"] = {"env_vars": backend.engine_env(ids)}
+                cls = RolloutHost if rep.index == 0 else EngineHost
+                handle = ray.remote(cls).options(**opts).remote(cfg, threads, rep.index)
+                self.replicas.append(handle)
+        names = [f"engine replica {i}" for i in range(len(self.replicas))]
+        infos = wait_all(
+            [h.setup.remote() for h in self.replicas],
+            names,
+            timeout_s=CALL_TIMEOUT_S,
+            what="rollout.setup",
+        )
+        self.rollout = self.replicas[0]
+        self.rollout_info = infos[0]
+        self.replica_info = infos
+        if len(self.replicas) > 1:
+            wait_all(
+                [self.rollout.connect.remote(self.replicas[1:])],
+                names[:1],
+                timeout_s=CALL_TIMEOUT_S,
+                what="rollout.connect",
+            )
+
     def _resume(self) -> None:
         from trainer.checkpoint import LAYOUT, load_json, resolve_resume
 
-        ckpt = resolve_resume(self.run_dir, self.cfg.run.resume)
+        # run_training's preflight verified every file's sha256 seconds ago; sizes suffice here
+        ckpt = resolve_resume(self.run_dir, self.cfg.run.resume, check_hashes=False)
         if ckpt is None:
             return
         state = load_json(ckpt / LAYOUT.trainer_state)
         for group in self._training_groups():
             group.call("load_pieces", str(ckpt))
         self.start_step = int(state["step"])
+        consumed = state.get("prompts_consumed", self.start_step * self.cfg.train.batch_size)
+        wait_all(
+            [self.rollout.set_prompts_consumed.remote(consumed)],
+            ["rollout host"],
+            timeout_s=CALL_TIMEOUT_S,
+            what="rollout.set_prompts_consumed",
+        )
         self._sync_weights()
         print(f"crossrl: resumed from {ckpt} (step {self.start_step})", file=sys.stderr)
 
@@ -118,8 +172,9 @@ class Trainer:
             for g in self._all_groups()
             for name, info in zip(g.names, g.setup_info)
         ]
-        if "deterministic" in self.rollout_info:  # a replaying probe runs no engine
-            applied.append(("rollout host", self.rollout_info["deterministic"]))
+        for i, info in enumerate(self.replica_info):
+            if "deterministic" in info:  # a replaying probe runs no engine
+                applied.append((f"engine replica {i}", info["deterministic"]))
         return agree_on_settings(applied)
 
     def _training_groups(self) -> list[WorkerGroup]:
@@ -136,15 +191,20 @@ class Trainer:
         timer = StepTimer()
         with timer.section("rollout"):
             meta, batch_ref = self._rollout(step)
+            self._engines("sleep")  # the training ranks get the devices
+        check_env_faults(meta, self.cfg.run.max_env_error_fraction, step)
         plan = self._plan(meta)
         with timer.section("prepare"):
             adv_metrics = self._prepare(plan, batch_ref)
         with timer.section("update"):
-            stats = self._update(plan)
+            stats = self._update(plan, step)
+        self._check_weights(step)
         with timer.section("sync"):
+            # Weights first, KV cache after the ranks have offloaded: a low peak.
             self._sync_weights()
             for group in self._all_groups():
                 group.call("offload_states")
+            self._engines("wake_up", ["kv_cache"])
         metrics = self._metrics(step, meta, plan, stats, adv_metrics, timer)
         metrics.update(self._peak_memory())
         fingerprint = self._fingerprint(step, plan, stats, metrics)
@@ -193,7 +253,7 @@ class Trainer:
         for group in self._training_groups():
             group.call("set_token_field", field, piece_refs)
 
-    def _update(self, plan) -> dict[str, StepStats]:
+    def _update(self, plan, step: int) -> dict[str, StepStats]:
         """``ppo_epochs`` passes over the plan's mini-batches; one optimizer step each.
         Returns each training role's statistics of the whole step."""
         groups = self._training_groups()
@@ -212,12 +272,49 @@ class Trainer:
                         what=f"{g.role}.train_mini_batch",
                     )
                     totals[g.role].add_update(reports)
+                    self.nonfinite.observe(g.role, reports[0], step)
         return totals
 
-    def _sync_weights(self) -> None:
-        """Push the actor's weights into the rollout engine (nothing to push when replaying)."""
-        if self.replay_dir is None:
-            self.actor.call("push_weights", self.rollout, 64 << 20)
+    def _check_weights(self, step: int) -> None:
+        """Stop before non-finite weights reach the rollout engine or a checkpoint."""
+        for group in self._training_groups():
+            check_finite_weights(group.role, group.call("weights_finite"), step)
+
+    def validate(self, step: int) -> dict[str, Any]:
+        """``val/*`` metrics on ``data.val_source`` with the current weights (see
+        ``trainer.validation``) and ``timing/val_s``; ``step``: the step just finished."""
+        from trainer.metrics import StepTimer
+
+        timer = StepTimer()
+        with timer.section("val"):
+            (metrics,) = wait_all(
+                [self.rollout.validate.remote(step)],
+                ["rollout host"],
+                timeout_s=CALL_TIMEOUT_S,
+                what="rollout.validate",
+            )
+        return {**metrics, "timing/val_s": timer.sections["val"]}
+
+    def _engines(self, method: str, *args) -> list:
+        """Call ``method`` on every engine replica and wait."""
+        return wait_all(
+            [getattr(h, method).remote(*args) for h in self.replicas],
+            [f"engine replica {i}" for i in range(len(self.replicas))],
+            timeout_s=CALL_TIMEOUT_S,
+            what=f"rollout.{method}",
+        )
+
+    def _sync_weights(self, *, via_object_store: bool = False) -> None:
+        """Wake the engines' weights and load the actor's new ones: every tp group's ranks
+        hand them to their own replica on the same devices (nothing to push when replaying).
+        ``via_object_store``: the earlier path through Ray's object store, for ``bench e2e``."""
+        if self.replay_dir is not None:
+            return
+        self._engines("wake_up", ["weights"])
+        owner = [
+            self.replicas[self.layout.replica_of_rank(r)] for r in range(self.cfg.train.dp_size)
+        ]
+        self.actor.call("push_weights", 64 << 20, via_object_store, per_rank=owner)
 
     # ------------------------------------------------------------------ records
     def _peak_memory(self) -> dict[str, float]:
@@ -275,15 +372,21 @@ class Trainer:
             save_torch,
         )
 
+        self._check_weights(step)  # never commit non-finite weights over good checkpoints
         staging = begin_checkpoint(self.run_dir, step)
+        expected: set[str] = set()  # what the workers say they wrote; the commit checks it
         for group in self._training_groups():
-            group.call("save_pieces", str(staging))
-        save_json(
-            {"step": step, "prompts_consumed": step * self.cfg.train.batch_size},
-            staging / LAYOUT.trainer_state,
+            for names in group.call("save_pieces", str(staging)):
+                expected.update(names)
+        (consumed,) = wait_all(
+            [self.rollout.get_prompts_consumed.remote()],
+            ["rollout host"],
+            timeout_s=CALL_TIMEOUT_S,
+            what="rollout.get_prompts_consumed",
         )
+        save_json({"step": step, "prompts_consumed": consumed}, staging / LAYOUT.trainer_state)
         save_torch(rng_state(), staging / LAYOUT.controller_rng)
-        return commit_checkpoint(self.run_dir, step, staging)
+        return commit_checkpoint(self.run_dir, step, staging, expect_files=sorted(expected))
 
     def shutdown(self) -> None:
         """Stop every worker (best effort: a dead one is already gone)."""
@@ -292,9 +395,7 @@ class Trainer:
         for group in self._all_groups():
             for h in group.handles:
                 ray.kill(h, no_restart=True)
-        if self.rollout is not None:
-            ray.kill(self.rollout, no_restart=True)
+        for handle in self.replicas:
+            ray.kill(handle, no_restart=True)
         if self.placement is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(self.placement.group)
+            self.placement.remove()

@@ -6,8 +6,10 @@ combines the terms and hands them to ``batching.aggregate_loss``, which divides
 by the mini-batch's GLOBAL counts. Metrics come back as masked SUMS for the same
 reason: the trainer adds them over micro-batches and ranks, then divides once.
 
-Symbols (PPO, Schulman et al. 2017; dual clip, Ye et al. 2020):
+Symbols (PPO, Schulman et al. 2017; dual clip, Ye et al. 2020; GSPO, Zheng et al. 2025):
     ratio  r_t = pi(a_t|s_t) / pi_old(a_t|s_t) = exp(logp - old_logp)
+    s_i    GSPO's sequence ratio: the geometric mean of r_t over sequence i's loss tokens
+    w_t    rollout-correction weight, min(pi_old / pi_rollout, cap), a constant
     A_t    advantage
     eps_lo, eps_hi   clip_ratio_low / clip_ratio_high (asymmetric, DAPO)
     c      clip_ratio_c, the dual-clip bound for A_t < 0
@@ -68,6 +70,20 @@ def kl_divergence(logprobs, ref_logprobs, estimator: str) -> torch.Tensor:
     return (torch.exp(log_r) - log_r - 1.0).clamp(-_K3_CLAMP, _K3_CLAMP)
 
 
+def kl_reward_penalty(
+    logprobs, ref_logprobs, kl_coef: float, estimator: str, *, loss_mask
+) -> torch.Tensor:
+    """The KL-in-reward penalty per token, ``-kl_coef * KL_t`` where ``loss_mask`` is 1 and 0
+    elsewhere (detached). ``compute_advantages(token_penalty=...)`` adds it to the token
+    rewards (gae, reinforce_pp) or sums it into each trajectory's score (grpo, rloo,
+    reinforce_pp_baseline), as verl does with its penalised token rewards."""
+    if not kl_coef >= 0:
+        raise ValueError(f"algorithm.kl_coef={kl_coef!r} must be >= 0")
+    kl = kl_divergence(logprobs, ref_logprobs, estimator).detach()
+    kl = torch.where(loss_mask > 0, kl, torch.zeros_like(kl))
+    return -kl_coef * kl
+
+
 def apply_kl_penalty(
     token_rewards, logprobs, ref_logprobs, kl_coef: float, estimator: str, *, loss_mask=None
 ) -> torch.Tensor:
@@ -75,8 +91,8 @@ def apply_kl_penalty(
 
     This is the "KL in reward" variant (InstructGPT); the token estimators
     (GAE, REINFORCE++) then discount the penalty like any reward. The outcome
-    estimators (GRPO, RLOO) read the trajectory ``score``, not token rewards, so
-    use the KL loss term (``algorithm.use_kl_loss: true``) with them instead.
+    estimators read the trajectory ``score``, so the trainer hands them
+    ``kl_reward_penalty`` through ``compute_advantages(token_penalty=...)`` instead.
 
     Args:
         token_rewards: [T] rewards per token.
@@ -89,12 +105,9 @@ def apply_kl_penalty(
     Returns:
         [T] penalised rewards (a new tensor; the arguments are left unchanged).
     """
-    if not kl_coef >= 0:
-        raise ValueError(f"algorithm.kl_coef={kl_coef!r} must be >= 0")
-    kl = kl_divergence(logprobs, ref_logprobs, estimator).detach()
-    if loss_mask is not None:
-        kl = torch.where(loss_mask > 0, kl, torch.zeros_like(kl))
-    return token_rewards - kl_coef * kl.to(token_rewards.dtype)
+    mask = torch.ones_like(logprobs) if loss_mask is None else loss_mask
+    penalty = kl_reward_penalty(logprobs, ref_logprobs, kl_coef, estimator, loss_mask=mask)
+    return token_rewards + penalty.to(token_rewards.dtype)
 
 
 # ----------------------------------------------------------------------------- policy
@@ -150,6 +163,58 @@ def ppo_policy_loss(
     dual_clipped = (negative & (clip_loss > surr3)).to(logprobs.dtype)
     loss = torch.where(negative, torch.minimum(clip_loss, surr3), clip_loss)
     return loss, ratio, clipped, dual_clipped
+
+
+def row_of_token(cu_seqlens) -> torch.Tensor:
+    """[T] index of the packed row each token belongs to (``cu_seqlens``: [R+1] offsets)."""
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.long)
+    lengths = cu[1:] - cu[:-1]
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+
+
+def gspo_policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    loss_mask,
+    cu_seqlens,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float | None = None,
+):
+    """GSPO (Zheng et al. 2025): one importance ratio per sequence, clipped per sequence.
+
+        s_i     = exp( sum_t m_t (logp_t - old_logp_t) / max(1, sum_t m_t) )
+        s_i,t   = sg[s_i] * exp(logp_t - sg[logp_t])     # value s_i; gradient s_i * d logp_t
+        L_t     = max(-A_t * s_i,t, -A_t * clip(s_i,t, 1 - eps_lo, 1 + eps_hi))
+
+    The sequence is a packed row (``cu_seqlens``), its tokens those with ``loss_mask`` 1. No
+    dual clip. As in verl, log s_i is clamped at 10 nats from above.
+
+    Returns:
+        ``(loss[T], ratio[T], clipped[T], dual_clipped[T])`` like ``ppo_policy_loss``;
+        ``ratio`` is s_i on each token of sequence i, ``dual_clipped`` is all 0.
+    """
+    if clip_ratio_high is None:
+        clip_ratio_high = clip_ratio_low
+    if not 0.0 <= clip_ratio_low < 1.0:
+        raise ValueError(f"algorithm.clip_ratio_low={clip_ratio_low!r} must be in [0, 1)")
+    row = row_of_token(cu_seqlens).to(logprobs.device)
+    on = loss_mask > 0
+    num_rows = int(row.max()) + 1 if row.numel() else 0
+    log_ratio = torch.where(on, (logprobs - old_logprobs).detach(), torch.zeros_like(logprobs))
+    seq_sum = torch.zeros(num_rows, dtype=logprobs.dtype, device=logprobs.device)
+    seq_sum = seq_sum.index_add(0, row, log_ratio)
+    count = torch.zeros(num_rows, dtype=logprobs.dtype, device=logprobs.device)
+    count = count.index_add(0, row, on.to(logprobs.dtype))
+    seq_log_ratio = seq_sum / count.clamp(min=1.0)  # log s_i
+    log_s = (logprobs - logprobs.detach() + seq_log_ratio[row]).clamp(max=10.0)
+    ratio = torch.exp(log_s)  # s_i,t
+    surr1 = -advantages * ratio
+    surr2 = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss = torch.maximum(surr1, surr2)
+    clipped = (surr2 > surr1).to(logprobs.dtype)
+    return loss, ratio, clipped, torch.zeros_like(clipped)
 
 
 # ----------------------------------------------------------------------------- value
@@ -210,6 +275,10 @@ def policy_loss_terms(
     clip_ratio_low: float,
     clip_ratio_high: float | None = None,
     clip_ratio_c: float,
+    policy_loss: str = "ppo",
+    loss_mask=None,
+    cu_seqlens=None,
+    is_weights=None,
 ) -> PolicyLossTerms:
     """All per-token actor terms for one micro-batch.
 
@@ -222,19 +291,40 @@ def policy_loss_terms(
         entropy: [T] per-token entropy (``trainer.workers.forward.token_entropy``).
         kl_estimator: one of ``KL_ESTIMATORS`` for the KL loss term.
         clip_ratio_low, clip_ratio_high, clip_ratio_c: see ``ppo_policy_loss``.
+        policy_loss: ``algorithm.policy_loss``: ppo (``ppo_policy_loss``) or gspo
+            (``gspo_policy_loss``, which needs ``loss_mask`` and ``cu_seqlens``).
+        is_weights: optional [T] rollout-correction weights w_t (constants) that
+            multiply the policy-gradient loss (``trainer.algorithms.rollout_correction``).
 
     Returns:
         ``PolicyLossTerms``; ``approx_kl`` is k1 between the old and current
         policy (old - new, detached), the usual "how far did this update move" metric.
     """
-    pg_loss, ratio, clipped, dual_clipped = ppo_policy_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high,
-        clip_ratio_c=clip_ratio_c,
-    )
+    if policy_loss == "gspo":
+        if loss_mask is None or cu_seqlens is None:
+            raise ValueError("algorithm.policy_loss=gspo needs loss_mask and cu_seqlens")
+        pg_loss, ratio, clipped, dual_clipped = gspo_policy_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            loss_mask,
+            cu_seqlens,
+            clip_ratio_low=clip_ratio_low,
+            clip_ratio_high=clip_ratio_high,
+        )
+    elif policy_loss == "ppo":
+        pg_loss, ratio, clipped, dual_clipped = ppo_policy_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            clip_ratio_low=clip_ratio_low,
+            clip_ratio_high=clip_ratio_high,
+            clip_ratio_c=clip_ratio_c,
+        )
+    else:
+        raise ValueError(f"algorithm.policy_loss={policy_loss!r}: use ppo or gspo")
+    if is_weights is not None:
+        pg_loss = pg_loss * is_weights.detach().to(pg_loss.dtype)  # w_t * L_t
     kl = None if ref_logprobs is None else kl_divergence(logprobs, ref_logprobs, kl_estimator)
     return PolicyLossTerms(
         pg_loss=pg_loss,
@@ -371,10 +461,13 @@ def actor_loss(
     *,
     ref_logprobs=None,
     entropy=None,
+    is_weights=None,
 ) -> tuple[torch.Tensor, PolicyLossTerms]:
     """The job's actor loss for one micro-batch: ``policy_loss_terms`` and
     ``loss_for_micro_batch`` with ``cfg.algorithm``'s settings (the KL loss term only with
-    ``use_kl_loss``). Returns this micro-batch's share of the mini-batch loss and its terms."""
+    ``use_kl_loss``; ``is_weights``, the rollout-correction weights, only with
+    ``rollout_correction``). Returns this micro-batch's share of the mini-batch loss and its
+    terms."""
     algo = cfg.algorithm
     terms = policy_loss_terms(
         logprobs,
@@ -386,6 +479,10 @@ def actor_loss(
         clip_ratio_low=algo.clip_ratio_low,
         clip_ratio_high=algo.clip_ratio_high,
         clip_ratio_c=algo.clip_ratio_c,
+        policy_loss=algo.policy_loss,
+        loss_mask=loss_mask,
+        cu_seqlens=cu_seqlens,
+        is_weights=is_weights if algo.rollout_correction != "none" else None,
     )
     loss = loss_for_micro_batch(
         terms,

@@ -1,9 +1,13 @@
-"""Per-step metrics: ``metrics.jsonl``, ``fingerprint.jsonl``, TensorBoard and a progress bar.
+"""Per-step metrics: ``metrics.jsonl``, ``fingerprint.jsonl``, TensorBoard, wandb and a progress
+bar. ``run.loggers`` picks the optional ones (``MetricsLogger.for_run``).
 
 Steps count optimizer steps from 1: the line with ``"step": k`` describes the k-th step, and
 checkpoint ``step_<k>`` holds the state after it. A run resumed from ``step_<k>`` opens its
 loggers with ``start_step=k``: lines with step > k came from the lost future of the crashed
 run and are removed before the resumed run writes them again, so each step appears once.
+
+A fresh run that validates before training (``run.val_before_train``) writes one line with
+``"step": 0`` holding only ``val/*`` metrics.
 
 Each line is flushed and fsynced as it is written, so a crash loses at most the line being
 written; a torn last line is dropped (with a warning) when the file is reopened on resume.
@@ -244,13 +248,17 @@ class FingerprintLogger(_JsonlWriter):
 
 
 class MetricsLogger(_JsonlWriter):
-    """Writes ``<run_dir>/metrics.jsonl``, mirrors scalars to TensorBoard and drives a
-    progress bar (step, reward, tokens/s, ETA).
+    """Writes ``<run_dir>/metrics.jsonl``, mirrors scalars to TensorBoard and wandb, and drives
+    a progress bar (step, reward, validation reward, tokens/s, ETA).
 
     ``total_steps``: optimizer steps in the run (the bar's length). ``start_step``: the
     checkpoint step resumed from (0 for a fresh run); later lines are removed. TensorBoard
-    logs go to ``<run_dir>/tensorboard`` when ``tensorboard`` is True and the package
-    imports; otherwise they are skipped silently.
+    logs go to ``<run_dir>/tensorboard`` when ``tensorboard`` is True and the package imports
+    (else skipped silently; for a training run the config check makes a missing package
+    named in ``run.loggers`` an error before anything starts).
+    ``wandb_project``: log to wandb too (its ``WANDB_MODE``, e.g. offline, is honoured), with
+    ``wandb_config`` as the run's config; the wandb run id is fixed by the run directory, so a
+    resumed run continues the same wandb run.
     """
 
     def __init__(
@@ -261,6 +269,8 @@ class MetricsLogger(_JsonlWriter):
         *,
         start_step: int = 0,
         progress: bool = True,
+        wandb_project: str | None = None,
+        wandb_config: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0:
             raise ValueError(
@@ -268,8 +278,15 @@ class MetricsLogger(_JsonlWriter):
             )
         super().__init__(Path(run_dir) / METRICS_FILE, start_step)
         self.total_steps = total_steps
+        self._wrote = False
+        self._val_postfix: str | None = None
         self._tb = (
             _open_tensorboard(Path(run_dir) / TENSORBOARD_DIR, start_step) if tensorboard else None
+        )
+        self._wandb = (
+            _open_wandb(Path(run_dir), wandb_project, wandb_config)
+            if wandb_project is not None
+            else None
         )
         from tqdm.auto import tqdm
 
@@ -281,6 +298,26 @@ class MetricsLogger(_JsonlWriter):
             dynamic_ncols=True,
             disable=not progress,
         )
+
+    @classmethod
+    def for_run(cls, cfg: Any, run_dir: str | os.PathLike, *, start_step: int) -> MetricsLogger:
+        """The logger a training run uses: ``cfg.run.loggers`` (a ``trainer.config.Config``)
+        picks TensorBoard and wandb; metrics.jsonl is always written."""
+        loggers = cfg.run.loggers
+        return cls(
+            run_dir,
+            cfg.train.total_steps,
+            tensorboard="tensorboard" in loggers,
+            start_step=start_step,
+            wandb_project=cfg.run.wandb_project if "wandb" in loggers else None,
+            wandb_config=cfg.model_dump(mode="json") if "wandb" in loggers else None,
+        )
+
+    def _check_step(self, step: Any) -> int:
+        # Step 0 is the validation before training of a fresh run, written before step 1.
+        if step == 0 and self.start_step == 0 and not self._wrote:
+            return 0
+        return super()._check_step(step)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict:
         """Append ``{"step": step, **metrics}`` as one line (flushed and fsynced).
@@ -300,11 +337,15 @@ class MetricsLogger(_JsonlWriter):
                 continue
             record[key] = _scalar(key, value, step)
         self._write(record)
+        self._wrote = True
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and value is not None:
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            scalars = {k: v for k, v in record.items() if k != "step" and v is not None}
+            self._wandb.log(scalars, step=step)
         self._update_bar(record)
         return record
 
@@ -312,6 +353,10 @@ class MetricsLogger(_JsonlWriter):
         postfix = {}
         if record.get("reward/mean") is not None:
             postfix["reward"] = f"{record['reward/mean']:.3f}"
+        if record.get("val/reward_mean") is not None:
+            self._val_postfix = f"{record['val/reward_mean']:.3f}"
+        if self._val_postfix is not None:  # the latest validation stays in view
+            postfix["val"] = self._val_postfix
         if record.get("throughput/tokens_per_s") is not None:
             postfix["tok/s"] = f"{record['throughput/tokens_per_s']:.0f}"
         self._bar.set_postfix(postfix, refresh=False)
@@ -323,6 +368,9 @@ class MetricsLogger(_JsonlWriter):
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         self._bar.close()
 
     def __enter__(self) -> MetricsLogger:
@@ -330,6 +378,10 @@ class MetricsLogger(_JsonlWriter):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: The pip extra that installs each optional logger, and the module it needs.
+OPTIONAL_LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 def _open_tensorboard(log_dir: Path, start_step: int) -> Any:
@@ -340,6 +392,28 @@ def _open_tensorboard(log_dir: Path, start_step: int) -> Any:
         return None
     # purge_step drops events a crashed run wrote after the checkpoint we resume from.
     return SummaryWriter(log_dir=str(log_dir), purge_step=start_step + 1 if start_step else None)
+
+
+def _open_wandb(run_dir: Path, project: str, config: Mapping[str, Any] | None) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError(
+            "run.loggers includes wandb, which is not installed: pip install 'crossrl[wandb]' "
+            "or remove wandb from run.loggers"
+        ) from None
+    import hashlib
+
+    # One wandb run per run directory: a resumed run continues it instead of starting anew.
+    run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    return wandb.init(
+        project=project,
+        name=run_dir.name,
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+        config=dict(config or {}),
+    )
 
 
 # --------------------------------------------------------------------------- timings

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout.files import undecodable
 from trainer.fingerprint import CHECKSUM_FIELD, EXACT_FIELDS, NUMERIC_FIELDS
 
 
@@ -120,11 +121,19 @@ def read_run(run_dir: str | Path) -> RunRecord:
             f"{path}: not a run directory; pass the run.dir of a train or "
             f"probe run (it holds {FINGERPRINT_FILE})"
         )
+    fp_path = path / FINGERPRINT_FILE
     try:
-        records = read_jsonl(path / FINGERPRINT_FILE)
+        records = read_jsonl(fp_path)
     except (FileNotFoundError, MetricsFileError) as err:
         raise ParityInputError(
             f"{err} (a run writes {FINGERPRINT_FILE} as it trains; run `crossrl probe` to make one)"
+        ) from None
+    except UnicodeDecodeError as err:
+        raise ParityInputError(f"{fp_path}: {undecodable(fp_path, err)}") from None
+    except OSError as err:  # e.g. a directory named fingerprint.jsonl
+        raise ParityInputError(
+            f"{fp_path}: cannot be read as a file ({err.strerror or err}); it should be the "
+            "run's fingerprint file"
         ) from None
     by_step: dict[int, dict[str, Any]] = {}
     for rec in records:
@@ -144,8 +153,11 @@ def read_run(run_dir: str | Path) -> RunRecord:
 
         try:
             config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise ParityInputError(f"{config_path}: {undecodable(config_path, err)}") from None
         except yaml.YAMLError as err:
-            raise ParityInputError(f"{config_path}: not YAML ({err})") from None
+            flat = " ".join(str(err).split())
+            raise ParityInputError(f"{config_path}: not YAML ({flat})") from None
         if not isinstance(config, dict):
             raise ParityInputError(f"{config_path}: not a config mapping")
     return RunRecord(path=path, fingerprints=by_step, config=config)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout.files import atomic_write_bytes
+from rollout.files import atomic_write_bytes, undecodable
 from trainer.metrics import METRICS_FILE, read_jsonl
 
 PLOT_DIR = "plots"
@@ -94,12 +94,26 @@ def _save(fig: Any, path: Path) -> Path:
     return atomic_write_bytes(path, buf.getvalue())
 
 
+def validation_keys(records: list[dict]) -> list[str]:
+    """The ``val/*`` metrics a run logged (validation, ``trainer.validation``):
+    ``val/reward_mean`` first, then ``val/pass@k`` and the per-data-source means."""
+    found = {k for rec in records for k in rec if k.startswith("val/")}
+    first = [k for k in ("val/reward_mean",) if k in found]
+    passes = sorted(k for k in found if k.startswith("val/pass@"))
+    sources = sorted(k for k in found if k.startswith("val/reward_mean/"))
+    return first + passes + sources
+
+
 def plot_run(
     run_dir: str | os.PathLike,
     out_dir: str | os.PathLike | None = None,
-    keys: Sequence[str] = DEFAULT_KEYS,
+    keys: Sequence[str] | None = None,
 ) -> list[Path]:
     """Write one PNG per metric in ``keys`` plus ``overview.png`` (all in a grid).
+
+    ``keys`` None: ``DEFAULT_KEYS`` plus the validation curves the run has (``val/reward_mean``,
+    ``val/pass@k``, ``val/reward_mean/<data_source>``); validation points are drawn at the steps
+    that validated (step 0: before training).
 
     Reads ``<run_dir>/metrics.jsonl``; writes to ``out_dir`` (default ``<run_dir>/plots``).
     File names are the keys with ``/`` replaced by ``_`` (``reward_mean.png``). A key with no
@@ -109,15 +123,25 @@ def plot_run(
     """
     run_dir = Path(run_dir)
     metrics_path = run_dir / METRICS_FILE
-    if not metrics_path.is_file():
+    if not metrics_path.exists():
         hint = "" if run_dir.is_dir() else f" ({run_dir} does not exist)"
         raise FileNotFoundError(
             f"{metrics_path} not found{hint}; pass a run dir (run.dir) of a run that has "
             "finished at least one step"
         )
-    records = read_jsonl(metrics_path, allow_torn_tail=True)
+    try:
+        records = read_jsonl(metrics_path, allow_torn_tail=True)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{metrics_path}: {undecodable(metrics_path, err)}") from None
+    except OSError as err:  # e.g. a directory named metrics.jsonl
+        raise ValueError(
+            f"{metrics_path}: cannot be read as a file ({err.strerror or err}); it should be "
+            "the run's metrics file"
+        ) from None
     if not records:
         raise ValueError(f"{metrics_path} has no steps yet; plot again after the first step")
+    if keys is None:
+        keys = [*DEFAULT_KEYS, *validation_keys(records)]
     if isinstance(keys, str):
         keys = [keys]
     if not keys:
@@ -128,7 +152,12 @@ def plot_run(
     records = sorted(records, key=lambda r: r["step"])
     Figure = _figure_class()
     out = Path(out_dir) if out_dir is not None else run_dir / PLOT_DIR
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file in the way, or no permission
+        raise ValueError(
+            f"--out {out}: cannot be made a directory ({err.strerror or err}); pass another --out"
+        ) from None
 
     written: list[Path] = []
     series = {key: _series(records, key) for key in keys}

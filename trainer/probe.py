@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rollout.replay import load_rollout, recorded_steps
+from rollout.replay import RecordingError, load_rollout, recorded_steps
 from trainer.config import Config, ConfigError, load_config
 
 
@@ -68,19 +68,23 @@ def probe_config(
             f"lower --steps or record more steps"
         )
     cfg = load_config(config, [*overrides, *probe_overrides(rollouts, steps, out)])
-    _check_recording_fits(cfg, rollouts_dir / "step_1.npz")
+    for step in range(1, steps + 1):  # every recording now, not at step 40
+        _check_recording_fits(cfg, rollouts_dir / f"step_{step}.npz")
     return cfg
 
 
 def _check_recording_fits(cfg: Config, path: Path) -> None:
-    """The recorded batch must hold ``train.batch_size`` prompt groups: mini-batches are cut by
-    groups and the lr schedule counts optimizer steps from it."""
+    """The recorded batch must be readable and hold ``train.batch_size`` prompt groups:
+    mini-batches are cut by groups and the lr schedule counts optimizer steps from it."""
     try:
         arrays = load_rollout(path)
+    except RecordingError as err:
+        raise ProbeInputError(f"--rollouts: {err}") from None
+    try:
         uid, padding = arrays["row/uid"], arrays["row/is_padding"]
-    except (OSError, ValueError, KeyError) as err:
+    except KeyError as err:
         raise ProbeInputError(
-            f"--rollouts: {path} is not a recorded rollout batch ({err}); "
+            f"--rollouts: {path} is not a recorded rollout batch (no array {err}); "
             f"record it with run.record_rollouts=true"
         ) from None
     groups = int(np.unique(uid[~padding.astype(bool)]).size)

@@ -13,6 +13,7 @@ from typing import Any
 
 from trainer.config import Config
 from trainer.controller import Trainer
+from trainer.health import HealthError, checkpoint_veto
 from trainer.workers.group import WorkerFailedError
 
 
@@ -29,26 +30,35 @@ def write_run_config(cfg: Config, run_dir: Path, deterministic: dict[str, str]) 
 
 
 class StopRequests:
-    """SIGINT / SIGTERM handling for a run.
+    """SIGINT / SIGTERM handling for a run (a scheduler's stop is a SIGTERM).
 
     The first signal asks the loop to stop after the current step (and its checkpoint, if one
     is due): a flag, not an exception, because Ray's own waits may swallow a
     KeyboardInterrupt raised inside them. A second signal abandons the step at once. Either
-    way Ray shuts down and ``latest`` names the last whole checkpoint.
+    way Ray shuts down, ``latest`` names the last whole checkpoint, and the exit status is
+    128 + the signal number (130 for SIGINT, 143 for SIGTERM). ``ray.init`` installs its own
+    SIGTERM handler, so ``install`` runs again once Ray is up.
     """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequests:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        self.install()
         return self
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def install(self) -> None:
+        """(Re-)install the handlers; the first call remembers the ones to restore on exit."""
+        for sig in self.SIGNALS:
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002
         if self.signum is not None:
@@ -64,6 +74,12 @@ class StopRequests:
         if self.signum is not None:
             raise KeyboardInterrupt(f"signal {self.signum}")
 
+    @property
+    def exit_status(self) -> int:
+        """128 + the signal that stopped the run (130 when none was seen: a Ctrl-C that Python
+        turned into KeyboardInterrupt before the handler was in place)."""
+        return 128 + (self.signum or signal.SIGINT)
+
 
 def run_training(
     cfg: Config,
@@ -72,35 +88,73 @@ def run_training(
     save_checkpoints: bool = True,
     command: str = "train",
 ) -> int:
-    """Run a whole job; returns the process exit status (0 done, 1 failed, 130 interrupted).
+    """Run a whole job; returns the process exit status (0 done, 1 failed or stopped by a
+    health gate, 2 bad input found before start-up, 130/143 stopped by SIGINT/SIGTERM).
 
-    ``replay_dir``: train on recorded rollouts (``step_<N>.npz``) instead of sampling (the
-    parity probe, which also passes ``save_checkpoints=False``: a probe of a 7B job should not
-    write tens of GB). ``command`` names the CLI command in messages.
+    Before Ray starts: ``trainer.preflight`` checks every input, then the run directory is
+    locked (``trainer.run_dir``) and a fresh start may not overwrite a run in it without
+    ``run.overwrite``. ``replay_dir``: train on recorded rollouts (``step_<N>.npz``) instead of
+    sampling (the parity probe, which also passes ``save_checkpoints=False``: a probe of a 7B
+    job should not write tens of GB). ``command`` names the CLI command in messages.
     """
-    from trainer.workers.group import start_ray
+    from trainer.preflight import PreflightError, preflight
+    from trainer.run_dir import RunDirError, RunDirLock, overwrite_problem
+    from trainer.workers.group import RayConnectError
 
     run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        preflight(cfg, command=command, replay=replay_dir is not None)
+        with RunDirLock(run_dir, command) as lock:
+            if lock.took_over:
+                print(
+                    f"crossrl {command}: took over the stale lock of pid "
+                    f"{lock.took_over.get('pid')} (no longer running)",
+                    file=sys.stderr,
+                )
+            problem = overwrite_problem(
+                run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite, command=command
+            )
+            if problem:
+                raise RunDirError(problem)
+            return _run(cfg, run_dir, replay_dir, save_checkpoints, command)
+    except (PreflightError, RunDirError, RayConnectError) as err:
+        print(f"crossrl {command}: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(
+    cfg: Config, run_dir: Path, replay_dir: str | None, save_checkpoints: bool, command: str
+) -> int:
+    """Start Ray and the trainer, train, and shut everything down again."""
+    from trainer.checkpoint import CheckpointError
+    from trainer.layout import LayoutError, local_ray_cpus
+    from trainer.workers.group import start_ray
+
     with StopRequests() as stop:
         started_ray = start_ray(
-            cfg.ray.address, num_cpus=cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2)
+            cfg.ray.address,
+            num_cpus=local_ray_cpus(cfg),
+            connect_timeout_s=cfg.ray.connect_timeout_s,
         )
+        stop.install()  # ray.init replaced the SIGTERM handler
         trainer = Trainer(cfg, run_dir, replay_dir=replay_dir)
         try:
             trainer.start()
             write_run_config(cfg, run_dir, trainer.deterministic_settings)
             _train_loop(cfg, trainer, run_dir, stop, save_checkpoints=save_checkpoints)
             return 0
-        except WorkerFailedError as err:
+        except (WorkerFailedError, HealthError, CheckpointError) as err:
             print(f"crossrl {command}: {err}", file=sys.stderr)
             return 1
+        except LayoutError as err:  # the cluster joined cannot hold the job
+            print(f"crossrl {command}: {err}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:
             print(
                 f"crossrl {command}: interrupted; the last whole checkpoint stays `latest`",
                 file=sys.stderr,
             )
-            return 130
+            return stop.exit_status
         finally:
             import ray
 
@@ -116,17 +170,25 @@ def _train_loop(
 ) -> None:
     """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint."""
     from trainer.metrics import FingerprintLogger, MetricsLogger
+    from trainer.validation import validation_due
 
     total = cfg.train.total_steps
     with (
-        MetricsLogger(run_dir, total, start_step=trainer.start_step) as log,
+        MetricsLogger.for_run(cfg, run_dir, start_step=trainer.start_step) as log,
         FingerprintLogger(run_dir, start_step=trainer.start_step) as fp_log,
     ):
+        if cfg.run.val_before_train and trainer.start_step == 0:
+            log.log(0, trainer.validate(0))
         for step in range(trainer.start_step + 1, total + 1):
             stop.check()  # a signal during start-up or the previous step ends the run here
             metrics, fingerprint = trainer.train_step(step)
+            if validation_due(cfg, step):
+                metrics.update(trainer.validate(step))
             log.log(step, metrics)
             fp_log.log(step, fingerprint)
             due = step == total or (cfg.run.save_every and step % cfg.run.save_every == 0)
-            if save_checkpoints and due:
+            veto = checkpoint_veto(metrics) if save_checkpoints and due else None
+            if veto:
+                print(f"crossrl: {veto}", file=sys.stderr)
+            elif save_checkpoints and due:
                 trainer.save_checkpoint(step)

@@ -22,6 +22,7 @@ class Reduce(enum.Enum):
     RANK_SUM_UPDATE_MEAN = "each rank holds a share: summed over ranks, mean over updates"
     SHARED_UPDATE_MEAN = "the same on every rank: rank 0's value, mean over updates"
     SHARED_LAST = "the same on every rank: the last update's value"
+    SHARED_COUNT = "the same on every rank: rank 0's value, summed over updates"
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Stat:
 
 
 _TOKEN, _SHARE = Reduce.PER_LOSS_TOKEN, Reduce.RANK_SUM_UPDATE_MEAN
-_SHARED, _LAST = Reduce.SHARED_UPDATE_MEAN, Reduce.SHARED_LAST
+_SHARED, _LAST, _COUNT = Reduce.SHARED_UPDATE_MEAN, Reduce.SHARED_LAST, Reduce.SHARED_COUNT
 
 #: Every statistic per role. ``loss_tokens`` (the denominator) is not listed: every report
 #: carries it.
@@ -55,6 +56,7 @@ SCHEMAS: dict[str, tuple[Stat, ...]] = {
         Stat("ratio", _TOKEN),
         Stat("kl", _TOKEN, "kl"),
         Stat("lr", _LAST, "lr"),
+        Stat("skipped", _COUNT, "skipped_updates"),  # non-finite loss or grad norm
     ),
     "critic": (
         Stat("loss", _SHARE),
@@ -64,12 +66,22 @@ SCHEMAS: dict[str, tuple[Stat, ...]] = {
         Stat("returns", _TOKEN),
         Stat("grad_norm", _SHARED, "grad_norm", "critic_grad_norm"),
         Stat("lr", _LAST),
+        Stat("skipped", _COUNT, "skipped_updates"),
     ),
 }
 #: Statistics whose metric is written even on a step that never reported them (0.0), so
 #: metrics.jsonl keeps the same keys every step; the others appear only when reported
 #: (``actor/kl`` needs a reference model).
-ALWAYS_LOGGED = {"loss", "pg_loss", "clipped", "approx_kl", "entropy", "grad_norm", "lr"}
+ALWAYS_LOGGED = {
+    "loss",
+    "pg_loss",
+    "clipped",
+    "approx_kl",
+    "entropy",
+    "grad_norm",
+    "lr",
+    "skipped",
+}
 
 
 @dataclass
@@ -104,7 +116,7 @@ class StepStats:
         for stat in SCHEMAS[self.role]:
             if stat.key not in first.values:
                 continue
-            if stat.reduce is Reduce.SHARED_UPDATE_MEAN:
+            if stat.reduce in (Reduce.SHARED_UPDATE_MEAN, Reduce.SHARED_COUNT):
                 self.values[stat.key] = self.values.get(stat.key, 0.0) + first.values[stat.key]
             elif stat.reduce is Reduce.SHARED_LAST:
                 self.values[stat.key] = first.values[stat.key]
@@ -129,7 +141,7 @@ class StepStats:
             if strict_tokens and self.loss_tokens <= 0:
                 return None
             return total / max(1.0, self.loss_tokens)
-        if stat.reduce is Reduce.SHARED_LAST:
+        if stat.reduce in (Reduce.SHARED_LAST, Reduce.SHARED_COUNT):
             return total
         return total / max(1, self.updates)
 

@@ -9,11 +9,16 @@ training logprobs are comparable.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+
+from rollout.engines.buckets import TensorSpec, unpack_bucket
+
+#: What ``Engine.wake_up`` can retake, in the order the weight sync wakes them.
+WAKE_TAGS = ("weights", "kv_cache")
 
 FinishReason = Literal["stop", "length"]
 
@@ -46,10 +51,13 @@ class SamplingParams:
 @dataclass(frozen=True)
 class GenerationRequest:
     """One prompt to continue. ``seed`` seeds this request's own sampler, so what it samples
-    does not depend on which other requests share the batch."""
+    does not depend on which other requests share the batch. ``group``: the prompt's index in
+    the run's prompt stream; engine replicas are dealt requests by it, so every sample and turn
+    of one prompt goes to the same replica (``rollout.engines.router``)."""
 
     prompt_ids: list[int]
     seed: int
+    group: int = 0
 
 
 @dataclass
@@ -77,10 +85,19 @@ class Engine(ABC):
         """Load new policy weights (HF parameter names), possibly in several buckets."""
 
     def sleep(self) -> None:  # noqa: B027 - optional hook, default no-op
-        """Release device memory while the trainer uses the device (colocated mode)."""
+        """Release device memory (weights and KV cache) while the trainer uses the device
+        (colocated mode)."""
 
-    def wake_up(self) -> None:  # noqa: B027 - optional hook, default no-op
-        """Retake device memory released by ``sleep``."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:  # noqa: B027 - default no-op
+        """Retake device memory released by ``sleep``: ``tags`` among ``WAKE_TAGS`` (None: all).
+        The weight sync wakes ``weights`` first and ``kv_cache`` after, to keep the peak low."""
+
+    def load_shared_bucket(self, open_bucket, handles: Sequence, specs: Sequence[TensorSpec]):
+        """Load one bucket of new weights handed over in shared memory (``rollout.engines.
+        buckets``): ``handles[k]`` is tp rank k's copy, ``open_bucket(handle)`` maps one as a
+        flat uint8 tensor on this process's device. An engine in one process reads tp rank 0's;
+        engines with a worker per device (vLLM tp > 1) let each worker read its own."""
+        self.update_weights(unpack_bucket(open_bucket(handles[0]), specs))
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Free every resource the engine holds."""

@@ -16,7 +16,13 @@ from collections.abc import Iterable
 
 import torch
 
-from rollout.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams
+from rollout.engines.base import (
+    WAKE_TAGS,
+    Engine,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -77,12 +83,17 @@ class HFEngine(Engine):
         self.pad_token_id = int(pad_token_id)
         self.max_batch_size = max_batch_size
         self._device = next(model.parameters()).device
-        self._asleep = False
+        self._awake: set[str] = set(WAKE_TAGS)
 
     @property
     def device(self) -> torch.device:
         """The torch device the model runs on (while awake)."""
         return self._device
+
+    @property
+    def awake_tags(self) -> tuple[str, ...]:
+        """What is awake, among ``WAKE_TAGS``: both after start and after a full ``wake_up``."""
+        return tuple(t for t in WAKE_TAGS if t in self._awake)
 
     # ---------------------------------------------------------------- generation
 
@@ -90,8 +101,10 @@ class HFEngine(Engine):
         self, requests: list[GenerationRequest], sampling: SamplingParams
     ) -> list[GenerationResult]:
         """Continue every request (prompt token ids); results in request order."""
-        if self._asleep:
-            raise RuntimeError("HFEngine.generate called while asleep; call wake_up() first")
+        if len(self._awake) < len(WAKE_TAGS):
+            raise RuntimeError(
+                f"HFEngine.generate called while {self._sleeping()} asleep; call wake_up() first"
+            )
         for i, req in enumerate(requests):
             if len(req.prompt_ids) == 0:
                 raise ValueError(f"requests[{i}].prompt_ids is empty; give at least one token")
@@ -194,6 +207,11 @@ class HFEngine(Engine):
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the model by HF state-dict name (one bucket or many calls)."""
+        if "weights" not in self._awake:
+            raise RuntimeError(
+                "HFEngine.update_weights called while the weights sleep; call "
+                "wake_up(['weights']) first"
+            )
         state = self.model.state_dict()
         for name, tensor in named_tensors:
             if name not in state:
@@ -209,19 +227,30 @@ class HFEngine(Engine):
                 )
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
 
-    def sleep(self) -> None:
-        """Move the model to host memory (a no-op on the CPU)."""
-        if self._device.type != "cpu" and not self._asleep:
-            self.model.to("cpu")
-            if hasattr(torch, "accelerator") and torch.accelerator.is_available():
-                torch.accelerator.empty_cache()
-        self._asleep = True
+    def _sleeping(self) -> str:
+        return " and ".join(t for t in WAKE_TAGS if t not in self._awake)
 
-    def wake_up(self) -> None:
-        """Move the model back to its device."""
-        if self._device.type != "cpu" and self._asleep:
+    def sleep(self) -> None:
+        """Free the device for the trainer: the weights move to host memory and the
+        allocator's cache (what generation's KV cache used) is released. On the CPU the
+        weights stay where they are; the state is recorded either way (``awake_tags``)."""
+        if "weights" in self._awake and self._device.type != "cpu":
+            self.model.to("cpu")
+        if self._device.type != "cpu" and torch.accelerator.is_available():
+            torch.accelerator.empty_cache()
+        self._awake.clear()
+
+    def wake_up(self, tags=None) -> None:
+        """Retake ``tags`` (``WAKE_TAGS``; None: all): ``weights`` moves the model back to its
+        device; ``kv_cache`` only re-allows generation (this engine allocates its cache per
+        call)."""
+        tags = WAKE_TAGS if tags is None else tuple(tags)
+        unknown = [t for t in tags if t not in WAKE_TAGS]
+        if unknown:
+            raise ValueError(f"wake_up tags={unknown}: use some of {list(WAKE_TAGS)}")
+        if "weights" in tags and "weights" not in self._awake and self._device.type != "cpu":
             self.model.to(self._device)
-        self._asleep = False
+        self._awake.update(tags)
 
     def shutdown(self) -> None:
         """Drop the model reference."""

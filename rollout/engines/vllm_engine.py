@@ -43,7 +43,14 @@ from typing import Any
 
 import torch
 
-from rollout.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams
+from rollout.engines.base import (
+    WAKE_TAGS,
+    Engine,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+)
+from rollout.engines.buckets import TensorSpec, unpack_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +126,17 @@ def result_from_vllm_completion(completion: Any) -> GenerationResult:
     )
 
 
+def executor_backend(tensor_parallel_size: int, in_process: bool) -> str | None:
+    """vLLM's ``distributed_executor_backend`` for a replica: ``uni`` (the worker in this
+    process) for one device in process; ``mp`` (one worker process per device, on the devices
+    this process sees) for tp > 1. Never ``ray``: inside crossrl's placement group vLLM's Ray
+    executor would ask Ray for whole devices that the training ranks already hold and wait
+    for them forever. None: vLLM's own default (out of process, one device)."""
+    if tensor_parallel_size > 1:
+        return "mp"
+    return "uni" if in_process else None
+
+
 def resolve_model_dir(model: str | os.PathLike, seed: int) -> str:
     """A local HF model directory for ``model``: a path as is, or ``builtin:<name>`` through the
     cached builtin weights (made from ``seed``; see ``rollout.models``)."""
@@ -158,22 +176,43 @@ class VLLMWorkerExtension:
             return None
         return initialize_layerwise_reload, finalize_layerwise_reload
 
+    def _crossrl_context(self):
+        """vLLM's config and this worker's device as the defaults while weights reload, so
+        tensors the reload creates land on the engine's device (vllm-ascend needs that)."""
+        from contextlib import ExitStack
+
+        from vllm.config import set_current_vllm_config
+
+        stack = ExitStack()
+        stack.enter_context(set_current_vllm_config(self.vllm_config))
+        device = getattr(self, "device", None)
+        if isinstance(device, torch.device):
+            stack.enter_context(device)
+        return stack
+
     def crossrl_begin_weight_update(self) -> None:
         """Prepare every layer to collect new weights."""
         api = self._crossrl_reload_api()
         if api is not None:
-            from vllm.config import set_current_vllm_config
-
-            with set_current_vllm_config(self.vllm_config):
+            with self._crossrl_context():
                 api[0](self.model_runner.get_model())
 
     def crossrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         """Feed one bucket of HF-named tensors to the model; returns the tensor count."""
-        from vllm.config import set_current_vllm_config
-
-        with set_current_vllm_config(self.vllm_config):
+        with self._crossrl_context():
             self.model_runner.get_model().load_weights(weights)
         return len(weights)
+
+    def crossrl_load_shared_bucket(self, handles: list, specs: list) -> int:
+        """Load a bucket from shared memory: this worker maps the copy of the training rank on
+        its own device (``handles[tp rank]``) and reads views of it (no copy on the way)."""
+        from hal import open_shared_buffer
+
+        rank = int(getattr(self, "rank", 0)) % len(handles)
+        device = getattr(self, "device", None)
+        index = device.index if isinstance(device, torch.device) and device.index else 0
+        flat = open_shared_buffer(handles[rank], index)
+        return self.crossrl_load_weights(unpack_bucket(flat, [TensorSpec(*s) for s in specs]))
 
     def crossrl_load_weights_from_file(self, path: str) -> int:
         """``crossrl_load_weights`` for a bucket saved as a safetensors file."""
@@ -186,9 +225,7 @@ class VLLMWorkerExtension:
         model = self.model_runner.get_model()
         api = self._crossrl_reload_api()
         if api is not None:
-            from vllm.config import set_current_vllm_config
-
-            with set_current_vllm_config(self.vllm_config):
+            with self._crossrl_context():
                 api[1](model, self.vllm_config.model_config)
         # A tied lm_head is skipped by load_weights, so the reload never re-runs its post-load
         # step. On the CPU that step prepacks the matrix for oneDNN, so without this the logits
@@ -289,8 +326,9 @@ class VLLMEngine(Engine):
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         kwargs["worker_extension_cls"] = f"{__name__}.VLLMWorkerExtension"
-        if in_process and tensor_parallel_size == 1:
-            kwargs["distributed_executor_backend"] = "uni"
+        backend = executor_backend(tensor_parallel_size, in_process)
+        if backend is not None:
+            kwargs["distributed_executor_backend"] = backend
         if current_platform.is_cpu() and max_model_len is not None:
             # vLLM's CPU sampler cannot resume a seeded generator for a prompt whose prefill
             # was split across scheduler steps ("CPU Generator does not use offset"); a
@@ -301,7 +339,7 @@ class VLLMEngine(Engine):
         self.llm = LLM(**kwargs)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
-        self._asleep = False
+        self._awake: set[str] = set(WAKE_TAGS)
         self._updating = False
 
     # ---------------------------------------------------------------- generation
@@ -312,7 +350,7 @@ class VLLMEngine(Engine):
         """Continue every request (prompt token ids) in one vLLM batch; results in request
         order. Each request samples from its own seed, so its tokens do not depend on the batch.
         """
-        if self._asleep:
+        if len(self._awake) < len(WAKE_TAGS):
             raise RuntimeError("VLLMEngine.generate called while asleep; call wake_up() first")
         self.finish_weight_update()
         from vllm import SamplingParams as VSamplingParams
@@ -354,16 +392,10 @@ class VLLMEngine(Engine):
         handed over as they are; with ``in_process=False`` they travel through a temporary
         safetensors file (vLLM cannot forward received tensors to its worker processes).
         """
-        if self._asleep:
-            raise RuntimeError(
-                "VLLMEngine.update_weights called while asleep; call wake_up() first"
-            )
         weights = [(str(name), tensor.detach()) for name, tensor in named_tensors]
         if not weights:
             return
-        if not self._updating:
-            self.llm.collective_rpc("crossrl_begin_weight_update")
-            self._updating = True
+        self._begin_weight_update()
         if self.in_process:
             self.llm.collective_rpc("crossrl_load_weights", args=(weights,))
             return
@@ -378,6 +410,24 @@ class VLLMEngine(Engine):
             save_file({n: t.to("cpu").contiguous().clone() for n, t in weights}, path)
             self.llm.collective_rpc("crossrl_load_weights_from_file", args=(path,))
 
+    def _begin_weight_update(self) -> None:
+        if "weights" not in self._awake:
+            raise RuntimeError(
+                "VLLMEngine: weights updated while they sleep; call wake_up(['weights']) first"
+            )
+        if not self._updating:
+            self.llm.collective_rpc("crossrl_begin_weight_update")
+            self._updating = True
+
+    def load_shared_bucket(self, open_bucket, handles, specs) -> None:
+        """Load a bucket from shared memory: each vLLM worker maps its own device's copy
+        (``VLLMWorkerExtension.crossrl_load_shared_bucket``); only the handles and specs
+        travel. Out of process, vLLM's worker broadcast takes these small tuples too."""
+        self._begin_weight_update()
+        self.llm.collective_rpc(
+            "crossrl_load_shared_bucket", args=(list(handles), [tuple(s) for s in specs])
+        )
+
     def finish_weight_update(self) -> None:
         """Complete the weight update begun by ``update_weights`` (no-op when none is open)."""
         if not self._updating:
@@ -387,23 +437,35 @@ class VLLMEngine(Engine):
         self.llm.reset_prefix_cache()
         self._updating = False
 
+    @property
+    def awake_tags(self) -> tuple[str, ...]:
+        """What is awake, among ``WAKE_TAGS``."""
+        return tuple(t for t in WAKE_TAGS if t in self._awake)
+
     def sleep(self, level: int = 1) -> None:
         """Free device memory for the trainer: level 1 offloads weights to host memory and drops
         the KV cache; level 2 drops both (weights must then be reloaded with update_weights
         before generating). Without sleep mode (or on CPU) only the state is recorded."""
         if level not in (1, 2):
             raise ValueError(f"sleep level={level}: use 1 (offload weights) or 2 (discard them)")
-        if not self._asleep:
+        if self._awake:
             self.finish_weight_update()
-        if self.sleep_mode and not self._asleep:
-            self.llm.sleep(level=level)
-        self._asleep = True
+            if self.sleep_mode:
+                self.llm.sleep(level=level)
+        self._awake.clear()
 
-    def wake_up(self) -> None:
-        """Retake the memory released by ``sleep`` (weights and KV cache)."""
-        if self.sleep_mode and self._asleep:
-            self.llm.wake_up()
-        self._asleep = False
+    def wake_up(self, tags=None) -> None:
+        """Retake what ``sleep`` released: ``tags`` among ``WAKE_TAGS`` (None: all). The weight
+        sync wakes ``weights``, loads the new ones, then wakes ``kv_cache``: the KV cache is
+        allocated only once the training ranks have offloaded, so the peak stays low."""
+        tags = WAKE_TAGS if tags is None else tuple(tags)
+        unknown = [t for t in tags if t not in WAKE_TAGS]
+        if unknown:
+            raise ValueError(f"wake_up tags={unknown}: use some of {list(WAKE_TAGS)}")
+        todo = [t for t in tags if t not in self._awake]
+        if self.sleep_mode and todo:
+            self.llm.wake_up(tags=todo)
+        self._awake.update(todo)
 
     def shutdown(self) -> None:
         """Stop vLLM's engine core and free its memory and process-group state."""

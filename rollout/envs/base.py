@@ -2,11 +2,27 @@
 
 An environment is a multi-turn text game:
 
-- ``reset(seed) -> str``: start a new episode deterministically from ``seed``; the first
-  observation (the user's first message).
+- ``reset(seed) -> str | list[dict]``: start a new episode deterministically from ``seed``; the
+  first observation (the user's first message), or a whole chat to start from (a list of
+  ``{"role", "content"}`` messages, e.g. a dataset row's system + user prompt).
 - ``step(action_text) -> (observation, reward, done, info)``: the model's reply (decoded text,
-  special tokens removed); the next observation (ignored when ``done``), a reward in [0, 1],
-  whether the episode ended, and free-form info.
+  special tokens removed); the next observation (a str, ignored when ``done``), a reward (a
+  finite real number inside the class's ``reward_range``), whether the episode ended (a
+  ``bool``) and free-form info.
+- ``reward_range = (low, high)``: a class attribute, the inclusive range of the rewards the
+  environment can return; ``(0.0, 1.0)`` for the built-ins and for a user class that does not
+  declare one. A reward outside it, a non-finite reward, or a value of the wrong type is an
+  environment fault: it ends that trajectory (score 0), is counted in ``rollout/env_errors``,
+  and when more than ``run.max_env_error_fraction`` of a step's trajectories fault the run
+  stops, showing the faults.
+
+Both methods may be ``async def`` (awaited on the agent loop's event loop: never block in them)
+or plain methods (run on a worker thread, so they may block on I/O). Every trajectory has its own
+environment instance, and the agent loop runs up to ``rollout.env_concurrency`` calls at once;
+state shared between instances needs a lock. A call that takes longer than
+``rollout.env_timeout_s`` seconds ends its trajectory like any other fault (a thread cannot be
+killed: a stuck plain method keeps running, abandoned). The constructor runs on the caller's
+thread, in trajectory order.
 
 Convention for the trajectory outcome: the reward of the FINAL step is the trajectory's score
 (the agent loop copies it to every step row), so an env that wants to credit several turns
@@ -21,17 +37,24 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+#: The reward range of an environment class that does not declare ``reward_range``.
+DEFAULT_REWARD_RANGE: tuple[float, float] = (0.0, 1.0)
+
 
 class Env(ABC):
     """A multi-turn text environment (see module docstring for the contract)."""
 
+    #: inclusive (low, high) of the rewards ``step`` returns; anything outside is a fault
+    reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE
+
     @abstractmethod
-    def reset(self, seed: int) -> str:
-        """Start an episode from ``seed``; return the first observation."""
+    def reset(self, seed: int) -> str | list[dict]:
+        """Start an episode from ``seed``; return the first observation (or chat messages)."""
 
     @abstractmethod
     def step(self, action_text: str) -> tuple[str, float, bool, dict]:
-        """Apply the model's reply; return (observation, reward in [0, 1], done, info)."""
+        """Apply the model's reply; return (observation, reward in ``reward_range``, done,
+        info)."""
 
 
 def _char_class(ch: str) -> int:

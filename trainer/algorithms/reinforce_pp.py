@@ -6,13 +6,24 @@ Over one trajectory's generated tokens t = 0..L-1 with token rewards r_t:
     A_t = (G_t - mean(G)) / std(G)                  # mean/std over ALL real loss
                                                     # tokens of the batch
 No critic and no group baseline: the global whitening is the baseline.
+
+REINFORCE++ with a group baseline (verl's ``reinforce_plus_plus_baseline``) works on outcome
+scores instead: for the G trajectories of one prompt with scores s_1..s_G,
+
+    A_i = s_i - mean(s)                             # per trajectory, on each of its tokens
+    A_t = (A_t - mean(A)) / std(A)                  # then whitened over ALL real loss tokens
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from trainer.algorithms.common import reverse_discounted_cumsum, whiten
+from trainer.algorithms.common import (
+    group_index,
+    group_mean_std,
+    reverse_discounted_cumsum,
+    whiten,
+)
 
 
 def reinforce_pp_advantages(
@@ -31,3 +42,21 @@ def reinforce_pp_advantages(
     """
     returns = reverse_discounted_cumsum(token_rewards, lengths, gamma)  # G_t
     return whiten(returns), returns
+
+
+def reinforce_pp_baseline_advantages(scores, group_ids) -> np.ndarray:
+    """Group-centred outcome score per trajectory, ``s_i - mean(s)`` over its group (a group
+    of one gives 0). The caller puts it on the trajectory's loss tokens and whitens over the
+    batch's tokens (``compute_advantages``).
+
+    Args:
+        scores: [N] outcome score of each trajectory.
+        group_ids: [N] group (prompt ``uid``) of each trajectory.
+
+    Returns:
+        [N] float64, one per trajectory.
+    """
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    index, num_groups = group_index(group_ids)
+    _count, mean, _std = group_mean_std(s, index, num_groups)
+    return s - mean[index]

@@ -5,17 +5,20 @@ Layout (a contract, see DESIGN.md "Run directory"; every name comes from ``LAYOU
     checkpoints/
       .tmp_step_<N>_<uuid>/   staging: workers write their pieces here
       step_<N>/               a whole checkpoint: pieces + manifest.json
-        <role>_model.safetensors, <role>_optim.pt, <role>_scheduler.pt   rank 0 of a role
-        <role>_rng_rank<r>.pt                                             every rank
-        trainer_state.json, controller_rng.pt                             the controller
+        <role>_model/, <role>_optim/   torch.distributed.checkpoint dirs: every rank its shard
+                                       (__<rank>_0.distcp), rank 0 the .metadata
+        <role>_scheduler.pt            rank 0 of a role
+        <role>_rng_rank<r>.pt          every rank
+        trainer_state.json, controller_rng.pt   the controller
       latest                  text file "step_<N>": the newest whole checkpoint
 
-Commit protocol. Several processes write one checkpoint (rank 0 of each role its model and
-optimizer, every rank its RNG, the controller ``trainer_state.json``), so no single file write
+Commit protocol. Several processes write one checkpoint (every rank its shard of the model
+and optimizer and its RNG, the controller ``trainer_state.json``), so no single file write
 can be the commit point. Instead:
 
-1. ``begin_checkpoint`` makes a fresh staging dir; workers write into it (with the atomic
-   savers in ``pieces.py``, so a piece is either whole or absent).
+1. ``begin_checkpoint`` makes a fresh staging dir; workers write into it (files with the
+   atomic savers in ``pieces.py``, so a piece is either whole or absent; shards with
+   ``dcp.save``, which returns only once every rank's shard is written).
 2. Once every writer has returned, the controller calls ``commit_checkpoint``: it fsyncs every
    file, writes ``manifest.json`` (size + sha256 per file), renames the staging dir to
    ``step_<N>`` and only then rewrites ``latest``.
@@ -31,8 +34,14 @@ workers write straight into the staging dir.
 ``latest`` is a text file rather than a symlink so the layout works on every filesystem
 (object-store mounts and some network filesystems lack symlinks).
 
+Model and optimizer shards are keyed by parameter name, so a checkpoint written at one dp size
+resumes at another (``sharded.py``); ``read_model_weights`` reads a role's whole model in one
+process, without a process group (``crossrl export``). Checkpoints in the older single-file
+layout (``LAYOUT.legacy_model``/``legacy_optim``) still load.
+
 Who owns what: ``layout.py`` the names, ``pieces.py`` saving/loading one piece (tensors,
-objects, JSON, RNG state), ``store.py`` staging, commit, ``latest``, verify and resume.
+objects, JSON, RNG state), ``sharded.py`` the sharded model/optimizer state, ``store.py``
+staging, commit, ``latest``, verify and resume.
 Atomic file writes themselves live in ``rollout/files.py``.
 """
 
@@ -47,6 +56,12 @@ from trainer.checkpoint.pieces import (
     save_safetensors,
     save_torch,
     set_rng_state,
+)
+from trainer.checkpoint.sharded import (
+    load_sharded,
+    read_model_weights,
+    read_sharded,
+    save_sharded,
 )
 from trainer.checkpoint.store import (
     begin_checkpoint,
@@ -70,11 +85,15 @@ __all__ = [
     "list_checkpoints",
     "load_json",
     "load_safetensors",
+    "load_sharded",
     "load_torch",
+    "read_model_weights",
+    "read_sharded",
     "resolve_resume",
     "rng_state",
     "save_json",
     "save_safetensors",
+    "save_sharded",
     "save_torch",
     "set_rng_state",
     "step_dir_name",

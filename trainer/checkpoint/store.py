@@ -276,10 +276,11 @@ def verify_checkpoint(path: str | os.PathLike, *, check_hashes: bool = True) -> 
     what is wrong and the fix. Files not in the manifest are ignored.
     """
     path = Path(path)
-    fix = "delete it or point run.resume at an older step_<N>"
+    fix = "move it away, or set run.resume to another checkpoint (step_<N> or its path)"
     if not path.is_dir():
         raise CheckpointError(
-            f"checkpoint {path} does not exist; point run.resume at an existing step_<N>"
+            f"checkpoint {path} does not exist; set run.resume to an existing checkpoint "
+            "(step_<N> or its path)"
         )
     manifest_path = path / LAYOUT.manifest
     if not manifest_path.is_file():
@@ -312,13 +313,32 @@ def verify_checkpoint(path: str | os.PathLike, *, check_hashes: bool = True) -> 
     return manifest
 
 
-def resolve_resume(run_dir: str | os.PathLike, resume: Any) -> Path | None:
+def resolve_resume(
+    run_dir: str | os.PathLike, resume: Any, *, check_hashes: bool = True
+) -> Path | None:
     """Turn a ``run.resume`` value into a verified checkpoint dir, or None to start fresh.
 
     Accepted: ``None``/``False``/``"never"`` (fresh), ``True``/``"auto"``/``"latest"`` (the
     ``latest`` checkpoint if any, else fresh), a step (int or digits) or ``"step_<N>"`` (that checkpoint
-    in ``run_dir``), or a path to a ``step_<N>`` dir.
+    in ``run_dir``), or a path to a ``step_<N>`` dir. A checkpoint that is missing or fails
+    verification raises ``CheckpointError`` ending with the checkpoints ``run_dir`` holds.
+    ``check_hashes=False`` verifies presence and sizes only (``verify_checkpoint``).
     """
+    try:
+        return _resolve_resume(run_dir, resume, check_hashes)
+    except CheckpointError as err:
+        raise CheckpointError(f"run.resume={resume}: {err} ({_committed_here(run_dir)})") from None
+
+
+def _committed_here(run_dir: str | os.PathLike) -> str:
+    """Which committed checkpoints ``run_dir`` holds, as advice for ``run.resume``."""
+    names = [p.name for p in list_checkpoints(run_dir) if (p / LAYOUT.manifest).is_file()]
+    if not names:
+        return f"{run_dir} holds no committed checkpoint: run.resume=never starts afresh"
+    return f"committed in {run_dir}: {', '.join(names)}"
+
+
+def _resolve_resume(run_dir: str | os.PathLike, resume: Any, check_hashes: bool) -> Path | None:
     if resume is None or resume is False or resume == "never":
         return None
     if resume is True or resume in ("auto", "latest"):
@@ -330,7 +350,8 @@ def resolve_resume(run_dir: str | os.PathLike, resume: Any) -> Path | None:
         if text.isdigit():
             text = f"step_{int(text)}"
         found = _checkpoints_dir(run_dir) / text if _STEP_RE.match(text) else Path(text)
-        checkpoint_step(found)  # a path must name a step_<N> dir
+        if not _STEP_RE.match(found.name):
+            raise CheckpointError(f"{found} is not a checkpoint: its name must be step_<N>")
     else:
         raise ValueError(
             f"run.resume={resume!r} is not understood; use null, auto, latest, a step number, "
@@ -338,5 +359,5 @@ def resolve_resume(run_dir: str | os.PathLike, resume: Any) -> Path | None:
         )
     if found is None:
         return None
-    verify_checkpoint(found)
+    verify_checkpoint(found, check_hashes=check_hashes)
     return found

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import logging
+import re
 from pathlib import Path
 
 from rollout.models import BUILTIN_MODELS
@@ -148,6 +149,7 @@ def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
                 "zero and the reference model is wasted)",
             )
         )
+    p += _verl_problems(cfg, warn)
     total_opt_steps = cfg.optimizer_steps_per_step() * tr.total_steps
     for key, warmup in (
         ("train.warmup_steps", tr.warmup_steps),
@@ -186,6 +188,103 @@ def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
     return p, warn
 
 
+def _verl_problems(cfg: Config, warn: list[str]) -> list[Problem]:
+    """Rewards, validation, loggers and the algorithm variants (issue 17): fields together."""
+    p: list[Problem] = []
+    ro, alg, rew, run = cfg.rollout, cfg.algorithm, cfg.reward, cfg.run
+    if ro.env == "single_turn":
+        if rew.function is None:
+            p.append(
+                problem(
+                    "reward.function",
+                    None,
+                    "rollout.env=single_turn scores replies with a reward function; set "
+                    "module:function, builtin:gsm8k or builtin:math",
+                )
+            )
+        if cfg.data.source == "env":
+            p.append(
+                problem(
+                    "data.source",
+                    "env",
+                    "rollout.env=single_turn reads dataset rows; give a .jsonl/.parquet file",
+                )
+            )
+    if (run.val_every or run.val_before_train) and cfg.data.val_source is None:
+        key = "run.val_every" if run.val_every else "run.val_before_train"
+        p.append(problem(key, run.val_every or True, "validation needs data.val_source (a file)"))
+    if "jsonl" not in run.loggers:
+        p.append(
+            problem(
+                "run.loggers",
+                run.loggers,
+                "metrics.jsonl is the run directory's contract; keep jsonl in the list",
+            )
+        )
+    if rew.overlong_buffer_len and rew.overlong_buffer_len >= ro.max_new_tokens - 1:
+        p.append(
+            problem(
+                "reward.overlong_buffer_len",
+                rew.overlong_buffer_len,
+                f"must be < rollout.max_new_tokens - 1 ({ro.max_new_tokens - 1}), the most "
+                "tokens a turn can generate",
+            )
+        )
+    if ro.max_sample_batches > 1 and alg.adv_estimator in ("gae", "reinforce_pp"):
+        warn.append(
+            f"rollout.max_sample_batches={ro.max_sample_batches} drops groups with equal "
+            f"scores, which still carry signal for algorithm.adv_estimator={alg.adv_estimator} "
+            "(no group baseline)"
+        )
+    if alg.policy_loss == "gspo" and alg.loss_agg != "seq-mean-token-mean":
+        warn.append(
+            f"algorithm.policy_loss=gspo is defined with seq-mean-token-mean; "
+            f"algorithm.loss_agg={alg.loss_agg} weights sequences differently"
+        )
+    return p
+
+
+def _reward_and_logger_problems(cfg: Config) -> list[Problem]:
+    """Against this machine: the reward function imports, the env takes it, loggers are
+    installed, the validation file exists."""
+    p: list[Problem] = []
+    spec = cfg.reward.function
+    if spec is not None:
+        try:
+            from rollout.envs import make_env, takes_reward_fn
+            from rollout.rewards import load_reward_function
+
+            load_reward_function(spec)
+            env = cfg.rollout.env
+            if not takes_reward_fn(make_env(env)):
+                p.append(
+                    problem(
+                        "reward.function",
+                        spec,
+                        f"rollout.env={env} does not take a reward function (no reward_fn "
+                        "argument); use single_turn or qa, or set reward.function=null",
+                    )
+                )
+        except ValueError as exc:
+            reason = str(exc).split(": ", 1)[-1]
+            p.append(problem("reward.function", spec, reason))
+    for name in cfg.run.loggers:
+        if name != "jsonl" and not _module_available(name):
+            p.append(
+                problem(
+                    "run.loggers",
+                    cfg.run.loggers,
+                    f"{name} is not installed; pip install 'crossrl[{name}]' or remove {name}",
+                )
+            )
+    val = cfg.data.val_source
+    if val is not None and not Path(val).is_file():
+        p.append(
+            problem("data.val_source", val, "file not found; give an existing .jsonl/.parquet")
+        )
+    return p
+
+
 def _model_dir_problem(key: str, path: str) -> Problem | None:
     if path.startswith("builtin:"):
         return None
@@ -208,6 +307,61 @@ def _module_available(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
+    except Exception:  # noqa: BLE001 - a parent package raised: it exists, importing names why
+        return True
+
+
+def env_problem(cfg: Config, record: dict | None = None) -> Problem | None:
+    """Import the environment class and construct it once, so a module that raises on import
+    or a constructor that raises fails at start-up, in one line. The constructor gets
+    ``rollout.env_kwargs`` updated by ``record`` (a prompt file's first record, as the rollout
+    passes it); with a prompt file and no record yet the class is only imported (its required
+    arguments may come from the file: ``trainer.preflight`` constructs it then)."""
+    env, kwargs = cfg.rollout.env, dict(cfg.rollout.env_kwargs)
+    if ":" in env and not _module_available(env.split(":", 1)[0]):
+        module = env.split(":", 1)[0]
+        return problem(
+            "rollout.env",
+            env,
+            f"module {module!r} is not importable; check PYTHONPATH or the spelling",
+        )
+    try:
+        from rollout.envs import bind_env, exception_line, make_env
+    except ImportError:
+        return None
+    try:
+        make_env(env)  # imports the class and checks it has reset/step
+    except ValueError as exc:
+        reason = str(exc).split(": ", 1)[-1]  # drop its own "rollout.env=...: " head
+        return problem("rollout.env", env, reason)
+    if record is None and cfg.data.source != "env":
+        return None  # each prompt-file row brings arguments: trainer.preflight constructs it
+    where = "rollout.env_kwargs" + (f" and {cfg.data.source}'s first record" if record else "")
+    reward_fn = None
+    if cfg.reward.function is not None:
+        try:
+            from rollout.rewards import RewardFunction
+
+            reward_fn = RewardFunction(cfg.reward.function, timeout_s=cfg.reward.timeout_s)
+        except Exception:  # noqa: BLE001 - reported by the reward.function check
+            return None
+    try:
+        # The factory the rollout host builds (bind_env), called with a row's fields.
+        bind_env(env, kwargs, reward_fn)(**(record or {}))
+    except (TypeError, ValueError) as exc:
+        if kwargs and record is None:
+            return problem("rollout.env_kwargs", kwargs, f"{env} does not accept them: {exc}")
+        return problem(
+            "rollout.env", env, f"constructing it with {where} raised {exception_line(exc)}"
+        )
+    except Exception as exc:  # noqa: BLE001 - the user's constructor: report, never crash
+        return problem(
+            "rollout.env",
+            env,
+            f"constructing it with {where} raised {exception_line(exc)}; fix the "
+            "environment's __init__",
+        )
+    return None
 
 
 def _environment_problems(cfg: Config) -> list[Problem]:
@@ -251,49 +405,21 @@ def _environment_problems(cfg: Config) -> list[Problem]:
                 "data.source", cfg.data.source, "file not found; give an existing .jsonl/.parquet"
             )
         )
-    if cfg.run.resume not in ("auto", "never") and not Path(cfg.run.resume).exists():
+    resume = cfg.run.resume
+    named_step = re.fullmatch(r"(step_)?\d+", resume) is not None
+    if resume not in ("auto", "latest", "never") and not named_step and not Path(resume).exists():
         p.append(
             problem(
                 "run.resume",
-                cfg.run.resume,
-                "must be auto, never or an existing checkpoint directory",
+                resume,
+                "must be auto, latest, never, step_<N> (a checkpoint in run.dir) or the path "
+                "of an existing checkpoint directory (step_<N>)",
             )
         )
-    env = cfg.rollout.env
-    if ":" not in env and cfg.rollout.env_kwargs:
-        try:
-            from rollout.envs import make_env
-
-            make_env(env)(**cfg.rollout.env_kwargs)
-        except (TypeError, ValueError) as exc:
-            p.append(
-                problem(
-                    "rollout.env_kwargs",
-                    cfg.rollout.env_kwargs,
-                    f"{env} does not accept them: {exc}",
-                )
-            )
-    if ":" in env:
-        module = env.split(":", 1)[0]
-        if not _module_available(module):
-            p.append(
-                problem(
-                    "rollout.env",
-                    env,
-                    f"module {module!r} is not importable; check PYTHONPATH or the spelling",
-                )
-            )
-        else:
-            try:
-                from rollout.envs import make_env
-            except ImportError:
-                make_env = None
-            try:
-                if make_env is not None:
-                    make_env(env)  # imports the class and checks it has reset/step
-            except ValueError as exc:
-                reason = str(exc).split(": ", 1)[-1]  # drop its own "rollout.env=...: " head
-                p.append(problem("rollout.env", env, reason))
+    p += _reward_and_logger_problems(cfg)
+    bad_env = env_problem(cfg)
+    if bad_env:
+        p.append(bad_env)
     return p
 
 

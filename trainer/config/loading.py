@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from rollout.files import undecodable
 from trainer.config.checks import validate_config
 from trainer.config.errors import ConfigError, Problem, problem, raise_first, show
 from trainer.config_schema import SECTIONS, Config
@@ -43,6 +44,27 @@ _Loader.add_implicit_resolver(
 )
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names the same key twice (YAML would keep the last one silently)."""
+
+
+def _construct_unique_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False):
+    seen: dict[Any, int] = {}
+    for key_node, _value in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise DuplicateKeyError(
+                f"line {line}: key {key!r} appears twice in one mapping (first on line "
+                f"{seen[key]}); keep one"
+            )
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
 def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
@@ -63,6 +85,10 @@ def read_yaml(path: str | os.PathLike[str], _stack: tuple[Path, ...] = ()) -> di
         raise ConfigError(key, str(path), f"{key}: file {str(path)!r} not found{where}")
     try:
         tree = _yaml_load(resolved.read_text(encoding="utf-8"))
+    except DuplicateKeyError as err:
+        raise ConfigError("--config", str(path), f"{path}: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError("--config", str(path), f"{path}: {undecodable(resolved, err)}") from None
     except yaml.YAMLError as err:
         flat_err = " ".join(str(err).split())
         raise ConfigError("--config", str(path), f"{path}: not valid YAML: {flat_err}") from err

@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 import hal
 from batching import StepBatch
@@ -139,23 +145,21 @@ class FSDPWorker:
             master_port=master_port,
             timeout_s=600,
             local_rank=local_rank,
+            # FSDP2's CPU offload reduces the gradient norm of host-resident shards.
+            host_collectives=cfg.train.param_offload,
         )
         self.device = self.backend.device(local_rank)
         # Every rank starts from identical weights: same path, same seed.
         self.backend.manual_seed(cfg.seed)
+        # Built on the meta device, sharded, then loaded: a node's host memory holds at most
+        # one full copy of the weights (rank 0's), whatever the dp size.
         model = self.build_model()
+        # What the role built for real, not on meta (the critic's value head), keeps its values.
+        own = {k: v.detach().clone() for k, v in model.state_dict().items() if not v.is_meta}
         if cfg.train.activation_checkpointing and spec.trainable:
             enable_activation_checkpointing(model)
-        model.to(self.device)
-        mp = MixedPrecisionPolicy(
-            param_dtype=_dtype(cfg.train.param_dtype), reduce_dtype=_dtype(cfg.train.reduce_dtype)
-        )
-        # The mesh names the HAL's device: FSDP2's default mesh takes the machine's
-        # accelerator, so a device=cpu run on a GPU node would quietly shard onto the GPU.
-        mesh = init_device_mesh(self.backend.device_type, (spec.world_size,))
-        for layer in self._layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        self._shard(model)
+        self._load_initial_weights(model, own)
         self.model = model
         if spec.trainable:
             self.optimizer, self.scheduler = build_optimizer(
@@ -200,17 +204,87 @@ class FSDPWorker:
         raise NotImplementedError
 
     def load_causal_lm(self) -> torch.nn.Module:
-        """This role's causal LM with the HAL's varlen attention, in float32: parameters and
-        optimizer state are master weights whatever ``train.param_dtype`` computes in."""
-        from rollout.models import load_model
+        """This role's causal LM with the HAL's varlen attention, in float32 (parameters and
+        optimizer state are master weights whatever ``train.param_dtype`` computes in), on
+        the meta device: ``setup`` shards it, then loads the checkpoint's weights into it."""
+        from rollout.models import build_empty_model
 
         hal.register_attention()
-        return load_model(
+        return build_empty_model(
             self.spec.model_path,
             dtype=torch.float32,
             seed=self.spec.cfg.seed,
             attn_implementation=hal.ATTN_IMPLEMENTATION,
         )
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        """FSDP2 in place: each decoder layer, then the root. ``train.param_offload`` keeps
+        the sharded parameters (and so their gradients and optimizer step) in host memory
+        through FSDP2's CPU-offload policy, pinned on an accelerator."""
+        train = self.spec.cfg.train
+        mp = MixedPrecisionPolicy(
+            param_dtype=_dtype(train.param_dtype), reduce_dtype=_dtype(train.reduce_dtype)
+        )
+        offload = (
+            CPUOffloadPolicy(pin_memory=self.backend.is_accelerator)
+            if train.param_offload
+            else OffloadPolicy()
+        )
+        # The mesh names the HAL's device: FSDP2's default mesh takes the machine's
+        # accelerator, so a device=cpu run on a GPU node would quietly shard onto the GPU.
+        mesh = init_device_mesh(self.backend.device_type, (self.spec.world_size,))
+        for layer in self._layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+
+    @torch.no_grad()
+    def _load_initial_weights(self, model: torch.nn.Module, own: dict[str, torch.Tensor]) -> None:
+        """Give the sharded meta model its starting weights (a collective: every rank calls).
+
+        Tensor by tensor, rank 0 reads a weight from the checkpoint's safetensors files and
+        broadcasts it, and every rank keeps its shard: no process holds more than its shards
+        and one full tensor. A checkpoint whose names transformers converts on load is read
+        whole by rank 0 through ``from_pretrained`` instead (one full copy on the host).
+        ``own``: full tensors the role built for real (the critic's value head), sent instead.
+        """
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        from rollout.models import checkpoint_tensors, load_model, reset_non_persistent_buffers
+
+        # FSDP2 moves offloaded shards back to (pinned) host memory itself.
+        model.to_empty(device=self.device)
+        reset_non_persistent_buffers(model, self.device)
+        # Tied weights are one tensor under several names: sent once.
+        targets: dict[int, tuple[list[str], torch.Tensor]] = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            targets.setdefault(id(tensor), ([], tensor))[0].append(name)
+        if self.spec.rank == 0:
+            path, seed = self.spec.model_path, self.spec.cfg.seed
+            source = checkpoint_tensors(path, seed)
+            read = source.read
+            if any(
+                all(n not in source and n not in own for n in names)
+                for names, _ in targets.values()
+            ):
+                source = load_model(path, dtype=torch.float32, seed=seed).state_dict()
+                read = source.__getitem__
+        for names, target in targets.values():
+            if self.spec.rank == 0:
+                name = next(n for n in names if n in own or n in source)
+                value = own[name] if name in own else read(name)
+                full = value.to(self.device, target.dtype)
+            else:
+                full = torch.empty(target.shape, dtype=target.dtype, device=self.device)
+            dist.broadcast(full, src=0)
+            if isinstance(target, DTensor):
+                # This rank's slice of the full tensor, as FSDP2 shards it; no communication.
+                placed = distribute_tensor(
+                    full, target.device_mesh, target.placements, src_data_rank=None
+                )
+                target.to_local().copy_(placed.to_local())
+            else:
+                target.copy_(full)
 
     @staticmethod
     def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -225,18 +299,19 @@ class FSDPWorker:
 
         arrays = ray.get(refs[0]) if not isinstance(refs[0], dict) else refs[0]
         self.batch = StepBatch.from_numpy(arrays)
-        if (
-            self.spec.cfg.train.param_offload
-        ):  # a new step begins: the weights come back to the device
-            self.backend.onload(self.model, self.local_index)
         return self.batch.num_rows
 
     def offload_states(self) -> None:
-        """End of a step: park weights / optimizer state in host memory as configured
-        (``train.param_offload`` / ``train.optimizer_offload``), so the rollout engine can
-        use the device memory. A no-op on the CPU backend."""
-        if self.spec.cfg.train.param_offload:
-            self.backend.offload(self.model)
+        """End of a step: free this worker's device memory for the rollout engine.
+
+        The root's unsharded parameters (which a forward without backward leaves gathered)
+        are freed. ``train.optimizer_offload`` parks the optimizer state in (pinned) host
+        memory until the next optimizer step. ``train.param_offload`` needs nothing here:
+        FSDP2's CPU-offload policy keeps the sharded parameters, their gradients and so the
+        optimizer state in host memory all along, and gathers them onto the device per use.
+        """
+        if isinstance(self.model, FSDPModule):
+            self.model.reshard()
         if self.spec.cfg.train.optimizer_offload and self.optimizer is not None:
             self.backend.offload(self.optimizer)
         self.backend.empty_cache()
@@ -302,26 +377,29 @@ class FSDPWorker:
 
         Every worker holds the whole batch, so each computes the same advantages locally
         instead of shipping them around. Without the KL loss (``algorithm.use_kl_loss:
-        false``) a ``kl_coef`` > 0 is a per-token reward penalty against ``ref_logprobs``.
-        Returns statistics over real loss tokens.
+        false``) a ``kl_coef`` > 0 is a per-token reward penalty against ``ref_logprobs``
+        (summed into the trajectory score by the outcome estimators). With
+        ``algorithm.rollout_correction`` the truncated importance weights are stored as the
+        token field ``is_weights``. Returns statistics over real loss tokens.
         """
         from trainer.algorithms import compute_advantages
-        from trainer.losses import apply_kl_penalty
+        from trainer.algorithms.rollout_correction import (
+            mismatch_metrics,
+            rollout_correction_weights,
+        )
+        from trainer.losses import kl_reward_penalty
 
         algo = self.spec.cfg.algorithm
         batch = self.batch
         kl_penalty = 0.0 if algo.use_kl_loss else algo.kl_coef
+        penalty = None
         if kl_penalty and "ref_logprobs" in batch.token_fields:
-            batch.set_token_field(
-                "token_rewards",
-                apply_kl_penalty(
-                    batch.token_fields["token_rewards"],
-                    batch.token_fields["old_logprobs"],
-                    batch.token_fields["ref_logprobs"],
-                    kl_penalty,
-                    algo.kl_estimator,
-                    loss_mask=batch.loss_mask,
-                ),
+            penalty = kl_reward_penalty(
+                batch.token_fields["old_logprobs"],
+                batch.token_fields["ref_logprobs"],
+                kl_penalty,
+                algo.kl_estimator,
+                loss_mask=batch.loss_mask,
             )
         advantages, returns = compute_advantages(
             batch,
@@ -329,6 +407,7 @@ class FSDPWorker:
             gamma=algo.gamma,
             lam=algo.lam,
             norm_adv_by_std=algo.norm_adv_by_std,
+            token_penalty=penalty,
         )
         batch.set_token_field("advantages", advantages.float())
         batch.set_token_field("returns", returns.float())
@@ -337,10 +416,26 @@ class FSDPWorker:
             return {"advantage/mean": 0.0, "advantage/std": 0.0}
         adv = advantages[mask].double()
         out = {"advantage/mean": float(adv.mean()), "advantage/std": float(adv.std(unbiased=False))}
+        if penalty is not None:
+            out["algorithm/kl_penalty_token_mean"] = float(penalty[mask].double().mean())
         if "old_logprobs" in batch.token_fields:
             # Engine vs trainer logprobs of the same tokens: the rollout/training mismatch.
-            gap = batch.token_fields["old_logprobs"] - batch.token_fields["rollout_logprobs"]
-            out["rollout/logprob_abs_diff"] = float(gap[mask].double().abs().mean())
+            old, rollout = (
+                batch.token_fields["old_logprobs"],
+                batch.token_fields["rollout_logprobs"],
+            )
+            out.update(mismatch_metrics(old, rollout, batch.loss_mask))
+            if algo.rollout_correction != "none":
+                weights, weight_metrics = rollout_correction_weights(
+                    old,
+                    rollout,
+                    batch.loss_mask,
+                    batch.cu_seqlens,
+                    level=algo.rollout_correction,
+                    cap=algo.rollout_correction_cap,
+                )
+                batch.set_token_field("is_weights", weights)
+                out.update(weight_metrics)
         return out
 
     # ---------------------------------------------------------------- update helpers
@@ -373,13 +468,37 @@ class FSDPWorker:
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
-        if np.isfinite(grad_norm):
+        # A non-finite loss or grad norm on any rank skips the step (and its lr schedule tick)
+        # on every rank, so the shards stay in step; the controller counts skips against
+        # run.max_nonfinite_steps.
+        skip = self._any_rank(not (np.isfinite(grad_norm) and np.isfinite(sums.get("loss", 0.0))))
+        if not skip:
             if self.spec.cfg.train.optimizer_offload:
                 self.backend.onload(self.optimizer, self.local_index)
             self.optimizer.step()
-        self.scheduler.step()
+            self.scheduler.step()
         lr = float(self.scheduler.get_last_lr()[0])
+        sums["skipped"] = float(skip)
         return StepStats.of_update(self.spec.role, sums, grad_norm=grad_norm, lr=lr)
+
+    @torch.no_grad()
+    def weights_finite(self) -> bool:
+        """Whether every element of this rank's parameter shards is finite (no collective)."""
+        for param in self.model.parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if not bool(torch.isfinite(local).all()):
+                return False
+        return True
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any data-parallel rank (one tiny all-reduce)."""
+        import torch.distributed as dist
+
+        if self.spec.world_size == 1 or not dist.is_initialized():
+            return flag
+        value = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     # ---------------------------------------------------------------- state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -391,32 +510,32 @@ class FSDPWorker:
         )
 
     def save_pieces(self, staging_dir: str) -> list[str]:
-        """Write this rank's part of a checkpoint into ``staging_dir``; returns file names."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
+        """Write this rank's part of a checkpoint into ``staging_dir`` (a collective: every rank
+        of the role calls). Model and optimizer state go as torch.distributed.checkpoint shards,
+        every rank writing its own in parallel (no gather); rank 0 adds the scheduler, each
+        rank its RNG. Returns the relative paths the checkpoint must hold (for the commit)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-        from trainer.checkpoint import LAYOUT, rng_state, save_safetensors, save_torch
+        from trainer.checkpoint import LAYOUT, rng_state, save_sharded, save_torch
 
         staging = Path(staging_dir)
-        written = []
         role = self.spec.role
-        state = self.full_state_dict()
-        optim = None
         if self.optimizer is not None:
-            optim = get_optimizer_state_dict(
-                self.model,
-                self.optimizer,
-                options=StateDictOptions(full_state_dict=True, cpu_offload=True),
-            )
-        if self.spec.rank == 0:
-            save_safetensors(state, staging / LAYOUT.model(role))
-            written.append(LAYOUT.model(role))
-            if optim is not None:
-                save_torch(optim, staging / LAYOUT.optim(role))
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        else:
+            model_state, optim_state = get_model_state_dict(self.model), None
+        written = [
+            f"{LAYOUT.model_dir(role)}/{name}"
+            for name in save_sharded(model_state, staging / LAYOUT.model_dir(role))
+        ]
+        if optim_state is not None:
+            written += [
+                f"{LAYOUT.optim_dir(role)}/{name}"
+                for name in save_sharded(optim_state, staging / LAYOUT.optim_dir(role))
+            ]
+            if self.spec.rank == 0:
                 save_torch(self.scheduler.state_dict(), staging / LAYOUT.scheduler(role))
-                written += [LAYOUT.optim(role), LAYOUT.scheduler(role)]
+                written.append(LAYOUT.scheduler(role))
         rng_name = LAYOUT.rng(role, self.spec.rank)
         save_torch(rng_state(self._device_rng_getter()), staging / rng_name)
         written.append(rng_name)
@@ -431,29 +550,68 @@ class FSDPWorker:
         return self.backend.set_device_rng_state if self.backend.is_accelerator else None
 
     def load_pieces(self, ckpt_dir: str) -> None:
-        """Restore model, optimizer, scheduler and this rank's RNG from a checkpoint."""
+        """Restore model, optimizer, scheduler and this rank's RNG from a checkpoint (a
+        collective). Sharded state loads at any dp size: each rank reads the slices of its
+        fresh shards. A rank with no RNG file of its own (the checkpoint had fewer ranks)
+        keeps its fresh stream."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
+
+        from trainer.checkpoint import LAYOUT, load_sharded, load_torch, set_rng_state
+
+        ckpt = Path(ckpt_dir)
+        role = self.spec.role
+        if not (ckpt / LAYOUT.model_dir(role)).is_dir():
+            self._load_single_file_pieces(ckpt)
+        elif self.optimizer is not None:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            load_sharded(model_state, ckpt / LAYOUT.model_dir(role))
+            load_sharded(optim_state, ckpt / LAYOUT.optim_dir(role))
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=model_state,
+                optim_state_dict=optim_state,
+            )
+        else:
+            model_state = get_model_state_dict(self.model)
+            load_sharded(model_state, ckpt / LAYOUT.model_dir(role))
+            set_model_state_dict(self.model, model_state)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(load_torch(ckpt / LAYOUT.scheduler(role)))
+        rng_file = ckpt / LAYOUT.rng(role, self.spec.rank)
+        if rng_file.exists():  # a larger dp size resumes its new ranks with fresh streams
+            set_rng_state(load_torch(rng_file), self._device_rng_setter())
+
+    def _load_single_file_pieces(self, ckpt: Path) -> None:
+        """Model and optimizer of a checkpoint in the single-file layout (written before the
+        sharded one): every rank reads the whole files and keeps its own shard."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
 
-        from trainer.checkpoint import LAYOUT, load_safetensors, load_torch, set_rng_state
+        from trainer.checkpoint import LAYOUT, CheckpointError, load_safetensors, load_torch
 
-        ckpt = Path(ckpt_dir)
         role = self.spec.role
+        if not (ckpt / LAYOUT.legacy_model(role)).is_file():
+            raise CheckpointError(
+                f"checkpoint {ckpt} holds no {role} model ({LAYOUT.model_dir(role)}/ or "
+                f"{LAYOUT.legacy_model(role)}); resume from a checkpoint of this job "
+                "(same critic.enable) or set run.resume=never"
+            )
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         set_model_state_dict(
-            self.model, load_safetensors(ckpt / LAYOUT.model(role)), options=options
+            self.model, load_safetensors(ckpt / LAYOUT.legacy_model(role)), options=options
         )
         if self.optimizer is not None:
-            set_optimizer_state_dict(
-                self.model, self.optimizer, load_torch(ckpt / LAYOUT.optim(role)), options=options
-            )
-            self.scheduler.load_state_dict(load_torch(ckpt / LAYOUT.scheduler(role)))
-        rng_file = ckpt / LAYOUT.rng(role, self.spec.rank)
-        if rng_file.exists():  # a different dp size resumes with fresh per-rank streams
-            set_rng_state(load_torch(rng_file), self._device_rng_setter())
+            optim = load_torch(ckpt / LAYOUT.legacy_optim(role))
+            set_optimizer_state_dict(self.model, self.optimizer, optim, options=options)
 
     def shutdown(self) -> None:
         """Leave the process group."""

@@ -27,14 +27,58 @@ class WorkerFailedError(RuntimeError):
     """A Ray worker died or raised; the message names the worker."""
 
 
-def start_ray(address: str | None, *, num_cpus: int | None = None) -> bool:
-    """Start a local Ray (``address=None``) or join a cluster (``auto`` or ``host:port``).
+class RayConnectError(ValueError):
+    """The cluster at ``ray.address`` did not answer; the message names it and the fix."""
+
+
+def _cluster_address(address: str) -> str | None:
+    """``host:port`` that ``address`` (``auto``, ``host:port`` or ``ray://host:port``) points
+    at, or None when it cannot be told without asking Ray (``ray.init`` then reports)."""
+    if address == "auto":
+        try:  # RAY_ADDRESS, else the cluster this machine last started
+            from ray._private.services import canonicalize_bootstrap_address
+
+            return canonicalize_bootstrap_address("auto")
+        except Exception:  # noqa: BLE001 - none found: ray.init says so itself
+            return None
+    return address.removeprefix("ray://")
+
+
+def check_reachable(address: str, timeout_s: float) -> None:
+    """Raise ``RayConnectError`` unless a TCP connection to the cluster at ``address`` opens
+    within ``timeout_s`` seconds (``ray.init`` itself retries an unreachable address forever)."""
+    target = _cluster_address(address)
+    if not target:
+        return
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return
+    except (OSError, ValueError) as err:
+        reason = "timed out" if isinstance(err, TimeoutError) else (err.strerror or str(err))
+    shown = address if target == address else f"{address} ({target})"
+    raise RayConnectError(
+        f"ray.address={shown}: no Ray cluster answered ({reason}; waited at most "
+        f"{timeout_s:g} s); start "
+        "one there (`ray start --head`), fix the address, set ray.address=null for a local Ray, "
+        "or raise ray.connect_timeout_s"
+    )
+
+
+def start_ray(
+    address: str | None, *, num_cpus: int | None = None, connect_timeout_s: float = 60.0
+) -> bool:
+    """Start a local Ray (``address=None``) or join a cluster (``auto`` or ``host:port``),
+    failing with ``RayConnectError`` when the cluster does not answer within
+    ``connect_timeout_s`` seconds.
 
     Returns False when Ray was already running in this process (the caller then leaves it
     running), True when this call started or joined it.
     """
     if ray.is_initialized():
         return False
+    if address is not None:
+        check_reachable(address, connect_timeout_s)
     # Local runs need no token; a cluster the user started keeps its own settings.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -59,37 +103,71 @@ def free_port() -> int:
 
 @dataclass
 class Placement:
-    """A placement group with one bundle per data-parallel rank."""
+    """One placement group per engine replica, each of ``tp`` bundles (one device each) on
+    one node (STRICT_PACK): training rank r sits on bundle ``r % tp`` of group ``r // tp``,
+    the layout ``trainer.layout.plan_layout`` describes."""
 
-    group: PlacementGroup
+    groups: list[PlacementGroup]
     resource: str
+    tp: int = 1
 
-    def strategy(self, bundle_index: int) -> PlacementGroupSchedulingStrategy:
-        """Scheduling strategy that pins an actor to one bundle."""
+    def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        """Scheduling strategy that pins an actor to training rank ``rank``'s bundle."""
         return PlacementGroupSchedulingStrategy(
-            placement_group=self.group, placement_group_bundle_index=bundle_index
+            placement_group=self.groups[rank // self.tp],
+            placement_group_bundle_index=rank % self.tp,
         )
 
+    def remove(self) -> None:
+        """Give the devices back to Ray."""
+        for group in self.groups:
+            remove_placement_group(group)
 
-def make_placement(resource: str, num_bundles: int, *, timeout_s: float) -> Placement:
+
+def cluster_nodes(resource: str) -> list[int]:
+    """Devices of Ray resource ``resource`` on each live node of the cluster Ray is joined to
+    (nodes without any left out): the ``nodes`` of ``trainer.layout.plan_layout``."""
+    counts = [int(n.get("Resources", {}).get(resource, 0)) for n in ray.nodes() if n.get("Alive")]
+    return [c for c in counts if c >= 1]
+
+
+def make_placement(resource: str, num_bundles: int, *, timeout_s: float, tp: int = 1) -> Placement:
     """Reserve ``num_bundles`` bundles of one device each (``resource`` is the HAL's Ray
-    resource name: CPU, GPU or NPU), packed on as few nodes as possible.
+    resource name: CPU, GPU or NPU), as ``num_bundles / tp`` groups of ``tp`` bundles, each
+    group on one node: a replica's devices never span nodes.
 
     Raises ``WorkerFailedError`` naming the resource when the cluster cannot provide the
     bundles within ``timeout_s`` seconds, instead of waiting forever.
     """
     bundle = {resource: 1.0} if resource == "CPU" else {resource: 1.0, "CPU": 1.0}
-    group = placement_group([dict(bundle) for _ in range(num_bundles)], strategy="PACK")
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-    if not ready:
+    groups = [
+        placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK")
+        for _ in range(num_bundles // tp)
+    ]
+    ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout_s)
+    if len(ready) < len(groups):
         available = ray.available_resources().get(resource, 0)
-        remove_placement_group(group)
+        for group in groups:
+            remove_placement_group(group)
         raise WorkerFailedError(
-            f"could not reserve {num_bundles} x {resource} within {timeout_s:.0f} s "
-            f"(Ray reports {available:g} {resource} free): lower train.dp_size, free the "
-            f"devices, or raise ray.placement_timeout_s"
+            f"could not reserve {num_bundles} x {resource} (groups of {tp} on one node) within "
+            f"{timeout_s:.0f} s (Ray reports {available:g} {resource} free): lower "
+            f"train.dp_size, free the devices, or raise ray.placement_timeout_s"
         )
-    return Placement(group=group, resource=resource)
+    return Placement(groups=groups, resource=resource, tp=tp)
+
+
+def _assigned_ids(resource: str) -> list[str]:
+    ids = ray.get_runtime_context().get_accelerator_ids().get(resource, [])
+    return [str(i) for i in ids]
+
+
+def bundle_device_ids(placement: Placement, rank: int, *, timeout_s: float) -> list[str]:
+    """The node's id of training rank ``rank``'s device (Ray's assignment), asked by a tiny
+    task on its bundle: what an engine replica spanning several bundles must be shown."""
+    probe = ray.remote(_assigned_ids).options(**actor_options(placement, rank, 0.001))
+    ref = probe.remote(placement.resource)
+    return wait_all([ref], [f"device probe of rank {rank}"], timeout_s=timeout_s, what="probe")[0]
 
 
 def wait_all(
@@ -127,10 +205,10 @@ def _first_line(err: BaseException) -> str:
     return text[-1] if text else type(err).__name__
 
 
-def actor_options(placement: Placement, bundle_index: int, share: float) -> dict[str, Any]:
-    """Ray actor options that take ``share`` of one bundle's device (colocated workers split a
-    bundle: actor, reference, critic and rollout host share one device per rank)."""
-    opts: dict[str, Any] = {"scheduling_strategy": placement.strategy(bundle_index)}
+def actor_options(placement: Placement, rank: int, share: float) -> dict[str, Any]:
+    """Ray actor options that take ``share`` of training rank ``rank``'s device (colocated
+    workers split a bundle: actor, reference, critic and an engine replica share a device)."""
+    opts: dict[str, Any] = {"scheduling_strategy": placement.strategy(rank)}
     if placement.resource == "CPU":
         opts["num_cpus"] = share
     elif placement.resource == "GPU":  # Ray refuses GPU inside `resources`

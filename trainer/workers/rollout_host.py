@@ -1,12 +1,15 @@
-"""The rollout host: owns the generation engine, the environment and the prompt stream.
+"""Engine replicas and the rollout host.
 
-It hands the controller only metadata (row lengths, trajectory and group ids, metrics); the
-packed batch itself goes into Ray's object store as numpy arrays for the training workers.
+``train.dp_size / rollout.tensor_parallel_size`` engine replicas run colocated with the
+training ranks (``trainer.layout``). Replica 0 is the ``RolloutHost``: it also owns the
+environment, the prompt stream and the agent loop, and deals generation requests to every
+replica by prompt. The others are plain ``EngineHost``s. The host hands the controller only
+metadata (row lengths, trajectory and group ids, metrics); the packed batch itself goes into
+Ray's object store as numpy arrays for the training workers.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -14,23 +17,27 @@ import torch
 
 import hal
 from batching import StepBatch, response_length_mean, trajectory_score_mean
+from rollout.agent_loop import RolloutOutput
+from rollout.engines.base import Engine
 from trainer.config_schema import Config
 
 
-class RolloutHost:
-    """Generates one training step's rows: ``rollout(step) -> (metadata, [batch_ref])``."""
+class EngineHost:
+    """One engine replica's process: the engine on its tp group's devices, sharing them with
+    that group's training ranks. Generates what the rollout host deals it, sleeps while the
+    ranks train, and takes new weights straight from its own ranks (``load_shared_bucket``)."""
 
-    def __init__(self, cfg: Config, threads: int = 1) -> None:
-        """``cfg``: the typed job config (it pickles into Ray); ``threads``: CPU threads."""
+    def __init__(self, cfg: Config, threads: int = 1, replica: int = 0) -> None:
+        """``cfg``: the typed job config (it pickles into Ray); ``threads``: CPU threads;
+        ``replica``: this replica's index (``trainer.layout``)."""
         self.cfg = cfg
         self.threads = threads
+        self.replica = replica
         self.engine = None
 
     def setup(self) -> dict[str, Any]:
-        """Load tokenizer, model and engine; check the environment spec."""
+        """Load tokenizer, model and engine."""
         from rollout.engines import make_engine
-        from rollout.envs import make_env
-        from rollout.envs.prompts import PromptSource
         from rollout.models import builtin_weights_dir, load_model
         from rollout.tokenizer import load_tokenizer
 
@@ -58,13 +65,120 @@ class RolloutHost:
                 self.tokenizer,
                 dtype=cfg.model.dtype,
                 seed=cfg.seed,
-                gpu_memory_utilization=roll.memory_fraction,
+                gpu_memory_utilization=engine_memory_fraction(cfg, backend.is_accelerator),
                 tensor_parallel_size=roll.tensor_parallel_size,
                 max_model_len=roll.max_input_len + roll.max_new_tokens,
+                # colocated: free the devices while the ranks train (ignored on the CPU)
+                enable_sleep_mode=backend.is_accelerator,
             )
-        self.env_factory = functools.partial(make_env(roll.env), **roll.env_kwargs)
+        return {"engine": roll.engine, "replica": self.replica, "deterministic": deterministic}
+
+    def generate(self, requests: list, sampling) -> list:
+        """The engine's ``generate`` on the requests dealt to this replica."""
+        return self.engine.generate(requests, sampling)
+
+    def sleep(self) -> None:
+        """Free the devices for the training ranks (weights and KV cache)."""
+        self.engine.sleep()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Retake ``tags`` (``rollout.engines.base.WAKE_TAGS``; None: all)."""
+        self.engine.wake_up(tags)
+
+    def awake_tags(self) -> list[str]:
+        """What of the engine is awake (``weights``, ``kv_cache``)."""
+        return list(getattr(self.engine, "awake_tags", ()))
+
+    def load_shared_bucket(self, handles: list, specs: list) -> int:
+        """Load one bucket of new weights that this replica's training ranks put in memory
+        shared with this process (``trainer.workers.policy.PolicyWorker.push_weights``);
+        returns the tensor count."""
+        from rollout.engines.buckets import TensorSpec
+
+        specs = [TensorSpec(*s) for s in specs]
+        self.engine.load_shared_bucket(hal.open_shared_buffer, handles, specs)
+        return len(specs)
+
+    def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
+        """Load one bucket of new weights (HF names -> arrays) sent through Ray's object
+        store: the path before in-node sync, kept for ``bench e2e``'s comparison only."""
+        self.engine.update_weights(
+            (name, torch.from_numpy(array)) for name, array in bucket.items()
+        )
+        return len(bucket)
+
+    def shutdown(self) -> None:
+        """Release the engine."""
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def engine_memory_fraction(cfg: Config, on_accelerator: bool) -> float:
+    """The share of its device memory one replica's engine may take: ``rollout.memory_fraction``
+    of each of its own devices on an accelerator; on the CPU all replicas share the host's
+    memory, so they split the fraction."""
+    if on_accelerator:
+        return cfg.rollout.memory_fraction
+    replicas = cfg.train.dp_size // cfg.rollout.tensor_parallel_size
+    return cfg.rollout.memory_fraction / replicas
+
+
+class RemoteEngine(Engine):
+    """An ``EngineHost`` actor seen as an ``Engine`` by the rollout host's router."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def generate(self, requests, sampling):
+        """Generate on the remote replica and wait for it."""
+        import ray
+
+        return ray.get(self.handle.generate.remote(requests, sampling))
+
+    def update_weights(self, named_tensors) -> None:
+        """Not here: the replica's own training ranks sync it."""
+        raise NotImplementedError("engine replicas are synced by their own training ranks")
+
+
+class RolloutHost(EngineHost):
+    """Replica 0, which also owns the environment, the prompt stream and the agent loop:
+    ``rollout(step) -> (metadata, [batch_ref])``. With several replicas its agent loop deals
+    requests to all of them by prompt (``rollout.engines.router``); only it reads prompts."""
+
+    def setup(self) -> dict[str, Any]:
+        """Load tokenizer, model and engine; check the environment spec."""
+        from rollout.envs import bind_env
+        from rollout.envs.prompts import PromptSource
+        from rollout.rewards import RewardFunction
+
+        info = super().setup()
+        cfg, roll = self.cfg, self.cfg.rollout
+        reward_fn = None
+        if cfg.reward.function is not None:
+            # One worker per concurrent env step: a reward call never queues behind others.
+            reward_fn = RewardFunction(
+                cfg.reward.function,
+                timeout_s=cfg.reward.timeout_s,
+                max_workers=roll.env_concurrency,
+            )
+        self.env_factory = bind_env(roll.env, roll.env_kwargs, reward_fn)
         self.prompts = PromptSource(cfg.data.source, seed=cfg.seed)
-        return {"engine": roll.engine, "deterministic": deterministic}
+        self.prompts_consumed = 0
+        self.val_items = []
+        if cfg.data.val_source is not None:
+            val = PromptSource(cfg.data.val_source, seed=cfg.seed, key="data.val_source")
+            self.val_items = val.all_records()
+        self.generator = self.engine
+        return info
+
+    def connect(self, peers: list) -> int:
+        """Generate on this replica and on ``peers`` (the other replicas' ``EngineHost``
+        handles, in replica order); returns the replica count."""
+        from rollout.engines.router import ReplicaRouter
+
+        if peers:
+            self.generator = ReplicaRouter([self.engine, *(RemoteEngine(h) for h in peers)])
+        return 1 + len(peers)
 
     def rollout(self, step: int, record_dir: str | None = None) -> tuple[dict[str, Any], list]:
         """Roll out training step ``step`` (1-based): ``train.batch_size`` prompts x ``rollout.n``.
@@ -74,11 +188,57 @@ class RolloutHost:
         """
         import ray
 
+        from trainer.algorithms.dynamic_sampling import GroupSelection
+
+        size = self.cfg.train.batch_size
+        batches = self.cfg.rollout.max_sample_batches
+        # Without dynamic sampling every step takes exactly batch_size prompts.
+        first = (step - 1) * size if batches == 1 else self.prompts_consumed
+        selection, outputs = GroupSelection(), []
+        for _ in range(batches):
+            outputs.append(self._sample(step, self.prompts.take(first, size)))
+            first += size
+            if batches == 1:
+                break
+            selection.add(outputs[-1].rows)
+            if len(selection.kept) >= size:
+                break
+        self.prompts_consumed = first
+        metrics = combine_rollout_metrics([o.metrics for o in outputs])
+        if batches == 1:
+            rows = outputs[0].rows
+        else:
+            rows, picked = selection.final(size)
+            metrics.update(picked, **{"dynamic_sampling/sample_batches": float(len(outputs))})
+        faults = [fault for o in outputs for fault in o.faults]
+        out = RolloutOutput(rows=rows, metrics=metrics, faults=faults)
+        if not out.rows:
+            from rollout.agent_loop import fault_summary
+
+            total = int(metrics.get("rollout/num_trajectories", 0))
+            why = fault_summary(faults, total) if faults else out.metrics
+            raise RuntimeError(
+                f"step {step}: the rollout produced no rows ({why}); check rollout.env and "
+                "rollout.max_input_len"
+            )
+        batch = StepBatch.from_rows(out.rows)
+        arrays = batch.to_numpy()
+        if record_dir is not None:
+            from rollout.replay import record_rollout
+
+            record_rollout(record_dir, step, arrays)
+        meta = batch_metadata(batch, out.metrics)
+        meta["prompts_consumed"] = self.prompts_consumed
+        meta["env_faults"] = out.faults  # the health gate shows them (trainer/health.py)
+        return meta, [ray.put(arrays)]
+
+    def _sample(self, step: int, items: list) -> RolloutOutput:
+        """One sampled batch: ``items`` x ``rollout.n`` trajectories, with reward shaping."""
         from rollout.agent_loop import run_rollouts
         from rollout.engines import SamplingParams
+        from rollout.rewards import apply_overlong_penalty
 
         cfg, roll = self.cfg, self.cfg.rollout
-        items = self.prompts.batch(step - 1, cfg.train.batch_size)
         sampling = SamplingParams(
             max_new_tokens=roll.max_new_tokens,
             temperature=roll.temperature,
@@ -86,7 +246,7 @@ class RolloutHost:
             top_k=roll.top_k,
         )
         out = run_rollouts(
-            self.engine,
+            self.generator,
             self.tokenizer,
             self.env_factory,
             items,
@@ -100,31 +260,58 @@ class RolloutHost:
             seed=cfg.seed,
             step=step,
             stop_strings=tuple(roll.stop_strings),
+            env_timeout_s=roll.env_timeout_s,
+            env_concurrency=roll.env_concurrency,
+            deterministic=cfg.run.deterministic,
         )
-        if not out.rows:
-            raise RuntimeError(
-                f"step {step}: the rollout produced no rows (every trajectory failed: "
-                f"{out.metrics}); check rollout.env and rollout.max_input_len"
+        if cfg.reward.overlong_buffer_len:
+            rows, shaped = apply_overlong_penalty(
+                out.rows,
+                horizon=roll.max_new_tokens - 1,  # the engine generates at most this many
+                buffer_len=cfg.reward.overlong_buffer_len,
+                factor=cfg.reward.overlong_penalty_factor,
             )
-        batch = StepBatch.from_rows(out.rows)
-        arrays = batch.to_numpy()
-        if record_dir is not None:
-            from rollout.replay import record_rollout
+            out = RolloutOutput(rows=rows, metrics={**out.metrics, **shaped}, faults=out.faults)
+        return out
 
-            record_rollout(record_dir, step, arrays)
-        return batch_metadata(batch, out.metrics), [ray.put(arrays)]
+    def validate(self, step: int) -> dict[str, float]:
+        """``val/*`` metrics of the validation set (``data.val_source``) under the engine's
+        current weights; ``step``: the training step just finished (0 before training)."""
+        from trainer.validation import run_validation
 
-    def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
-        """Load one bucket of new weights (HF names -> float32 arrays) into the engine."""
-        self.engine.update_weights(
-            (name, torch.from_numpy(array)) for name, array in bucket.items()
+        if not self.val_items:
+            raise ValueError("run.val_every / run.val_before_train need data.val_source")
+        return run_validation(
+            self.generator, self.tokenizer, self.env_factory, self.val_items, self.cfg, step
         )
-        return len(bucket)
 
-    def shutdown(self) -> None:
-        """Release the engine."""
-        if self.engine is not None:
-            self.engine.shutdown()
+    def get_prompts_consumed(self) -> int:
+        """Training prompts taken from the stream so far (saved in checkpoints)."""
+        return self.prompts_consumed
+
+    def set_prompts_consumed(self, count: int) -> None:
+        """Resume the prompt stream after ``count`` prompts (from a checkpoint)."""
+        self.prompts_consumed = int(count)
+
+
+#: rollout metrics that count things: summed over a step's sampled batches (the rest are
+#: means, weighted by each batch's trajectories).
+_COUNTS = ("num_trajectories", "num_rows", "_trajectories", "errors")
+
+
+def combine_rollout_metrics(per_batch: list[dict[str, float]]) -> dict[str, float]:
+    """One step's rollout metrics from those of its sampled batches (dynamic sampling)."""
+    if len(per_batch) == 1:
+        return dict(per_batch[0])
+    weights = [m.get("rollout/num_trajectories", 1.0) for m in per_batch]
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for m in per_batch for k in m):
+        present = [(m[key], w) for m, w in zip(per_batch, weights) if key in m]
+        if key.endswith(_COUNTS):
+            out[key] = sum(v for v, _ in present)
+        else:
+            out[key] = sum(v * w for v, w in present) / max(sum(w for _, w in present), 1e-12)
+    return out
 
 
 def batch_metadata(batch: StepBatch, rollout_metrics: dict[str, float]) -> dict[str, Any]:
@@ -182,6 +369,23 @@ class ReplayHost:
     def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
         """No engine to update."""
         return len(bucket)
+
+    def get_prompts_consumed(self) -> int:
+        """A replay samples no prompts."""
+        return 0
+
+    def set_prompts_consumed(self, count: int) -> None:
+        """A replay samples no prompts."""
+
+    def sleep(self) -> None:
+        """No engine to put to sleep."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """No engine to wake."""
+
+    def awake_tags(self) -> list[str]:
+        """No engine: nothing awake."""
+        return []
 
     def shutdown(self) -> None:
         """Nothing to release."""
