@@ -52,8 +52,8 @@ class Replica:
 class Layout:
     """Where everything of a job runs (see the module docstring)."""
 
-    device: str  # the HAL backend name: cpu, cuda, npu
-    resource: str  # its Ray resource: CPU, GPU, NPU
+    device: str  # the HAL backend name (hal.get_backend)
+    resource: str  # its Ray resource (DeviceBackend.ray_resource)
     nodes: tuple[int, ...]  # devices of each node
     roles: tuple[str, ...]  # training roles, each one process per rank
     rank_slots: tuple[tuple[int, int], ...]  # rank r -> (node, device index on that node)
@@ -90,7 +90,7 @@ def training_roles(cfg: Config) -> tuple[str, ...]:
 
 def plan_layout(cfg: Config, nodes: Sequence[int], resource: str, device: str = "") -> Layout:
     """Place the job of ``cfg`` on a cluster whose node ``i`` has ``nodes[i]`` devices of Ray
-    resource ``resource`` (CPU, GPU, NPU; ``device`` names the backend for printing).
+    resource ``resource`` (the HAL backend's Ray resource; ``device`` names the backend for printing).
 
     tp groups fill the nodes in order, each whole on one node; training rank ``r`` is tp rank
     ``r % tp`` of replica ``r // tp``. Raises ``LayoutError`` for a layout that cannot work:

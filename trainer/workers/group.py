@@ -133,7 +133,7 @@ def cluster_nodes(resource: str) -> list[int]:
 
 def make_placement(resource: str, num_bundles: int, *, timeout_s: float, tp: int = 1) -> Placement:
     """Reserve ``num_bundles`` bundles of one device each (``resource`` is the HAL's Ray
-    resource name: CPU, GPU or NPU), as ``num_bundles / tp`` groups of ``tp`` bundles, each
+    resource name), as ``num_bundles / tp`` groups of ``tp`` bundles, each
     group on one node: a replica's devices never span nodes.
 
     Raises ``WorkerFailedError`` naming the resource when the cluster cannot provide the
