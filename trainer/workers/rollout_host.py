@@ -45,7 +45,7 @@ class EngineHost:
         cfg = self.cfg
         backend = hal.get_backend(cfg.device)
         # The engine's process gets the same deterministic switches as the trainers, before
-        # any kernel or engine starts (cuBLAS and HCCL read theirs once, at start-up).
+        # any kernel or engine starts (device libraries read theirs once, at start-up).
         deterministic = backend.set_deterministic(cfg.seed) if cfg.run.deterministic else {}
         model_path = cfg.model.path
         is_builtin = model_path.startswith("builtin:")
