@@ -348,7 +348,7 @@ def _packed_qkv(dtype=torch.bfloat16, device="cpu"):
     return q, k, v, [0, 5, 5, 12]
 
 
-def test_cuda_varlen_falls_back_once_with_a_warning_when_a_kernel_fails(monkeypatch):
+def test_cuda_varlen_falls_back_once_with_a_warning_when_a_kernel_fails(monkeypatch, request):
     """A kernel that cannot run (here: torch's flash varlen on CPU tensors; on a GPU, a
     flash-attn built against another CUDA) is reported once and SDPA per segment takes over."""
     import hal.cuda
@@ -356,6 +356,12 @@ def test_cuda_varlen_falls_back_once_with_a_warning_when_a_kernel_fails(monkeypa
 
     monkeypatch.setattr(hal.cuda, "_BROKEN", {})
     monkeypatch.setattr(hal.cuda, "flash_attn_installed", lambda: True)
+    # A deterministic run skips torch's varlen kernel; an earlier in-process worker setup may
+    # have left the global switch on, so this test sets it itself.
+    was = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    request.addfinalizer(lambda: torch.use_deterministic_algorithms(was, warn_only=warn_only))
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import raises ImportError
     q, k, v, offsets = _packed_qkv()
     backend = hal.CudaBackend()

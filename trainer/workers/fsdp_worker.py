@@ -151,6 +151,7 @@ class FSDPWorker:
         self.device = self.backend.device(local_rank)
         # Every rank starts from identical weights: same path, same seed.
         self.backend.manual_seed(cfg.seed)
+        self._materialise_model_files()
         # Built on the meta device, sharded, then loaded: a node's host memory holds at most
         # one full copy of the weights (rank 0's), whatever the dp size.
         model = self.build_model()
@@ -198,6 +199,18 @@ class FSDPWorker:
 
             ids = ray.get_runtime_context().get_accelerator_ids().get(self.backend.ray_resource)
         return self.backend.local_device_index(ids)
+
+    def _materialise_model_files(self) -> None:
+        """A ``builtin:`` model's files are written on first use: rank 0 writes them while
+        the other ranks wait, so no rank reads a directory another is still creating."""
+        import torch.distributed as dist
+
+        from rollout.models import model_directory
+
+        if self.spec.model_path.startswith("builtin:") and self.spec.rank == 0:
+            model_directory(self.spec.model_path, self.spec.cfg.seed)
+        if self.spec.world_size > 1:
+            dist.barrier()
 
     def build_model(self) -> torch.nn.Module:
         """The unsharded model of this role (subclasses override)."""
