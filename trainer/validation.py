@@ -59,8 +59,8 @@ def run_validation(engine, tokenizer, env_factory, items, cfg: Config, step: int
     ``items``: the validation ``PromptItem``s (``PromptSource.all_records()``); ``step``: the
     training step just finished (0 before training), which only seeds the sampling.
     """
-    from rollout.agent_loop import run_rollouts
     from rollout.engines import SamplingParams
+    from trainer.workers.rollout_host import run_config_rollouts
 
     roll = cfg.rollout
     greedy = roll.val_temperature == 0
@@ -71,24 +71,16 @@ def run_validation(engine, tokenizer, env_factory, items, cfg: Config, step: int
         top_k=1 if greedy else roll.top_k,
     )
     k = roll.val_n
-    out = run_rollouts(
+    out = run_config_rollouts(
         engine,
         tokenizer,
         env_factory,
         items,
+        cfg,
         n=k,
-        max_turns=roll.max_turns,
-        step_wise=roll.step_wise,
-        merge_stepwise=roll.merge_stepwise,
-        max_input_len=roll.max_input_len,
-        max_new_tokens=roll.max_new_tokens,
         sampling=sampling,
         seed=stable_seed(cfg.seed, VAL_STREAM),
         step=step,
-        stop_strings=tuple(roll.stop_strings),
-        env_timeout_s=roll.env_timeout_s,
-        env_concurrency=roll.env_concurrency,
-        deterministic=cfg.run.deterministic,
     )
     # A trajectory without rows (its env failed at reset) scores 0, like a failed one.
     scores = [[0.0] * k for _ in items]

@@ -234,7 +234,6 @@ class RolloutHost(EngineHost):
 
     def _sample(self, step: int, items: list) -> RolloutOutput:
         """One sampled batch: ``items`` x ``rollout.n`` trajectories, with reward shaping."""
-        from rollout.agent_loop import run_rollouts
         from rollout.engines import SamplingParams
         from rollout.rewards import apply_overlong_penalty
 
@@ -245,24 +244,16 @@ class RolloutHost(EngineHost):
             top_p=roll.top_p,
             top_k=roll.top_k,
         )
-        out = run_rollouts(
+        out = run_config_rollouts(
             self.generator,
             self.tokenizer,
             self.env_factory,
             items,
+            cfg,
             n=roll.n,
-            max_turns=roll.max_turns,
-            step_wise=roll.step_wise,
-            merge_stepwise=roll.merge_stepwise,
-            max_input_len=roll.max_input_len,
-            max_new_tokens=roll.max_new_tokens,
             sampling=sampling,
             seed=cfg.seed,
             step=step,
-            stop_strings=tuple(roll.stop_strings),
-            env_timeout_s=roll.env_timeout_s,
-            env_concurrency=roll.env_concurrency,
-            deterministic=cfg.run.deterministic,
         )
         if cfg.reward.overlong_buffer_len:
             rows, shaped = apply_overlong_penalty(
@@ -297,6 +288,36 @@ class RolloutHost(EngineHost):
 #: rollout metrics that count things: summed over a step's sampled batches (the rest are
 #: means, weighted by each batch's trajectories).
 _COUNTS = ("num_trajectories", "num_rows", "_trajectories", "errors")
+
+
+def run_config_rollouts(
+    engine, tokenizer, env_factory, items, cfg: Config, *, n, sampling, seed, step
+):
+    """``rollout.agent_loop.run_rollouts`` with the job's ``rollout.*`` settings: ``n`` samples
+    per prompt, ``sampling``, the request ``seed`` stream and ``step`` are the caller's
+    (training and validation differ there and only there)."""
+    from rollout.agent_loop import run_rollouts
+
+    roll = cfg.rollout
+    return run_rollouts(
+        engine,
+        tokenizer,
+        env_factory,
+        items,
+        n=n,
+        max_turns=roll.max_turns,
+        step_wise=roll.step_wise,
+        merge_stepwise=roll.merge_stepwise,
+        max_input_len=roll.max_input_len,
+        max_new_tokens=roll.max_new_tokens,
+        sampling=sampling,
+        seed=seed,
+        step=step,
+        stop_strings=tuple(roll.stop_strings),
+        env_timeout_s=roll.env_timeout_s,
+        env_concurrency=roll.env_concurrency,
+        deterministic=cfg.run.deterministic,
+    )
 
 
 def combine_rollout_metrics(per_batch: list[dict[str, float]]) -> dict[str, float]:
