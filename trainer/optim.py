@@ -38,7 +38,7 @@ def build_optimizer(
 ):
     """AdamW with a ``LambdaLR`` over :func:`lr_factor`; returns ``(optimizer, scheduler)``."""
     optimizer = torch.optim.AdamW(
-        params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8
+        params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8, foreach=True
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
