@@ -327,6 +327,17 @@ class _Context:
     max_input_len: int  # tokens
     seed: int
     step: int
+    #: chat -> its prompt token ids: the n samples of a prompt start from the same chat, so
+    #: the template is rendered once per prompt, not once per sample
+    _rendered: dict = field(default_factory=dict)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """``chat_token_ids`` of ``messages`` with the generation prompt (a fresh list)."""
+        key = tuple((m["role"], m["content"]) for m in messages)
+        ids = self._rendered.get(key)
+        if ids is None:
+            ids = self._rendered[key] = chat_token_ids(self.tokenizer, messages)
+        return list(ids)
 
 
 class EnvTimeout(EnvError):
@@ -349,6 +360,9 @@ class _EnvCalls:
 
     async def __call__(self, method: Callable, *args: object) -> object:
         """``method(*args)``'s result; its exception, or ``EnvTimeout`` when it overruns."""
+        if getattr(getattr(method, "__self__", None), "inline", False) is True:
+            if not inspect.iscoroutinefunction(method):
+                return method(*args)  # a quick computation: no thread hop (Env.inline)
         async with self._slots:
             if inspect.iscoroutinefunction(method):
                 task = asyncio.ensure_future(method(*args))
@@ -395,10 +409,10 @@ async def _roll_one(
             t.timed_out = isinstance(exc, EnvTimeout)
             return
         if not ctx.step_wise:
-            t.seq = chat_token_ids(tokenizer, t.messages)
+            t.seq = ctx.chat_ids(t.messages)
         for turn in range(ctx.max_turns):
             # Rule a: re-tokenize the history first, then check the length.
-            prompt = chat_token_ids(tokenizer, t.messages) if ctx.step_wise else list(t.seq)
+            prompt = ctx.chat_ids(t.messages) if ctx.step_wise else list(t.seq)
             if len(prompt) > ctx.max_input_len:
                 t.truncated, t.done = True, True
                 return
