@@ -161,9 +161,7 @@ def summarise_side(runs: list[dict], load: OutsideLoad | None = None) -> dict:
         s["outside_cores"] = load.cores(s["start"], s["end"]) if load else None
     quiet = [s for s in steady if (s["outside_cores"] or 0.0) <= LOADED_CORES]
     kept = quiet if len(quiet) >= 3 else steady
-    phases = {
-        key: statistics.median(s[key] for s in kept) for key, _ in PHASES if key in kept[0]
-    }
+    phases = {key: statistics.median(s[key] for s in kept) for key, _ in PHASES if key in kept[0]}
     curves = [[s["reward_mean"] for s in r["steps"]] for r in runs]
     length = min(len(c) for c in curves)
     return {
@@ -188,7 +186,9 @@ def _tokens_of_prompts(job: PeerJob, data: Path) -> list[int]:
 
     tok = load_tokenizer(job.model)
     rows = read_prompts(data)
-    return sorted({len(chat_token_ids(tok, [{"role": "user", "content": r["prompt"]}])) for r in rows})
+    return sorted(
+        {len(chat_token_ids(tok, [{"role": "user", "content": r["prompt"]}])) for r in rows}
+    )
 
 
 def run_job(job: PeerJob, *, steps: int, repeats: int, workdir: Path, echo=print) -> dict:
@@ -213,8 +213,14 @@ def run_job(job: PeerJob, *, steps: int, repeats: int, workdir: Path, echo=print
         "steps": steps,
         "repeats": repeats,
         "order": [s for _ in range(repeats) for s in ("crossrl", "trl")],
-        "prompt_tokens": {"crossrl": _tokens_of_prompts(job, data), "trl": sides["trl"][0]["prompt_tokens"]},
-        "threads": {"crossrl": "cpu_count // dp_size per worker", "trl": sides["trl"][0]["torch_threads"]},
+        "prompt_tokens": {
+            "crossrl": _tokens_of_prompts(job, data),
+            "trl": sides["trl"][0]["prompt_tokens"],
+        },
+        "threads": {
+            "crossrl": "cpu_count // dp_size per worker",
+            "trl": sides["trl"][0]["torch_threads"],
+        },
         "crossrl": cx,
         "trl": trl,
         "ratio_step": cx["step_s"] / trl["step_s"],
@@ -280,7 +286,14 @@ def format_table(res: dict) -> str:
         ]
         for key, label in PHASES:
             lines.append(_row(f"  {label}", cx["phases_s"].get(key), trl["phases_s"].get(key)))
-        lines.append(_row("start-up (launch -> step 1)", cx["startup_median_s"], trl["startup_median_s"], "{:10.1f}"))
+        lines.append(
+            _row(
+                "start-up (launch -> step 1)",
+                cx["startup_median_s"],
+                trl["startup_median_s"],
+                "{:10.1f}",
+            )
+        )
         for side, s in (("crossrl", cx), ("TRL", trl)):
             loaded = " (too few quiet: loaded steps kept)" if s["loaded_steps_kept"] else ""
             lines.append(
@@ -297,7 +310,9 @@ def format_table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.peer``: print the table, write the results JSON; exit 2 without TRL."""
-    parser = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.peer", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="1 run each, fewer steps")
     parser.add_argument("--jobs", default=",".join(JOBS), help=f"comma list of {', '.join(JOBS)}")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run")
@@ -307,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [j for j in args.jobs.split(",") if j]
     bad = [j for j in jobs if j not in JOBS]
     if bad:
-        print(f"python -m bench.peer: --jobs {bad[0]!r} unknown; choose from {', '.join(JOBS)}", file=sys.stderr)
+        print(
+            f"python -m bench.peer: --jobs {bad[0]!r} unknown; choose from {', '.join(JOBS)}",
+            file=sys.stderr,
+        )
         return 2
     if not trl_available():
         print(TRL_MISSING, file=sys.stderr)

@@ -249,7 +249,9 @@ def settings_table(job: PeerJob, *, steps: int, data_file: str, output_dir: str)
     """Every setting of both sides for the results JSON: ``job`` (the shared sizes),
     ``crossrl`` (the overrides as a dict), ``trl`` (the GRPOConfig kwargs), ``pairs`` (how the
     main ones map) and ``differences`` (what cannot be made equal)."""
-    overrides = dict(o.split("=", 1) for o in crossrl_overrides(job, steps=steps, data_file=data_file))
+    overrides = dict(
+        o.split("=", 1) for o in crossrl_overrides(job, steps=steps, data_file=data_file)
+    )
     return {
         "job": asdict(job),
         "crossrl": overrides,

@@ -58,7 +58,10 @@ def run(args: argparse.Namespace) -> dict:
     job = JOBS[args.job]
     rows = read_prompts(args.data)
     dataset = Dataset.from_list(
-        [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+        [
+            {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+            for r in rows
+        ]
     )
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
