@@ -1,7 +1,10 @@
 """crossrl benchmarks: one table per benchmark, every result in one JSON file.
 
-    python -m bench [planner|stepwise|rollout|train|e2e|gpu|memory|all ...] [--quick] [--out FILE]
+    python -m bench [planner|stepwise|rollout|train|e2e|gpu|memory|peer|all ...] [--quick] [--out FILE]
     crossrl bench [which ...] [--quick]
+
+``peer`` (crossrl vs TRL's GRPOTrainer) needs the optional ``bench`` extra and is not part of
+``all``; without TRL, asking for it exits 2 with the install line.
 
 Every figure that counts is a ratio measured side by side in the same process (or the same
 invocation), with the machine described next to it; see docs/benchmarks.md. Nothing here
@@ -69,6 +72,12 @@ def _memory():
     return memory.run, memory.format_table
 
 
+def _peer():
+    from bench import peer
+
+    return peer.run, peer.format_table
+
+
 #: name -> (title, loader of (run(quick) -> dict, format_table(dict) -> str)), in `all` order.
 BENCHMARKS: dict[str, tuple[str, Callable]] = {
     "planner": ("mini-batch planner vs a greedy baseline", _planner),
@@ -81,7 +90,10 @@ BENCHMARKS: dict[str, tuple[str, Callable]] = {
         "actor update memory: activation checkpointing and lean log-probs, alone and together",
         _memory,
     ),
+    "peer": ("crossrl vs TRL's GRPOTrainer: seconds per step of the same job", _peer),
 }
+#: Benchmarks left out of ``all``, with why: they need an optional extra.
+NOT_IN_ALL: dict[str, str] = {"peer": "needs the bench extra (TRL)"}
 
 
 def _conditions() -> dict:
@@ -130,7 +142,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "which",
         nargs="*",
         default=["all"],
-        help=f"benchmarks to run: {', '.join(BENCHMARKS)} or all (default: all)",
+        help=f"benchmarks to run: {', '.join(BENCHMARKS)} or all (default: all; all leaves out "
+        f"{', '.join(NOT_IN_ALL)})",
     )
     parser.add_argument("--quick", action="store_true", help="smaller workloads (a few minutes)")
     parser.add_argument(
@@ -148,7 +161,9 @@ def _resolve(which: list[str]) -> list[str]:
             f"unknown benchmark {bad[0]!r}; choose from {', '.join(allowed)} "
             "(e.g. `crossrl bench train --quick`)"
         )
-    wanted = set(BENCHMARKS) if "all" in which or not which else set(which)
+    wanted = set(which) - {"all"}
+    if "all" in which or not which:
+        wanted |= set(BENCHMARKS) - set(NOT_IN_ALL)
     return [name for name in BENCHMARKS if name in wanted]
 
 
@@ -165,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"crossrl bench: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if "peer" in names:
+        from bench.peer import TRL_MISSING, trl_available
+
+        if not trl_available():
+            print(TRL_MISSING, file=sys.stderr)
+            return EXIT_BAD_INPUT
     results = run_benchmarks(names, args.quick)
     results["command"] = " ".join(["python -m bench", *argv])
     out = Path(args.out)
