@@ -54,10 +54,13 @@ class Trainer:
 
         import hal
         from trainer.layout import plan_layout
+        from trainer.startup import CLOCK
         from trainer.workers.critic import CriticWorker
         from trainer.workers.fsdp_worker import WorkerSpec
         from trainer.workers.group import actor_options, cluster_nodes, make_placement
         from trainer.workers.policy import PolicyWorker
+
+        CLOCK.done("driver_imports")
 
         cfg = self.cfg
         dp = cfg.train.dp_size
@@ -69,10 +72,12 @@ class Trainer:
             resource, dp, tp=self.layout.tp, timeout_s=cfg.ray.placement_timeout_s
         )
         self.placement = placement
+        CLOCK.done("placement")
         threads = max(1, (os.cpu_count() or 1) // dp) if backend.name == "cpu" else 4
         self.use_ref = "reference" in self.layout.roles
         self.use_critic = "critic" in self.layout.roles
         self._start_replicas(backend)
+        CLOCK.done("rollout_host")
 
         def spawn(role: str, cls) -> WorkerGroup:
             handles = [
@@ -85,13 +90,16 @@ class Trainer:
             # Ranks may sit on several nodes: they meet at rank 0's node.
             addr, port = ray.get(handles[0].rendezvous_address.remote())
             group.setup_info = group.call("setup", addr, port)
+            CLOCK.add_worker(role, group.setup_info[0].get("startup", {}))
             return group
 
         self.actor = spawn("actor", PolicyWorker)
         self.ref = spawn("reference", PolicyWorker) if self.use_ref else None
         self.critic = spawn("critic", CriticWorker) if self.use_critic else None
+        CLOCK.done("workers")
         self.deterministic_settings = self._agreed_deterministic_settings()
         self._resume()
+        CLOCK.done("resume")
 
     def _start_replicas(self, backend) -> None:
         """One engine replica per tp group, on the group's first rank's bundle; replica 0 is
@@ -135,6 +143,9 @@ class Trainer:
         self.rollout = self.replicas[0]
         self.rollout_info = infos[0]
         self.replica_info = infos
+        from trainer.startup import CLOCK
+
+        CLOCK.add_worker("rollout", infos[0].get("startup", {}))
         if len(self.replicas) > 1:
             wait_all(
                 [self.rollout.connect.remote(self.replicas[1:])],

@@ -99,11 +99,14 @@ def run_training(
     """
     from trainer.preflight import PreflightError, preflight
     from trainer.run_dir import RunDirError, RunDirLock, overwrite_problem
+    from trainer.startup import CLOCK
     from trainer.workers.group import RayConnectError
 
+    CLOCK.start_run()
     run_dir = Path(cfg.run.dir)
     try:
         preflight(cfg, command=command, replay=replay_dir is not None)
+        CLOCK.done("preflight")
         with RunDirLock(run_dir, command) as lock:
             if lock.took_over:
                 print(
@@ -116,6 +119,7 @@ def run_training(
             )
             if problem:
                 raise RunDirError(problem)
+            CLOCK.done("run_dir")
             return _run(cfg, run_dir, replay_dir, save_checkpoints, command)
     except (PreflightError, RunDirError, RayConnectError) as err:
         print(f"crossrl {command}: {err}", file=sys.stderr)
@@ -128,6 +132,7 @@ def _run(
     """Start Ray and the trainer, train, and shut everything down again."""
     from trainer.checkpoint import CheckpointError
     from trainer.layout import LayoutError, local_ray_cpus
+    from trainer.startup import CLOCK
     from trainer.workers.group import start_ray
 
     with StopRequests() as stop:
@@ -137,10 +142,12 @@ def _run(
             connect_timeout_s=cfg.ray.connect_timeout_s,
         )
         stop.install()  # ray.init replaced the SIGTERM handler
+        CLOCK.done("ray_init")
         trainer = Trainer(cfg, run_dir, replay_dir=replay_dir)
         try:
             trainer.start()
             write_run_config(cfg, run_dir, trainer.deterministic_settings)
+            CLOCK.done("config_yaml")
             _train_loop(cfg, trainer, run_dir, stop, save_checkpoints=save_checkpoints)
             return 0
         except (WorkerFailedError, HealthError, CheckpointError) as err:
@@ -170,6 +177,7 @@ def _train_loop(
 ) -> None:
     """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint."""
     from trainer.metrics import FingerprintLogger, MetricsLogger
+    from trainer.startup import CLOCK, log_summary
     from trainer.validation import validation_due
 
     total = cfg.train.total_steps
@@ -177,11 +185,16 @@ def _train_loop(
         MetricsLogger.for_run(cfg, run_dir, start_step=trainer.start_step) as log,
         FingerprintLogger(run_dir, start_step=trainer.start_step) as fp_log,
     ):
+        CLOCK.done("loggers")
         if cfg.run.val_before_train and trainer.start_step == 0:
             log.log(0, trainer.validate(0))
+            CLOCK.done("validation")
+        if trainer.start_step < total:
+            log_summary()
         for step in range(trainer.start_step + 1, total + 1):
             stop.check()  # a signal during start-up or the previous step ends the run here
             metrics, fingerprint = trainer.train_step(step)
+            metrics.update(CLOCK.metrics())  # the first step of this process only
             if validation_due(cfg, step):
                 metrics.update(trainer.validate(step))
             log.log(step, metrics)

@@ -28,6 +28,7 @@ import hal
 from batching import StepBatch
 from trainer.config_schema import Config, CriticConfig, TrainConfig
 from trainer.optim import build_optimizer
+from trainer.startup import Phases, process_start_time
 from trainer.step_stats import StepStats
 
 ROLES = ("actor", "reference", "critic")
@@ -103,6 +104,9 @@ class FSDPWorker:
     """Base class of the actor, reference and critic workers."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        # Start-up phases, from this process's start: its boot and imports, then setup's.
+        self.startup = Phases(process_start_time())
+        self.startup.done("boot")
         self.spec = spec
         self.backend = hal.get_backend(spec.cfg.device)
         self.batch: StepBatch | None = None
@@ -132,6 +136,7 @@ class FSDPWorker:
         Returns facts for the controller (parameter count, deterministic settings applied).
         """
         spec, cfg = self.spec, self.spec.cfg
+        self.startup.done("queued")
         torch.set_num_threads(max(1, spec.threads))
         if cfg.run.deterministic:
             self.deterministic_settings = self.backend.set_deterministic(cfg.seed)
@@ -149,18 +154,22 @@ class FSDPWorker:
             host_collectives=cfg.train.param_offload,
         )
         self.device = self.backend.device(local_rank)
+        self.startup.done("process_group")
         # Every rank starts from identical weights: same path, same seed.
         self.backend.manual_seed(cfg.seed)
         self._materialise_model_files()
         # Built on the meta device, sharded, then loaded: a node's host memory holds at most
         # one full copy of the weights (rank 0's), whatever the dp size.
         model = self.build_model()
+        self.startup.done("build")
         # What the role built for real, not on meta (the critic's value head), keeps its values.
         own = {k: v.detach().clone() for k, v in model.state_dict().items() if not v.is_meta}
         if cfg.train.activation_checkpointing and spec.trainable:
             enable_activation_checkpointing(model)
         self._shard(model)
+        self.startup.done("shard")
         self._load_initial_weights(model, own)
+        self.startup.done("load")
         self.model = model
         if spec.trainable:
             self.optimizer, self.scheduler = build_optimizer(
@@ -178,10 +187,12 @@ class FSDPWorker:
         # Different ranks draw different dropout / sampling noise from here on.
         self.backend.manual_seed(cfg.seed + 1000 * (spec.rank + 1))
         num_params = sum(p.numel() for p in model.parameters())
+        self.startup.done("optimizer")
         return {
             "rank": spec.rank,
             "num_params": int(num_params),
             "deterministic": self.deterministic_settings,
+            "startup": self.startup.seconds,
         }
 
     def local_rank(self) -> int:
