@@ -9,12 +9,23 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.config import Config
-from trainer.controller import Trainer
-from trainer.health import HealthError, checkpoint_veto
-from trainer.workers.group import WorkerFailedError
+
+if TYPE_CHECKING:
+    from trainer.controller import Trainer
+
+#: What the driver imports once Ray is up: the controller and the worker classes Ray pickles
+#: (torch, FSDP, transformers). Imported in the background while Ray starts; the checks
+#: before Ray need none of them.
+DRIVER_MODULES = (
+    "trainer.controller",
+    "trainer.workers.policy",
+    "trainer.workers.critic",
+    "trainer.workers.rollout_host",
+    "trainer.metrics",
+)
 
 
 def write_run_config(cfg: Config, run_dir: Path, deterministic: dict[str, str]) -> None:
@@ -132,10 +143,11 @@ def _run(
     """Start Ray and the trainer, train, and shut everything down again."""
     from trainer.checkpoint import CheckpointError
     from trainer.layout import LayoutError, local_ray_cpus
-    from trainer.startup import CLOCK
-    from trainer.workers.group import start_ray
+    from trainer.startup import CLOCK, import_in_background
+    from trainer.workers.group import WorkerFailedError, start_ray
 
     with StopRequests() as stop:
+        imports = import_in_background(DRIVER_MODULES)  # while Ray starts, mostly waiting
         started_ray = start_ray(
             cfg.ray.address,
             num_cpus=local_ray_cpus(cfg),
@@ -143,6 +155,11 @@ def _run(
         )
         stop.install()  # ray.init replaced the SIGTERM handler
         CLOCK.done("ray_init")
+        imports.join()
+        CLOCK.done("driver_imports")
+        from trainer.controller import Trainer
+        from trainer.health import HealthError
+
         trainer = Trainer(cfg, run_dir, replay_dir=replay_dir)
         try:
             trainer.start()
@@ -176,6 +193,7 @@ def _train_loop(
     cfg: Config, trainer: Trainer, run_dir: Path, stop: StopRequests, *, save_checkpoints: bool
 ) -> None:
     """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint."""
+    from trainer.health import checkpoint_veto
     from trainer.metrics import FingerprintLogger, MetricsLogger
     from trainer.startup import CLOCK, log_summary
     from trainer.validation import validation_due

@@ -15,9 +15,12 @@ Light on purpose: imported by the CLI before anything heavy.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+import threading
 import time
+from collections.abc import Sequence
 
 
 def process_start_time() -> float | None:
@@ -123,3 +126,20 @@ def begin_at_process_start() -> None:
 def log_summary() -> None:
     """Print ``CLOCK.summary()`` to stderr."""
     print(f"crossrl: {CLOCK.summary()}", file=sys.stderr)
+
+
+def import_in_background(modules: Sequence[str]) -> threading.Thread:
+    """Import ``modules`` in a daemon thread, e.g. while ``ray.init`` waits for Ray's
+    processes; ``join()`` it before using them. A module that fails to import is left for the
+    caller's own import to report."""
+
+    def run() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001, S112 - the caller's import raises it again
+                continue
+
+    thread = threading.Thread(target=run, name="crossrl-imports", daemon=True)
+    thread.start()
+    return thread
