@@ -15,14 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
 
 import hal
 from batching import StepBatch
@@ -245,6 +237,14 @@ class FSDPWorker:
         """FSDP2 in place: each decoder layer, then the root. ``train.param_offload`` keeps
         the sharded parameters (and so their gradients and optimizer step) in host memory
         through FSDP2's CPU-offload policy, pinned on an accelerator."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
         train = self.spec.cfg.train
         mp = MixedPrecisionPolicy(
             param_dtype=_dtype(train.param_dtype), reduce_dtype=_dtype(train.reduce_dtype)
@@ -334,6 +334,8 @@ class FSDPWorker:
         FSDP2's CPU-offload policy keeps the sharded parameters, their gradients and so the
         optimizer state in host memory all along, and gathers them onto the device per use.
         """
+        from torch.distributed.fsdp import FSDPModule
+
         if isinstance(self.model, FSDPModule):
             self.model.reshard()
         if self.spec.cfg.train.optimizer_offload and self.optimizer is not None:
@@ -472,6 +474,8 @@ class FSDPWorker:
         and read back once. Gradients are synchronised only on the last micro-batch. Returns
         this rank's report of the optimizer step.
         """
+        from torch.distributed.fsdp import FSDPModule
+
         model = self.model
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, Any] = {}
