@@ -11,7 +11,7 @@ token-mean). The same rows (log-normal lengths, clipped to 16-1024 tokens) laid 
 - ``packed`` (``bench.packed``): the trainer's own code. ``StepBatch`` rows, planner
   micro-batches under 2048 tokens (the default job's budget), ``batching.loss_normalizers``,
   and per micro-batch the calls ``PolicyWorker.train_mini_batch`` makes (``hal.packed_forward``
-  with the varlen attention, ``token_logprobs``, ``trainer.losses``). No token is padding.
+  with the varlen attention, ``packed_token_logprobs``, ``trainer.losses``). No token is padding.
 - ``padded`` (``bench.padded``): the baseline's own code, the layout without remove-padding:
   8 rows per micro-batch, right-padded, ``sdpa`` attention with a mask; the same per-token loss.
 
@@ -408,7 +408,7 @@ def run(quick: bool = False, threads: int | None = CPU_THREADS) -> dict:
             "response": "last 40-80 % of each row carries the loss",
             "loss": "the default job's actor loss (trainer.losses), one advantage per row",
             "packed": "the trainer's code: StepBatch, planner, loss_normalizers, "
-            "hal.packed_forward, token_logprobs, trainer.losses",
+            "hal.packed_forward, packed_token_logprobs, trainer.losses",
             "update": "forward + backward over all micro-batches + grad clip + one AdamW step",
         },
         "models": models,

@@ -4,8 +4,8 @@
 its environment, generate the next turn, while the other trajectories go on. Turns reach the
 engine through ``rollout/engines/batcher.py``, which sends the requests waiting at that moment
 to ``engine.generate`` in one call on a worker thread. Environment ``reset``/``step`` run on a
-thread pool (or on the event loop when they are ``async def``), at most ``env_concurrency`` at
-once, each bounded by ``env_timeout_s``. A turn's request seed is ``stable_seed(seed, step,
+thread pool (or on the event loop when they are ``async def`` or the env is ``inline``), at most
+``env_concurrency`` at once, each bounded by ``env_timeout_s`` (``rollout/env_calls.py``). A turn's request seed is ``stable_seed(seed, step,
 prompt, sample, turn)`` and rows come out in trajectory order, so what a trajectory samples
 never depends on which one finished first. It emits either one row per trajectory
 (``step_wise=False``) or one row per turn (``step_wise=True``), following DESIGN.md:
@@ -38,18 +38,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import inspect
-import math
-import numbers
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from batching import Row
 from rollout.engines.base import Engine, GenerationRequest, SamplingParams
 from rollout.engines.batcher import RequestBatcher
-from rollout.envs import exception_line, reward_range_of
+from rollout.env_calls import (
+    EnvCalls,
+    EnvTimeout,
+    check_step,
+    fault_text,
+    first_messages,
+    reward_extras,
+)
+from rollout.envs import reward_range_of
 from rollout.envs.base import DEFAULT_REWARD_RANGE
 from rollout.envs.prompts import PromptItem
 from rollout.rewards import RewardError
@@ -94,89 +97,6 @@ class _Trajectory:
     reward_error: bool = False  # the fault was the reward function's (rollout.rewards)
     timed_out: bool = False  # the fault was an env call past rollout.env_timeout_s
     reward_extra: dict[str, float] = field(default_factory=dict)  # its extra keys, final turn
-
-
-class EnvError(ValueError):
-    """An environment broke its contract (wrong type, bad reward); ends that trajectory."""
-
-
-def _shown(value: object) -> str:
-    """A value and its type, short enough for one line of an error."""
-    text = repr(value)
-    text = text if len(text) <= 60 else text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
-
-
-def _check_step(out: object, reward_range: tuple[float, float]) -> tuple[str, float, bool, dict]:
-    if not isinstance(out, tuple) or len(out) != 4:
-        raise EnvError(f"step() must return (obs, reward, done, info), got {_shown(out)}")
-    obs, reward, done, info = out
-    if not isinstance(obs, str):
-        raise EnvError(f"step() observation must be a str, got {_shown(obs)}")
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
-        raise EnvError(f"step() reward must be a real number, got {_shown(reward)}")
-    reward = float(reward)
-    low, high = reward_range
-    if not math.isfinite(reward) or not low <= reward <= high:
-        raise EnvError(
-            f"step() reward {reward!r} is outside the env's reward_range [{low:g}, {high:g}]"
-            if math.isfinite(reward)
-            else f"step() reward {reward!r} is not a finite number"
-        )
-    if not isinstance(done, bool | np.bool_):
-        raise EnvError(f"step() done must be a bool, got {_shown(done)}")
-    return obs, reward, bool(done), info if isinstance(info, dict) else {}
-
-
-def _numbers(extra: object) -> dict[str, float]:
-    """The finite numeric entries of a reward's extra keys (``info["reward_extra"]``)."""
-    if not isinstance(extra, dict):
-        return {}
-    return {
-        str(k): float(v)
-        for k, v in extra.items()
-        if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-    }
-
-
-def _first_messages(obs: object) -> list[dict]:
-    """The chat a trajectory starts from: ``reset()`` returns the user's first message (str)
-    or a whole chat (a list of ``{"role", "content"}`` messages, e.g. a verl dataset's prompt
-    with its system message)."""
-    if isinstance(obs, str):
-        return [{"role": "user", "content": obs}]
-    if (
-        isinstance(obs, list)
-        and obs
-        and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in obs)
-    ):
-        return [{"role": m["role"], "content": m["content"]} for m in obs]
-    raise EnvError(f"reset() must return str or a list of chat messages, got {obs!r:.80}")
-
-
-def _fault_text(where: str, exc: Exception) -> str:
-    """``"<where>: <message>"``; an env's own exception keeps its type name."""
-    message = " ".join(str(exc).split()) if isinstance(exc, EnvError) else exception_line(exc)
-    return f"{where}: {message}"
-
-
-def fault_summary(faults: Sequence[tuple[int, str]], total: int, *, limit: int = 3) -> str:
-    """One line on a rollout's environment faults: how many of ``total`` trajectories, then up
-    to ``limit`` distinct fault texts, each with the ids of the trajectories it ended."""
-    by_text: dict[str, list[int]] = {}
-    for trajectory_id, text in faults:
-        by_text.setdefault(text, []).append(trajectory_id)
-    parts = []
-    for text, ids in list(by_text.items())[:limit]:
-        shown = ", ".join(str(i) for i in ids[:4]) + (
-            f" +{len(ids) - 4} more" if len(ids) > 4 else ""
-        )
-        parts.append(f"[trajector{'ies' if len(ids) > 1 else 'y'} {shown}] {text}")
-    if len(by_text) > limit:
-        parts.append(f"... {len(by_text) - limit} more distinct fault(s)")
-    return f"{len(faults)} of {total} trajectories ended by an environment fault: " + "; ".join(
-        parts
-    )
 
 
 def _observation_ids(tokenizer, messages: list[dict], obs: str) -> list[int]:
@@ -287,11 +207,11 @@ def run_rollouts(
             t.env = env_factory(**t.item.env_kwargs)
             t.reward_range = reward_range_of(t.env)
         except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
-            t.error, t.done = _fault_text("constructor", exc), True
+            t.error, t.done = fault_text("constructor", exc), True
 
     async def roll_all() -> None:
         batcher = RequestBatcher(engine, params, waves=deterministic)
-        env_calls = _EnvCalls(env_concurrency, env_timeout_s)
+        env_calls = EnvCalls(env_concurrency, env_timeout_s)
         live = [t for t in trajs if not t.done]
         batcher.join(len(live))
         tasks = [asyncio.create_task(_roll_one(t, ctx, batcher, env_calls)) for t in live]
@@ -327,46 +247,17 @@ class _Context:
     max_input_len: int  # tokens
     seed: int
     step: int
+    #: chat -> its prompt token ids: the n samples of a prompt start from the same chat, so
+    #: the template is rendered once per prompt, not once per sample
+    _rendered: dict = field(default_factory=dict)
 
-
-class EnvTimeout(EnvError):
-    """An environment call ran past ``rollout.env_timeout_s``; ends that trajectory."""
-
-
-class _EnvCalls:
-    """Environment calls of one rollout: synchronous methods on a thread pool, ``async def``
-    ones on the event loop; at most ``concurrency`` at once, each bounded by ``timeout_s``
-    seconds (None: no bound). A call that overruns cannot be killed (a Python thread cannot
-    be): it is abandoned with its thread, and later calls get a fresh pool."""
-
-    def __init__(self, concurrency: int, timeout_s: float | None) -> None:
-        self.concurrency, self.timeout_s = concurrency, timeout_s
-        self._slots = asyncio.Semaphore(concurrency)
-        self._pool = self._new_pool()
-
-    def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        return concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="env")
-
-    async def __call__(self, method: Callable, *args: object) -> object:
-        """``method(*args)``'s result; its exception, or ``EnvTimeout`` when it overruns."""
-        async with self._slots:
-            if inspect.iscoroutinefunction(method):
-                task = asyncio.ensure_future(method(*args))
-            else:
-                task = asyncio.get_running_loop().run_in_executor(self._pool, method, *args)
-            done, _ = await asyncio.wait([task], timeout=self.timeout_s)
-            if not done:
-                task.cancel()
-                if not inspect.iscoroutinefunction(method):
-                    # The stuck call keeps its worker thread; later calls get fresh ones.
-                    self._pool.shutdown(wait=False)
-                    self._pool = self._new_pool()
-                raise EnvTimeout(f"took longer than rollout.env_timeout_s={self.timeout_s:g} s")
-            return task.result()
-
-    def close(self) -> None:
-        """Release the worker threads (an abandoned, still running call keeps its own)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """``chat_token_ids`` of ``messages`` with the generation prompt (a fresh list)."""
+        key = tuple((m["role"], m["content"]) for m in messages)
+        ids = self._rendered.get(key)
+        if ids is None:
+            ids = self._rendered[key] = chat_token_ids(self.tokenizer, messages)
+        return list(ids)
 
 
 def _run_coroutine(make: Callable[[], Awaitable[None]]) -> None:
@@ -382,23 +273,23 @@ def _run_coroutine(make: Callable[[], Awaitable[None]]) -> None:
 
 
 async def _roll_one(
-    t: _Trajectory, ctx: _Context, batcher: RequestBatcher, env_call: _EnvCalls
+    t: _Trajectory, ctx: _Context, batcher: RequestBatcher, env_call: EnvCalls
 ) -> None:
     """One trajectory: reset, then (generate a turn -> env step) until done, truncated, faulty
     or out of turns. Faults are recorded on ``t``; only an engine failure raises."""
     tokenizer = ctx.tokenizer
     try:
         try:
-            t.messages = _first_messages(await env_call(t.env.reset, t.item.seed))
+            t.messages = first_messages(await env_call(t.env.reset, t.item.seed))
         except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
-            t.error, t.done = _fault_text("reset", exc), True
+            t.error, t.done = fault_text("reset", exc), True
             t.timed_out = isinstance(exc, EnvTimeout)
             return
         if not ctx.step_wise:
-            t.seq = chat_token_ids(tokenizer, t.messages)
+            t.seq = ctx.chat_ids(t.messages)
         for turn in range(ctx.max_turns):
             # Rule a: re-tokenize the history first, then check the length.
-            prompt = chat_token_ids(tokenizer, t.messages) if ctx.step_wise else list(t.seq)
+            prompt = ctx.chat_ids(t.messages) if ctx.step_wise else list(t.seq)
             if len(prompt) > ctx.max_input_len:
                 t.truncated, t.done = True, True
                 return
@@ -417,18 +308,18 @@ async def _roll_one(
             t.turns.append(record)
             t.messages.append({"role": "assistant", "content": text})
             try:
-                obs, reward, done, info = _check_step(
+                obs, reward, done, info = check_step(
                     await env_call(t.env.step, text), t.reward_range
                 )
             except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
-                t.error, t.done = _fault_text(f"step {turn}", exc), True
+                t.error, t.done = fault_text(f"step {turn}", exc), True
                 t.reward_error = isinstance(exc, RewardError)
                 t.timed_out = isinstance(exc, EnvTimeout)
                 return
             record.reward = reward
             if done:
                 t.done = True
-                t.reward_extra = _numbers(info.get("reward_extra"))
+                t.reward_extra = reward_extras(info.get("reward_extra"))
                 return
             t.messages.append({"role": "user", "content": obs})
             if not ctx.step_wise:

@@ -17,6 +17,7 @@ Also here: DAPO's overlong reward shaping, on rows (``overlong_penalty``).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import importlib
 import math
@@ -211,7 +212,9 @@ def check_reward(value: object, spec: str) -> RewardResult:
 
 class RewardFunction:
     """``reward.function`` ready to call: ``fn(data_source, solution_str, ground_truth,
-    extra_info) -> RewardResult``, run on a worker thread, at most ``timeout_s`` seconds."""
+    extra_info) -> RewardResult``, run on a worker thread, at most ``timeout_s`` seconds.
+    A built-in scorer (``inline``: a quick regex) runs on the caller's thread instead.
+    ``score`` is the same for a caller on an event loop: it awaits the worker thread."""
 
     def __init__(self, spec: str, *, timeout_s: float, max_workers: int = 4) -> None:
         if not timeout_s > 0:
@@ -221,24 +224,54 @@ class RewardFunction:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # the agent loop steps environments on several threads
 
+    @property
+    def inline(self) -> bool:
+        """Whether calls run on the caller's thread (the built-in scorers: quick, pure)."""
+        return self.spec.startswith("builtin:")
+
     def __call__(
         self, data_source: str, solution_str: str, ground_truth: object, extra_info: dict
     ) -> RewardResult:
         """Score one response; ``RewardError`` on an exception, timeout or bad value."""
+        args = (data_source, solution_str, ground_truth, extra_info)
+        if self.inline:
+            return self._checked(lambda: self.fn(*args))
+        pool, future = self._submit(args)
+        return self._checked(lambda: future.result(timeout=self.timeout_s), pool)
+
+    async def score(
+        self, data_source: str, solution_str: str, ground_truth: object, extra_info: dict
+    ) -> RewardResult:
+        """``self(...)`` for a caller on an event loop: the loop runs on while the function
+        does (on the worker thread, at most ``timeout_s`` seconds)."""
+        args = (data_source, solution_str, ground_truth, extra_info)
+        if self.inline:
+            return self._checked(lambda: self.fn(*args))
+        pool, future = self._submit(args)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except Exception:  # noqa: BLE001 - an overrun or the function's error: _checked says which
+            pass
+        return self._checked(lambda: future.result(timeout=0), pool)
+
+    def _submit(self, args: tuple):
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     self.max_workers, thread_name_prefix="reward"
                 )
             pool = self._pool
-            future = pool.submit(self.fn, data_source, solution_str, ground_truth, extra_info)
+            return pool, pool.submit(self.fn, *args)
+
+    def _checked(self, get_value: Callable[[], object], pool=None) -> RewardResult:
+        """``get_value()``'s reward, or ``RewardError`` for an exception, overrun or bad value."""
         try:
-            value = future.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
+            value = get_value()
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
             # The stuck call keeps its thread; later calls get a fresh pool. Calls already
             # queued on the old pool (other environments' steps) still run there.
             with self._lock:
-                if self._pool is pool:
+                if pool is not None and self._pool is pool:
                     pool.shutdown(wait=False)
                     self._pool = None
             raise RewardError(

@@ -202,6 +202,11 @@ def test_set_deterministic_applies_and_reports_settings():
         assert torch.are_deterministic_algorithms_enabled()
         assert applied["torch.use_deterministic_algorithms"] == "True"
         assert applied["seed"] == "9"
+        # deterministic kernels, but new tensors are not NaN-filled (it costs, changes nothing)
+        assert (
+            torch.empty(4).numel() == 4 and not torch.utils.deterministic.fill_uninitialized_memory
+        )
+        assert applied["torch.utils.deterministic.fill_uninitialized_memory"] == "False"
         assert all(isinstance(k, str) and isinstance(v, str) for k, v in applied.items())
     finally:
         torch.use_deterministic_algorithms(was)

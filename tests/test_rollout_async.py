@@ -323,3 +323,31 @@ def test_async_rows_equal_the_lockstep_baseline(tok, tiny_engine):
             assert a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids
             assert a.score == b.score and a.response_mask == b.response_mask
             np.testing.assert_allclose(a.response_logprobs, b.response_logprobs, atol=1e-5)
+
+
+class ThreadNotingEnv:
+    """Records the thread each call runs on; ``inline`` as the instance says."""
+
+    def __init__(self, threads: list, inline: bool):
+        self.threads, self.inline = threads, inline
+
+    def reset(self, seed):
+        self.threads.append(threading.current_thread().name)
+        return "say 12"
+
+    def step(self, text):
+        self.threads.append(threading.current_thread().name)
+        return "", 0.5, True, {}
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_inline_environments_run_on_the_event_loop_others_on_worker_threads(tok, inline):
+    threads: list[str] = []
+    out = _run(tok, ReplyEngine(tok), lambda: ThreadNotingEnv(threads, inline), prompts=2)
+    assert len(out.rows) == 4 and out.faults == []
+    assert len(threads) == 8  # 4 trajectories x (reset + step)
+    loop_thread = threading.current_thread().name  # asyncio.run runs on the caller's thread
+    if inline:
+        assert set(threads) == {loop_thread}
+    else:
+        assert all(name.startswith("env") for name in threads)

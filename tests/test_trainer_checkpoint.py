@@ -384,6 +384,39 @@ def test_optimizer_state_round_trip_with_weights_only(tmp_path):
         )
 
 
+def test_resume_with_a_changed_lr_trains_with_it_at_the_saved_schedule_position(tmp_path):
+    from trainer.optim import build_optimizer, lr_factor, reapply_hyperparameters
+
+    sched = dict(warmup_steps=4, total_steps=20, schedule="cosine", min_lr_ratio=0.1)
+    model = torch.nn.Linear(4, 3)
+    opt, scheduler = build_optimizer(model.parameters(), lr=1e-3, weight_decay=0.0, **sched)
+    for _ in range(6):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        scheduler.step()
+    save_torch(opt.state_dict(), tmp_path / "optim.pt")
+    save_torch(scheduler.state_dict(), tmp_path / "scheduler.pt")
+
+    # resumed with train.lr=2e-3 and train.weight_decay=0.1
+    fresh, fresh_scheduler = build_optimizer(
+        torch.nn.Linear(4, 3).parameters(), lr=2e-3, weight_decay=0.1, **sched
+    )
+    fresh.load_state_dict(load_torch(tmp_path / "optim.pt"))
+    fresh_scheduler.load_state_dict(load_torch(tmp_path / "scheduler.pt"))
+    assert fresh.param_groups[0]["lr"] == pytest.approx(1e-3 * lr_factor(6, **sched))  # stale
+    reapply_hyperparameters(fresh, fresh_scheduler, lr=2e-3, weight_decay=0.1)
+
+    want = 2e-3 * lr_factor(6, **sched)
+    assert fresh.param_groups[0]["lr"] == pytest.approx(want)
+    assert fresh.param_groups[0]["weight_decay"] == 0.1
+    assert fresh_scheduler.get_last_lr() == [pytest.approx(want)]
+    fresh_scheduler.step()  # the schedule goes on from step 6 with the new base lr
+    assert fresh.param_groups[0]["lr"] == pytest.approx(2e-3 * lr_factor(7, **sched))
+    torch.testing.assert_close(  # the moments are the checkpoint's
+        fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]
+    )
+
+
 def _draws() -> tuple:
     return (
         [random.random() for _ in range(3)],

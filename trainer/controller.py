@@ -24,7 +24,13 @@ from batching import plan_minibatches, plan_stats
 from trainer.config import Config
 from trainer.health import NonfiniteStreak, check_env_faults, check_finite_weights
 from trainer.step_stats import StepStats
-from trainer.workers.group import CALL_TIMEOUT_S, WorkerGroup, agree_on_settings, wait_all
+from trainer.workers.group import (
+    CALL_TIMEOUT_S,
+    PendingCalls,
+    WorkerGroup,
+    agree_on_settings,
+    wait_all,
+)
 
 
 class Trainer:
@@ -235,16 +241,13 @@ class Trainer:
             adv_metrics = self._prepare(plan, batch_ref)
         with timer.section("update"):
             stats = self._update(plan, step)
-        self._check_weights(step)
         with timer.section("sync"):
             # Weights first, KV cache after the ranks have offloaded: a low peak.
             self._sync_weights()
-            for group in self._all_groups():
-                group.call("offload_states")
-            self._engines("wake_up", ["kv_cache"])
+            records = self._end_of_step(step, plan)
         metrics = self._metrics(step, meta, plan, stats, adv_metrics, timer)
-        metrics.update(self._peak_memory())
-        fingerprint = self._fingerprint(step, plan, stats, metrics)
+        metrics.update(records["memory"])
+        fingerprint = self._fingerprint(step, plan, stats, metrics, records)
         return metrics, fingerprint
 
     def _rollout(self, step: int) -> tuple[dict[str, Any], list]:
@@ -270,46 +273,52 @@ class Trainer:
         )
 
     def _prepare(self, plan, batch_ref: list) -> dict[str, float]:
-        """Old / reference logprobs and values on every rank's rows, then advantages."""
+        """Old / reference logprobs and values on every rank's rows, then advantages.
+        Submitted as one chain per worker (``PendingCalls``) and waited for once."""
         # every micro-batch of each rank across all mini-batches: the no-grad passes
         rank_mbs = [
             [mb for mini in plan.mini_batches for mb in mini.micro_batches[r]]
             for r in range(self.cfg.train.dp_size)
         ]
+        calls = PendingCalls()
         for group in self._all_groups():
-            group.call("load_batch", batch_ref)
-        self._share("old_logprobs", self.actor.submit("compute_logprobs", per_rank=rank_mbs))
+            calls.submit(group, "load_batch", batch_ref)
+        pieces = {"old_logprobs": calls.submit(self.actor, "compute_logprobs", per_rank=rank_mbs)}
         if self.ref is not None:
-            self._share("ref_logprobs", self.ref.submit("compute_logprobs", per_rank=rank_mbs))
+            pieces["ref_logprobs"] = calls.submit(self.ref, "compute_logprobs", per_rank=rank_mbs)
         if self.critic is not None:
-            self._share("values", self.critic.submit("compute_values", per_rank=rank_mbs))
-        return [g.call("compute_advantages")[0] for g in self._training_groups()][0]
-
-    def _share(self, field: str, piece_refs: list) -> None:
-        """Give every worker that needs it the full token field computed piecewise by ranks."""
-        for group in self._training_groups():
-            group.call("set_token_field", field, piece_refs)
+            pieces["values"] = calls.submit(self.critic, "compute_values", per_rank=rank_mbs)
+        # every training worker gets the full token fields computed piecewise by the ranks
+        for field, piece_refs in pieces.items():
+            for group in self._training_groups():
+                calls.submit(group, "set_token_field", field, piece_refs)
+        advantages = [calls.submit(g, "compute_advantages") for g in self._training_groups()]
+        results = calls.wait()
+        return results[advantages[0][0]]
 
     def _update(self, plan, step: int) -> dict[str, StepStats]:
-        """``ppo_epochs`` passes over the plan's mini-batches; one optimizer step each.
-        Returns each training role's statistics of the whole step."""
+        """``ppo_epochs`` passes over the plan's mini-batches, one optimizer step each, all
+        submitted at once (each worker runs them in order); then a stop if any weights are
+        non-finite. Returns each training role's statistics of the whole step."""
         groups = self._training_groups()
-        totals = {g.role: StepStats(g.role) for g in groups}
+        calls = PendingCalls()
+        steps = []  # (role, refs of one mini-batch), in order
         for _epoch in range(self.cfg.train.ppo_epochs):
             for mini in plan.mini_batches:
                 rows, per_rank = mini.rows.tolist(), list(mini.micro_batches)
-                refs = {
-                    g.role: g.submit("train_mini_batch", rows, per_rank=per_rank) for g in groups
-                }
                 for g in groups:
-                    reports = wait_all(
-                        refs[g.role],
-                        g.names,
-                        timeout_s=CALL_TIMEOUT_S,
-                        what=f"{g.role}.train_mini_batch",
-                    )
-                    totals[g.role].add_update(reports)
-                    self.nonfinite.observe(g.role, reports[0], step)
+                    refs = calls.submit(g, "train_mini_batch", rows, per_rank=per_rank)
+                    steps.append((g.role, refs))
+        finite = [(g.role, calls.submit(g, "weights_finite")) for g in groups]
+        results = calls.wait()
+        totals = {g.role: StepStats(g.role) for g in groups}
+        for role, refs in steps:
+            reports = [results[r] for r in refs]
+            totals[role].add_update(reports)
+            self.nonfinite.observe(role, reports[0], step)
+        # Stop before non-finite weights reach the rollout engine or a checkpoint.
+        for role, refs in finite:
+            check_finite_weights(role, [results[r] for r in refs], step)
         return totals
 
     def _check_weights(self, step: int) -> None:
@@ -353,13 +362,39 @@ class Trainer:
         ]
         self.actor.call("push_weights", 64 << 20, via_object_store, per_rank=owner)
 
-    # ------------------------------------------------------------------ records
-    def _peak_memory(self) -> dict[str, float]:
-        """``memory/<role>_peak_gb``: the largest rank's peak of this step, per role."""
-        out = {}
+    def _end_of_step(self, step: int, plan) -> dict[str, Any]:
+        """After the weight sync, in one wait: the ranks offload, the engines take back their
+        KV cache, and the step's records are read: ``memory`` (``memory/<role>_peak_gb``, the
+        largest rank's peak per role), ``counts`` (rows and loss tokens per mini-batch, for
+        the fingerprint) and ``checksum`` (the parity checksum of the weights, or None when
+        ``run.fingerprint_every`` skips this step)."""
+        from trainer.fingerprint import combine_param_stats
+
+        calls = PendingCalls()
         for group in self._all_groups():
-            out[f"memory/{group.role}_peak_gb"] = max(group.call("peak_memory_gb"))
-        return out
+            calls.submit(group, "offload_states")
+        names = [f"engine replica {i}" for i in range(len(self.replicas))]
+        calls.add([h.wake_up.remote(["kv_cache"]) for h in self.replicas], names, "rollout.wake_up")
+        peaks = [(g.role, calls.submit(g, "peak_memory_gb")) for g in self._all_groups()]
+        rows = [mb.rows.tolist() for mb in plan.mini_batches]
+        counts = calls.add(
+            [self.actor.handles[0].mini_batch_counts.remote(rows)],
+            self.actor.names[:1],
+            "actor.mini_batch_counts",
+        )
+        every = self.cfg.run.fingerprint_every
+        stats = calls.submit(self.actor, "param_stats") if every and step % every == 0 else []
+        results = calls.wait()
+        return {
+            "memory": {
+                f"memory/{role}_peak_gb": max(results[r] for r in refs) for role, refs in peaks
+            },
+            "counts": results[counts[0]],
+            # Each rank sums its own shards (no collective); the ranks' shares add up here.
+            "checksum": combine_param_stats([results[r] for r in stats]) if stats else None,
+        }
+
+    # ------------------------------------------------------------------ records
 
     def _metrics(self, step, meta, plan, stats, adv_metrics, timer) -> dict[str, Any]:
         metrics: dict[str, Any] = {
@@ -377,26 +412,13 @@ class Trainer:
         )
         return metrics
 
-    def _fingerprint(self, step, plan, stats, metrics) -> dict[str, Any]:
-        from trainer.fingerprint import combine_param_stats, fingerprint_of_step
+    def _fingerprint(self, step, plan, stats, metrics, records) -> dict[str, Any]:
+        from trainer.fingerprint import fingerprint_of_step
 
-        rows = [mb.rows.tolist() for mb in plan.mini_batches]
-        counts_ref = self.actor.handles[0].mini_batch_counts.remote(rows)
-        checksum = None
-        every = self.cfg.run.fingerprint_every
-        if every and step % every == 0:
-            # Each rank sums its own shards (no collective); the ranks' shares add up here.
-            checksum = combine_param_stats(self.actor.call("param_stats"))
-        counts = wait_all(
-            [counts_ref],
-            self.actor.names[:1],
-            timeout_s=CALL_TIMEOUT_S,
-            what="actor.mini_batch_counts",
-        )[0]
         fields = {
             k: v for role_stats in stats.values() for k, v in role_stats.fingerprint().items()
         }
-        return fingerprint_of_step(plan, fields, metrics, checksum, counts)
+        return fingerprint_of_step(plan, fields, metrics, records["checksum"], records["counts"])
 
     def save_checkpoint(self, step: int) -> Path:
         """Write a whole checkpoint atomically (workers write their pieces, then commit)."""

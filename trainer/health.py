@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rollout.agent_loop import fault_summary
+from rollout.env_calls import fault_summary
 from trainer.step_stats import StepStats
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollout.files import atomic_write_text
+from rollout.files import atomic_write_text, undecodable
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,14 @@ def read_jsonl(path: str | os.PathLike, *, allow_torn_tail: bool = False) -> lis
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file") from None
     return [rec for _, rec in _parse_lines(path, text, allow_torn_tail=allow_torn_tail)]
+
+
+def read_error_line(path: str | os.PathLike, err: OSError | UnicodeDecodeError, what: str) -> str:
+    """One line for a run file that exists but cannot be read as text: undecodable bytes, or
+    a directory (or another non-file) in its place; ``what`` says what the file should be."""
+    if isinstance(err, UnicodeDecodeError):
+        return f"{path}: {undecodable(path, err)}"
+    return f"{path}: cannot be read as a file ({err.strerror or err}); it should be {what}"
 
 
 def truncate_jsonl(path: str | os.PathLike, keep_through_step: int) -> int:

@@ -51,3 +51,17 @@ def build_optimizer(
         ),
     )
     return optimizer, scheduler
+
+
+def reapply_hyperparameters(optimizer, scheduler, *, lr: float, weight_decay: float) -> None:
+    """After loading a checkpoint's optimizer and scheduler state: the job's own base LR and
+    weight decay instead of the checkpoint's (a run resumed with a changed ``train.lr`` or
+    ``train.weight_decay`` trains with it), the schedule's position (its optimizer-step count)
+    and the optimizer's moments kept."""
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    rates = [lr * fn(scheduler.last_epoch) for fn in scheduler.lr_lambdas]
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["initial_lr"] = lr
+        group["lr"] = rate
+        group["weight_decay"] = weight_decay
+    scheduler._last_lr = rates

@@ -113,7 +113,7 @@ def read_run(run_dir: str | Path) -> RunRecord:
     Raises ``ParityInputError`` naming the path when the directory or fingerprint file is
     missing or malformed, or a step appears twice.
     """
-    from trainer.metrics import FINGERPRINT_FILE, MetricsFileError, read_jsonl
+    from trainer.metrics import FINGERPRINT_FILE, MetricsFileError, read_error_line, read_jsonl
 
     path = Path(run_dir)
     if not path.is_dir():
@@ -128,12 +128,9 @@ def read_run(run_dir: str | Path) -> RunRecord:
         raise ParityInputError(
             f"{err} (a run writes {FINGERPRINT_FILE} as it trains; run `crossrl probe` to make one)"
         ) from None
-    except UnicodeDecodeError as err:
-        raise ParityInputError(f"{fp_path}: {undecodable(fp_path, err)}") from None
-    except OSError as err:  # e.g. a directory named fingerprint.jsonl
+    except (UnicodeDecodeError, OSError) as err:  # e.g. a directory named fingerprint.jsonl
         raise ParityInputError(
-            f"{fp_path}: cannot be read as a file ({err.strerror or err}); it should be the "
-            "run's fingerprint file"
+            read_error_line(fp_path, err, "the run's fingerprint file")
         ) from None
     by_step: dict[int, dict[str, Any]] = {}
     for rec in records:

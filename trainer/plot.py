@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout.files import atomic_write_bytes, undecodable
-from trainer.metrics import METRICS_FILE, read_jsonl
+from rollout.files import atomic_write_bytes
+from trainer.metrics import METRICS_FILE, read_error_line, read_jsonl
 
 PLOT_DIR = "plots"
 DEFAULT_KEYS = (
@@ -131,13 +131,8 @@ def plot_run(
         )
     try:
         records = read_jsonl(metrics_path, allow_torn_tail=True)
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{metrics_path}: {undecodable(metrics_path, err)}") from None
-    except OSError as err:  # e.g. a directory named metrics.jsonl
-        raise ValueError(
-            f"{metrics_path}: cannot be read as a file ({err.strerror or err}); it should be "
-            "the run's metrics file"
-        ) from None
+    except (UnicodeDecodeError, OSError) as err:  # e.g. a directory named metrics.jsonl
+        raise ValueError(read_error_line(metrics_path, err, "the run's metrics file")) from None
     if not records:
         raise ValueError(f"{metrics_path} has no steps yet; plot again after the first step")
     if keys is None:

@@ -70,7 +70,7 @@ class HFEngine(Engine):
         tokenizer=None,
         *,
         pad_token_id: int | None = None,
-        max_batch_size: int = 64,
+        max_batch_size: int = 256,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1 request")
@@ -141,7 +141,7 @@ class HFEngine(Engine):
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         generators = [torch.Generator(device="cpu").manual_seed(int(r.seed)) for r in requests]
-        stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long)
+        stop_ids = set(sampling.stop_token_ids)
 
         tokens: list[list[int]] = [[] for _ in range(bsz)]
         logprobs: list[list[float]] = [[] for _ in range(bsz)]
@@ -172,21 +172,22 @@ class HFEngine(Engine):
                 dtype=torch.float64,
             )
             chosen = sample_inverse_cdf(probs, uniforms.to(device))
-            chosen_logp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).cpu()
-            chosen_cpu = chosen.cpu()
+            chosen_logp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
+            chosen_ids = chosen.tolist()
             for b in range(bsz):
                 if finished[b]:
                     continue
-                tok = int(chosen_cpu[b])
+                tok = chosen_ids[b]
                 tokens[b].append(tok)
-                logprobs[b].append(float(chosen_logp[b]))
-                if stop_ids.numel() and bool((stop_ids == tok).any()):
+                logprobs[b].append(chosen_logp[b])
+                if tok in stop_ids:
                     finished[b] = stopped[b] = True
             if all(finished):
                 break
             # Finished rows keep feeding their last token; their outputs are ignored.
-            fed = [tokens[b][-1] for b in range(bsz)]
-            step_ids = torch.tensor(fed, dtype=torch.long, device=device).unsqueeze(-1)
+            step_ids = torch.tensor(
+                [row[-1] for row in tokens], dtype=torch.long, device=device
+            ).unsqueeze(-1)
             step_pos = next_pos
             next_pos = next_pos + 1
             attention_mask = torch.cat(

@@ -17,7 +17,10 @@ An environment is a multi-turn text game:
   stops, showing the faults.
 
 Both methods may be ``async def`` (awaited on the agent loop's event loop: never block in them)
-or plain methods (run on a worker thread, so they may block on I/O). Every trajectory has its own
+or plain methods (run on a worker thread, so they may block on I/O). An environment whose plain
+methods are quick computations (no I/O, no sleeping, like the built-ins) sets the class or
+instance attribute ``inline = True``: the agent loop then calls them directly on its event loop,
+without the thread hop (about 0.1 ms a call); ``rollout.env_timeout_s`` cannot interrupt them. Every trajectory has its own
 environment instance, and the agent loop runs up to ``rollout.env_concurrency`` calls at once;
 state shared between instances needs a lock. A call that takes longer than
 ``rollout.env_timeout_s`` seconds ends its trajectory like any other fault (a thread cannot be
@@ -46,6 +49,8 @@ class Env(ABC):
 
     #: inclusive (low, high) of the rewards ``step`` returns; anything outside is a fault
     reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE
+    #: True: ``reset``/``step`` are quick computations, called on the event loop (see above)
+    inline: bool = False
 
     @abstractmethod
     def reset(self, seed: int) -> str | list[dict]:

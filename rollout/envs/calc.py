@@ -28,6 +28,8 @@ def calculator(expression: str) -> int | None:
 class CalcEnv(Env):
     """Operands in ``0..max_operand``; ``ops`` a string of allowed operators; ``max_calls`` tool calls."""
 
+    inline = True  # string work only
+
     def __init__(self, max_operand: int = 9, ops: str = "+", max_calls: int = 1) -> None:
         if int(max_operand) != max_operand or not 1 <= max_operand <= 999:
             raise ValueError(f"calc env max_operand={max_operand!r}: must be an integer in 1..999")

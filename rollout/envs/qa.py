@@ -33,6 +33,8 @@ class QAEnv(Env):
         self.reward_fn, self.data_source, self.extra_info = reward_fn, data_source, extra_info
         if reward_fn is not None:
             self.reward_range = (-math.inf, math.inf)  # the reward function's own scale
+        # match_credit and the built-in scorers are quick; a user's function may block
+        self.inline = reward_fn is None or getattr(reward_fn, "inline", False) is True
 
     def reset(self, seed: int) -> str:
         return self.prompt

@@ -16,6 +16,8 @@ from rollout.envs.base import Env, match_credit
 class RecallEnv(Env):
     """``turns`` >= 1 turns (the last one recalls the first number); numbers of ``length`` digits."""
 
+    inline = True  # string work only
+
     def __init__(self, turns: int = 2, length: int = 2) -> None:
         if int(turns) != turns or turns < 1:
             raise ValueError(f"recall env turns={turns!r}: must be an integer >= 1")

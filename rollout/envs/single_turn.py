@@ -9,6 +9,7 @@ scale is the function's own (``reward_range`` unbounded); its extra keys ride in
 
 from __future__ import annotations
 
+import inspect
 import math
 
 from rollout.envs.base import Env
@@ -19,6 +20,7 @@ class SingleTurnEnv(Env):
     (given by the trainer from ``reward.function``); the other fields come from the row."""
 
     reward_range = (-math.inf, math.inf)  # any finite reward
+    inline = True  # reset returns the row's prompt; step awaits the reward function
 
     def __init__(
         self,
@@ -52,6 +54,15 @@ class SingleTurnEnv(Env):
     def reset(self, seed: int) -> str | list[dict]:
         return self.prompt
 
-    def step(self, action_text: str) -> tuple[str, float, bool, dict]:
-        result = self.reward_fn(self.data_source, action_text, self.truth, self.extra_info)
+    async def step(self, action_text: str) -> tuple[str, float, bool, dict]:
+        """Score the reply (the reward function runs off the event loop, see
+        ``RewardFunction.score``); the episode ends."""
+        result = await self._score(action_text)
         return "", result.score, True, {"reward_extra": result.extras}
+
+    async def _score(self, action_text: str):
+        args = (self.data_source, action_text, self.truth, self.extra_info)
+        score = getattr(self.reward_fn, "score", None)
+        if score is not None and inspect.iscoroutinefunction(score):
+            return await score(*args)
+        return self.reward_fn(*args)  # a plain callable returning a RewardResult

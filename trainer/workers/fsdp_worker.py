@@ -19,7 +19,7 @@ import torch
 import hal
 from batching import StepBatch
 from trainer.config_schema import Config, CriticConfig, TrainConfig
-from trainer.optim import build_optimizer
+from trainer.optim import build_optimizer, reapply_hyperparameters
 from trainer.startup import Phases, process_start_time
 from trainer.step_stats import StepStats
 
@@ -611,6 +611,10 @@ class FSDPWorker:
             set_model_state_dict(self.model, model_state)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(load_torch(ckpt / LAYOUT.scheduler(role)))
+            optim = self.spec.optim
+            reapply_hyperparameters(
+                self.optimizer, self.scheduler, lr=optim.lr, weight_decay=optim.weight_decay
+            )
         rng_file = ckpt / LAYOUT.rng(role, self.spec.rank)
         if rng_file.exists():  # a larger dp size resumes its new ranks with fresh streams
             set_rng_state(load_torch(rng_file), self._device_rng_setter())

@@ -173,10 +173,16 @@ def bundle_device_ids(placement: Placement, rank: int, *, timeout_s: float) -> l
 
 
 def wait_all(
-    refs: Sequence[ray.ObjectRef], names: Sequence[str], *, timeout_s: float, what: str
+    refs: Sequence[ray.ObjectRef],
+    names: Sequence[str],
+    *,
+    timeout_s: float,
+    what: str | Sequence[str],
 ) -> list[Any]:
     """Results of ``refs`` in order; the first failure raises ``WorkerFailedError`` naming
-    the worker (``names[i]`` for ``refs[i]``) without waiting for the others."""
+    the worker (``names[i]`` for ``refs[i]``) and the call (``what``, or ``what[i]``)
+    without waiting for the others."""
+    whats = [what] * len(refs) if isinstance(what, str) else list(what)
     index = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
     pending = list(refs)
@@ -185,7 +191,8 @@ def wait_all(
         left = deadline - time.monotonic()
         if left <= 0:
             late = ", ".join(names[index[r]] for r in pending)
-            raise WorkerFailedError(f"{what}: no answer from {late} within {timeout_s:.0f} s")
+            calls = ", ".join(dict.fromkeys(whats[index[r]] for r in pending))
+            raise WorkerFailedError(f"{calls}: no answer from {late} within {timeout_s:.0f} s")
         done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
         for ref in done:
             i = index[ref]
@@ -193,11 +200,11 @@ def wait_all(
                 results[i] = ray.get(ref)
             except ray.exceptions.RayActorError as err:
                 raise WorkerFailedError(
-                    f"{what}: worker {names[i]} died ({_first_line(err)})"
+                    f"{whats[i]}: worker {names[i]} died ({_first_line(err)})"
                 ) from err
             except ray.exceptions.RayTaskError as err:
                 raise WorkerFailedError(
-                    f"{what}: worker {names[i]} raised {_first_line(err)}"
+                    f"{whats[i]}: worker {names[i]} raised {_first_line(err)}"
                 ) from err
     return results
 
@@ -242,6 +249,41 @@ class WorkerGroup:
             getattr(h, method).remote(*(([per_rank[r]] if per_rank else []) + list(args)))
             for r, h in enumerate(self.handles)
         ]
+
+
+class PendingCalls:
+    """Calls on actors started without waiting, then waited for together.
+
+    Ray runs one actor's calls in the order they were submitted, so a chain on the same
+    workers (``load_batch`` -> ``compute_logprobs`` -> ``set_token_field`` ->
+    ``compute_advantages``) needs no wait in between: the round trips of a step overlap
+    instead of queueing one after another. ``wait`` fails fast naming the worker and method.
+    """
+
+    def __init__(self) -> None:
+        self._refs: list = []
+        self._names: list[str] = []
+        self._whats: list[str] = []
+
+    def submit(self, group: WorkerGroup, method: str, *args, per_rank: list | None = None) -> list:
+        """``group.submit(...)``, remembered for ``wait``; returns the refs (rank order)."""
+        refs = group.submit(method, *args, per_rank=per_rank)
+        self.add(refs, group.names, f"{group.role}.{method}")
+        return refs
+
+    def add(self, refs: list, names: Sequence[str], what: str) -> list:
+        """Remember refs started elsewhere (``names[i]`` made ``refs[i]``); returns them."""
+        self._refs.extend(refs)
+        self._names.extend(names)
+        self._whats.extend([what] * len(refs))
+        return refs
+
+    def wait(self, timeout_s: float = CALL_TIMEOUT_S) -> dict:
+        """Wait for every call; returns ``{ref: result}``. Raises ``WorkerFailedError``."""
+        results = wait_all(self._refs, self._names, timeout_s=timeout_s, what=self._whats)
+        out = dict(zip(self._refs, results))
+        self._refs, self._names, self._whats = [], [], []
+        return out
 
 
 def agree_on_settings(applied: list[tuple[str, dict[str, str]]]) -> dict[str, str]:

@@ -226,7 +226,7 @@ class RolloutHost(EngineHost):
         faults = [fault for o in outputs for fault in o.faults]
         out = RolloutOutput(rows=rows, metrics=metrics, faults=faults)
         if not out.rows:
-            from rollout.agent_loop import fault_summary
+            from rollout.env_calls import fault_summary
 
             total = int(metrics.get("rollout/num_trajectories", 0))
             why = fault_summary(faults, total) if faults else out.metrics
