@@ -5,34 +5,63 @@
     model = AutoModelForCausalLM.from_config(c, attn_implementation=hal.register_attention())
     logits = hal.packed_forward(model, input_ids, position_ids, cu_seqlens)   # [T, V]
 
-See docs/hal.md. This package imports only torch (transformers only inside register_attention).
+See docs/hal.md. This package imports only torch (transformers only inside register_attention),
+and that only when one of its names is first used: a process that needs ``BACKEND_NAMES`` alone
+(the config schema, the CLI's driver before Ray starts) does not pay for importing torch.
 """
 
-from hal.attention import (
-    ATTN_IMPLEMENTATION,
-    crossrl_attention_forward,
-    cu_seqlens_from_position_ids,
-    packed_forward,
-    register_attention,
-    validate_cu_seqlens,
-    varlen_attention,
-)
-from hal.base import (
-    DeviceBackend,
-    DeviceNotAvailableError,
-    ipc_rebuild_args,
-    open_shared_buffer,
-    walk_tensors,
-)
-from hal.cpu import CpuBackend
-from hal.cuda import CudaBackend, flash_attn_varlen_kwargs
-from hal.describe import describe
-from hal.npu import NpuBackend, npu_causal_mask, npu_fusion_attention_args
-from hal.registry import BACKEND_NAMES, available_backends, backend_class, get_backend
+import importlib
+
+BACKEND_NAMES = ("auto", "cpu", "cuda", "npu")
+"""Allowed values of the `device` config key."""
+
+RAY_RESOURCES = {"cpu": "CPU", "cuda": "GPU", "npu": "NPU"}
+"""The Ray resource of each device type (a backend's ``ray_resource``), known without torch."""
+
+#: Where each public name lives; imported on first use (PEP 562).
+_EXPORTS = {
+    "hal.attention": (
+        "ATTN_IMPLEMENTATION",
+        "crossrl_attention_forward",
+        "cu_seqlens_from_position_ids",
+        "packed_forward",
+        "register_attention",
+        "validate_cu_seqlens",
+        "varlen_attention",
+    ),
+    "hal.base": (
+        "DeviceBackend",
+        "DeviceNotAvailableError",
+        "ipc_rebuild_args",
+        "open_shared_buffer",
+        "walk_tensors",
+    ),
+    "hal.cpu": ("CpuBackend",),
+    "hal.cuda": ("CudaBackend", "flash_attn_varlen_kwargs"),
+    "hal.describe": ("describe",),
+    "hal.npu": ("NpuBackend", "npu_causal_mask", "npu_fusion_attention_args"),
+    "hal.registry": ("available_backends", "backend_class", "get_backend"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hal' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "BACKEND_NAMES",
+    "RAY_RESOURCES",
     "CpuBackend",
     "CudaBackend",
     "DeviceBackend",

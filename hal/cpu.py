@@ -11,6 +11,7 @@ import uuid
 
 import torch
 
+from hal import RAY_RESOURCES
 from hal.base import DeviceBackend
 
 #: Shared-memory files this process has mapped, by path: a reader maps each buffer once.
@@ -39,7 +40,7 @@ class CpuBackend(DeviceBackend):
     device_type = "cpu"
     process_group_backend = "gloo"
     visible_devices_env = None
-    ray_resource = "CPU"
+    ray_resource = RAY_RESOURCES["cpu"]
     ray_noset_env_var = None
     is_accelerator = False
 

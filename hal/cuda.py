@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from hal import RAY_RESOURCES
 from hal.base import DeviceBackend
 
 #: Kernels that failed once in this process (import or first call): never tried again.
@@ -115,7 +116,7 @@ class CudaBackend(DeviceBackend):
     device_type = "cuda"
     process_group_backend = "nccl"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
-    ray_resource = "GPU"
+    ray_resource = RAY_RESOURCES["cuda"]
     ray_noset_env_var = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
     def device_names(self) -> list[str]:

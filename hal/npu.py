@@ -12,6 +12,7 @@ import importlib.util
 
 import torch
 
+from hal import RAY_RESOURCES
 from hal.base import DeviceBackend
 
 NPU_CAUSAL_MASK_SIZE = 2048
@@ -96,7 +97,7 @@ class NpuBackend(DeviceBackend):
     device_type = "npu"
     process_group_backend = "hccl"
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
-    ray_resource = "NPU"
+    ray_resource = RAY_RESOURCES["npu"]
     ray_noset_env_var = "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"
 
     def __init__(self) -> None:

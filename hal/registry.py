@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from hal import BACKEND_NAMES
 from hal.base import DeviceBackend, DeviceNotAvailableError
 from hal.cpu import CpuBackend
 from hal.cuda import CudaBackend
 from hal.npu import NpuBackend, import_torch_npu, torch_npu_installed
-
-BACKEND_NAMES = ("auto", "cpu", "cuda", "npu")
-"""Allowed values of the `device` config key."""
 
 _CLASSES: dict[str, type[DeviceBackend]] = {
     "cpu": CpuBackend,

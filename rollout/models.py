@@ -24,8 +24,7 @@ from rollout.files import temp_sibling
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-BUILTIN_MODELS_DIR = Path(__file__).resolve().parent / "assets" / "models"
-BUILTIN_MODELS = ("tiny", "small")  # tiny: 0.1M params (tests), small: 19M params (benchmarks)
+from rollout.assets import BUILTIN_MODELS, BUILTIN_MODELS_DIR  # noqa: F401 - re-exported
 
 #: Published architectures, for random-weight stand-ins on machines without the real weights
 #: (accelerator bring-up, benchmarks). Each is the model's own config.json, weights random.

@@ -12,10 +12,12 @@ import shutil
 import string
 from collections.abc import Sequence
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from rollout.files import atomic_write_text
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is loaded, not by who imports
+    from transformers import PreTrainedTokenizerBase  # the agent loop only to name its types
 
 BUILTIN_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tokenizer"
 
@@ -55,6 +57,8 @@ def load_tokenizer(path_or_name: str | Path = "builtin") -> PreTrainedTokenizerB
     local directory holding ``tokenizer.json``/``tokenizer_config.json``. The returned tokenizer pads
     on the left and always has a pad token (eos when the directory defines none).
     """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     name = str(path_or_name)
     if is_builtin(name):
         directory = BUILTIN_TOKENIZER_DIR
@@ -97,6 +101,8 @@ def save_tokenizer(model_path: str | Path, out_dir: str | Path) -> Path:
     byte-level form, token ids unchanged, so that every loader builds the same tokenizer.
     Raises ValueError naming the directory when no form loads alike.
     """
+    from transformers import AutoTokenizer
+
     source, out = tokenizer_dir(model_path), Path(out_dir)
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
@@ -117,6 +123,8 @@ def save_tokenizer(model_path: str | Path, out_dir: str | Path) -> Path:
 def _loads_alike(directory: Path, want: list[int], text: str) -> bool:
     """Whether AutoTokenizer and ``load_tokenizer`` on ``directory`` both give ``want`` for
     ``PROBE_MESSAGES`` and decode it back to ``text``."""
+    from transformers import AutoTokenizer
+
     auto = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     for tok in (auto, load_tokenizer(directory)):
         ids = chat_token_ids(tok, PROBE_MESSAGES)
@@ -131,6 +139,7 @@ def _rewrite_byte_level(directory: Path) -> bool:
     alphabet (space -> ``Ġ``, newline -> ``Ċ``), same ids, byte-level pre-tokenizer and
     decoder. Then name, in ``tokenizer_config.json``, the class AutoTokenizer now builds, so
     ``load_tokenizer`` builds it too. Returns False (nothing written) for any other tokenizer."""
+    from transformers import AutoTokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     path = directory / "tokenizer.json"

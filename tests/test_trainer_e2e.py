@@ -59,6 +59,12 @@ def test_run_directory_contract(local_ray, tmp_path):
         # peak RSS of the actor's process on the CPU: its model, optimizer and Python at least
         assert 0.05 < m["memory/actor_peak_gb"] < 64
 
+    # Start-up is timed once, on the first line: the total and its phases, workers' included.
+    startup = {k: v for k, v in metrics[0].items() if k.startswith("timing/startup")}
+    assert startup["timing/startup_s"] > 0
+    assert {"timing/startup_ray_init_s", "timing/startup_actor_build_s"} <= set(startup)
+    assert not any(k.startswith("timing/startup") for m in metrics[1:] for k in m)
+
     fingerprints = read_jsonl(run_dir / "fingerprint.jsonl")
     assert [f["step"] for f in fingerprints] == [1, 2, 3]
     assert all(len(f["plan_digest"]) == 64 for f in fingerprints)

@@ -51,14 +51,17 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from trainer.config import ConfigError, load_config
+    from trainer.startup import CLOCK
 
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         print(f"crossrl train: config error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    CLOCK.done("config")
     from trainer.run import run_training
 
+    CLOCK.done("imports")
     return run_training(cfg)
 
 
@@ -232,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``crossrl`` console script; returns the process exit status."""
+    from trainer.startup import begin_at_process_start
+
+    begin_at_process_start()  # `crossrl train` reports its start-up from the process start
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

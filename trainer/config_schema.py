@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from hal.registry import BACKEND_NAMES
-from rollout.models import BUILTIN_MODELS
+from hal import BACKEND_NAMES
+from rollout.assets import BUILTIN_MODELS
 
 # Values every section shares: unknown keys are errors (a typo must fail in the first
 # second, not after an hour of rollout), no silent type coercion ("8" is not 8), and no

@@ -55,53 +55,93 @@ class Trainer:
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
-        """Reserve devices, start the engine replicas and training workers, resume if asked."""
-        import ray
+        """Reserve devices, start the engine replicas and training workers, resume if asked.
 
+        Every actor is created before any is waited on, so their processes boot and import
+        side by side; then every setup runs at once, except on an accelerator, where the
+        engines take their share of device memory before the training ranks load theirs (an
+        engine sizes its cache from the memory it finds free).
+        """
         import hal
         from trainer.layout import plan_layout
-        from trainer.workers.critic import CriticWorker
-        from trainer.workers.fsdp_worker import WorkerSpec
-        from trainer.workers.group import actor_options, cluster_nodes, make_placement
-        from trainer.workers.policy import PolicyWorker
+        from trainer.startup import CLOCK
+        from trainer.workers.group import cluster_nodes, make_placement
 
         cfg = self.cfg
-        dp = cfg.train.dp_size
         backend = hal.get_backend(cfg.device)
         resource = backend.ray_resource
         # Fails here, naming the key, when the cluster cannot hold the job (trainer/layout.py).
         self.layout = plan_layout(cfg, cluster_nodes(resource), resource, device=backend.name)
-        placement = make_placement(
-            resource, dp, tp=self.layout.tp, timeout_s=cfg.ray.placement_timeout_s
+        self.placement = make_placement(
+            resource, cfg.train.dp_size, tp=self.layout.tp, timeout_s=cfg.ray.placement_timeout_s
         )
-        self.placement = placement
-        threads = max(1, (os.cpu_count() or 1) // dp) if backend.name == "cpu" else 4
         self.use_ref = "reference" in self.layout.roles
         self.use_critic = "critic" in self.layout.roles
-        self._start_replicas(backend)
-
-        def spawn(role: str, cls) -> WorkerGroup:
-            handles = [
-                ray.remote(cls)
-                .options(**actor_options(placement, rank, self.layout.shares[role]))
-                .remote(WorkerSpec(role=role, rank=rank, cfg=cfg, threads=threads))
-                for rank in range(dp)
-            ]
-            group = WorkerGroup(role, handles)
-            # Ranks may sit on several nodes: they meet at rank 0's node.
-            addr, port = ray.get(handles[0].rendezvous_address.remote())
-            group.setup_info = group.call("setup", addr, port)
-            return group
-
-        self.actor = spawn("actor", PolicyWorker)
-        self.ref = spawn("reference", PolicyWorker) if self.use_ref else None
-        self.critic = spawn("critic", CriticWorker) if self.use_critic else None
+        CLOCK.done("placement")
+        self.replicas = self._create_replicas(backend)
+        self.rollout = self.replicas[0]
+        self.actor = self._create_group("actor", backend)
+        self.ref = self._create_group("reference", backend) if self.use_ref else None
+        self.critic = self._create_group("critic", backend) if self.use_critic else None
+        CLOCK.done("actors_created")
+        replica_refs = [h.setup.remote() for h in self.replicas]
+        replica_names = [f"engine replica {i}" for i in range(len(self.replicas))]
+        if backend.is_accelerator:
+            self._setup_replicas(
+                wait_all(
+                    replica_refs, replica_names, timeout_s=CALL_TIMEOUT_S, what="rollout.setup"
+                )
+            )
+            replica_refs, replica_names = [], []
+        groups = self._all_groups()
+        refs = {g.role: g.submit("setup", *self._rendezvous(g)) for g in groups}
+        answers = wait_all(
+            replica_refs + [r for g in groups for r in refs[g.role]],
+            replica_names + [n for g in groups for n in g.names],
+            timeout_s=CALL_TIMEOUT_S,
+            what="setup",
+        )
+        if replica_refs:
+            self._setup_replicas(answers[: len(replica_refs)])
+        answers = answers[len(replica_refs) :]
+        for group in groups:
+            group.setup_info, answers = answers[: len(group.handles)], answers[len(group.handles) :]
+            CLOCK.add_worker(group.role, group.setup_info[0].get("startup", {}))
+        CLOCK.done("actors_setup")
         self.deterministic_settings = self._agreed_deterministic_settings()
         self._resume()
+        CLOCK.done("resume")
 
-    def _start_replicas(self, backend) -> None:
+    def _create_group(self, role: str, backend) -> WorkerGroup:
+        """The Ray actors of one training role, one per rank; their setup is not called yet."""
+        import ray
+
+        from trainer.workers.critic import CriticWorker
+        from trainer.workers.fsdp_worker import WorkerSpec
+        from trainer.workers.group import actor_options
+        from trainer.workers.policy import PolicyWorker
+
+        cfg, dp = self.cfg, self.cfg.train.dp_size
+        cls = CriticWorker if role == "critic" else PolicyWorker
+        threads = max(1, (os.cpu_count() or 1) // dp) if backend.name == "cpu" else 4
+        handles = [
+            ray.remote(cls)
+            .options(**actor_options(self.placement, rank, self.layout.shares[role]))
+            .remote(WorkerSpec(role=role, rank=rank, cfg=cfg, threads=threads))
+            for rank in range(dp)
+        ]
+        return WorkerGroup(role, handles)
+
+    @staticmethod
+    def _rendezvous(group: WorkerGroup) -> list:
+        """References to rank 0's address and port, where a role's ranks meet (they may sit on
+        several nodes); passed on unresolved, so no rank waits for the controller."""
+        return group.handles[0].rendezvous_address.options(num_returns=2).remote()
+
+    def _create_replicas(self, backend) -> list:
         """One engine replica per tp group, on the group's first rank's bundle; replica 0 is
-        the rollout host (agent loop, prompts) and deals requests to the others."""
+        the rollout host (agent loop, prompts) and deals requests to the others. Their setup
+        is not called yet."""
         import ray
 
         from trainer.workers.group import actor_options, bundle_device_ids
@@ -111,40 +151,37 @@ class Trainer:
         share = layout.shares["rollout"]
         if self.replay_dir is not None:
             opts = actor_options(placement, 0, share)
-            self.replicas = [ray.remote(ReplayHost).options(**opts).remote(self.replay_dir)]
-        else:
-            # CPU: the replicas split the cores; an accelerator's engine uses few of them.
-            cpus = os.cpu_count() or 1
-            threads = max(1, cpus // len(layout.replicas)) if backend.name == "cpu" else 4
-            self.replicas = []
-            for rep in layout.replicas:
-                opts = actor_options(placement, rep.ranks[0], share)
-                if backend.is_accelerator:
-                    # The replica's process sees exactly its tp group's devices (Ray would
-                    # show it only its own bundle's) plus what the device's engine needs.
-                    ids = [
-                        i
-                        for r in rep.ranks
-                        for i in bundle_device_ids(placement, r, timeout_s=CALL_TIMEOUT_S)
-                    ]
-                    opts["runtime_env"] = {"env_vars": backend.engine_env(ids)}
-                cls = RolloutHost if rep.index == 0 else EngineHost
-                handle = ray.remote(cls).options(**opts).remote(cfg, threads, rep.index)
-                self.replicas.append(handle)
-        names = [f"engine replica {i}" for i in range(len(self.replicas))]
-        infos = wait_all(
-            [h.setup.remote() for h in self.replicas],
-            names,
-            timeout_s=CALL_TIMEOUT_S,
-            what="rollout.setup",
-        )
-        self.rollout = self.replicas[0]
+            return [ray.remote(ReplayHost).options(**opts).remote(self.replay_dir)]
+        # CPU: the replicas split the cores; an accelerator's engine uses few of them.
+        cpus = os.cpu_count() or 1
+        threads = max(1, cpus // len(layout.replicas)) if backend.name == "cpu" else 4
+        replicas = []
+        for rep in layout.replicas:
+            opts = actor_options(placement, rep.ranks[0], share)
+            if backend.is_accelerator:
+                # The replica's process sees exactly its tp group's devices (Ray would
+                # show it only its own bundle's) plus what the device's engine needs.
+                ids = [
+                    i
+                    for r in rep.ranks
+                    for i in bundle_device_ids(placement, r, timeout_s=CALL_TIMEOUT_S)
+                ]
+                opts["runtime_env"] = {"env_vars": backend.engine_env(ids)}
+            cls = RolloutHost if rep.index == 0 else EngineHost
+            replicas.append(ray.remote(cls).options(**opts).remote(cfg, threads, rep.index))
+        return replicas
+
+    def _setup_replicas(self, infos: list[dict[str, Any]]) -> None:
+        """Keep the replicas' setup answers; with several, the rollout host deals to all."""
+        from trainer.startup import CLOCK
+
         self.rollout_info = infos[0]
         self.replica_info = infos
+        CLOCK.add_worker("rollout", infos[0].get("startup", {}))
         if len(self.replicas) > 1:
             wait_all(
                 [self.rollout.connect.remote(self.replicas[1:])],
-                names[:1],
+                ["engine replica 0"],
                 timeout_s=CALL_TIMEOUT_S,
                 what="rollout.connect",
             )

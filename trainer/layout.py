@@ -201,7 +201,7 @@ def layout_for_cli(
     import hal
 
     name = cfg.device if cfg.device != "auto" else hal.available_backends()[0]
-    resource = hal.backend_class(name).ray_resource
+    resource = hal.RAY_RESOURCES[name]  # without importing torch for a named device
     count = nodes or 1
     if count < 1:
         raise LayoutError(f"--nodes={count}: must be >= 1")

@@ -9,12 +9,23 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.config import Config
-from trainer.controller import Trainer
-from trainer.health import HealthError, checkpoint_veto
-from trainer.workers.group import WorkerFailedError
+
+if TYPE_CHECKING:
+    from trainer.controller import Trainer
+
+#: What the driver imports once Ray is up: the controller and the worker classes Ray pickles
+#: (torch, FSDP, transformers). Imported in the background while Ray starts; the checks
+#: before Ray need none of them.
+DRIVER_MODULES = (
+    "trainer.controller",
+    "trainer.workers.policy",
+    "trainer.workers.critic",
+    "trainer.workers.rollout_host",
+    "trainer.metrics",
+)
 
 
 def write_run_config(cfg: Config, run_dir: Path, deterministic: dict[str, str]) -> None:
@@ -99,11 +110,14 @@ def run_training(
     """
     from trainer.preflight import PreflightError, preflight
     from trainer.run_dir import RunDirError, RunDirLock, overwrite_problem
+    from trainer.startup import CLOCK
     from trainer.workers.group import RayConnectError
 
+    CLOCK.start_run()
     run_dir = Path(cfg.run.dir)
     try:
         preflight(cfg, command=command, replay=replay_dir is not None)
+        CLOCK.done("preflight")
         with RunDirLock(run_dir, command) as lock:
             if lock.took_over:
                 print(
@@ -116,6 +130,7 @@ def run_training(
             )
             if problem:
                 raise RunDirError(problem)
+            CLOCK.done("run_dir")
             return _run(cfg, run_dir, replay_dir, save_checkpoints, command)
     except (PreflightError, RunDirError, RayConnectError) as err:
         print(f"crossrl {command}: {err}", file=sys.stderr)
@@ -128,19 +143,28 @@ def _run(
     """Start Ray and the trainer, train, and shut everything down again."""
     from trainer.checkpoint import CheckpointError
     from trainer.layout import LayoutError, local_ray_cpus
-    from trainer.workers.group import start_ray
+    from trainer.startup import CLOCK, import_in_background
+    from trainer.workers.group import WorkerFailedError, start_ray
 
     with StopRequests() as stop:
+        imports = import_in_background(DRIVER_MODULES)  # while Ray starts, mostly waiting
         started_ray = start_ray(
             cfg.ray.address,
             num_cpus=local_ray_cpus(cfg),
             connect_timeout_s=cfg.ray.connect_timeout_s,
         )
         stop.install()  # ray.init replaced the SIGTERM handler
+        CLOCK.done("ray_init")
+        imports.join()
+        CLOCK.done("driver_imports")
+        from trainer.controller import Trainer
+        from trainer.health import HealthError
+
         trainer = Trainer(cfg, run_dir, replay_dir=replay_dir)
         try:
             trainer.start()
             write_run_config(cfg, run_dir, trainer.deterministic_settings)
+            CLOCK.done("config_yaml")
             _train_loop(cfg, trainer, run_dir, stop, save_checkpoints=save_checkpoints)
             return 0
         except (WorkerFailedError, HealthError, CheckpointError) as err:
@@ -169,7 +193,9 @@ def _train_loop(
     cfg: Config, trainer: Trainer, run_dir: Path, stop: StopRequests, *, save_checkpoints: bool
 ) -> None:
     """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint."""
+    from trainer.health import checkpoint_veto
     from trainer.metrics import FingerprintLogger, MetricsLogger
+    from trainer.startup import CLOCK, log_summary
     from trainer.validation import validation_due
 
     total = cfg.train.total_steps
@@ -177,11 +203,16 @@ def _train_loop(
         MetricsLogger.for_run(cfg, run_dir, start_step=trainer.start_step) as log,
         FingerprintLogger(run_dir, start_step=trainer.start_step) as fp_log,
     ):
+        CLOCK.done("loggers")
         if cfg.run.val_before_train and trainer.start_step == 0:
             log.log(0, trainer.validate(0))
+            CLOCK.done("validation")
+        if trainer.start_step < total:
+            log_summary()
         for step in range(trainer.start_step + 1, total + 1):
             stop.check()  # a signal during start-up or the previous step ends the run here
             metrics, fingerprint = trainer.train_step(step)
+            metrics.update(CLOCK.metrics())  # the first step of this process only
             if validation_due(cfg, step):
                 metrics.update(trainer.validate(step))
             log.log(step, metrics)

@@ -11,11 +11,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # torch is imported by the engines themselves, not by who only plans with them
+    import torch
 
-from rollout.engines.buckets import TensorSpec, unpack_bucket
+    from rollout.engines.buckets import TensorSpec
 
 #: What ``Engine.wake_up`` can retake, in the order the weight sync wakes them.
 WAKE_TAGS = ("weights", "kv_cache")
@@ -97,6 +98,8 @@ class Engine(ABC):
         buckets``): ``handles[k]`` is tp rank k's copy, ``open_bucket(handle)`` maps one as a
         flat uint8 tensor on this process's device. An engine in one process reads tp rank 0's;
         engines with a worker per device (vLLM tp > 1) let each worker read its own."""
+        from rollout.engines.buckets import unpack_bucket
+
         self.update_weights(unpack_bucket(open_bucket(handles[0]), specs))
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, default no-op

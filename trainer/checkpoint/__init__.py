@@ -45,34 +45,55 @@ staging, commit, ``latest``, verify and resume.
 Atomic file writes themselves live in ``rollout/files.py``.
 """
 
-from trainer.checkpoint.layout import LAYOUT, CheckpointLayout
-from trainer.checkpoint.pieces import (
-    CheckpointError,
-    load_json,
-    load_safetensors,
-    load_torch,
-    rng_state,
-    save_json,
-    save_safetensors,
-    save_torch,
-    set_rng_state,
-)
-from trainer.checkpoint.sharded import (
-    load_sharded,
-    read_model_weights,
-    read_sharded,
-    save_sharded,
-)
-from trainer.checkpoint.store import (
-    begin_checkpoint,
-    checkpoint_step,
-    commit_checkpoint,
-    find_latest,
-    list_checkpoints,
-    resolve_resume,
-    step_dir_name,
-    verify_checkpoint,
-)
+import importlib
+
+#: Where each public name lives; imported on first use (PEP 562), so that resolving a resume
+#: target (``store``, before Ray starts) does not import torch (``sharded``).
+_EXPORTS = {
+    "trainer.checkpoint.layout": ("LAYOUT", "CheckpointLayout"),
+    "trainer.checkpoint.pieces": (
+        "CheckpointError",
+        "load_json",
+        "load_safetensors",
+        "load_torch",
+        "rng_state",
+        "save_json",
+        "save_safetensors",
+        "save_torch",
+        "set_rng_state",
+    ),
+    "trainer.checkpoint.sharded": (
+        "load_sharded",
+        "read_model_weights",
+        "read_sharded",
+        "save_sharded",
+    ),
+    "trainer.checkpoint.store": (
+        "begin_checkpoint",
+        "checkpoint_step",
+        "commit_checkpoint",
+        "find_latest",
+        "list_checkpoints",
+        "resolve_resume",
+        "step_dir_name",
+        "verify_checkpoint",
+    ),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainer.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "LAYOUT",

@@ -13,12 +13,14 @@ import os
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from rollout.files import atomic_path, atomic_write_text
+
+if TYPE_CHECKING:  # torch is imported where a tensor is saved or loaded: resolving a resume
+    import torch  # target before Ray starts does not pay for it
 
 log = logging.getLogger("trainer.checkpoint")
 
@@ -65,6 +67,7 @@ def save_safetensors(
     shared storage; loading gives independent copies, and re-tying is the model's job.
     Sharded (DTensor) parameters must be gathered to full tensors by the caller first.
     """
+    import torch
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -112,6 +115,8 @@ def load_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def save_torch(obj: Any, path: str | os.PathLike) -> Path:
     """``torch.save`` atomically. Keep ``obj`` to tensors, dicts, lists, tuples, numbers,
     strings and None so ``load_torch`` (``weights_only=True``) can read it back."""
+    import torch
+
     with atomic_path(path) as tmp:
         torch.save(obj, tmp)
     return Path(path)
@@ -119,6 +124,8 @@ def save_torch(obj: Any, path: str | os.PathLike) -> Path:
 
 def load_torch(path: str | os.PathLike) -> Any:
     """``torch.load(weights_only=True)`` onto the CPU; errors name the file (no deep traceback)."""
+    import torch
+
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(
@@ -144,6 +151,8 @@ def rng_state(device_get_state: Callable[[], Any] | None = None) -> dict[str, An
     it is stored under ``"device"``. Everything is plain lists/ints/tensors so the dict
     survives ``save_torch`` -> ``load_torch`` with ``weights_only=True``.
     """
+    import torch
+
     version, internal, gauss_next = random.getstate()
     kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
@@ -170,6 +179,8 @@ def set_rng_state(
     A device state without a setter (a run resumed on another device type) is skipped with a
     warning: host draws still reproduce, device sampling will not.
     """
+    import torch
+
     for key in ("python", "numpy", "torch"):
         if key not in state:
             raise CheckpointError(

@@ -13,7 +13,7 @@ import logging
 import re
 from pathlib import Path
 
-from rollout.models import BUILTIN_MODELS
+from rollout.assets import BUILTIN_MODELS
 from trainer.config.errors import Problem, problem, raise_first
 from trainer.config_schema import Config
 

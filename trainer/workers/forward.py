@@ -21,7 +21,6 @@ import types
 from types import SimpleNamespace
 
 import torch
-from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 import hal
 
@@ -205,6 +204,9 @@ def _lean_method(model: torch.nn.Module):
     its gradients are reduced. Nothing is added to the module tree: parameter names, state
     dicts and checkpoints are those of the plain model.
     """
+    # Here, not at the top: the controller imports this module only to name the worker classes.
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
     fsdp = isinstance(model, FSDPModule)
     if model.__dict__.get("_crossrl_lean_fsdp") != fsdp:  # first use, or sharded since
         config = model.config

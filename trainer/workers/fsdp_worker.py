@@ -15,19 +15,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
 
 import hal
 from batching import StepBatch
 from trainer.config_schema import Config, CriticConfig, TrainConfig
 from trainer.optim import build_optimizer, reapply_hyperparameters
+from trainer.startup import Phases, process_start_time
 from trainer.step_stats import StepStats
 
 ROLES = ("actor", "reference", "critic")
@@ -103,6 +96,9 @@ class FSDPWorker:
     """Base class of the actor, reference and critic workers."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        # Start-up phases, from this process's start: its boot and imports, then setup's.
+        self.startup = Phases(process_start_time())
+        self.startup.done("boot")
         self.spec = spec
         self.backend = hal.get_backend(spec.cfg.device)
         self.batch: StepBatch | None = None
@@ -132,6 +128,7 @@ class FSDPWorker:
         Returns facts for the controller (parameter count, deterministic settings applied).
         """
         spec, cfg = self.spec, self.spec.cfg
+        self.startup.done("queued")
         torch.set_num_threads(max(1, spec.threads))
         if cfg.run.deterministic:
             self.deterministic_settings = self.backend.set_deterministic(cfg.seed)
@@ -149,18 +146,22 @@ class FSDPWorker:
             host_collectives=cfg.train.param_offload,
         )
         self.device = self.backend.device(local_rank)
+        self.startup.done("process_group")
         # Every rank starts from identical weights: same path, same seed.
         self.backend.manual_seed(cfg.seed)
         self._materialise_model_files()
         # Built on the meta device, sharded, then loaded: a node's host memory holds at most
         # one full copy of the weights (rank 0's), whatever the dp size.
         model = self.build_model()
+        self.startup.done("build")
         # What the role built for real, not on meta (the critic's value head), keeps its values.
         own = {k: v.detach().clone() for k, v in model.state_dict().items() if not v.is_meta}
         if cfg.train.activation_checkpointing and spec.trainable:
             enable_activation_checkpointing(model)
         self._shard(model)
+        self.startup.done("shard")
         self._load_initial_weights(model, own)
+        self.startup.done("load")
         self.model = model
         if spec.trainable:
             self.optimizer, self.scheduler = build_optimizer(
@@ -178,10 +179,12 @@ class FSDPWorker:
         # Different ranks draw different dropout / sampling noise from here on.
         self.backend.manual_seed(cfg.seed + 1000 * (spec.rank + 1))
         num_params = sum(p.numel() for p in model.parameters())
+        self.startup.done("optimizer")
         return {
             "rank": spec.rank,
             "num_params": int(num_params),
             "deterministic": self.deterministic_settings,
+            "startup": self.startup.seconds,
         }
 
     def local_rank(self) -> int:
@@ -234,6 +237,14 @@ class FSDPWorker:
         """FSDP2 in place: each decoder layer, then the root. ``train.param_offload`` keeps
         the sharded parameters (and so their gradients and optimizer step) in host memory
         through FSDP2's CPU-offload policy, pinned on an accelerator."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
         train = self.spec.cfg.train
         mp = MixedPrecisionPolicy(
             param_dtype=_dtype(train.param_dtype), reduce_dtype=_dtype(train.reduce_dtype)
@@ -323,6 +334,8 @@ class FSDPWorker:
         FSDP2's CPU-offload policy keeps the sharded parameters, their gradients and so the
         optimizer state in host memory all along, and gathers them onto the device per use.
         """
+        from torch.distributed.fsdp import FSDPModule
+
         if isinstance(self.model, FSDPModule):
             self.model.reshard()
         if self.spec.cfg.train.optimizer_offload and self.optimizer is not None:
@@ -461,6 +474,8 @@ class FSDPWorker:
         and read back once. Gradients are synchronised only on the last micro-batch. Returns
         this rank's report of the optimizer step.
         """
+        from torch.distributed.fsdp import FSDPModule
+
         model = self.model
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, Any] = {}

@@ -82,6 +82,8 @@ def start_ray(
     # Local runs need no token; a cluster the user started keeps its own settings.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Runs are offline: no usage report for Ray's processes to prepare and fail to send.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     kwargs: dict[str, Any] = {
         "include_dashboard": False,
         "logging_level": "ERROR",

@@ -20,6 +20,7 @@ from batching import StepBatch, response_length_mean, trajectory_score_mean
 from rollout.agent_loop import RolloutOutput
 from rollout.engines.base import Engine
 from trainer.config_schema import Config
+from trainer.startup import Phases, process_start_time
 
 
 class EngineHost:
@@ -30,6 +31,9 @@ class EngineHost:
     def __init__(self, cfg: Config, threads: int = 1, replica: int = 0) -> None:
         """``cfg``: the typed job config (it pickles into Ray); ``threads``: CPU threads;
         ``replica``: this replica's index (``trainer.layout``)."""
+        # Start-up phases, from this process's start: its boot and imports, then setup's.
+        self.startup = Phases(process_start_time())
+        self.startup.done("boot")
         self.cfg = cfg
         self.threads = threads
         self.replica = replica
@@ -41,6 +45,7 @@ class EngineHost:
         from rollout.models import builtin_weights_dir, load_model
         from rollout.tokenizer import load_tokenizer
 
+        self.startup.done("queued")
         torch.set_num_threads(max(1, self.threads))
         cfg = self.cfg
         backend = hal.get_backend(cfg.device)
@@ -50,6 +55,7 @@ class EngineHost:
         model_path = cfg.model.path
         is_builtin = model_path.startswith("builtin:")
         self.tokenizer = load_tokenizer("builtin" if is_builtin else model_path)
+        self.startup.done("tokenizer")
         roll = cfg.rollout
         if roll.engine == "hf":
             model = load_model(
@@ -71,7 +77,13 @@ class EngineHost:
                 # colocated: free the devices while the ranks train (ignored on the CPU)
                 enable_sleep_mode=backend.is_accelerator,
             )
-        return {"engine": roll.engine, "replica": self.replica, "deterministic": deterministic}
+        self.startup.done("engine")
+        return {
+            "engine": roll.engine,
+            "replica": self.replica,
+            "deterministic": deterministic,
+            "startup": self.startup.seconds,
+        }
 
     def generate(self, requests: list, sampling) -> list:
         """The engine's ``generate`` on the requests dealt to this replica."""
@@ -169,6 +181,7 @@ class RolloutHost(EngineHost):
             val = PromptSource(cfg.data.val_source, seed=cfg.seed, key="data.val_source")
             self.val_items = val.all_records()
         self.generator = self.engine
+        self.startup.done("env")
         return info
 
     def connect(self, peers: list) -> int:
