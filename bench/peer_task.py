@@ -269,7 +269,7 @@ DIFFERENCES = [
     "not in the loss); TRL leaves it unterminated",
     "crossrl-only work inside a step: weight sync to the rollout engine, a parameter checksum "
     "(run.fingerprint_every=1), run.deterministic=true (the default job's)",
-    "TRL generates all rows in one padded transformers generate; crossrl's HF engine samples "
-    "per request in chunks",
+    "TRL generates all rows in one padded transformers generate; crossrl's HF engine in one "
+    "padded batch too (up to 256 requests), each request drawing from its own seeded sampler",
     "prompt order: each side shuffles the same rows with its own seeded sampler",
 ]
