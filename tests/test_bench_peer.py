@@ -3,6 +3,7 @@ right; without TRL the command says how to install it. No timing is asserted."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import subprocess
@@ -56,7 +57,7 @@ def test_reward_is_the_same_through_verl_crossrl_and_trl_signatures(reply):
     fn = RewardFunction("bench.peer:recall_reward", timeout_s=10)
     env = SingleTurnEnv(prompt="say 42", answer="42", reward_fn=fn)
     assert env.reset(0) == "say 42"
-    assert env.step(reply)[1] == want
+    assert asyncio.run(env.step(reply))[1] == want  # awaited, as the agent loop does
     # TRL: conversational completions and the dataset's answer column
     got = trl_recall_reward(
         [[{"role": "user", "content": "say 42"}]] * 2,
