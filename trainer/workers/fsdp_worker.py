@@ -1,5 +1,5 @@
 """What every FSDP2 training worker shares: process group, sharded model, optimizer, batch
-store, checkpoint pieces.
+store; its checkpoint pieces come from ``trainer/workers/checkpointing.py``.
 
 A worker is one data-parallel rank. It is a plain class (tests drive it in-process); the
 controller wraps it with ``ray.remote``. The device comes from the HAL only.
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,49 +16,13 @@ import torch
 
 import hal
 from batching import StepBatch
-from trainer.config_schema import Config, CriticConfig, TrainConfig
-from trainer.optim import build_optimizer, reapply_hyperparameters
+from trainer.optim import build_optimizer
 from trainer.startup import Phases, process_start_time
 from trainer.step_stats import StepStats
+from trainer.workers.checkpointing import CheckpointPieces
+from trainer.workers.spec import ROLES, WorkerSpec
 
-ROLES = ("actor", "reference", "critic")
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Who a worker is. What it does comes from the typed job config it carries (pydantic
-    models pickle into Ray as they are), read where it is used: nothing is copied."""
-
-    role: str  # one of ROLES
-    rank: int  # data-parallel rank, 0 .. cfg.train.dp_size - 1
-    cfg: Config
-    threads: int = 1  # CPU threads of this process
-
-    def __post_init__(self) -> None:
-        assert self.role in ROLES, self.role  # programming error: roles are fixed here
-        assert 0 <= self.rank < self.cfg.train.dp_size, (self.rank, self.cfg.train.dp_size)
-
-    @property
-    def world_size(self) -> int:
-        """Data-parallel ranks of this role (``train.dp_size``)."""
-        return self.cfg.train.dp_size
-
-    @property
-    def trainable(self) -> bool:
-        """The reference model is frozen; actor and critic train."""
-        return self.role != "reference"
-
-    @property
-    def model_path(self) -> str:
-        """The critic starts from ``model.critic_path`` when set; everyone else from
-        ``model.path``."""
-        model = self.cfg.model
-        return (model.critic_path or model.path) if self.role == "critic" else model.path
-
-    @property
-    def optim(self) -> CriticConfig | TrainConfig:
-        """The section holding this role's lr, warm-up, weight decay and grad clip."""
-        return self.cfg.critic if self.role == "critic" else self.cfg.train
+__all__ = ["ROLES", "FSDPWorker", "WorkerSpec", "enable_activation_checkpointing"]
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -92,7 +54,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> int:
     return len(FSDPWorker._layers(model))
 
 
-class FSDPWorker:
+class FSDPWorker(CheckpointPieces):
     """Base class of the actor, reference and critic workers."""
 
     def __init__(self, spec: WorkerSpec) -> None:
@@ -527,123 +489,6 @@ class FSDPWorker:
         value = torch.tensor([float(flag)], device=self.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
-
-    # ---------------------------------------------------------------- state
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole unsharded model state on CPU (a collective: every rank must call)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-
-    def save_pieces(self, staging_dir: str) -> list[str]:
-        """Write this rank's part of a checkpoint into ``staging_dir`` (a collective: every rank
-        of the role calls). Model and optimizer state go as torch.distributed.checkpoint shards,
-        every rank writing its own in parallel (no gather); rank 0 adds the scheduler, each
-        rank its RNG. Returns the relative paths the checkpoint must hold (for the commit)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        from trainer.checkpoint import LAYOUT, rng_state, save_sharded, save_torch
-
-        staging = Path(staging_dir)
-        role = self.spec.role
-        if self.optimizer is not None:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        else:
-            model_state, optim_state = get_model_state_dict(self.model), None
-        written = [
-            f"{LAYOUT.model_dir(role)}/{name}"
-            for name in save_sharded(model_state, staging / LAYOUT.model_dir(role))
-        ]
-        if optim_state is not None:
-            written += [
-                f"{LAYOUT.optim_dir(role)}/{name}"
-                for name in save_sharded(optim_state, staging / LAYOUT.optim_dir(role))
-            ]
-            if self.spec.rank == 0:
-                save_torch(self.scheduler.state_dict(), staging / LAYOUT.scheduler(role))
-                written.append(LAYOUT.scheduler(role))
-        rng_name = LAYOUT.rng(role, self.spec.rank)
-        save_torch(rng_state(self._device_rng_getter()), staging / rng_name)
-        written.append(rng_name)
-        return written
-
-    def _device_rng_getter(self):
-        """The accelerator's generator state goes into checkpoints too (dropout, sampling
-        noise on the device); None on the CPU."""
-        return self.backend.device_rng_state if self.backend.is_accelerator else None
-
-    def _device_rng_setter(self):
-        return self.backend.set_device_rng_state if self.backend.is_accelerator else None
-
-    def load_pieces(self, ckpt_dir: str) -> None:
-        """Restore model, optimizer, scheduler and this rank's RNG from a checkpoint (a
-        collective). Sharded state loads at any dp size: each rank reads the slices of its
-        fresh shards. A rank with no RNG file of its own (the checkpoint had fewer ranks)
-        keeps its fresh stream."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_state_dict,
-            set_model_state_dict,
-            set_state_dict,
-        )
-
-        from trainer.checkpoint import LAYOUT, load_sharded, load_torch, set_rng_state
-
-        ckpt = Path(ckpt_dir)
-        role = self.spec.role
-        if not (ckpt / LAYOUT.model_dir(role)).is_dir():
-            self._load_single_file_pieces(ckpt)
-        elif self.optimizer is not None:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
-            load_sharded(model_state, ckpt / LAYOUT.model_dir(role))
-            load_sharded(optim_state, ckpt / LAYOUT.optim_dir(role))
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=model_state,
-                optim_state_dict=optim_state,
-            )
-        else:
-            model_state = get_model_state_dict(self.model)
-            load_sharded(model_state, ckpt / LAYOUT.model_dir(role))
-            set_model_state_dict(self.model, model_state)
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(load_torch(ckpt / LAYOUT.scheduler(role)))
-            optim = self.spec.optim
-            reapply_hyperparameters(
-                self.optimizer, self.scheduler, lr=optim.lr, weight_decay=optim.weight_decay
-            )
-        rng_file = ckpt / LAYOUT.rng(role, self.spec.rank)
-        if rng_file.exists():  # a larger dp size resumes its new ranks with fresh streams
-            set_rng_state(load_torch(rng_file), self._device_rng_setter())
-
-    def _load_single_file_pieces(self, ckpt: Path) -> None:
-        """Model and optimizer of a checkpoint in the single-file layout (written before the
-        sharded one): every rank reads the whole files and keeps its own shard."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        from trainer.checkpoint import LAYOUT, CheckpointError, load_safetensors, load_torch
-
-        role = self.spec.role
-        if not (ckpt / LAYOUT.legacy_model(role)).is_file():
-            raise CheckpointError(
-                f"checkpoint {ckpt} holds no {role} model ({LAYOUT.model_dir(role)}/ or "
-                f"{LAYOUT.legacy_model(role)}); resume from a checkpoint of this job "
-                "(same critic.enable) or set run.resume=never"
-            )
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        set_model_state_dict(
-            self.model, load_safetensors(ckpt / LAYOUT.legacy_model(role)), options=options
-        )
-        if self.optimizer is not None:
-            optim = load_torch(ckpt / LAYOUT.legacy_optim(role))
-            set_optimizer_state_dict(self.model, self.optimizer, optim, options=options)
 
     def shutdown(self) -> None:
         """Leave the process group."""
