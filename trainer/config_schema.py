@@ -371,6 +371,12 @@ class TrainConfig(BaseModel):
         "of tokens at a time, recomputed in backward (no [tokens, vocab] logits kept); false = "
         "from the full logits (more memory, same values)",
     )
+    share_prompts: bool = Field(
+        True,
+        description="rows of a micro-batch with the same prompt (a group's samples) run it "
+        "through the model once, their responses attending to it (fewer tokens; the same "
+        "values up to float rounding); false = every row carries its own copy",
+    )
 
 
 class RunConfig(BaseModel):

@@ -6,11 +6,19 @@ import numpy as np
 import torch
 
 import hal
-from batching import LossNormalizers, StepBatch, loss_normalizers
+from batching import LossNormalizers, PromptSharing, StepBatch, loss_normalizers, share_prompts
 from trainer.config_schema import Config
 from trainer.step_stats import StepStats
 from trainer.workers.forward import packed_token_logprobs
 from trainer.workers.fsdp_worker import FSDPWorker
+
+
+def prompt_sharing(mb: StepBatch, cfg: Config) -> PromptSharing | None:
+    """The shared layout of ``mb`` (``batching.share_prompts``) when ``train.share_prompts``
+    is on and two of its rows share a prompt, else None."""
+    if not cfg.train.share_prompts:
+        return None
+    return share_prompts(mb.input_ids.numpy(), mb.cu_seqlens.numpy(), mb.prompt_len.numpy())
 
 
 def actor_micro_batch_loss(
@@ -37,6 +45,7 @@ def actor_micro_batch_loss(
         temperature=cfg.rollout.temperature,
         lean=cfg.train.lean_logprobs,
         entropy_grad=bool(algo.entropy_coef),
+        sharing=prompt_sharing(mb, cfg),
     )
     mask = mb.loss_mask.to(device)
     field = mb.token_fields
@@ -77,6 +86,7 @@ class PolicyWorker(FSDPWorker):
             self.to_device(mb.cu_seqlens),
             temperature=cfg.rollout.temperature,
             lean=cfg.train.lean_logprobs,
+            sharing=prompt_sharing(mb, cfg),
         )
         return logprobs
 
