@@ -202,6 +202,8 @@ class DeviceBackend:
             )
         if timeout_s <= 0:
             raise ValueError(f"init_process_group: timeout_s={timeout_s} must be > 0 seconds")
+        if world_size == 1 and dist.is_initialized() and dist.get_world_size() == 1:
+            return  # a second one-rank worker in this process (in-process runs) shares it
         if self.is_accelerator:
             if local_rank is None:
                 env_local = os.environ.get("LOCAL_RANK")

@@ -458,6 +458,12 @@ class RayConfig(BaseModel):
     connect_timeout_s: float = Field(
         60.0, gt=0, description="seconds to wait for the cluster at ray.address before failing"
     )
+    in_process: bool | Literal["auto"] = Field(
+        "auto",
+        description="run the workers in the driver's process, without Ray: auto = when the job "
+        "is one CPU rank (device cpu, train.dp_size 1, the hf engine, no ray.address); true "
+        "insists (an error names what stops it); false = always Ray",
+    )
 
     @field_validator("address")
     @classmethod
