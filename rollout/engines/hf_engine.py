@@ -12,6 +12,7 @@ lookup, so the sampler's random stream is the same on every device type.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 import torch
@@ -23,6 +24,11 @@ from rollout.engines.base import (
     GenerationResult,
     SamplingParams,
 )
+from rollout.engines.kv_buffer import share_prefill
+
+#: Finished rows leave the decode batch once they are 1/_COMPACT_FRACTION of its rows: dropping
+#: them copies the cache, so it waits until it saves a sizeable share of every later step.
+_COMPACT_FRACTION = 8
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -83,6 +89,10 @@ class HFEngine(Engine):
         self.pad_token_id = int(pad_token_id)
         self.max_batch_size = max_batch_size
         self._device = next(model.parameters()).device
+        # Logits of the last position only (what sampling reads), where the model allows it:
+        # a prefill's full [rows, width, vocab] logits are large for real vocabularies.
+        takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}
         self._awake: set[str] = set(WAKE_TAGS)
 
     @property
@@ -131,69 +141,73 @@ class HFEngine(Engine):
     ) -> list[GenerationResult]:
         device = self._device
         bsz = len(requests)
-        lens = [len(r.prompt_ids) for r in requests]
-        width = max(lens)
-        input_ids = torch.full((bsz, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((bsz, width), dtype=torch.long)
-        for b, req in enumerate(requests):  # left padding: every row ends at the same column
-            input_ids[b, width - lens[b] :] = torch.tensor(req.prompt_ids, dtype=torch.long)
-            attention_mask[b, width - lens[b] :] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        # Prefix sharing: the samples of a prompt carry the same ids; each distinct prompt is
+        # prefilled once and its cache and last logits are copied to the rows that continue it.
+        distinct: dict[tuple[int, ...], int] = {}
+        source_ids = [distinct.setdefault(tuple(r.prompt_ids), len(distinct)) for r in requests]
+        logits, cache, prompt_mask = self._prefill([list(p) for p in distinct])
+        width = prompt_mask.shape[-1]
+        source = torch.tensor(source_ids, dtype=torch.long, device=device)
+        # The last sampled token is never fed back: the cache holds width + max_new - 1 tokens.
+        capacity = width + sampling.max_new_tokens - 1
+        cache = share_prefill(cache, source, capacity)
+        logits = logits.index_select(0, source)
+        attention_mask = torch.ones((bsz, capacity), dtype=torch.long, device=device)
+        attention_mask[:, :width] = prompt_mask.index_select(0, source)
+        next_pos = attention_mask[:, :width].sum(-1, keepdim=True)  # position of the next token
         generators = [torch.Generator(device="cpu").manual_seed(int(r.seed)) for r in requests]
         stop_ids = set(sampling.stop_token_ids)
 
         tokens: list[list[int]] = [[] for _ in range(bsz)]
         logprobs: list[list[float]] = [[] for _ in range(bsz)]
-        finished = [False] * bsz
         stopped = [False] * bsz
-        past = None
-        next_pos = position_ids[:, -1:] + 1
-        step_ids, step_pos = input_ids, position_ids
-        for _ in range(sampling.max_new_tokens):
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=attention_mask,
-                position_ids=step_pos,
-                past_key_values=past,
-                use_cache=True,
-            )
-            past = out.past_key_values
-            scaled = out.logits[:, -1, :].float() / sampling.temperature
+        live = list(range(bsz))  # the request of each batch row
+        for step in range(sampling.max_new_tokens):
+            scaled = logits.float() / sampling.temperature
             logp = torch.log_softmax(scaled, dim=-1)
             probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
-            # One uniform per live request from its own generator: a request's random stream
-            # advances only with its own tokens, whatever else is in the batch.
+            # One uniform per unfinished request from its own generator: a request's random
+            # stream advances only with its own tokens, whatever else is in the batch.
             uniforms = torch.tensor(
                 [
-                    torch.rand((), generator=g).item() if not done else 0.0
-                    for g, done in zip(generators, finished)
+                    0.0 if stopped[b] else torch.rand((), generator=generators[b]).item()
+                    for b in live
                 ],
                 dtype=torch.float64,
             )
             chosen = sample_inverse_cdf(probs, uniforms.to(device))
             chosen_logp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
             chosen_ids = chosen.tolist()
-            for b in range(bsz):
-                if finished[b]:
+            for row, b in enumerate(live):
+                if stopped[b]:
                     continue
-                tok = chosen_ids[b]
-                tokens[b].append(tok)
-                logprobs[b].append(chosen_logp[b])
-                if tok in stop_ids:
-                    finished[b] = stopped[b] = True
-            if all(finished):
+                tokens[b].append(chosen_ids[row])
+                logprobs[b].append(chosen_logp[row])
+                stopped[b] = chosen_ids[row] in stop_ids
+            keep = [row for row, b in enumerate(live) if not stopped[b]]
+            if not keep or step == sampling.max_new_tokens - 1:
                 break
-            # Finished rows keep feeding their last token; their outputs are ignored.
+            # Finished rows keep feeding their last token (outputs ignored) until they are an
+            # eighth of the batch; then they leave it, and the cache rows go with them.
+            if (len(live) - len(keep)) * _COMPACT_FRACTION >= len(live):
+                rows = torch.tensor(keep, dtype=torch.long, device=device)
+                cache.batch_select_indices(rows)
+                attention_mask = attention_mask.index_select(0, rows)
+                next_pos = next_pos.index_select(0, rows)
+                live = [live[row] for row in keep]
             step_ids = torch.tensor(
-                [row[-1] for row in tokens], dtype=torch.long, device=device
+                [tokens[b][-1] for b in live], dtype=torch.long, device=device
             ).unsqueeze(-1)
-            step_pos = next_pos
-            next_pos = next_pos + 1
-            attention_mask = torch.cat(
-                [attention_mask, torch.ones((bsz, 1), dtype=attention_mask.dtype, device=device)],
-                dim=-1,
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=attention_mask[:, : width + step + 1],
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+                **self._last_logits_only,
             )
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
         return [
             GenerationResult(
                 token_ids=tokens[b],
@@ -202,6 +216,27 @@ class HFEngine(Engine):
             )
             for b in range(bsz)
         ]
+
+    def _prefill(self, prompts: list[list[int]]):
+        """One forward over ``prompts`` (left-padded to a common width): the last position's
+        logits ``[prompts, vocab]``, the KV cache and the attention mask ``[prompts, width]``."""
+        device = self._device
+        lens = [len(p) for p in prompts]
+        width = max(lens)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for b, ids in enumerate(prompts):  # left padding: every row ends at the same column
+            input_ids[b, width - lens[b] :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[b, width - lens[b] :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            **self._last_logits_only,
+        )
+        return out.logits[:, -1, :], out.past_key_values, attention_mask
 
     # ---------------------------------------------------------------- weights and memory
 
