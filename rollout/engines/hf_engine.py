@@ -8,6 +8,16 @@ the distribution the trainer evaluates.
 
 The uniform numbers behind each draw come from a CPU generator and the draw is an inverse-CDF
 lookup, so the sampler's random stream is the same on every device type.
+
+Where the time goes (``builtin:small``, 32 prompts x 8 samples, 25 prompt tokens, 15 new tokens,
+one CPU thread): a decode step is mostly the linear layers, so the loop does as few token
+forwards as it can. Each DISTINCT prompt is prefilled once and its KV cache and last logits are
+copied to the rows that continue it (the n samples of a GRPO group: 8x fewer prefill tokens);
+the KV cache is written in place into buffers sized for the whole call
+(``rollout/engines/kv_buffer.py``) instead of growing by ``torch.cat`` each step; rows that
+sampled a stop token leave the batch once they are an eighth of it; only the last position's
+logits are computed. A request's tokens and logprobs do not depend on which of these paths it
+took, beyond float effects of the batch's shape.
 """
 
 from __future__ import annotations
