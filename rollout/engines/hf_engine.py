@@ -23,6 +23,7 @@ took, beyond float effects of the batch's shape.
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -34,7 +35,7 @@ from rollout.engines.base import (
     GenerationResult,
     SamplingParams,
 )
-from rollout.engines.kv_buffer import share_prefill
+from rollout.engines.kv_buffer import KVArena, share_prefill
 
 #: Finished rows leave the decode batch once they are 1/_COMPACT_FRACTION of its rows: dropping
 #: them copies the cache, so it waits until it saves a sizeable share of every later step.
@@ -103,6 +104,8 @@ class HFEngine(Engine):
         # a prefill's full [rows, width, vocab] logits are large for real vocabularies.
         takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}
+        self._arena = KVArena()  # KV cache memory, kept between calls until sleep()
+        self._lock = threading.Lock()  # one generate call at a time (they share the arena)
         self._awake: set[str] = set(WAKE_TAGS)
 
     @property
@@ -140,7 +143,8 @@ class HFEngine(Engine):
                     f"exceeds the model's max_position_embeddings={limit}; shorten "
                     "rollout.max_input_len or rollout.max_new_tokens"
                 )
-            outs = self._generate_batch([requests[i] for i in chunk], sampling)
+            with self._lock:
+                outs = self._generate_batch([requests[i] for i in chunk], sampling)
             for i, out in zip(chunk, outs):
                 results[i] = out
         return results  # type: ignore[return-value]
@@ -160,7 +164,7 @@ class HFEngine(Engine):
         source = torch.tensor(source_ids, dtype=torch.long, device=device)
         # The last sampled token is never fed back: the cache holds width + max_new - 1 tokens.
         capacity = width + sampling.max_new_tokens - 1
-        cache = share_prefill(cache, source, capacity)
+        cache = share_prefill(cache, source, capacity, self._arena)
         logits = logits.index_select(0, source)
         attention_mask = torch.ones((bsz, capacity), dtype=torch.long, device=device)
         attention_mask[:, :width] = prompt_mask.index_select(0, source)
@@ -278,18 +282,21 @@ class HFEngine(Engine):
 
     def sleep(self) -> None:
         """Free the device for the trainer: the weights move to host memory and the
-        allocator's cache (what generation's KV cache used) is released. On the CPU the
-        weights stay where they are; the state is recorded either way (``awake_tags``)."""
+        KV cache memory and the allocator's cache are released. On the CPU the weights and
+        the KV memory stay where they are (memory the next rollout would touch afresh); the
+        state is recorded either way (``awake_tags``)."""
         if "weights" in self._awake and self._device.type != "cpu":
             self.model.to("cpu")
-        if self._device.type != "cpu" and torch.accelerator.is_available():
-            torch.accelerator.empty_cache()
+        if self._device.type != "cpu":
+            self._arena.release()
+            if torch.accelerator.is_available():
+                torch.accelerator.empty_cache()
         self._awake.clear()
 
     def wake_up(self, tags=None) -> None:
         """Retake ``tags`` (``WAKE_TAGS``; None: all): ``weights`` moves the model back to its
-        device; ``kv_cache`` only re-allows generation (this engine allocates its cache per
-        call)."""
+        device; ``kv_cache`` only re-allows generation (the next call allocates the KV cache
+        memory that ``sleep`` released)."""
         tags = WAKE_TAGS if tags is None else tuple(tags)
         unknown = [t for t in tags if t not in WAKE_TAGS]
         if unknown:
