@@ -169,7 +169,18 @@ class HFEngine(Engine):
         attention_mask = torch.ones((bsz, capacity), dtype=torch.long, device=device)
         attention_mask[:, :width] = prompt_mask.index_select(0, source)
         next_pos = attention_mask[:, :width].sum(-1, keepdim=True)  # position of the next token
-        generators = [torch.Generator(device="cpu").manual_seed(int(r.seed)) for r in requests]
+        # Request b's i-th token is drawn with the i-th uniform of its own generator: its random
+        # stream advances only with its own tokens, whatever else is in the batch. All of a
+        # request's uniforms come from one call (the same numbers as one call per token).
+        draws = torch.stack(
+            [
+                torch.rand(
+                    sampling.max_new_tokens,
+                    generator=torch.Generator(device="cpu").manual_seed(int(r.seed)),
+                )
+                for r in requests
+            ]
+        ).to(device=device, dtype=torch.float64)
         stop_ids = set(sampling.stop_token_ids)
 
         tokens: list[list[int]] = [[] for _ in range(bsz)]
@@ -180,16 +191,7 @@ class HFEngine(Engine):
             scaled = logits.float() / sampling.temperature
             logp = torch.log_softmax(scaled, dim=-1)
             probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
-            # One uniform per unfinished request from its own generator: a request's random
-            # stream advances only with its own tokens, whatever else is in the batch.
-            uniforms = torch.tensor(
-                [
-                    0.0 if stopped[b] else torch.rand((), generator=generators[b]).item()
-                    for b in live
-                ],
-                dtype=torch.float64,
-            )
-            chosen = sample_inverse_cdf(probs, uniforms.to(device))
+            chosen = sample_inverse_cdf(probs, draws[:, step])
             chosen_logp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
             chosen_ids = chosen.tolist()
             for row, b in enumerate(live):
@@ -208,6 +210,7 @@ class HFEngine(Engine):
                 cache.batch_select_indices(rows)
                 attention_mask = attention_mask.index_select(0, rows)
                 next_pos = next_pos.index_select(0, rows)
+                draws = draws.index_select(0, rows)
                 live = [live[row] for row in keep]
             step_ids = torch.tensor(
                 [tokens[b][-1] for b in live], dtype=torch.long, device=device
