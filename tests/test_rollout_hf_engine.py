@@ -204,3 +204,35 @@ def test_finished_rows_leave_the_batch_without_changing_the_rest(model, tok):
         assert res.token_ids == engine.generate([req], sampling)[0].token_ids
         expected = _teacher_forced(model, req.prompt_ids, res.token_ids, 1.0)
         assert max(abs(x - y) for x, y in zip(expected, res.logprobs)) < 1e-4
+
+
+def test_a_common_head_of_the_prompts_is_prefilled_once(model, tok):
+    """Distinct prompts that open alike (a long system prompt) share one forward of that
+    head; each still samples what it samples alone, with logprobs that match a teacher-forced
+    forward, whatever the length of the rest (its padding sits between head and rest)."""
+    system = "You are a careful assistant. Answer with the number only, no words. " * 2
+    questions = ["say 42", "what is 3+4=?", "x", "a longer question to pad the others"]
+    reqs = [
+        GenerationRequest(prompt_ids=tok.encode(system + q), seed=7 + i, group=i)
+        for i, q in enumerate(questions)
+        for _ in range(2)
+    ]
+    head = len(tok.encode(system))
+    assert head * (len(questions) - 1) >= 256  # enough to share (hf_engine's threshold)
+    engine = make_engine("hf", model, tok)
+    shapes = []
+    hook = model.register_forward_hook(
+        lambda module, args, kwargs, out: shapes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    sampling = SamplingParams(max_new_tokens=8)
+    try:
+        together = engine.generate(reqs, sampling)
+    finally:
+        hook.remove()
+    assert shapes[0][0] == 1 and shapes[0][1] >= head - 2  # the head, once
+    assert shapes[1][0] == len(questions)  # then each distinct rest
+    for req, res in zip(reqs, together):
+        assert res.token_ids == engine.generate([req], sampling)[0].token_ids
+        expected = _teacher_forced(model, req.prompt_ids, res.token_ids, 1.0)
+        assert max(abs(x - y) for x, y in zip(expected, res.logprobs)) < 1e-4

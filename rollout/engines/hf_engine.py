@@ -12,7 +12,9 @@ lookup, so the sampler's random stream is the same on every device type.
 Where the time goes (``builtin:small``, 32 prompts x 8 samples, 25 prompt tokens, 15 new tokens,
 one CPU thread): a decode step is mostly the linear layers, so the loop does as few token
 forwards as it can. Each DISTINCT prompt is prefilled once and its KV cache and last logits are
-copied to the rows that continue it (the n samples of a GRPO group: 8x fewer prefill tokens);
+copied to the rows that continue it (the n samples of a GRPO group: 8x fewer prefill tokens),
+and a head common to all distinct prompts (chat template opening, system prompt) is prefilled
+once when that saves enough tokens;
 the KV cache is written in place into buffers sized for the whole call
 (``rollout/engines/kv_buffer.py``) instead of growing by ``torch.cat`` each step; rows that
 sampled a stop token leave the batch once they are an eighth of it; only the last position's
@@ -23,6 +25,7 @@ took, beyond float effects of the batch's shape.
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 from collections.abc import Iterable
 
@@ -40,6 +43,10 @@ from rollout.engines.kv_buffer import KVArena, share_prefill
 #: Finished rows leave the decode batch once they are 1/_COMPACT_FRACTION of its rows: dropping
 #: them copies the cache, so it waits until it saves a sizeable share of every later step.
 _COMPACT_FRACTION = 8
+
+#: The distinct prompts' common head is prefilled once (one extra forward) when that saves at
+#: least this many prompt tokens: below it, the extra call costs about what it saves.
+_MIN_SHARED_HEAD_TOKENS = 256
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -235,21 +242,41 @@ class HFEngine(Engine):
         ]
 
     def _prefill(self, prompts: list[list[int]]):
-        """One forward over ``prompts`` (left-padded to a common width): the last position's
-        logits ``[prompts, vocab]``, the KV cache and the attention mask ``[prompts, width]``."""
+        """The prompts through the model: the last position's logits ``[prompts, vocab]``, the
+        KV cache and the attention mask ``[prompts, width]``.
+
+        The prompts' common head (a chat template's opening, a system prompt) goes through the
+        model once when that saves at least ``_MIN_SHARED_HEAD_TOKENS`` tokens; the rest of each
+        prompt follows it in one batched forward, left-padded, so a row's padding sits between
+        the head and its rest (masked out, positions counted over real tokens only).
+        """
         device = self._device
-        lens = [len(p) for p in prompts]
+        head = len(os.path.commonprefix(prompts))
+        head = min(head, min(len(p) for p in prompts) - 1)  # every prompt keeps a token
+        cache = None
+        if head * (len(prompts) - 1) >= _MIN_SHARED_HEAD_TOKENS:
+            cache = self.model(
+                input_ids=torch.tensor([prompts[0][:head]], dtype=torch.long, device=device),
+                use_cache=True,
+                **self._last_logits_only,
+            ).past_key_values
+            cache.batch_repeat_interleave(len(prompts))
+        else:
+            head = 0
+        lens = [len(p) - head for p in prompts]
         width = max(lens)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), head + width), dtype=torch.long)
+        attention_mask[:, :head] = 1
         for b, ids in enumerate(prompts):  # left padding: every row ends at the same column
-            input_ids[b, width - lens[b] :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[b, width - lens[b] :] = 1
+            input_ids[b, width - lens[b] :] = torch.tensor(ids[head:], dtype=torch.long)
+            attention_mask[b, head + width - lens[b] :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+            position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)[:, head:],
+            past_key_values=cache,
             use_cache=True,
             **self._last_logits_only,
         )
