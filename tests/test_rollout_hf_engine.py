@@ -136,3 +136,103 @@ def test_filters_and_inverse_cdf():
     masked = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]])
     draws = sample_inverse_cdf(masked.expand(5, -1), torch.tensor([0.0, 0.25, 0.49, 0.5, 0.9999]))
     assert draws.tolist() == [1, 1, 1, 3, 3]
+
+
+def _grouped_requests(tok, samples=4):
+    """GRPO-shaped requests: each prompt continued by ``samples`` requests with their own seeds;
+    prompts of different lengths, so the shared prefill is left-padded too."""
+    texts = ["say 42", "what is 3+4=?", "a much longer prompt to force left padding here"]
+    return [
+        GenerationRequest(prompt_ids=tok.encode(t), seed=100 * p + k, group=p)
+        for p, t in enumerate(texts)
+        for k in range(samples)
+    ]
+
+
+def test_samples_of_a_prompt_share_one_prefill(model, tok):
+    """The samples of a prompt are prefilled once (the first forward sees each distinct prompt
+    once) and still sample, token for token, what each would sample alone; logprobs agree
+    within float tolerance and match a teacher-forced forward."""
+    engine = make_engine("hf", model, tok)
+    reqs = _grouped_requests(tok)
+    prefill_rows = []
+    hook = model.register_forward_hook(
+        lambda module, args, kwargs, out: prefill_rows.append(kwargs["input_ids"].shape),
+        with_kwargs=True,
+    )
+    try:
+        sampling = SamplingParams(max_new_tokens=10)
+        together = engine.generate(reqs, sampling)
+    finally:
+        hook.remove()
+    assert prefill_rows[0][0] == 3 and all(rows == 12 for rows, _ in prefill_rows[1:])
+    alone = [engine.generate([r], sampling)[0] for r in reqs]
+    for req, a, b in zip(reqs, together, alone):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+        expected = _teacher_forced(model, req.prompt_ids, a.token_ids, 1.0)
+        assert max(abs(x - y) for x, y in zip(expected, a.logprobs)) < 1e-4
+    # The samples of one prompt differ from each other (their own seeds, not a shared stream).
+    assert len({tuple(r.token_ids) for r in together[:4]}) > 1
+
+
+def test_finished_rows_leave_the_batch_without_changing_the_rest(model, tok):
+    """Many stop tokens end most rows early (they leave the decode batch); the rows that go
+    on sample what they sample alone, and their logprobs match a teacher-forced forward."""
+    engine = make_engine("hf", model, tok)
+    reqs = _grouped_requests(tok, samples=6)
+    free = engine.generate(reqs, SamplingParams(max_new_tokens=12))
+    # Stop on a third of the vocabulary: rows end at many different steps.
+    stops = tuple(range(0, model.config.vocab_size, 3))
+    sampling = SamplingParams(max_new_tokens=12, stop_token_ids=stops)
+    rows = []
+    hook = model.register_forward_hook(
+        lambda module, args, kwargs, out: rows.append(kwargs["input_ids"].shape[0]),
+        with_kwargs=True,
+    )
+    try:
+        out = engine.generate(reqs, sampling)
+    finally:
+        hook.remove()
+    assert rows[0] == 3 and rows[-1] < rows[1] <= 18  # decode forwards shrink as rows finish
+    lengths = {len(r.token_ids) for r in out}
+    assert len(lengths) >= 3 and min(lengths) < 12
+    for req, res, full in zip(reqs, out, free):
+        assert res.token_ids == full.token_ids[: len(res.token_ids)]
+        if res.finish_reason == "stop":
+            assert res.token_ids[-1] in stops
+        assert res.token_ids == engine.generate([req], sampling)[0].token_ids
+        expected = _teacher_forced(model, req.prompt_ids, res.token_ids, 1.0)
+        assert max(abs(x - y) for x, y in zip(expected, res.logprobs)) < 1e-4
+
+
+def test_a_common_head_of_the_prompts_is_prefilled_once(model, tok):
+    """Distinct prompts that open alike (a long system prompt) share one forward of that
+    head; each still samples what it samples alone, with logprobs that match a teacher-forced
+    forward, whatever the length of the rest (its padding sits between head and rest)."""
+    system = "You are a careful assistant. Answer with the number only, no words. " * 2
+    questions = ["say 42", "what is 3+4=?", "x", "a longer question to pad the others"]
+    reqs = [
+        GenerationRequest(prompt_ids=tok.encode(system + q), seed=7 + i, group=i)
+        for i, q in enumerate(questions)
+        for _ in range(2)
+    ]
+    head = len(tok.encode(system))
+    assert head * (len(questions) - 1) >= 256  # enough to share (hf_engine's threshold)
+    engine = make_engine("hf", model, tok)
+    shapes = []
+    hook = model.register_forward_hook(
+        lambda module, args, kwargs, out: shapes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    sampling = SamplingParams(max_new_tokens=8)
+    try:
+        together = engine.generate(reqs, sampling)
+    finally:
+        hook.remove()
+    assert shapes[0][0] == 1 and shapes[0][1] >= head - 2  # the head, once
+    assert shapes[1][0] == len(questions)  # then each distinct rest
+    for req, res in zip(reqs, together):
+        assert res.token_ids == engine.generate([req], sampling)[0].token_ids
+        expected = _teacher_forced(model, req.prompt_ids, res.token_ids, 1.0)
+        assert max(abs(x - y) for x, y in zip(expected, res.logprobs)) < 1e-4

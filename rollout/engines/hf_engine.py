@@ -8,10 +8,25 @@ the distribution the trainer evaluates.
 
 The uniform numbers behind each draw come from a CPU generator and the draw is an inverse-CDF
 lookup, so the sampler's random stream is the same on every device type.
+
+Where the time goes (``builtin:small``, 32 prompts x 8 samples, 25 prompt tokens, 15 new tokens,
+one CPU thread): a decode step is mostly the linear layers, so the loop does as few token
+forwards as it can. Each DISTINCT prompt is prefilled once and its KV cache and last logits are
+copied to the rows that continue it (the n samples of a GRPO group: 8x fewer prefill tokens),
+and a head common to all distinct prompts (chat template opening, system prompt) is prefilled
+once when that saves enough tokens;
+the KV cache is written in place into buffers sized for the whole call
+(``rollout/engines/kv_buffer.py``) instead of growing by ``torch.cat`` each step; rows that
+sampled a stop token leave the batch once they are an eighth of it; only the last position's
+logits are computed. A request's tokens and logprobs do not depend on which of these paths it
+took, beyond float effects of the batch's shape.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -23,6 +38,15 @@ from rollout.engines.base import (
     GenerationResult,
     SamplingParams,
 )
+from rollout.engines.kv_buffer import KVArena, share_prefill
+
+#: Finished rows leave the decode batch once they are 1/_COMPACT_FRACTION of its rows: dropping
+#: them copies the cache, so it waits until it saves a sizeable share of every later step.
+_COMPACT_FRACTION = 8
+
+#: The distinct prompts' common head is prefilled once (one extra forward) when that saves at
+#: least this many prompt tokens: below it, the extra call costs about what it saves.
+_MIN_SHARED_HEAD_TOKENS = 256
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -83,6 +107,12 @@ class HFEngine(Engine):
         self.pad_token_id = int(pad_token_id)
         self.max_batch_size = max_batch_size
         self._device = next(model.parameters()).device
+        # Logits of the last position only (what sampling reads), where the model allows it:
+        # a prefill's full [rows, width, vocab] logits are large for real vocabularies.
+        takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}
+        self._arena = KVArena()  # KV cache memory, kept between calls until sleep()
+        self._lock = threading.Lock()  # one generate call at a time (they share the arena)
         self._awake: set[str] = set(WAKE_TAGS)
 
     @property
@@ -120,7 +150,8 @@ class HFEngine(Engine):
                     f"exceeds the model's max_position_embeddings={limit}; shorten "
                     "rollout.max_input_len or rollout.max_new_tokens"
                 )
-            outs = self._generate_batch([requests[i] for i in chunk], sampling)
+            with self._lock:
+                outs = self._generate_batch([requests[i] for i in chunk], sampling)
             for i, out in zip(chunk, outs):
                 results[i] = out
         return results  # type: ignore[return-value]
@@ -131,69 +162,76 @@ class HFEngine(Engine):
     ) -> list[GenerationResult]:
         device = self._device
         bsz = len(requests)
-        lens = [len(r.prompt_ids) for r in requests]
-        width = max(lens)
-        input_ids = torch.full((bsz, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((bsz, width), dtype=torch.long)
-        for b, req in enumerate(requests):  # left padding: every row ends at the same column
-            input_ids[b, width - lens[b] :] = torch.tensor(req.prompt_ids, dtype=torch.long)
-            attention_mask[b, width - lens[b] :] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        generators = [torch.Generator(device="cpu").manual_seed(int(r.seed)) for r in requests]
+        # Prefix sharing: the samples of a prompt carry the same ids; each distinct prompt is
+        # prefilled once and its cache and last logits are copied to the rows that continue it.
+        distinct: dict[tuple[int, ...], int] = {}
+        source_ids = [distinct.setdefault(tuple(r.prompt_ids), len(distinct)) for r in requests]
+        logits, cache, prompt_mask = self._prefill([list(p) for p in distinct])
+        width = prompt_mask.shape[-1]
+        source = torch.tensor(source_ids, dtype=torch.long, device=device)
+        # The last sampled token is never fed back: the cache holds width + max_new - 1 tokens.
+        capacity = width + sampling.max_new_tokens - 1
+        cache = share_prefill(cache, source, capacity, self._arena)
+        logits = logits.index_select(0, source)
+        attention_mask = torch.ones((bsz, capacity), dtype=torch.long, device=device)
+        attention_mask[:, :width] = prompt_mask.index_select(0, source)
+        next_pos = attention_mask[:, :width].sum(-1, keepdim=True)  # position of the next token
+        # Request b's i-th token is drawn with the i-th uniform of its own generator: its random
+        # stream advances only with its own tokens, whatever else is in the batch. All of a
+        # request's uniforms come from one call (the same numbers as one call per token).
+        draws = torch.stack(
+            [
+                torch.rand(
+                    sampling.max_new_tokens,
+                    generator=torch.Generator(device="cpu").manual_seed(int(r.seed)),
+                )
+                for r in requests
+            ]
+        ).to(device=device, dtype=torch.float64)
         stop_ids = set(sampling.stop_token_ids)
 
         tokens: list[list[int]] = [[] for _ in range(bsz)]
         logprobs: list[list[float]] = [[] for _ in range(bsz)]
-        finished = [False] * bsz
         stopped = [False] * bsz
-        past = None
-        next_pos = position_ids[:, -1:] + 1
-        step_ids, step_pos = input_ids, position_ids
-        for _ in range(sampling.max_new_tokens):
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=attention_mask,
-                position_ids=step_pos,
-                past_key_values=past,
-                use_cache=True,
-            )
-            past = out.past_key_values
-            scaled = out.logits[:, -1, :].float() / sampling.temperature
+        live = list(range(bsz))  # the request of each batch row
+        for step in range(sampling.max_new_tokens):
+            scaled = logits.float() / sampling.temperature
             logp = torch.log_softmax(scaled, dim=-1)
             probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
-            # One uniform per live request from its own generator: a request's random stream
-            # advances only with its own tokens, whatever else is in the batch.
-            uniforms = torch.tensor(
-                [
-                    torch.rand((), generator=g).item() if not done else 0.0
-                    for g, done in zip(generators, finished)
-                ],
-                dtype=torch.float64,
-            )
-            chosen = sample_inverse_cdf(probs, uniforms.to(device))
+            chosen = sample_inverse_cdf(probs, draws[:, step])
             chosen_logp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
             chosen_ids = chosen.tolist()
-            for b in range(bsz):
-                if finished[b]:
+            for row, b in enumerate(live):
+                if stopped[b]:
                     continue
-                tok = chosen_ids[b]
-                tokens[b].append(tok)
-                logprobs[b].append(chosen_logp[b])
-                if tok in stop_ids:
-                    finished[b] = stopped[b] = True
-            if all(finished):
+                tokens[b].append(chosen_ids[row])
+                logprobs[b].append(chosen_logp[row])
+                stopped[b] = chosen_ids[row] in stop_ids
+            keep = [row for row, b in enumerate(live) if not stopped[b]]
+            if not keep or step == sampling.max_new_tokens - 1:
                 break
-            # Finished rows keep feeding their last token; their outputs are ignored.
+            # Finished rows keep feeding their last token (outputs ignored) until they are an
+            # eighth of the batch; then they leave it, and the cache rows go with them.
+            if (len(live) - len(keep)) * _COMPACT_FRACTION >= len(live):
+                rows = torch.tensor(keep, dtype=torch.long, device=device)
+                cache.batch_select_indices(rows)
+                attention_mask = attention_mask.index_select(0, rows)
+                next_pos = next_pos.index_select(0, rows)
+                draws = draws.index_select(0, rows)
+                live = [live[row] for row in keep]
             step_ids = torch.tensor(
-                [row[-1] for row in tokens], dtype=torch.long, device=device
+                [tokens[b][-1] for b in live], dtype=torch.long, device=device
             ).unsqueeze(-1)
-            step_pos = next_pos
-            next_pos = next_pos + 1
-            attention_mask = torch.cat(
-                [attention_mask, torch.ones((bsz, 1), dtype=attention_mask.dtype, device=device)],
-                dim=-1,
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=attention_mask[:, : width + step + 1],
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+                **self._last_logits_only,
             )
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
         return [
             GenerationResult(
                 token_ids=tokens[b],
@@ -202,6 +240,47 @@ class HFEngine(Engine):
             )
             for b in range(bsz)
         ]
+
+    def _prefill(self, prompts: list[list[int]]):
+        """The prompts through the model: the last position's logits ``[prompts, vocab]``, the
+        KV cache and the attention mask ``[prompts, width]``.
+
+        The prompts' common head (a chat template's opening, a system prompt) goes through the
+        model once when that saves at least ``_MIN_SHARED_HEAD_TOKENS`` tokens; the rest of each
+        prompt follows it in one batched forward, left-padded, so a row's padding sits between
+        the head and its rest (masked out, positions counted over real tokens only).
+        """
+        device = self._device
+        head = len(os.path.commonprefix(prompts))
+        head = min(head, min(len(p) for p in prompts) - 1)  # every prompt keeps a token
+        cache = None
+        if head * (len(prompts) - 1) >= _MIN_SHARED_HEAD_TOKENS:
+            cache = self.model(
+                input_ids=torch.tensor([prompts[0][:head]], dtype=torch.long, device=device),
+                use_cache=True,
+                **self._last_logits_only,
+            ).past_key_values
+            cache.batch_repeat_interleave(len(prompts))
+        else:
+            head = 0
+        lens = [len(p) - head for p in prompts]
+        width = max(lens)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), head + width), dtype=torch.long)
+        attention_mask[:, :head] = 1
+        for b, ids in enumerate(prompts):  # left padding: every row ends at the same column
+            input_ids[b, width - lens[b] :] = torch.tensor(ids[head:], dtype=torch.long)
+            attention_mask[b, head + width - lens[b] :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)[:, head:],
+            past_key_values=cache,
+            use_cache=True,
+            **self._last_logits_only,
+        )
+        return out.logits[:, -1, :], out.past_key_values, attention_mask
 
     # ---------------------------------------------------------------- weights and memory
 
@@ -233,18 +312,21 @@ class HFEngine(Engine):
 
     def sleep(self) -> None:
         """Free the device for the trainer: the weights move to host memory and the
-        allocator's cache (what generation's KV cache used) is released. On the CPU the
-        weights stay where they are; the state is recorded either way (``awake_tags``)."""
+        KV cache memory and the allocator's cache are released. On the CPU the weights and
+        the KV memory stay where they are (memory the next rollout would touch afresh); the
+        state is recorded either way (``awake_tags``)."""
         if "weights" in self._awake and self._device.type != "cpu":
             self.model.to("cpu")
-        if self._device.type != "cpu" and torch.accelerator.is_available():
-            torch.accelerator.empty_cache()
+        if self._device.type != "cpu":
+            self._arena.release()
+            if torch.accelerator.is_available():
+                torch.accelerator.empty_cache()
         self._awake.clear()
 
     def wake_up(self, tags=None) -> None:
         """Retake ``tags`` (``WAKE_TAGS``; None: all): ``weights`` moves the model back to its
-        device; ``kv_cache`` only re-allows generation (this engine allocates its cache per
-        call)."""
+        device; ``kv_cache`` only re-allows generation (the next call allocates the KV cache
+        memory that ``sleep`` released)."""
         tags = WAKE_TAGS if tags is None else tuple(tags)
         unknown = [t for t in tags if t not in WAKE_TAGS]
         if unknown:
