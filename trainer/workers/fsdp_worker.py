@@ -1,5 +1,7 @@
 """What every FSDP2 training worker shares: process group, sharded model, optimizer, batch
-store; its checkpoint pieces come from ``trainer/workers/checkpointing.py``.
+store; its checkpoint pieces come from ``trainer/workers/checkpointing.py``. A single rank
+that needs no FSDP2 policy trains the plain module (``WorkerSpec.sharded``); every method
+here takes either.
 
 A worker is one data-parallel rank. It is a plain class (tests drive it in-process); the
 controller wraps it with ``ray.remote``. The device comes from the HAL only.
@@ -52,6 +54,25 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> int:
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return len(FSDPWorker._layers(model))
+
+
+def _tied_parameter_names(model: torch.nn.Module) -> list[list[str]]:
+    """Names of each parameter held under more than one name (tied embeddings)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _retie(model: torch.nn.Module, tied: list[list[str]]) -> None:
+    """Make every name of a ``_tied_parameter_names`` group hold its first name's parameter
+    again: ``to_empty`` gives a plain module a fresh tensor per name (FSDP2 keeps the ties)."""
+    for first, *others in tied:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            if model.get_parameter(name) is not param:
+                setattr(model.get_submodule(owner), leaf, param)
 
 
 class FSDPWorker(CheckpointPieces):
@@ -198,7 +219,10 @@ class FSDPWorker(CheckpointPieces):
     def _shard(self, model: torch.nn.Module) -> None:
         """FSDP2 in place: each decoder layer, then the root. ``train.param_offload`` keeps
         the sharded parameters (and so their gradients and optimizer step) in host memory
-        through FSDP2's CPU-offload policy, pinned on an accelerator."""
+        through FSDP2's CPU-offload policy, pinned on an accelerator. A single rank that needs
+        none of FSDP2's policies keeps the plain module (``WorkerSpec.sharded``)."""
+        if not self.spec.sharded:
+            return
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
@@ -239,7 +263,9 @@ class FSDPWorker(CheckpointPieces):
         from rollout.models import checkpoint_tensors, load_model, reset_non_persistent_buffers
 
         # FSDP2 moves offloaded shards back to (pinned) host memory itself.
+        tied = _tied_parameter_names(model)
         model.to_empty(device=self.device)
+        _retie(model, tied)
         reset_non_persistent_buffers(model, self.device)
         # Tied weights are one tensor under several names: sent once.
         targets: dict[int, tuple[list[str], torch.Tensor]] = {}
