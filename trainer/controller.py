@@ -351,12 +351,12 @@ class Trainer:
         )
 
     def _sync_weights(self, *, via_object_store: bool = False) -> None:
-        """Wake the engines' weights and load the actor's new ones: every tp group's ranks
-        hand them to their own replica on the same devices (nothing to push when replaying).
-        ``via_object_store``: the earlier path through Ray's object store, for ``bench e2e``."""
+        """Load the actor's new weights into the engines: every tp group's ranks hand them to
+        their own replica on the same devices, which wakes its weights (not its KV cache) as
+        it loads them (nothing to push when replaying). ``via_object_store``: the earlier
+        path through Ray's object store, for ``bench e2e``."""
         if self.replay_dir is not None:
             return
-        self._engines("wake_up", ["weights"])
         owner = [
             self.replicas[self.layout.replica_of_rank(r)] for r in range(self.cfg.train.dp_size)
         ]
