@@ -343,16 +343,17 @@ class FSDPWorker(CheckpointPieces):
         import ray
 
         batch = self.batch
-        full = torch.zeros(batch.num_tokens, dtype=torch.float32)
-        cu = batch.cu_seqlens
+        full = np.zeros(batch.num_tokens, dtype=np.float32)
+        cu = batch.cu_seqlens.numpy()
         for piece in pieces:
             rows, values = ray.get(piece) if isinstance(piece, ray.ObjectRef) else piece
-            offset = 0
-            for r in rows:
-                start, end = int(cu[r]), int(cu[r + 1])
-                full[start:end] = torch.from_numpy(values[offset : offset + end - start])
-                offset += end - start
-        batch.set_token_field(name, full)
+            rows = np.asarray(rows, dtype=np.int64)
+            if rows.size:
+                # Row r's tokens are cu[r]:cu[r+1] of the batch, in order at the piece's offset.
+                starts, lengths = cu[rows], cu[rows + 1] - cu[rows]
+                shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+                full[shift + np.arange(int(lengths.sum()))] = values
+        batch.set_token_field(name, torch.from_numpy(full))
 
     def micro_batch(self, rows: list[int]) -> StepBatch:
         """Rows of one micro-batch (``-1`` = padding row), ready on this worker's device."""
@@ -368,18 +369,19 @@ class FSDPWorker(CheckpointPieces):
         and dropped. Returns ``(rows, values)``: the real row indices in order and their
         tokens' values concatenated (float32), ready for ``set_token_field`` on every worker.
         """
-        rows_out: list[int] = []
+        rows_out: list[np.ndarray] = []
         pieces: list[np.ndarray] = []
         for rows in micro_batches:
             mb = self.micro_batch(rows)
             values = per_token(mb).float().cpu().numpy()
             cu = mb.cu_seqlens.numpy()
-            for j, r in enumerate(rows):
-                if r >= 0:
-                    rows_out.append(r)
-                    pieces.append(values[cu[j] : cu[j + 1]])
+            index = np.asarray(rows, dtype=np.int64)
+            real = index >= 0
+            rows_out.append(index[real])
+            pieces.append(values[: cu[-1]][np.repeat(real, np.diff(cu))])
         flat = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
-        return np.asarray(rows_out, dtype=np.int64), flat
+        rows_out = np.concatenate(rows_out) if rows_out else np.zeros(0, np.int64)
+        return rows_out, flat
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Move a batch tensor to this worker's device."""
@@ -499,12 +501,16 @@ class FSDPWorker(CheckpointPieces):
 
     @torch.no_grad()
     def weights_finite(self) -> bool:
-        """Whether every element of this rank's parameter shards is finite (no collective)."""
-        for param in self.model.parameters():
-            local = param.to_local() if hasattr(param, "to_local") else param
-            if not bool(torch.isfinite(local).all()):
-                return False
-        return True
+        """Whether every element of this rank's parameter shards is finite (no collective).
+
+        The largest magnitude of each shard (an inf-norm: NaN and inf carry through it, and it
+        cannot overflow) for all of them in one go, and one read of the answer."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        local = [t for t in local if t.numel()]  # an empty shard is finite
+        if not local:
+            return True
+        largest = torch._foreach_norm(local, math.inf)
+        return bool(torch.isfinite(torch.stack(largest)).all())
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any data-parallel rank (one tiny all-reduce)."""
