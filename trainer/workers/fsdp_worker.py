@@ -330,6 +330,14 @@ class FSDPWorker(CheckpointPieces):
             self.backend.offload(self.optimizer)
         self.backend.empty_cache()
 
+    def end_of_step(self, asks: list[tuple[str, tuple]]) -> list:
+        """The end of a step on this rank in one call: ``offload_states``, then this rank's
+        peak memory (``peak_memory_gb``) and the answer to each of ``asks``, ``(method name,
+        args)`` of this worker (what the step's records read from it, such as
+        ``param_stats``), in that order."""
+        self.offload_states()
+        return [self.peak_memory_gb(), *(getattr(self, name)(*args) for name, args in asks)]
+
     def peak_memory_gb(self) -> float:
         """This rank's peak memory since the last call, in GB (1e9 bytes): device memory
         allocated on an accelerator, the process's peak RSS on the CPU. Starts a new peak."""
