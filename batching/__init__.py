@@ -9,6 +9,7 @@ from batching.normalizers import LOSS_AGG_MODES, LossNormalizers, aggregate_loss
 from batching.padding import PADDING_TOKEN_ID
 from batching.planner import MiniBatchPlan, Plan, plan_minibatches
 from batching.rows import Row
+from batching.sharing import PromptSharing, share_prompts
 from batching.stats import plan_stats
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "LossNormalizers",
     "MiniBatchPlan",
     "Plan",
+    "PromptSharing",
     "Row",
     "StepBatch",
     "aggregate_loss",
@@ -25,5 +27,6 @@ __all__ = [
     "plan_stats",
     "real_row_mean",
     "response_length_mean",
+    "share_prompts",
     "trajectory_score_mean",
 ]

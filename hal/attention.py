@@ -76,7 +76,8 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 class _HostOffsets:
-    """Remembers the python-list form of the last cu_seqlens tensor seen.
+    """Remembers the python-list form of the last cu_seqlens tensor seen, and its shared
+    prompts (``parents``, see ``packed_forward``).
 
     Every layer of one forward receives the same tensor; converting it once saves a device-to-host
     sync per layer on the kernels that need host offsets (cpu reference, npu).
@@ -86,14 +87,22 @@ class _HostOffsets:
         self._tensor: torch.Tensor | None = None
         self._version = -1
         self._offsets: list[int] = []
+        self._parents: list[int] | None = None
 
     def get(self, cu_seqlens: torch.Tensor) -> list[int]:
         if cu_seqlens is not self._tensor or cu_seqlens._version != self._version:
             self.put(cu_seqlens, [int(x) for x in cu_seqlens.tolist()])
         return self._offsets
 
-    def put(self, cu_seqlens: torch.Tensor, offsets: list[int]) -> None:
+    def parents(self, cu_seqlens: torch.Tensor) -> list[int] | None:
+        """The shared prompts put with ``cu_seqlens`` (call ``get`` first), or None."""
+        return self._parents if cu_seqlens is self._tensor else None
+
+    def put(
+        self, cu_seqlens: torch.Tensor, offsets: list[int], parents: list[int] | None = None
+    ) -> None:
         self._tensor, self._version, self._offsets = cu_seqlens, cu_seqlens._version, offsets
+        self._parents = parents
 
 
 _HOST_OFFSETS = _HostOffsets()
@@ -108,12 +117,15 @@ def varlen_attention(
     scale: float | None = None,
     max_seqlen: int | None = None,
     dropout: float = 0.0,
+    parents: list[int] | None = None,
 ) -> torch.Tensor:
     """Causal attention over a packed row on whatever device q lives on.
 
     q: [T, H, D]; k, v: [T, Hkv, D] (Hkv divides H); cu_seqlens: [R+1] token offsets, 0..T;
     scale: softmax scale (default D**-0.5); max_seqlen: longest segment in tokens (computed when
-    omitted). Returns [T, H, D].
+    omitted); parents: per segment, the segment whose tokens it continues (a prompt several
+    samples share: it attends to all of them first) or -1; None: every segment stands alone.
+    Returns [T, H, D].
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
@@ -138,6 +150,7 @@ def varlen_attention(
         scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
         dropout=dropout,
         cu_seqlens_host=offsets,
+        parents=parents,
     )
 
 
@@ -222,7 +235,11 @@ def crossrl_attention_forward(
         return out.transpose(1, 2).contiguous(), None
     max_len = kwargs.get("max_length_q")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [1, H, T, D] -> [T, H, D]
-    out = varlen_attention(q, k, v, cu, scale=scale, max_seqlen=max_len, dropout=dropout)
+    _HOST_OFFSETS.get(cu)
+    parents = _HOST_OFFSETS.parents(cu)
+    out = varlen_attention(
+        q, k, v, cu, scale=scale, max_seqlen=max_len, dropout=dropout, parents=parents
+    )
     return out.unsqueeze(0), None
 
 
@@ -268,11 +285,26 @@ def register_attention() -> str:
     return ATTN_IMPLEMENTATION
 
 
+def _check_parents(parents: list[int], segments: int) -> None:
+    """Raise ValueError unless ``parents`` names, per segment, -1 or an earlier segment that
+    continues nothing itself."""
+    if len(parents) != segments:
+        raise ValueError(f"parents has {len(parents)} entries; want one per segment ({segments})")
+    for s, p in enumerate(parents):
+        if p >= s or p < -1 or (p >= 0 and parents[p] != -1):
+            raise ValueError(
+                f"parents[{s}]={p}: a segment continues -1 (none) or an earlier segment "
+                "that continues none itself"
+            )
+
+
 def packed_forward(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    *,
+    parents: list[int] | None = None,
     **model_kwargs,
 ) -> torch.Tensor:
     """Run an HF causal LM on one packed row; returns logits [T, V].
@@ -281,6 +313,9 @@ def packed_forward(
     each sequence; cu_seqlens: [R+1] token offsets of the R sequences. The model must have been
     created with attn_implementation=ATTN_IMPLEMENTATION. Calls it with use_cache=False (a cache
     is useless for training and would change transformers' mask handling).
+    parents: per segment, the segment it continues, or -1 (``varlen_attention``): a prompt
+    that several samples share is one segment, each sample's rest another whose positions
+    continue the prompt's; None: every segment is a sequence of its own.
     """
     register_attention()
     config = getattr(model, "config", None)
@@ -302,7 +337,9 @@ def packed_forward(
         )
     offsets = validate_cu_seqlens(cu_seqlens, total)
     cu = torch.tensor(offsets, dtype=torch.int32, device=input_ids.device)
-    _HOST_OFFSETS.put(cu, offsets)  # spare every layer the device-to-host copy
+    if parents is not None:
+        _check_parents(parents, len(offsets) - 1)
+    _HOST_OFFSETS.put(cu, offsets, parents)  # spare every layer the device-to-host copy
     max_len = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
     pos = position_ids[None] if position_ids.dim() == 1 else position_ids[:, None, :]
     out = model(

@@ -62,7 +62,7 @@ def test_run_directory_contract(local_ray, tmp_path):
     # Start-up is timed once, on the first line: the total and its phases, workers' included.
     startup = {k: v for k, v in metrics[0].items() if k.startswith("timing/startup")}
     assert startup["timing/startup_s"] > 0
-    assert {"timing/startup_ray_init_s", "timing/startup_actor_build_s"} <= set(startup)
+    assert "timing/startup_actor_build_s" in startup  # one process: no ray_init phase
     assert not any(k.startswith("timing/startup") for m in metrics[1:] for k in m)
 
     fingerprints = read_jsonl(run_dir / "fingerprint.jsonl")

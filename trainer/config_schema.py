@@ -371,6 +371,12 @@ class TrainConfig(BaseModel):
         "of tokens at a time, recomputed in backward (no [tokens, vocab] logits kept); false = "
         "from the full logits (more memory, same values)",
     )
+    share_prompts: bool = Field(
+        True,
+        description="rows of a micro-batch with the same prompt (a group's samples) run it "
+        "through the model once, their responses attending to it (fewer tokens; the same "
+        "values up to float rounding); false = every row carries its own copy",
+    )
 
 
 class RunConfig(BaseModel):
@@ -451,6 +457,12 @@ class RayConfig(BaseModel):
     )
     connect_timeout_s: float = Field(
         60.0, gt=0, description="seconds to wait for the cluster at ray.address before failing"
+    )
+    in_process: bool | Literal["auto"] = Field(
+        "auto",
+        description="run the workers in the driver's process, without Ray: auto = when the job "
+        "is one CPU rank (device cpu, train.dp_size 1, the hf engine, no ray.address); true "
+        "insists (an error names what stops it); false = always Ray",
     )
 
     @field_validator("address")

@@ -42,6 +42,7 @@ class Trainer:
         self.replay_dir = replay_dir
         self.start_step = 0
         self.placement = None
+        self.in_process = False  # ray.in_process: workers in this process (set by start)
         self.layout = None
         self.rollout = None  # replica 0, the rollout host
         self.replicas: list = []  # every engine replica's actor, replica order
@@ -63,18 +64,24 @@ class Trainer:
         engine sizes its cache from the memory it finds free).
         """
         import hal
-        from trainer.layout import plan_layout
+        from trainer.layout import plan_layout, runs_in_process
         from trainer.startup import CLOCK
         from trainer.workers.group import cluster_nodes, make_placement
 
         cfg = self.cfg
         backend = hal.get_backend(cfg.device)
         resource = backend.ray_resource
+        self.in_process = runs_in_process(cfg, backend.name)
         # Fails here, naming the key, when the cluster cannot hold the job (trainer/layout.py).
-        self.layout = plan_layout(cfg, cluster_nodes(resource), resource, device=backend.name)
-        self.placement = make_placement(
-            resource, cfg.train.dp_size, tp=self.layout.tp, timeout_s=cfg.ray.placement_timeout_s
-        )
+        nodes = [1] if self.in_process else cluster_nodes(resource)
+        self.layout = plan_layout(cfg, nodes, resource, device=backend.name)
+        if not self.in_process:
+            self.placement = make_placement(
+                resource,
+                cfg.train.dp_size,
+                tp=self.layout.tp,
+                timeout_s=cfg.ray.placement_timeout_s,
+            )
         self.use_ref = "reference" in self.layout.roles
         self.use_critic = "critic" in self.layout.roles
         CLOCK.done("placement")
@@ -114,23 +121,40 @@ class Trainer:
 
     def _create_group(self, role: str, backend) -> WorkerGroup:
         """The Ray actors of one training role, one per rank; their setup is not called yet."""
-        import ray
-
         from trainer.workers.critic import CriticWorker
         from trainer.workers.fsdp_worker import WorkerSpec
-        from trainer.workers.group import actor_options
         from trainer.workers.policy import PolicyWorker
 
         cfg, dp = self.cfg, self.cfg.train.dp_size
         cls = CriticWorker if role == "critic" else PolicyWorker
         threads = max(1, (os.cpu_count() or 1) // dp) if backend.name == "cpu" else 4
         handles = [
-            ray.remote(cls)
-            .options(**actor_options(self.placement, rank, self.layout.shares[role]))
-            .remote(WorkerSpec(role=role, rank=rank, cfg=cfg, threads=threads))
+            self._spawn(
+                cls,
+                rank,
+                self.layout.shares[role],
+                WorkerSpec(role=role, rank=rank, cfg=cfg, threads=threads),
+            )
             for rank in range(dp)
         ]
         return WorkerGroup(role, handles)
+
+    def _spawn(self, cls, rank: int, share: float, *args, env: dict | None = None):
+        """A worker of class ``cls`` built with ``args``: a Ray actor on training rank
+        ``rank``'s bundle taking ``share`` of its device (``env``: its extra environment), or,
+        in one process (``ray.in_process``), the object itself behind a ``LocalHandle``."""
+        if self.in_process:
+            from trainer.workers.local import LocalHandle
+
+            return LocalHandle(cls(*args))
+        import ray
+
+        from trainer.workers.group import actor_options
+
+        opts = actor_options(self.placement, rank, share)
+        if env is not None:
+            opts["runtime_env"] = {"env_vars": env}
+        return ray.remote(cls).options(**opts).remote(*args)
 
     @staticmethod
     def _rendezvous(group: WorkerGroup) -> list:
@@ -142,22 +166,19 @@ class Trainer:
         """One engine replica per tp group, on the group's first rank's bundle; replica 0 is
         the rollout host (agent loop, prompts) and deals requests to the others. Their setup
         is not called yet."""
-        import ray
-
-        from trainer.workers.group import actor_options, bundle_device_ids
+        from trainer.workers.group import bundle_device_ids
         from trainer.workers.rollout_host import EngineHost, ReplayHost, RolloutHost
 
         cfg, layout, placement = self.cfg, self.layout, self.placement
         share = layout.shares["rollout"]
         if self.replay_dir is not None:
-            opts = actor_options(placement, 0, share)
-            return [ray.remote(ReplayHost).options(**opts).remote(self.replay_dir)]
+            return [self._spawn(ReplayHost, 0, share, self.replay_dir)]
         # CPU: the replicas split the cores; an accelerator's engine uses few of them.
         cpus = os.cpu_count() or 1
         threads = max(1, cpus // len(layout.replicas)) if backend.name == "cpu" else 4
         replicas = []
         for rep in layout.replicas:
-            opts = actor_options(placement, rep.ranks[0], share)
+            env = None
             if backend.is_accelerator:
                 # The replica's process sees exactly its tp group's devices (Ray would
                 # show it only its own bundle's) plus what the device's engine needs.
@@ -166,9 +187,9 @@ class Trainer:
                     for r in rep.ranks
                     for i in bundle_device_ids(placement, r, timeout_s=CALL_TIMEOUT_S)
                 ]
-                opts["runtime_env"] = {"env_vars": backend.engine_env(ids)}
+                env = backend.engine_env(ids)
             cls = RolloutHost if rep.index == 0 else EngineHost
-            replicas.append(ray.remote(cls).options(**opts).remote(cfg, threads, rep.index))
+            replicas.append(self._spawn(cls, rep.ranks[0], share, cfg, threads, rep.index, env=env))
         return replicas
 
     def _setup_replicas(self, infos: list[dict[str, Any]]) -> None:
@@ -455,6 +476,10 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Stop every worker (best effort: a dead one is already gone)."""
+        if self.in_process:
+            for handle in [h for g in self._all_groups() for h in g.handles] + self.replicas:
+                handle.target.shutdown()
+            return
         import ray
 
         for group in self._all_groups():

@@ -149,6 +149,41 @@ def plan_layout(cfg: Config, nodes: Sequence[int], resource: str, device: str = 
     )
 
 
+def in_process_blockers(cfg: Config, device: str) -> list[str]:
+    """What keeps the job of ``cfg`` from running in one process (``ray.in_process``), as
+    ``key=value`` entries; empty when nothing does. ``device``: the backend's name, or
+    ``auto`` to resolve it (``hal``; only when nothing else blocks)."""
+    found = []
+    if cfg.train.dp_size != 1:
+        found.append(f"train.dp_size={cfg.train.dp_size}")
+    if cfg.rollout.engine != "hf":
+        found.append(f"rollout.engine={cfg.rollout.engine}")
+    if cfg.ray.address is not None:
+        found.append(f"ray.address={cfg.ray.address}")
+    if device == "auto" and not found:
+        import hal
+
+        device = hal.get_backend("auto").name
+    if device not in ("cpu", "auto"):
+        found.append(f"device={device}")
+    return found
+
+
+def runs_in_process(cfg: Config, device: str | None = None) -> bool:
+    """Whether the job runs its workers in the driver's process (``ray.in_process``: auto =
+    when ``in_process_blockers`` finds nothing). ``device``: the backend's name (default:
+    ``cfg.device``). Raises ``LayoutError`` for ``true`` when something stops it, naming what."""
+    if cfg.ray.in_process is False:
+        return False
+    blockers = in_process_blockers(cfg, device or cfg.device)
+    if cfg.ray.in_process is True and blockers:
+        raise LayoutError(
+            f"ray.in_process=true needs a one-rank CPU job with the hf engine and a local "
+            f"Ray; this one has {', '.join(blockers)}: set ray.in_process=auto or false"
+        )
+    return not blockers
+
+
 def local_ray_cpus(cfg: Config) -> int:
     """CPUs a local Ray is started with (``ray.num_cpus``, else 2 per rank + 2, at least 4):
     on the CPU backend, the devices of the one local node."""

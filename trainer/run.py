@@ -142,19 +142,26 @@ def _run(
 ) -> int:
     """Start Ray and the trainer, train, and shut everything down again."""
     from trainer.checkpoint import CheckpointError
-    from trainer.layout import LayoutError, local_ray_cpus
+    from trainer.layout import LayoutError, local_ray_cpus, runs_in_process
     from trainer.startup import CLOCK, import_in_background
     from trainer.workers.group import WorkerFailedError, start_ray
 
+    try:
+        in_process = runs_in_process(cfg)
+    except LayoutError as err:  # ray.in_process=true on a job that needs Ray
+        print(f"crossrl {command}: {err}", file=sys.stderr)
+        return 2
     with StopRequests() as stop:
         imports = import_in_background(DRIVER_MODULES)  # while Ray starts, mostly waiting
-        started_ray = start_ray(
-            cfg.ray.address,
-            num_cpus=local_ray_cpus(cfg),
-            connect_timeout_s=cfg.ray.connect_timeout_s,
-        )
-        stop.install()  # ray.init replaced the SIGTERM handler
-        CLOCK.done("ray_init")
+        started_ray = False
+        if not in_process:
+            started_ray = start_ray(
+                cfg.ray.address,
+                num_cpus=local_ray_cpus(cfg),
+                connect_timeout_s=cfg.ray.connect_timeout_s,
+            )
+            stop.install()  # ray.init replaced the SIGTERM handler
+            CLOCK.done("ray_init")
         imports.join()
         CLOCK.done("driver_imports")
         from trainer.controller import Trainer
@@ -180,12 +187,12 @@ def _run(
             )
             return stop.exit_status
         finally:
-            import ray
-
             try:
                 trainer.shutdown()
             finally:
                 if started_ray:
+                    import ray
+
                     ray.shutdown()
 
 

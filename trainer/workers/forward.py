@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import torch
 
 import hal
+from batching import PromptSharing
 
 #: Largest float32 logits chunk of the lean path, in bytes: ``LEAN_CHUNK_BYTES // (4 * V)``
 #: tokens per chunk (220 tokens at Qwen2.5's 151,936-token vocabulary). Backward holds a few
@@ -89,12 +90,25 @@ def token_logprobs(
     (see ``_per_chunk``: no whole float32 copy of the logits, none kept for backward).
     """
     targets = next_token_targets(input_ids)
+    logprobs = target_logprobs(logits, targets, temperature=temperature, chunk_tokens=chunk_tokens)
+    return shift_to_targets(logprobs, cu_seqlens)
+
+
+def target_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+) -> torch.Tensor:
+    """Log-probability [N] (float32) of ``targets[i]`` under ``log_softmax(logits[i] /
+    temperature)``; ``logits`` [N, V], computed chunk by chunk as ``_per_chunk``."""
 
     def chunk_logprobs(part: torch.Tensor, part_targets: torch.Tensor) -> torch.Tensor:
         lp = torch.log_softmax(part.float() / temperature, dim=-1)
         return lp.gather(-1, part_targets[:, None]).squeeze(-1)
 
-    return shift_to_targets(_per_chunk(chunk_logprobs, (logits, targets), chunk_tokens), cu_seqlens)
+    return _per_chunk(chunk_logprobs, (logits, targets), chunk_tokens)
 
 
 def logits_entropy(
@@ -180,11 +194,15 @@ def _lean_forward(
     targets: torch.Tensor,
     temperature: float,
     chunk_tokens: int | None,
+    eval_index: torch.Tensor | None = None,
     **body_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The causal LM's body, then ``head_logprobs_entropy`` on its last hidden states; bound to
-    the model as its method ``_LEAN_METHOD``. Per-position ``(log-probs, entropies)``."""
+    """The causal LM's body, then ``head_logprobs_entropy`` on its last hidden states (those at
+    ``eval_index`` when given, in that order); bound to the model as its method
+    ``_LEAN_METHOD``. Per-position ``(log-probs, entropies)``."""
     hidden = self.base_model(**body_kwargs).last_hidden_state[0]
+    if eval_index is not None:
+        hidden = hidden.index_select(0, eval_index)
     return head_logprobs_entropy(
         hidden,
         self.get_output_embeddings(),
@@ -251,6 +269,7 @@ def packed_token_logprobs(
     lean: bool = True,
     entropy_grad: bool = False,
     chunk_tokens: int | None = None,
+    sharing: PromptSharing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability and entropy ``[T]`` (float32, nats) of every token of one packed row
     under ``model``'s ``softmax(logits / temperature)``, aligned as ``token_logprobs`` (0 at
@@ -260,8 +279,21 @@ def packed_token_logprobs(
     chunk, never a ``[T, V]`` tensor (``head_logprobs_entropy``; ``chunk_tokens`` None = by
     ``LEAN_CHUNK_BYTES``); False: from the model's full logits (``token_logprobs`` /
     ``token_entropy``). ``entropy_grad``: whether the entropy carries gradient (it does when
-    it is in the loss); it is detached otherwise.
+    it is in the loss); it is detached otherwise. ``sharing``: the row's shared layout
+    (``batching.share_prompts``): the model runs each shared prompt once
+    (``shared_token_logprobs``); the values come back in the usual layout.
     """
+    if sharing is not None:
+        return shared_token_logprobs(
+            model,
+            input_ids,
+            position_ids,
+            sharing,
+            temperature=temperature,
+            lean=lean,
+            entropy_grad=entropy_grad,
+            chunk_tokens=chunk_tokens,
+        )
     if not lean:
         logits = hal.packed_forward(model, input_ids, position_ids, cu_seqlens)
         chunk = {} if chunk_tokens is None else {"chunk_tokens": chunk_tokens}
@@ -284,3 +316,56 @@ def packed_token_logprobs(
     )
     entropy = stats[:, 1] if entropy_grad else stats[:, 1].detach()
     return shift_to_targets(stats[:, 0], cu_seqlens), shift_to_targets(entropy, cu_seqlens)
+
+
+def shared_token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    sharing: PromptSharing,
+    *,
+    temperature: float = 1.0,
+    lean: bool = True,
+    entropy_grad: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``packed_token_logprobs`` of a packed row whose rows share prompts, run in the shared
+    layout: each shared prompt once, every row's rest attending to it (``hal.packed_forward``'s
+    ``parents``); the LM head scores each distinct (position, next token) pair once. The same
+    numbers as the usual layout up to float rounding; returned in the usual layout ``[T]``."""
+    device = input_ids.device
+    index = torch.from_numpy(sharing.token_index).to(device)
+    shared_ids = input_ids.index_select(0, index)
+    shared_pos = position_ids.index_select(-1, index)
+    cu = torch.tensor(sharing.offsets, dtype=torch.int32, device=device)
+    at = torch.from_numpy(sharing.eval_hidden).to(device)
+    targets = torch.from_numpy(sharing.eval_targets).to(device)
+    if lean:
+        stats = hal.packed_forward(
+            _LeanCall(model, entropy_grad),
+            shared_ids,
+            shared_pos,
+            cu,
+            parents=sharing.parents,
+            targets=targets,
+            eval_index=at,
+            temperature=temperature,
+            chunk_tokens=chunk_tokens,
+        )
+        logprob, entropy = stats[:, 0], stats[:, 1]
+    else:
+        logits = hal.packed_forward(model, shared_ids, shared_pos, cu, parents=sharing.parents)
+        logits = logits.index_select(0, at)
+        chunk = {} if chunk_tokens is None else {"chunk_tokens": chunk_tokens}
+        logprob = target_logprobs(logits, targets, temperature=temperature, **chunk)
+        entropy = logits_entropy(
+            logits if entropy_grad else logits.detach(), temperature=temperature, **chunk
+        ).float()
+    if not entropy_grad:
+        entropy = entropy.detach()
+    back = torch.from_numpy(sharing.eval_of_token).to(device)
+    starts = torch.from_numpy(sharing.row_starts).to(device)
+    return (
+        logprob.index_select(0, back).masked_fill(starts, 0.0),
+        entropy.index_select(0, back).masked_fill(starts, 0.0),
+    )

@@ -4,7 +4,7 @@ that needs no FSDP2 policy trains the plain module (``WorkerSpec.sharded``); eve
 here takes either.
 
 A worker is one data-parallel rank. It is a plain class (tests drive it in-process); the
-controller wraps it with ``ray.remote``. The device comes from the HAL only.
+controller wraps it with ``ray.remote`` (or, in one process, ``trainer.workers.local``). The device comes from the HAL only.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from trainer.optim import build_optimizer
 from trainer.startup import Phases, process_start_time
 from trainer.step_stats import StepStats
 from trainer.workers.checkpointing import CheckpointPieces
+from trainer.workers.local import fetch, is_ref
 from trainer.workers.spec import ROLES, WorkerSpec
 
 __all__ = ["ROLES", "FSDPWorker", "WorkerSpec", "enable_activation_checkpointing"]
@@ -96,12 +97,14 @@ class FSDPWorker(CheckpointPieces):
     def rendezvous_address() -> tuple[str, int]:
         """This node's IP and a port free on it: where the other ranks meet rank 0."""
         import socket
-
-        import ray
+        import sys
 
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("", 0))
             port = int(sock.getsockname()[1])
+        ray = sys.modules.get("ray")
+        if ray is None or not ray.is_initialized():  # in-process workers (ray.in_process)
+            return "127.0.0.1", port
         return ray.util.get_node_ip_address(), port
 
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
@@ -307,9 +310,7 @@ class FSDPWorker(CheckpointPieces):
     # ---------------------------------------------------------------- data
     def load_batch(self, refs: list) -> int:
         """Take this step's batch from the object store (``refs[0]`` holds ``to_numpy()``)."""
-        import ray
-
-        arrays = ray.get(refs[0]) if not isinstance(refs[0], dict) else refs[0]
+        arrays = fetch(refs[0]) if not isinstance(refs[0], dict) else refs[0]
         self.batch = StepBatch.from_numpy(arrays)
         return self.batch.num_rows
 
@@ -348,13 +349,11 @@ class FSDPWorker(CheckpointPieces):
     def set_token_field(self, name: str, pieces: list) -> None:
         """Fill token field ``name`` of the whole batch from every rank's ``(rows, values)``
         pieces (object refs or plain tuples), so all ranks hold the same full field."""
-        import ray
-
         batch = self.batch
         full = np.zeros(batch.num_tokens, dtype=np.float32)
         cu = batch.cu_seqlens.numpy()
         for piece in pieces:
-            rows, values = ray.get(piece) if isinstance(piece, ray.ObjectRef) else piece
+            rows, values = fetch(piece) if is_ref(piece) else piece
             rows = np.asarray(rows, dtype=np.int64)
             if rows.size:
                 # Row r's tokens are cu[r]:cu[r+1] of the batch, in order at the piece's offset.

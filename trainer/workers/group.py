@@ -19,6 +19,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from trainer.workers.local import LocalRef
+
 #: Seconds a controller call on the workers may take before it is called hung.
 CALL_TIMEOUT_S = 1800.0
 
@@ -183,6 +185,8 @@ def wait_all(
     the worker (``names[i]`` for ``refs[i]``) and the call (``what``, or ``what[i]``)
     without waiting for the others."""
     whats = [what] * len(refs) if isinstance(what, str) else list(what)
+    if all(isinstance(ref, LocalRef) for ref in refs):  # in-process workers: done already
+        return _local_results(refs, names, whats)
     index = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
     pending = list(refs)
@@ -207,6 +211,17 @@ def wait_all(
                     f"{whats[i]}: worker {names[i]} raised {_first_line(err)}"
                 ) from err
     return results
+
+
+def _local_results(refs: Sequence[LocalRef], names: Sequence[str], whats: list[str]) -> list:
+    """``wait_all`` of in-process calls: the first one that raised fails as a Ray task would."""
+    for i, ref in enumerate(refs):
+        if ref.error is not None:
+            err = ref.error
+            text = str(err).strip().splitlines()
+            message = f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+            raise WorkerFailedError(f"{whats[i]}: worker {names[i]} raised {message}") from err
+    return [ref.result() for ref in refs]
 
 
 def _first_line(err: BaseException) -> str:

@@ -6,11 +6,20 @@ import numpy as np
 import torch
 
 import hal
-from batching import LossNormalizers, StepBatch, loss_normalizers
+from batching import LossNormalizers, PromptSharing, StepBatch, loss_normalizers, share_prompts
 from trainer.config_schema import Config
 from trainer.step_stats import StepStats
 from trainer.workers.forward import packed_token_logprobs
 from trainer.workers.fsdp_worker import FSDPWorker
+from trainer.workers.local import fetch
+
+
+def prompt_sharing(mb: StepBatch, cfg: Config) -> PromptSharing | None:
+    """The shared layout of ``mb`` (``batching.share_prompts``) when ``train.share_prompts``
+    is on and two of its rows share a prompt, else None."""
+    if not cfg.train.share_prompts:
+        return None
+    return share_prompts(mb.input_ids.numpy(), mb.cu_seqlens.numpy(), mb.prompt_len.numpy())
 
 
 def actor_micro_batch_loss(
@@ -37,6 +46,7 @@ def actor_micro_batch_loss(
         temperature=cfg.rollout.temperature,
         lean=cfg.train.lean_logprobs,
         entropy_grad=bool(algo.entropy_coef),
+        sharing=prompt_sharing(mb, cfg),
     )
     mask = mb.loss_mask.to(device)
     field = mb.token_fields
@@ -77,6 +87,7 @@ class PolicyWorker(FSDPWorker):
             self.to_device(mb.cu_seqlens),
             temperature=cfg.rollout.temperature,
             lean=cfg.train.lean_logprobs,
+            sharing=prompt_sharing(mb, cfg),
         )
         return logprobs
 
@@ -134,8 +145,6 @@ class PolicyWorker(FSDPWorker):
         numpy buckets through Ray's object store, kept for ``bench e2e``'s comparison.
         Returns the number of buckets sent (0 on ranks that send none).
         """
-        import ray
-
         from rollout.engines.buckets import pack_tensor, plan_buckets
         from rollout.models import parse_dtype
 
@@ -160,7 +169,7 @@ class PolicyWorker(FSDPWorker):
             if self.backend.is_accelerator:  # the copies are queued: finish before the reader
                 self.backend.synchronize()
             if leader:
-                ray.get(engine.load_shared_bucket.remote(handles, [tuple(s) for s in specs]))
+                fetch(engine.load_shared_bucket.remote(handles, [tuple(s) for s in specs]))
             if tp > 1:  # the group's buffers are reused only once its engine has read them
                 torch.distributed.barrier()
             if fresh:  # the engine has mapped the buffer: its name can go
@@ -185,8 +194,6 @@ class PolicyWorker(FSDPWorker):
         own FSDP shard's rows in place, so shared memory replaces the gather collective, and
         after one barrier every replica reads the full weights from it. Returns 1 bucket on
         the ranks that sent (each tp group's first), else 0."""
-        import ray
-
         from rollout.engines.buckets import plan_buckets, tensor_view
         from rollout.models import parse_dtype
 
@@ -217,7 +224,7 @@ class PolicyWorker(FSDPWorker):
         torch.distributed.barrier()  # every shard is in place
         leader = rank % cfg.rollout.tensor_parallel_size == 0
         if leader:
-            ray.get(engine.load_shared_bucket.remote([handle], [tuple(s) for s in specs]))
+            fetch(engine.load_shared_bucket.remote([handle], [tuple(s) for s in specs]))
         if fresh:  # every replica has mapped it: the name can go
             torch.distributed.barrier()
             if rank == 0:
@@ -243,8 +250,6 @@ class PolicyWorker(FSDPWorker):
     def _push_weights_object_store(self, engine, bucket_bytes: int) -> int:
         """The weight sync before in-node handoff: float32 numpy buckets through Ray's object
         store, sent by each tp group's first rank (kept for ``bench e2e``'s comparison)."""
-        import ray
-
         sender = self.spec.rank % self.spec.cfg.rollout.tensor_parallel_size == 0
         bucket: dict[str, np.ndarray] = {}
         size = 0
@@ -257,9 +262,9 @@ class PolicyWorker(FSDPWorker):
             bucket[name] = array
             size += array.nbytes
             if size >= bucket_bytes:
-                ray.get(engine.update_weights.remote(bucket))
+                fetch(engine.update_weights.remote(bucket))
                 bucket, size, sent = {}, 0, sent + 1
         if sender and bucket:
-            ray.get(engine.update_weights.remote(bucket))
+            fetch(engine.update_weights.remote(bucket))
             sent += 1
         return sent

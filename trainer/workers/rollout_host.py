@@ -21,6 +21,7 @@ from rollout.agent_loop import RolloutOutput
 from rollout.engines.base import Engine
 from trainer.config_schema import Config
 from trainer.startup import Phases, process_start_time
+from trainer.workers.local import fetch, put
 
 
 class EngineHost:
@@ -147,9 +148,7 @@ class RemoteEngine(Engine):
 
     def generate(self, requests, sampling):
         """Generate on the remote replica and wait for it."""
-        import ray
-
-        return ray.get(self.handle.generate.remote(requests, sampling))
+        return fetch(self.handle.generate.remote(requests, sampling))
 
     def update_weights(self, named_tensors) -> None:
         """Not here: the replica's own training ranks sync it."""
@@ -203,8 +202,6 @@ class RolloutHost(EngineHost):
         Returns metadata for planning and metrics, and ``[ref]`` to the batch's numpy arrays
         (a list, so Ray passes the reference on instead of resolving it).
         """
-        import ray
-
         from trainer.algorithms.dynamic_sampling import GroupSelection
 
         size = self.cfg.train.batch_size
@@ -247,7 +244,7 @@ class RolloutHost(EngineHost):
         meta = batch_metadata(batch, out.metrics)
         meta["prompts_consumed"] = self.prompts_consumed
         meta["env_faults"] = out.faults  # the health gate shows them (trainer/health.py)
-        return meta, [ray.put(arrays)]
+        return meta, [put(arrays)]
 
     def _sample(self, step: int, items: list) -> RolloutOutput:
         """One sampled batch: ``items`` x ``rollout.n`` trajectories, with reward shaping."""
@@ -391,8 +388,6 @@ class ReplayHost:
         """The recorded batch of ``step`` and its metadata."""
         from pathlib import Path
 
-        import ray
-
         from rollout.replay import load_rollout
 
         path = Path(self.rollouts_dir) / f"step_{step}.npz"
@@ -402,7 +397,7 @@ class ReplayHost:
             )
         arrays = load_rollout(path)
         batch = StepBatch.from_numpy(arrays)
-        return batch_metadata(batch, {}), [ray.put(arrays)]
+        return batch_metadata(batch, {}), [put(arrays)]
 
     def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
         """No engine to update."""
