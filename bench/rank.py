@@ -104,9 +104,8 @@ def run(model: str = "builtin:tiny", repeats: int = 10, threads: int = 1) -> dic
     )
     workers = {}
     for side, spec_type in zip(SIDES, (ShardedSpec, WorkerSpec)):
+        # The second one-rank worker of a process shares the first one's process group (hal).
         worker = PolicyWorker(spec_type(role="actor", rank=0, cfg=cfg, threads=threads))
-        if workers:  # one process group for both (world size 1)
-            worker.backend.init_process_group = lambda *a, **k: None
         worker.setup("127.0.0.1", free_port())
         workers[side] = worker
     plan = plan_minibatches(
