@@ -625,20 +625,19 @@ def _step_result(per_rank: dict[int, dict], key: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def dp2_checkpoint(tmp_path_factory):
-    """A dp=2 actor trained 2 steps and checkpointed (committed like the controller does),
-    plus the same checkpoint in the single-file layout of older runs."""
-    run_dir = tmp_path_factory.mktemp("reshard")
+def _checkpoint_at(world: int, tmp_path_factory) -> dict:
+    """An actor at dp=``world`` trained 2 steps and checkpointed (committed like the
+    controller does), plus the same checkpoint in the single-file layout of older runs."""
+    run_dir = tmp_path_factory.mktemp(f"reshard_dp{world}")
     arrays = _reshard_batch().to_numpy()
     staging = begin_checkpoint(run_dir, 2)
-    legacy = tmp_path_factory.mktemp("legacy") / "step_2"
+    legacy = tmp_path_factory.mktemp(f"legacy_dp{world}") / "step_2"
     legacy.mkdir()
-    per_rank = _spawn_ranks(2, arrays, staging=str(staging), legacy=str(legacy))
+    per_rank = _spawn_ranks(world, arrays, staging=str(staging), legacy=str(legacy))
     written = sorted({name for r in per_rank.values() for name in r["written"]})
     save_json({"step": 2, "prompts_consumed": 6}, staging / LAYOUT.trainer_state)
     ckpt = commit_checkpoint(run_dir, 2, staging, keep_last=None, expect_files=written)
-    for name in (LAYOUT.scheduler("actor"), LAYOUT.rng("actor", 0), LAYOUT.rng("actor", 1)):
+    for name in (LAYOUT.scheduler("actor"), *(LAYOUT.rng("actor", r) for r in range(world))):
         (legacy / name).write_bytes((ckpt / name).read_bytes())
     return {
         "arrays": arrays,
@@ -648,6 +647,18 @@ def dp2_checkpoint(tmp_path_factory):
         "continued": _step_result(per_rank, "continued"),
         "again": _step_result(per_rank, "again"),
     }
+
+
+@pytest.fixture(scope="module")
+def dp2_checkpoint(tmp_path_factory):
+    """``_checkpoint_at`` dp=2: FSDP2-sharded model and optimizer."""
+    return _checkpoint_at(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def dp1_checkpoint(tmp_path_factory):
+    """``_checkpoint_at`` dp=1: the one rank trains the plain module, nothing sharded."""
+    return _checkpoint_at(1, tmp_path_factory)
 
 
 def _rel_distance(a: dict, b: dict) -> float:
@@ -681,19 +692,21 @@ def test_same_dp_resume_is_bit_exact(dp2_checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 4])
-def test_resume_at_another_dp_size_continues_the_run(dp2_checkpoint, world):
-    """A checkpoint written at dp=2 resumes at dp=1 and dp=4: the next step's loss, grad norm
-    and updated parameters equal the dp=2 run's own step 3 (dp invariance, fp32)."""
-    dirs = [str(dp2_checkpoint["ckpt"])]
+@pytest.mark.parametrize(("saved", "world"), [(2, 1), (2, 4), (1, 2)])
+def test_resume_at_another_dp_size_continues_the_run(request, saved, world):
+    """A checkpoint written at dp=2 resumes at dp=1 and dp=4, one written at dp=1 (the plain
+    module) at dp=2: the next step's loss, grad norm and updated parameters equal the saving
+    run's own step 3 (dp invariance, fp32)."""
+    written = request.getfixturevalue(f"dp{saved}_checkpoint")
+    dirs = [str(written["ckpt"])]
     if world == 1:  # the single-file layout of older checkpoints still loads
-        dirs.append(str(dp2_checkpoint["legacy"]))
-    per_rank = _spawn_ranks(world, dp2_checkpoint["arrays"], resume_from=dirs)
-    expected = dp2_checkpoint["continued"]
+        dirs.append(str(written["legacy"]))
+    per_rank = _spawn_ranks(world, written["arrays"], resume_from=dirs)
+    expected = written["continued"]
     for ckpt in dirs:
         got = _step_result(per_rank, ckpt)
         print(
-            f"dp=2 -> dp={world} from {Path(ckpt).parent.name}/{Path(ckpt).name}: "
+            f"dp={saved} -> dp={world} from {Path(ckpt).parent.name}/{Path(ckpt).name}: "
             f"loss {got['loss']:.9g} vs {expected['loss']:.9g}, grad norm "
             f"{got['grad_norm']:.9g} vs {expected['grad_norm']:.9g}, "
             f"parameters {_rel_distance(got, expected):.2e} apart"

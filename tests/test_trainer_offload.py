@@ -3,8 +3,9 @@
 ``train.param_offload`` goes through FSDP2's CPU-offload policy: the sharded parameters, their
 gradients and the optimizer step stay in host memory (pinned on an accelerator) and are
 gathered onto the device per use. ``train.optimizer_offload`` parks the optimizer's DTensor
-state in pinned host memory between optimizer steps. On the CPU backend the tests check the
-policy FSDP2 holds and that offloading changes no number; what needs a device is skipped.
+state in pinned host memory between optimizer steps. One rank that needs none of FSDP2's
+policies trains the plain module. On the CPU backend the tests check the policy FSDP2 holds and
+that offloading changes no number; what needs a device is skipped.
 """
 
 from __future__ import annotations
@@ -106,9 +107,11 @@ def test_param_offload_is_fsdp2_cpu_offload_and_changes_no_number():
     worker = _actor("cpu", "train.param_offload=true")
     try:
         groups = _param_groups(worker.model)
-        # One group per decoder layer and the root, each under the CPU-offload policy; a CPU
-        # run asks for no page-locked memory.
-        assert len(groups) == plain_groups == len(worker.model.model.layers) + 1
+        # One rank with no FSDP2 policy trains the plain module; with the offload policy, one
+        # group per decoder layer and the root, each under it; a CPU run asks for no
+        # page-locked memory.
+        assert plain_groups == 0
+        assert len(groups) == len(worker.model.model.layers) + 1
         for group in groups:
             assert isinstance(group.offload_policy, CPUOffloadPolicy)
             assert group.offload_policy.pin_memory is False
@@ -125,7 +128,7 @@ def test_param_offload_is_fsdp2_cpu_offload_and_changes_no_number():
 
 
 def test_offload_refuses_fsdp2_parameters_and_walks_dtensor_optimizer_state():
-    worker = _actor("cpu")
+    worker = _actor("cpu", "train.param_offload=true")  # FSDP2 even at one rank
     try:
         # Assigning .data on an FSDP2 parameter would leave FSDP2's own shard in place.
         with pytest.raises(ValueError, match="sharded \\(DTensor\\).*CPU-offload policy"):
@@ -145,23 +148,31 @@ def test_offload_refuses_fsdp2_parameters_and_walks_dtensor_optimizer_state():
         worker.shutdown()
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 @needs_accelerator
-def test_optimizer_offload_parks_dtensor_state_in_pinned_host_memory():
-    worker = _actor("auto", "train.optimizer_offload=true")
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "fsdp2"])
+def test_optimizer_offload_parks_state_in_pinned_host_memory(sharded):
+    # bfloat16 compute needs FSDP2's mixed-precision policy: the sharded case at one rank.
+    dtype = "bfloat16" if sharded else "float32"
+    worker = _actor("auto", "train.optimizer_offload=true", f"train.param_dtype={dtype}")
     try:
+        assert isinstance(worker.model, FSDPModule) is sharded
         _update(worker)
         worker.offload_states()
         states = _optimizer_states(worker)
         assert states
         for value in states:
-            assert isinstance(value, DTensor)
-            assert value.to_local().device.type == "cpu" and value.to_local().is_pinned()
-        before = [v.to_local().clone() for v in states]
+            assert isinstance(value, DTensor) is sharded
+            assert _local(value).device.type == "cpu" and _local(value).is_pinned()
+        before = [_local(v).clone() for v in states]
         _update(worker)  # the optimizer step brings the state back beside its parameter
         params = dict(worker.optimizer.state)
         for param, state in params.items():
-            assert state["exp_avg"].to_local().device == param.to_local().device
-        after = [v.to_local().cpu() for v in _optimizer_states(worker)]
+            assert _local(state["exp_avg"]).device == _local(param).device
+        after = [_local(v).cpu() for v in _optimizer_states(worker)]
         assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
     finally:
         worker.shutdown()
@@ -190,5 +201,38 @@ def test_param_offload_keeps_shards_grads_and_optimizer_state_in_pinned_host_mem
         state = worker.full_state_dict()
         for key, value in expected.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "sharded"),
+    [
+        ((), False),
+        (("train.param_offload=true",), True),
+        (("train.param_dtype=bfloat16",), True),
+        (("train.reduce_dtype=bfloat16",), True),
+        (("train.dp_size=2",), True),
+    ],
+)
+def test_one_rank_shards_only_when_an_fsdp2_policy_is_needed(overrides, sharded):
+    from trainer.workers.spec import WorkerSpec
+
+    cfg = load_config(None, ["device=cpu", "model.path=builtin:tiny", *overrides])
+    assert WorkerSpec(role="actor", rank=0, cfg=cfg).sharded is sharded
+
+
+def test_plain_module_at_one_rank_keeps_tied_embeddings_tied():
+    worker = _actor("cpu")
+    try:
+        assert not isinstance(worker.model, FSDPModule)
+        _update(worker)
+        state = worker.full_state_dict()
+        # One tensor under both names: the update moved the input embedding and the LM head
+        # together, as the checkpoint's tie promises.
+        assert worker.model.config.tie_word_embeddings
+        torch.testing.assert_close(
+            state["lm_head.weight"], state["model.embed_tokens.weight"], rtol=0, atol=0
+        )
     finally:
         worker.shutdown()

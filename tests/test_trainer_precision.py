@@ -108,15 +108,22 @@ def test_activation_checkpointing_on_a_model_without_support_names_the_key():
         enable_activation_checkpointing(torch.nn.Linear(2, 2))
 
 
-def test_fsdp2_shards_on_the_hal_device_mesh():
+@pytest.mark.parametrize("sharded", [True, False], ids=["fsdp2", "plain"])
+def test_fsdp2_shards_on_the_hal_device_mesh(sharded):
     """FSDP2's default mesh is the machine's accelerator: on a GPU node a ``device: cpu`` run
     sharded onto the GPU while its batches stayed on the CPU (seen on an H100). The worker
-    names the HAL's device; on a GPU node this test is what catches a regression."""
-    worker = _cpu_actor("builtin:tiny")
+    names the HAL's device; on a GPU node this test is what catches a regression. At one rank
+    FSDP2 is used only for a policy (here bf16 gradient reduction); else the plain module
+    stays on the HAL's device too."""
+    worker = _cpu_actor(
+        "builtin:tiny", f"train.reduce_dtype={'bfloat16' if sharded else 'float32'}"
+    )
     try:
         params = list(worker.model.parameters())
-        assert params and all(p.device_mesh.device_type == "cpu" for p in params)
-        assert all(p.to_local().device.type == "cpu" for p in params)
+        assert params and all(hasattr(p, "device_mesh") is sharded for p in params)
+        if sharded:
+            assert all(p.device_mesh.device_type == "cpu" for p in params)
+        assert all(getattr(p, "to_local", lambda p=p: p)().device.type == "cpu" for p in params)
     finally:
         worker.shutdown()
 

@@ -372,12 +372,12 @@ class Trainer:
         )
 
     def _sync_weights(self, *, via_object_store: bool = False) -> None:
-        """Wake the engines' weights and load the actor's new ones: every tp group's ranks
-        hand them to their own replica on the same devices (nothing to push when replaying).
-        ``via_object_store``: the earlier path through Ray's object store, for ``bench e2e``."""
+        """Load the actor's new weights into the engines: every tp group's ranks hand them to
+        their own replica on the same devices, which wakes its weights (not its KV cache) as
+        it loads them (nothing to push when replaying). ``via_object_store``: the earlier
+        path through Ray's object store, for ``bench e2e``."""
         if self.replay_dir is not None:
             return
-        self._engines("wake_up", ["weights"])
         owner = [
             self.replicas[self.layout.replica_of_rank(r)] for r in range(self.cfg.train.dp_size)
         ]
@@ -391,28 +391,34 @@ class Trainer:
         ``run.fingerprint_every`` skips this step)."""
         from trainer.fingerprint import combine_param_stats
 
+        every = self.cfg.run.fingerprint_every
+        checksum = bool(every) and step % every == 0
+        # One call per rank (``FSDPWorker.end_of_step``): offload, peak memory, then the
+        # actor's records: rank 0 counts the mini-batches, every rank its checksum share.
+        rows = [mb.rows.tolist() for mb in plan.mini_batches]
         calls = PendingCalls()
+        ends = {}
         for group in self._all_groups():
-            calls.submit(group, "offload_states")
+            asks: list[list] = [[] for _ in group.handles]
+            if group is self.actor:
+                asks[0].append(("mini_batch_counts", (rows,)))
+                if checksum:
+                    for ask in asks:
+                        ask.append(("param_stats", ()))
+            ends[group.role] = calls.submit(group, "end_of_step", per_rank=asks)
         names = [f"engine replica {i}" for i in range(len(self.replicas))]
         calls.add([h.wake_up.remote(["kv_cache"]) for h in self.replicas], names, "rollout.wake_up")
-        peaks = [(g.role, calls.submit(g, "peak_memory_gb")) for g in self._all_groups()]
-        rows = [mb.rows.tolist() for mb in plan.mini_batches]
-        counts = calls.add(
-            [self.actor.handles[0].mini_batch_counts.remote(rows)],
-            self.actor.names[:1],
-            "actor.mini_batch_counts",
-        )
-        every = self.cfg.run.fingerprint_every
-        stats = calls.submit(self.actor, "param_stats") if every and step % every == 0 else []
         results = calls.wait()
+        ends = {role: [results[r] for r in refs] for role, refs in ends.items()}
+        actor = ends[self.actor.role]
         return {
             "memory": {
-                f"memory/{role}_peak_gb": max(results[r] for r in refs) for role, refs in peaks
+                f"memory/{role}_peak_gb": max(rank[0] for rank in answers)
+                for role, answers in ends.items()
             },
-            "counts": results[counts[0]],
+            "counts": actor[0][1],
             # Each rank sums its own shards (no collective); the ranks' shares add up here.
-            "checksum": combine_param_stats([results[r] for r in stats]) if stats else None,
+            "checksum": combine_param_stats([rank[-1] for rank in actor]) if checksum else None,
         }
 
     # ------------------------------------------------------------------ records

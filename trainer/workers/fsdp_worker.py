@@ -1,5 +1,7 @@
 """What every FSDP2 training worker shares: process group, sharded model, optimizer, batch
-store; its checkpoint pieces come from ``trainer/workers/checkpointing.py``.
+store; its checkpoint pieces come from ``trainer/workers/checkpointing.py``. A single rank
+that needs no FSDP2 policy trains the plain module (``WorkerSpec.sharded``); every method
+here takes either.
 
 A worker is one data-parallel rank. It is a plain class (tests drive it in-process); the
 controller wraps it with ``ray.remote`` (or, in one process, ``trainer.workers.local``). The device comes from the HAL only.
@@ -53,6 +55,25 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> int:
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return len(FSDPWorker._layers(model))
+
+
+def _tied_parameter_names(model: torch.nn.Module) -> list[list[str]]:
+    """Names of each parameter held under more than one name (tied embeddings)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _retie(model: torch.nn.Module, tied: list[list[str]]) -> None:
+    """Make every name of a ``_tied_parameter_names`` group hold its first name's parameter
+    again: ``to_empty`` gives a plain module a fresh tensor per name (FSDP2 keeps the ties)."""
+    for first, *others in tied:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            if model.get_parameter(name) is not param:
+                setattr(model.get_submodule(owner), leaf, param)
 
 
 class FSDPWorker(CheckpointPieces):
@@ -201,7 +222,10 @@ class FSDPWorker(CheckpointPieces):
     def _shard(self, model: torch.nn.Module) -> None:
         """FSDP2 in place: each decoder layer, then the root. ``train.param_offload`` keeps
         the sharded parameters (and so their gradients and optimizer step) in host memory
-        through FSDP2's CPU-offload policy, pinned on an accelerator."""
+        through FSDP2's CPU-offload policy, pinned on an accelerator. A single rank that needs
+        none of FSDP2's policies keeps the plain module (``WorkerSpec.sharded``)."""
+        if not self.spec.sharded:
+            return
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
@@ -242,7 +266,9 @@ class FSDPWorker(CheckpointPieces):
         from rollout.models import checkpoint_tensors, load_model, reset_non_persistent_buffers
 
         # FSDP2 moves offloaded shards back to (pinned) host memory itself.
+        tied = _tied_parameter_names(model)
         model.to_empty(device=self.device)
+        _retie(model, tied)
         reset_non_persistent_buffers(model, self.device)
         # Tied weights are one tensor under several names: sent once.
         targets: dict[int, tuple[list[str], torch.Tensor]] = {}
@@ -305,6 +331,14 @@ class FSDPWorker(CheckpointPieces):
             self.backend.offload(self.optimizer)
         self.backend.empty_cache()
 
+    def end_of_step(self, asks: list[tuple[str, tuple]]) -> list:
+        """The end of a step on this rank in one call: ``offload_states``, then this rank's
+        peak memory (``peak_memory_gb``) and the answer to each of ``asks``, ``(method name,
+        args)`` of this worker (what the step's records read from it, such as
+        ``param_stats``), in that order."""
+        self.offload_states()
+        return [self.peak_memory_gb(), *(getattr(self, name)(*args) for name, args in asks)]
+
     def peak_memory_gb(self) -> float:
         """This rank's peak memory since the last call, in GB (1e9 bytes): device memory
         allocated on an accelerator, the process's peak RSS on the CPU. Starts a new peak."""
@@ -316,16 +350,17 @@ class FSDPWorker(CheckpointPieces):
         """Fill token field ``name`` of the whole batch from every rank's ``(rows, values)``
         pieces (object refs or plain tuples), so all ranks hold the same full field."""
         batch = self.batch
-        full = torch.zeros(batch.num_tokens, dtype=torch.float32)
-        cu = batch.cu_seqlens
+        full = np.zeros(batch.num_tokens, dtype=np.float32)
+        cu = batch.cu_seqlens.numpy()
         for piece in pieces:
             rows, values = fetch(piece) if is_ref(piece) else piece
-            offset = 0
-            for r in rows:
-                start, end = int(cu[r]), int(cu[r + 1])
-                full[start:end] = torch.from_numpy(values[offset : offset + end - start])
-                offset += end - start
-        batch.set_token_field(name, full)
+            rows = np.asarray(rows, dtype=np.int64)
+            if rows.size:
+                # Row r's tokens are cu[r]:cu[r+1] of the batch, in order at the piece's offset.
+                starts, lengths = cu[rows], cu[rows + 1] - cu[rows]
+                shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+                full[shift + np.arange(int(lengths.sum()))] = values
+        batch.set_token_field(name, torch.from_numpy(full))
 
     def micro_batch(self, rows: list[int]) -> StepBatch:
         """Rows of one micro-batch (``-1`` = padding row), ready on this worker's device."""
@@ -341,18 +376,19 @@ class FSDPWorker(CheckpointPieces):
         and dropped. Returns ``(rows, values)``: the real row indices in order and their
         tokens' values concatenated (float32), ready for ``set_token_field`` on every worker.
         """
-        rows_out: list[int] = []
+        rows_out: list[np.ndarray] = []
         pieces: list[np.ndarray] = []
         for rows in micro_batches:
             mb = self.micro_batch(rows)
             values = per_token(mb).float().cpu().numpy()
             cu = mb.cu_seqlens.numpy()
-            for j, r in enumerate(rows):
-                if r >= 0:
-                    rows_out.append(r)
-                    pieces.append(values[cu[j] : cu[j + 1]])
+            index = np.asarray(rows, dtype=np.int64)
+            real = index >= 0
+            rows_out.append(index[real])
+            pieces.append(values[: cu[-1]][np.repeat(real, np.diff(cu))])
         flat = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
-        return np.asarray(rows_out, dtype=np.int64), flat
+        rows_out = np.concatenate(rows_out) if rows_out else np.zeros(0, np.int64)
+        return rows_out, flat
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Move a batch tensor to this worker's device."""
@@ -472,12 +508,16 @@ class FSDPWorker(CheckpointPieces):
 
     @torch.no_grad()
     def weights_finite(self) -> bool:
-        """Whether every element of this rank's parameter shards is finite (no collective)."""
-        for param in self.model.parameters():
-            local = param.to_local() if hasattr(param, "to_local") else param
-            if not bool(torch.isfinite(local).all()):
-                return False
-        return True
+        """Whether every element of this rank's parameter shards is finite (no collective).
+
+        The largest magnitude of each shard (an inf-norm: NaN and inf carry through it, and it
+        cannot overflow) for all of them in one go, and one read of the answer."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        local = [t for t in local if t.numel()]  # an empty shard is finite
+        if not local:
+            return True
+        largest = torch._foreach_norm(local, math.inf)
+        return bool(torch.isfinite(torch.stack(largest)).all())
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any data-parallel rank (one tiny all-reduce)."""

@@ -105,16 +105,20 @@ class EngineHost:
     def load_shared_bucket(self, handles: list, specs: list) -> int:
         """Load one bucket of new weights that this replica's training ranks put in memory
         shared with this process (``trainer.workers.policy.PolicyWorker.push_weights``);
-        returns the tensor count."""
+        returns the tensor count. The weights are woken first when they sleep, so the sync
+        needs no call of its own for that (the KV cache stays asleep)."""
         from rollout.engines.buckets import TensorSpec
 
         specs = [TensorSpec(*s) for s in specs]
+        self.engine.wake_up(["weights"])
         self.engine.load_shared_bucket(hal.open_shared_buffer, handles, specs)
         return len(specs)
 
     def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
         """Load one bucket of new weights (HF names -> arrays) sent through Ray's object
-        store: the path before in-node sync, kept for ``bench e2e``'s comparison only."""
+        store: the path before in-node sync, kept for ``bench e2e``'s comparison only. Wakes
+        the weights first, as ``load_shared_bucket`` does."""
+        self.engine.wake_up(["weights"])
         self.engine.update_weights(
             (name, torch.from_numpy(array)) for name, array in bucket.items()
         )

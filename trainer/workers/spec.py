@@ -29,6 +29,24 @@ class WorkerSpec:
         return self.cfg.train.dp_size
 
     @property
+    def sharded(self) -> bool:
+        """Whether this rank's model goes under FSDP2 or stays a plain module.
+
+        FSDP2 is needed when there is something to shard (``train.dp_size`` > 1) and when it
+        does more than shard: ``train.param_offload`` (its CPU-offload policy) or a
+        ``train.param_dtype`` / ``train.reduce_dtype`` other than the float32 master weights
+        (its mixed-precision policy). Otherwise, at one rank, it only adds a copy and hooks
+        around every forward and backward, and gives the plain module's numbers.
+        """
+        train = self.cfg.train
+        return (
+            self.world_size > 1
+            or train.param_offload
+            or train.param_dtype != "float32"
+            or train.reduce_dtype != "float32"
+        )
+
+    @property
     def trainable(self) -> bool:
         """The reference model is frozen; actor and critic train."""
         return self.role != "reference"
