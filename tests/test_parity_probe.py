@@ -12,6 +12,7 @@ import ray
 
 from trainer.cli import main as cli_main
 from trainer.config import load_config
+from trainer.metrics import read_jsonl
 from trainer.parity import DEFAULT_TOLERANCES, compare_runs, read_run
 from trainer.probe import probe_config, run_probe
 from trainer.workers.group import WorkerFailedError, agree_on_settings, start_ray
@@ -44,6 +45,10 @@ def probes(tmp_path_factory):
         "dp2": ["train.dp_size=2"],
         "dp4": ["train.dp_size=4", "train.max_tokens_per_micro_batch=512"],
         "lr": ["train.lr=4.0e-3"],  # planted: one digit of the golden lr 3.0e-3
+        # old log-probs of the first mini-batch from a separate pass instead of its update
+        "old_pass": ["train.old_logprobs_from_update=false"],
+        "epochs2": ["train.ppo_epochs=2"],
+        "epochs2_old_pass": ["train.ppo_epochs=2", "train.old_logprobs_from_update=false"],
     }
     out = {}
     try:
@@ -86,6 +91,29 @@ def test_dp_sizes_agree(probes):
         assert not report.notes  # dp size and micro-batch budget are layout, not the job
         digests = [c for c in report.comparisons if c.field == "plan_digest"]
         assert len(digests) == STEPS and all(c.a == c.b for c in digests)
+
+
+def _lines(run: Path, name: str) -> list[str]:
+    return (run / name).read_text().splitlines()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("update", "separate"), [("dp1", "old_pass"), ("epochs2", "epochs2_old_pass")]
+)
+def test_old_logprobs_from_the_update_are_those_of_a_separate_pass(probes, update, separate):
+    """The first update runs on the weights that sampled its rows, so its forward's log-probs
+    are the old log-probs a separate pass computes: the same fingerprints to the last bit
+    (old log-probs, losses, gradient norms, parameter checksums), also when later epochs
+    read the stored ones, and the same engine-vs-trainer metrics."""
+    assert _lines(probes[update], "fingerprint.jsonl") == _lines(
+        probes[separate], "fingerprint.jsonl"
+    )
+    for a, b in zip(
+        read_jsonl(probes[update] / "metrics.jsonl"), read_jsonl(probes[separate] / "metrics.jsonl")
+    ):
+        for key in ("rollout/logprob_abs_diff", "rollout/logprob_kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-15), key
 
 
 @pytest.mark.slow

@@ -12,7 +12,12 @@ import torch
 from batching import Row, StepBatch
 from trainer.algorithms import compute_advantages
 from trainer.algorithms.dynamic_sampling import GroupSelection
-from trainer.algorithms.rollout_correction import mismatch_metrics, rollout_correction_weights
+from trainer.algorithms.rollout_correction import (
+    mismatch_from_sums,
+    mismatch_metrics,
+    mismatch_sums,
+    rollout_correction_weights,
+)
 from trainer.config import ConfigError, load_config
 from trainer.losses import gspo_policy_loss, kl_reward_penalty, policy_loss_terms
 
@@ -179,6 +184,10 @@ def test_rollout_correction_weights_by_hand():
     assert mm["rollout/logprob_abs_diff"] == pytest.approx(0.2)
     k3 = [math.exp(d) - 1 - d for d in (0.5, 0.1, 0.0)]
     assert mm["rollout/logprob_kl"] == pytest.approx(sum(k3) / 3)
+    # the same from sums over pieces of the batch (ranks' rows), added up
+    pieces = [mismatch_sums(old[a:b], rollout[a:b], mask[a:b]) for a, b in ((0, 1), (1, 4))]
+    assert mismatch_from_sums(pieces) == pytest.approx(mm)
+    assert mismatch_from_sums([]) == {"rollout/logprob_abs_diff": 0.0, "rollout/logprob_kl": 0.0}
 
 
 def test_rollout_correction_weights_scale_the_policy_loss():

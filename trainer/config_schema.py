@@ -371,6 +371,13 @@ class TrainConfig(BaseModel):
         "of tokens at a time, recomputed in backward (no [tokens, vocab] logits kept); false = "
         "from the full logits (more memory, same values)",
     )
+    old_logprobs_from_update: bool = Field(
+        True,
+        description="the step's first mini-batch trains on the weights that sampled it, so "
+        "its old log-probs are its update's own forward (detached) instead of a separate "
+        "pass (one forward less per step; off by itself with algorithm.rollout_correction "
+        "or a KL reward penalty, which need them before the update)",
+    )
     share_prompts: bool = Field(
         True,
         description="rows of a micro-batch with the same prompt (a group's samples) run it "

@@ -261,7 +261,8 @@ class Trainer:
         with timer.section("prepare"):
             adv_metrics = self._prepare(plan, batch_ref)
         with timer.section("update"):
-            stats = self._update(plan, step)
+            stats, mismatch = self._update(plan, step)
+        adv_metrics.update(mismatch)
         with timer.section("sync"):
             # Weights first, KV cache after the ranks have offloaded: a low peak.
             self._sync_weights()
@@ -293,18 +294,37 @@ class Trainer:
             group_ids=meta["group_ids"],
         )
 
-    def _prepare(self, plan, batch_ref: list) -> dict[str, float]:
-        """Old / reference logprobs and values on every rank's rows, then advantages.
-        Submitted as one chain per worker (``PendingCalls``) and waited for once."""
-        # every micro-batch of each rank across all mini-batches: the no-grad passes
-        rank_mbs = [
-            [mb for mini in plan.mini_batches for mb in mini.micro_batches[r]]
+    def _old_from_update(self) -> bool:
+        """Whether the step's first mini-batch takes its old log-probs from its own update
+        (``train.old_logprobs_from_update``): not when something reads them before the update
+        (``algorithm.rollout_correction``, a KL reward penalty)."""
+        algo = self.cfg.algorithm
+        kl_penalty = algo.kl_coef > 0 and not algo.use_kl_loss
+        return (
+            self.cfg.train.old_logprobs_from_update
+            and algo.rollout_correction == "none"
+            and not kl_penalty
+        )
+
+    def _rank_micro_batches(self, minis) -> list[list[list[int]]]:
+        """Per rank, its micro-batches of the mini-batches ``minis``, in order."""
+        return [
+            [mb for mini in minis for mb in mini.micro_batches[r]]
             for r in range(self.cfg.train.dp_size)
         ]
+
+    def _prepare(self, plan, batch_ref: list) -> dict[str, float]:
+        """Old / reference logprobs and values on every rank's rows, then advantages.
+        Submitted as one chain per worker (``PendingCalls``) and waited for once. With
+        ``_old_from_update`` the first mini-batch's old log-probs come with its update."""
+        # every micro-batch of each rank across all mini-batches: the no-grad passes
+        rank_mbs = self._rank_micro_batches(plan.mini_batches)
+        from_update = self._old_from_update()
+        old_mbs = self._rank_micro_batches(plan.mini_batches[1:]) if from_update else rank_mbs
         calls = PendingCalls()
         for group in self._all_groups():
             calls.submit(group, "load_batch", batch_ref)
-        pieces = {"old_logprobs": calls.submit(self.actor, "compute_logprobs", per_rank=rank_mbs)}
+        pieces = {"old_logprobs": calls.submit(self.actor, "compute_logprobs", per_rank=old_mbs)}
         if self.ref is not None:
             pieces["ref_logprobs"] = calls.submit(self.ref, "compute_logprobs", per_rank=rank_mbs)
         if self.critic is not None:
@@ -313,24 +333,34 @@ class Trainer:
         for field, piece_refs in pieces.items():
             for group in self._training_groups():
                 calls.submit(group, "set_token_field", field, piece_refs)
-        advantages = [calls.submit(g, "compute_advantages") for g in self._training_groups()]
+        advantages = [
+            calls.submit(g, "compute_advantages", not from_update) for g in self._training_groups()
+        ]
         results = calls.wait()
         return results[advantages[0][0]]
 
-    def _update(self, plan, step: int) -> dict[str, StepStats]:
+    def _update(self, plan, step: int) -> tuple[dict[str, StepStats], dict[str, float]]:
         """``ppo_epochs`` passes over the plan's mini-batches, one optimizer step each, all
         submitted at once (each worker runs them in order); then a stop if any weights are
-        non-finite. Returns each training role's statistics of the whole step."""
+        non-finite. Returns each training role's statistics of the whole step, and the
+        engine-vs-trainer metrics when the old log-probs were completed by the update."""
         groups = self._training_groups()
+        from_update = self._old_from_update()
         calls = PendingCalls()
         steps = []  # (role, refs of one mini-batch), in order
-        for _epoch in range(self.cfg.train.ppo_epochs):
-            for mini in plan.mini_batches:
+        for epoch in range(self.cfg.train.ppo_epochs):
+            for m, mini in enumerate(plan.mini_batches):
                 rows, per_rank = mini.rows.tolist(), list(mini.micro_batches)
                 for g in groups:
-                    refs = calls.submit(g, "train_mini_batch", rows, per_rank=per_rank)
+                    first = from_update and g is self.actor and epoch == 0 and m == 0
+                    args = (rows, True) if first else (rows,)
+                    refs = calls.submit(g, "train_mini_batch", *args, per_rank=per_rank)
                     steps.append((g.role, refs))
         finite = [(g.role, calls.submit(g, "weights_finite")) for g in groups]
+        mismatch = []
+        if from_update:
+            rank_mbs = self._rank_micro_batches(plan.mini_batches)
+            mismatch = calls.submit(self.actor, "rollout_mismatch_sums", per_rank=rank_mbs)
         results = calls.wait()
         totals = {g.role: StepStats(g.role) for g in groups}
         for role, refs in steps:
@@ -340,7 +370,11 @@ class Trainer:
         # Stop before non-finite weights reach the rollout engine or a checkpoint.
         for role, refs in finite:
             check_finite_weights(role, [results[r] for r in refs], step)
-        return totals
+        if not mismatch:
+            return totals, {}
+        from trainer.algorithms.rollout_correction import mismatch_from_sums
+
+        return totals, mismatch_from_sums([results[r] for r in mismatch])
 
     def _check_weights(self, step: int) -> None:
         """Stop before non-finite weights reach the rollout engine or a checkpoint."""

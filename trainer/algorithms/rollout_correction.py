@@ -21,6 +21,26 @@ import torch
 ROLLOUT_CORRECTION_LEVELS = ("none", "token", "sequence")
 
 
+def mismatch_sums(old_logprobs, rollout_logprobs, loss_mask) -> dict[str, float]:
+    """What ``mismatch_metrics`` averages, as sums over loss tokens (float64) and their
+    count, so that pieces of a batch (ranks' rows) add up: ``mismatch_from_sums``."""
+    on = loss_mask > 0
+    d = (old_logprobs - rollout_logprobs)[on].double()
+    k3 = torch.exp(d.clamp(-20, 20)) - 1.0 - d
+    return {"abs_diff": float(d.abs().sum()), "kl": float(k3.sum()), "tokens": float(on.sum())}
+
+
+def mismatch_from_sums(pieces: list[dict[str, float]]) -> dict[str, float]:
+    """``mismatch_metrics`` from ``mismatch_sums`` of pieces that cover the batch once."""
+    tokens = sum(p["tokens"] for p in pieces)
+    if not tokens:
+        return {"rollout/logprob_abs_diff": 0.0, "rollout/logprob_kl": 0.0}
+    return {
+        "rollout/logprob_abs_diff": sum(p["abs_diff"] for p in pieces) / tokens,
+        "rollout/logprob_kl": sum(p["kl"] for p in pieces) / tokens,
+    }
+
+
 def mismatch_metrics(old_logprobs, rollout_logprobs, loss_mask) -> dict[str, float]:
     """``rollout/logprob_abs_diff`` and ``rollout/logprob_kl`` over loss tokens."""
     on = loss_mask > 0

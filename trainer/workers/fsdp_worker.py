@@ -362,6 +362,34 @@ class FSDPWorker(CheckpointPieces):
                 full[shift + np.arange(int(lengths.sum()))] = values
         batch.set_token_field(name, torch.from_numpy(full))
 
+    def store_rows(self, name: str, rows: list[int], mb: StepBatch, values: torch.Tensor) -> None:
+        """Write ``values`` (``[T]`` of micro-batch ``mb``, made of batch rows ``rows``; -1 =
+        padding, skipped) into token field ``name`` of this worker's batch, row by row."""
+        field = self.batch.token_fields[name]
+        values = values.detach().to("cpu", field.dtype)
+        cu, mb_cu = self.batch.cu_seqlens.tolist(), mb.cu_seqlens.tolist()
+        for j, r in enumerate(rows):
+            if r >= 0:
+                field[cu[r] : cu[r + 1]] = values[mb_cu[j] : mb_cu[j + 1]]
+
+    def rollout_mismatch_sums(self, micro_batches: list[list[int]]) -> dict[str, float]:
+        """Sums behind ``rollout/logprob_abs_diff`` and ``rollout/logprob_kl`` over the loss
+        tokens of this rank's rows (``micro_batches`` of every mini-batch): the controller
+        adds the ranks' (``trainer.algorithms.rollout_correction.mismatch_from_sums``)."""
+        from trainer.algorithms.rollout_correction import mismatch_sums
+
+        rows = sorted({r for mb in micro_batches for r in mb if r >= 0})
+        cu = self.batch.cu_seqlens.tolist()
+        tokens = torch.cat([torch.arange(cu[r], cu[r + 1]) for r in rows]) if rows else None
+        fields = self.batch.token_fields
+        if tokens is None:
+            return mismatch_sums(torch.zeros(0), torch.zeros(0), torch.zeros(0))
+        return mismatch_sums(
+            fields["old_logprobs"][tokens],
+            fields["rollout_logprobs"][tokens],
+            self.batch.loss_mask[tokens],
+        )
+
     def micro_batch(self, rows: list[int]) -> StepBatch:
         """Rows of one micro-batch (``-1`` = padding row), ready on this worker's device."""
         return self.batch.select(rows)
@@ -394,9 +422,11 @@ class FSDPWorker(CheckpointPieces):
         """Move a batch tensor to this worker's device."""
         return tensor.to(self.device, non_blocking=True)
 
-    def compute_advantages(self) -> dict[str, float]:
+    def compute_advantages(self, mismatch: bool = True) -> dict[str, float]:
         """Advantages and returns for the whole batch (``algorithm.*``), identical on every
-        rank and role.
+        rank and role. ``mismatch``: also the engine-vs-trainer metrics
+        (``rollout/logprob_*``); False when some rows' old log-probs come only with the
+        update (``train.old_logprobs_from_update``: ``rollout_mismatch_sums`` after it).
 
         Every worker holds the whole batch, so each computes the same advantages locally
         instead of shipping them around. Without the KL loss (``algorithm.use_kl_loss:
@@ -441,7 +471,7 @@ class FSDPWorker(CheckpointPieces):
         out = {"advantage/mean": float(adv.mean()), "advantage/std": float(adv.std(unbiased=False))}
         if penalty is not None:
             out["algorithm/kl_penalty_token_mean"] = float(penalty[mask].double().mean())
-        if "old_logprobs" in batch.token_fields:
+        if mismatch and "old_logprobs" in batch.token_fields:
             # Engine vs trainer logprobs of the same tokens: the rollout/training mismatch.
             old, rollout = (
                 batch.token_fields["old_logprobs"],

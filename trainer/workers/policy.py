@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -28,11 +30,17 @@ def actor_micro_batch_loss(
     normalizers: LossNormalizers,
     cfg: Config,
     device: torch.device,
+    *,
+    keep_old: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One packed micro-batch's share of the mini-batch actor loss (``algorithm.*``) and its
     metric sums (``trainer.step_stats.SCHEMAS["actor"]`` keys, detached); ``mb``'s tensors
     go to ``device``, the model's compute device. What ``PolicyWorker.train_mini_batch`` runs
-    per micro-batch, and what the train benchmark times."""
+    per micro-batch, and what the train benchmark times.
+
+    ``keep_old``: the weights have not changed since the rollout (the step's first update),
+    so this forward's log-probs, detached, are the old log-probs: they are used as such and
+    handed to ``keep_old`` (``[T]``, for later epochs) instead of read from ``mb``."""
     from trainer.losses import actor_loss, masked_sums
 
     algo = cfg.algorithm
@@ -50,9 +58,14 @@ def actor_micro_batch_loss(
     )
     mask = mb.loss_mask.to(device)
     field = mb.token_fields
+    if keep_old is None:
+        old = field["old_logprobs"].to(device)
+    else:
+        old = logprobs.detach()
+        keep_old(old)
     loss, terms = actor_loss(
         logprobs,
-        field["old_logprobs"].to(device),
+        old,
         field["advantages"].to(device),
         mask,
         cu,
@@ -66,7 +79,7 @@ def actor_micro_batch_loss(
     sums["loss"] = loss.detach()
     # Parity fingerprint: old / new logprob sums over loss tokens (float64).
     keep = mask > 0
-    sums["old_logprob"] = field["old_logprobs"].to(device)[keep].double().sum()
+    sums["old_logprob"] = old[keep].double().sum()
     sums["new_logprob"] = logprobs.detach()[keep].double().sum()
     return loss, sums
 
@@ -98,20 +111,35 @@ class PolicyWorker(FSDPWorker):
         return self.per_token_pass(micro_batches, self._logprobs)
 
     def train_mini_batch(
-        self, micro_batches: list[list[int]], mini_batch_rows: list[int]
+        self,
+        micro_batches: list[list[int]],
+        mini_batch_rows: list[int],
+        old_from_update: bool = False,
     ) -> StepStats:
         """One optimizer step of the actor (loss settings: ``algorithm.*``) on this rank's
         micro-batches of one mini-batch.
 
         ``mini_batch_rows`` are all real rows of the mini-batch (every rank's); the loss is
         normalised by their global counts, so the update does not depend on dp size,
-        micro-batch split or padding. Returns this rank's ``StepStats`` of the step.
+        micro-batch split or padding. ``old_from_update``: the step's first update, whose
+        rows got no old log-probs (``train.old_logprobs_from_update``): this forward's are
+        used and stored for later epochs. Returns this rank's ``StepStats`` of the step.
         """
         normalizers = loss_normalizers(self.batch, mini_batch_rows)
         self.model.train()
+        rows_of = iter(micro_batches)
 
         def loss_fn(mb: StepBatch):
-            return actor_micro_batch_loss(self.model, mb, normalizers, self.spec.cfg, self.device)
+            rows = next(rows_of)
+            keep = None
+            if old_from_update:
+
+                def keep(values: torch.Tensor) -> None:
+                    self.store_rows("old_logprobs", rows, mb, values)
+
+            return actor_micro_batch_loss(
+                self.model, mb, normalizers, self.spec.cfg, self.device, keep_old=keep
+            )
 
         return self.run_micro_batches(micro_batches, loss_fn)
 
