@@ -117,46 +117,95 @@ def segmented_sdpa(
 # ----------------------------------------------------------------------------- shared prefixes
 
 
+#: Segments are bucketed by their lengths rounded up to this many tokens (prefix and own
+#: length each), and padded to the bucket's: few SDPA calls also when prompt and response
+#: lengths vary, at most this many padding keys and queries per segment.
+PREFIX_BUCKET_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class PrefixBucket:
+    """``count`` segments padded to ``length`` tokens, each continuing a prefix padded to
+    ``prefix_len`` tokens (0: none). ``q_index`` ``[count * length]`` and ``kv_index``
+    ``[count * (prefix_len + length)]``: the tokens of the padded queries and keys (padding
+    points at token 0); ``mask`` ``[count, 1, length, prefix_len + length]``: which keys each
+    query sees (None: plain causal, no padding inside); ``real``: the real queries' places in
+    ``q_index``."""
+
+    q_index: torch.Tensor
+    kv_index: torch.Tensor
+    mask: torch.Tensor | None
+    real: torch.Tensor
+    count: int
+    prefix_len: int
+    length: int
+
+
 @dataclass(frozen=True)
 class PrefixGroups:
-    """Segments of a packed row whose queries and keys are gathered alike, grouped by shape.
+    """The buckets of a packed row's segments; ``inverse`` puts the concatenation of every
+    bucket's real outputs back in token order."""
 
-    ``groups``: per group ``(q_index, kv_index, count, prefix_len, length)``: the group's
-    ``count`` segments of ``length`` tokens each continue a segment of ``prefix_len`` tokens
-    (0: none); ``q_index`` ``[count * length]`` are their tokens, ``kv_index``
-    ``[count * (prefix_len + length)]`` the tokens they attend to (the prefix, then their own).
-    ``inverse``: undoes the concatenation of every group's ``q_index``.
-    """
-
-    groups: tuple[tuple[torch.Tensor, torch.Tensor, int, int, int], ...]
+    buckets: tuple[PrefixBucket, ...]
     inverse: torch.Tensor
 
 
-def prefix_groups(offsets: list[int], parents: list[int], device: torch.device) -> PrefixGroups:
-    """Group the segments of ``offsets`` (R+1 token boundaries) by (prefix length, length);
-    ``parents[s]``: the segment that segment ``s`` continues, or -1. A parent continues
-    nothing itself (one level of sharing)."""
+def _round_up(n: int, quantum: int) -> int:
+    return -(-n // quantum) * quantum
+
+
+def prefix_groups(
+    offsets: list[int],
+    parents: list[int],
+    device: torch.device,
+    *,
+    quantum: int | None = None,
+) -> PrefixGroups:
+    """Bucket the segments of ``offsets`` (R+1 token boundaries) by (prefix length, length),
+    each rounded up to ``quantum`` tokens; ``parents[s]``: the segment that segment ``s``
+    continues, or -1. A parent continues nothing itself (one level of sharing). ``quantum``
+    None: ``PREFIX_BUCKET_TOKENS``."""
+    quantum = PREFIX_BUCKET_TOKENS if quantum is None else quantum
     by_shape: dict[tuple[int, int], list[int]] = {}
     for s, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
         if end > start:
             p = parents[s]
-            prefix = 0 if p < 0 else offsets[p + 1] - offsets[p]
-            by_shape.setdefault((prefix, end - start), []).append(s)
-    groups, order = [], []
+            prefix = 0 if p < 0 else _round_up(offsets[p + 1] - offsets[p], quantum)
+            by_shape.setdefault((prefix, _round_up(end - start, quantum)), []).append(s)
+    buckets, order = [], []
     for (prefix, length), segments in sorted(by_shape.items()):
-        q_index, kv_index = [], []
-        for s in segments:
+        q_index, kv_index, real, visible = [], [], [], []
+        for j, s in enumerate(segments):
             own = list(range(offsets[s], offsets[s + 1]))
             p = parents[s]
-            kv_index.extend(([] if p < 0 else list(range(offsets[p], offsets[p + 1]))) + own)
-            q_index.extend(own)
-        order.extend(q_index)
-        q_t = torch.tensor(q_index, dtype=torch.long, device=device)
-        kv_t = torch.tensor(kv_index, dtype=torch.long, device=device)
-        groups.append((q_t, kv_t, len(segments), prefix, length))
+            mine = [] if p < 0 else list(range(offsets[p], offsets[p + 1]))
+            q_index.extend(own + [0] * (length - len(own)))
+            kv_index.extend(mine + [0] * (prefix - len(mine)) + own + [0] * (length - len(own)))
+            real.extend(range(j * length, j * length + len(own)))
+            order.extend(own)
+            visible.append(len(mine))
+        mask = None
+        if prefix:  # query i sees its prefix's real keys, then its own keys up to itself
+            keys = torch.arange(prefix + length)
+            own_part = keys[None, :] >= prefix
+            causal = keys[None, :] <= prefix + torch.arange(length)[:, None]
+            seen = torch.tensor(visible)[:, None, None]
+            mask = ((keys[None, None, :] < seen) | (own_part & causal)[None])[:, None]
+            mask = mask.to(device)
+        buckets.append(
+            PrefixBucket(
+                q_index=torch.tensor(q_index, dtype=torch.long, device=device),
+                kv_index=torch.tensor(kv_index, dtype=torch.long, device=device),
+                mask=mask,
+                real=torch.tensor(real, dtype=torch.long, device=device),
+                count=len(segments),
+                prefix_len=prefix,
+                length=length,
+            )
+        )
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
-    return PrefixGroups(tuple(groups), inverse.to(device))
+    return PrefixGroups(tuple(buckets), inverse.to(device))
 
 
 class _LastPrefixGroups:
@@ -167,7 +216,7 @@ class _LastPrefixGroups:
         self._value: PrefixGroups | None = None
 
     def get(self, offsets: list[int], parents: list[int], device: torch.device) -> PrefixGroups:
-        key = (tuple(offsets), tuple(parents), device)
+        key = (tuple(offsets), tuple(parents), device, PREFIX_BUCKET_TOKENS)
         if key != self._key:
             self._key, self._value = key, prefix_groups(offsets, parents, device)
         return self._value
@@ -193,36 +242,33 @@ def prefix_sdpa(
     tokens, then causally to its own, exactly as if the sequence ``p + s`` were a segment of
     its own. Segments with ``parents[s] = -1`` are ordinary causal segments. q: [T, H, D];
     k, v: [T, Hkv, D]; offsets: R+1 segment boundaries in tokens. Returns [T, H, D].
-    Segments of one shape share one batched SDPA call; a continuation's queries see its keys
-    through a bottom-right causal mask.
+    Segments share one batched SDPA call per bucket of lengths (``prefix_groups``), padded to
+    the bucket's lengths; a continuation's queries see its keys through a mask (its prefix's
+    real keys, then its own causally). The padding moves the last bits, never a value.
     """
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     plan = _LAST_PREFIX_GROUPS.get(offsets, parents, q.device)
-    if not plan.groups:
+    if not plan.buckets:
         return q.new_zeros(q.shape[0], num_heads, v.shape[-1])
     outputs = []
-    for q_index, kv_index, count, prefix, length in plan.groups:
-        span = prefix + length
-        qs = q.index_select(0, q_index).view(count, length, num_heads, q.shape[2]).transpose(1, 2)
+    for b in plan.buckets:
+        span = b.prefix_len + b.length
+        qs = q.index_select(0, b.q_index).view(b.count, b.length, num_heads, -1).transpose(1, 2)
         ks, vs = (
-            x.index_select(0, kv_index).view(count, span, num_kv_heads, x.shape[2]).transpose(1, 2)
+            x.index_select(0, b.kv_index).view(b.count, span, num_kv_heads, -1).transpose(1, 2)
             for x in (k, v)
         )
-        if prefix == 0:
-            mask, causal = None, True
-        else:  # query i (at position prefix + i of its sequence) sees keys 0 .. prefix + i
-            rows = torch.arange(prefix, span, device=q.device)[:, None]
-            mask, causal = torch.arange(span, device=q.device)[None, :] <= rows, False
         out = F.scaled_dot_product_attention(
             qs,
             ks,
             vs,
-            attn_mask=mask,
+            attn_mask=b.mask,
             dropout_p=dropout,
-            is_causal=causal,
+            is_causal=b.mask is None,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
-        outputs.append(out.transpose(1, 2).reshape(count * length, num_heads, v.shape[-1]))
+        out = out.transpose(1, 2).reshape(b.count * b.length, num_heads, v.shape[-1])
+        outputs.append(out.index_select(0, b.real))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
     return out.index_select(0, plan.inverse)
