@@ -13,7 +13,7 @@ from trainer.config_schema import Config
 from trainer.step_stats import StepStats
 from trainer.workers.forward import packed_token_logprobs
 from trainer.workers.fsdp_worker import FSDPWorker
-from trainer.workers.local import fetch
+from trainer.workers.local import LocalHandle, fetch
 
 
 def prompt_sharing(mb: StepBatch, cfg: Config) -> PromptSharing | None:
@@ -170,7 +170,9 @@ class PolicyWorker(FSDPWorker):
         accelerators); the tp group's first rank sends the engine the handles and the specs
         only, and the engine reads the memory in place. Nothing crosses nodes or goes through
         the object store. Peak extra memory: one bucket. ``via_object_store``: the earlier path,
-        numpy buckets through Ray's object store, kept for ``bench e2e``'s comparison.
+        numpy buckets through Ray's object store, kept for ``bench e2e``'s comparison. An
+        engine in this very process (``ray.in_process``) gets the tensors themselves and
+        copies them once (``EngineHost.load_weights``).
         Returns the number of buckets sent (0 on ranks that send none).
         """
         from rollout.engines.buckets import pack_tensor, plan_buckets
@@ -178,6 +180,9 @@ class PolicyWorker(FSDPWorker):
 
         if via_object_store:
             return self._push_weights_object_store(engine, bucket_bytes)
+        if isinstance(engine, LocalHandle):  # the engine is in this process: one copy, no buffer
+            fetch(engine.load_weights.remote(list(self.model.state_dict().items())))
+            return 1
         if not self.backend.is_accelerator and self._ranks_share_a_host():
             return self._push_weights_host_buffer(engine)
         cfg = self.spec.cfg
