@@ -13,13 +13,13 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from typing import TYPE_CHECKING, Any
 
 from trainer.workers.local import LocalRef
+
+if TYPE_CHECKING:  # Ray is imported where it is used: an in-process run never needs it
+    from ray.util.placement_group import PlacementGroup
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 #: Seconds a controller call on the workers may take before it is called hung.
 CALL_TIMEOUT_S = 1800.0
@@ -77,6 +77,8 @@ def start_ray(
     Returns False when Ray was already running in this process (the caller then leaves it
     running), True when this call started or joined it.
     """
+    import ray
+
     if ray.is_initialized():
         return False
     if address is not None:
@@ -117,6 +119,8 @@ class Placement:
 
     def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
         """Scheduling strategy that pins an actor to training rank ``rank``'s bundle."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         return PlacementGroupSchedulingStrategy(
             placement_group=self.groups[rank // self.tp],
             placement_group_bundle_index=rank % self.tp,
@@ -124,6 +128,8 @@ class Placement:
 
     def remove(self) -> None:
         """Give the devices back to Ray."""
+        from ray.util.placement_group import remove_placement_group
+
         for group in self.groups:
             remove_placement_group(group)
 
@@ -131,6 +137,8 @@ class Placement:
 def cluster_nodes(resource: str) -> list[int]:
     """Devices of Ray resource ``resource`` on each live node of the cluster Ray is joined to
     (nodes without any left out): the ``nodes`` of ``trainer.layout.plan_layout``."""
+    import ray
+
     counts = [int(n.get("Resources", {}).get(resource, 0)) for n in ray.nodes() if n.get("Alive")]
     return [c for c in counts if c >= 1]
 
@@ -143,6 +151,9 @@ def make_placement(resource: str, num_bundles: int, *, timeout_s: float, tp: int
     Raises ``WorkerFailedError`` naming the resource when the cluster cannot provide the
     bundles within ``timeout_s`` seconds, instead of waiting forever.
     """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
     bundle = {resource: 1.0} if resource == "CPU" else {resource: 1.0, "CPU": 1.0}
     groups = [
         placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK")
@@ -162,6 +173,8 @@ def make_placement(resource: str, num_bundles: int, *, timeout_s: float, tp: int
 
 
 def _assigned_ids(resource: str) -> list[str]:
+    import ray
+
     ids = ray.get_runtime_context().get_accelerator_ids().get(resource, [])
     return [str(i) for i in ids]
 
@@ -169,13 +182,15 @@ def _assigned_ids(resource: str) -> list[str]:
 def bundle_device_ids(placement: Placement, rank: int, *, timeout_s: float) -> list[str]:
     """The node's id of training rank ``rank``'s device (Ray's assignment), asked by a tiny
     task on its bundle: what an engine replica spanning several bundles must be shown."""
+    import ray
+
     probe = ray.remote(_assigned_ids).options(**actor_options(placement, rank, 0.001))
     ref = probe.remote(placement.resource)
     return wait_all([ref], [f"device probe of rank {rank}"], timeout_s=timeout_s, what="probe")[0]
 
 
 def wait_all(
-    refs: Sequence[ray.ObjectRef],
+    refs: Sequence[Any],
     names: Sequence[str],
     *,
     timeout_s: float,
@@ -187,6 +202,8 @@ def wait_all(
     whats = [what] * len(refs) if isinstance(what, str) else list(what)
     if all(isinstance(ref, LocalRef) for ref in refs):  # in-process workers: done already
         return _local_results(refs, names, whats)
+    import ray
+
     index = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
     pending = list(refs)
