@@ -13,7 +13,6 @@ worker to worker the same way. Each concern lives in its own module: the plan in
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -67,6 +66,7 @@ class Trainer:
         from trainer.layout import plan_layout, runs_in_process
         from trainer.startup import CLOCK
         from trainer.workers.group import cluster_nodes, make_placement
+        from trainer.workers.spawn import Spawner
 
         cfg = self.cfg
         backend = hal.get_backend(cfg.device)
@@ -85,11 +85,12 @@ class Trainer:
         self.use_ref = "reference" in self.layout.roles
         self.use_critic = "critic" in self.layout.roles
         CLOCK.done("placement")
-        self.replicas = self._create_replicas(backend)
+        spawner = Spawner(cfg, self.layout, self.placement, backend, self.in_process)
+        self.replicas = spawner.replicas(self.replay_dir)
         self.rollout = self.replicas[0]
-        self.actor = self._create_group("actor", backend)
-        self.ref = self._create_group("reference", backend) if self.use_ref else None
-        self.critic = self._create_group("critic", backend) if self.use_critic else None
+        self.actor = spawner.group("actor")
+        self.ref = spawner.group("reference") if self.use_ref else None
+        self.critic = spawner.group("critic") if self.use_critic else None
         CLOCK.done("actors_created")
         replica_refs = [h.setup.remote() for h in self.replicas]
         replica_names = [f"engine replica {i}" for i in range(len(self.replicas))]
@@ -119,78 +120,11 @@ class Trainer:
         self._resume()
         CLOCK.done("resume")
 
-    def _create_group(self, role: str, backend) -> WorkerGroup:
-        """The Ray actors of one training role, one per rank; their setup is not called yet."""
-        from trainer.workers.critic import CriticWorker
-        from trainer.workers.fsdp_worker import WorkerSpec
-        from trainer.workers.policy import PolicyWorker
-
-        cfg, dp = self.cfg, self.cfg.train.dp_size
-        cls = CriticWorker if role == "critic" else PolicyWorker
-        threads = max(1, (os.cpu_count() or 1) // dp) if backend.name == "cpu" else 4
-        handles = [
-            self._spawn(
-                cls,
-                rank,
-                self.layout.shares[role],
-                WorkerSpec(role=role, rank=rank, cfg=cfg, threads=threads),
-            )
-            for rank in range(dp)
-        ]
-        return WorkerGroup(role, handles)
-
-    def _spawn(self, cls, rank: int, share: float, *args, env: dict | None = None):
-        """A worker of class ``cls`` built with ``args``: a Ray actor on training rank
-        ``rank``'s bundle taking ``share`` of its device (``env``: its extra environment), or,
-        in one process (``ray.in_process``), the object itself behind a ``LocalHandle``."""
-        if self.in_process:
-            from trainer.workers.local import LocalHandle
-
-            return LocalHandle(cls(*args))
-        import ray
-
-        from trainer.workers.group import actor_options
-
-        opts = actor_options(self.placement, rank, share)
-        if env is not None:
-            opts["runtime_env"] = {"env_vars": env}
-        return ray.remote(cls).options(**opts).remote(*args)
-
     @staticmethod
     def _rendezvous(group: WorkerGroup) -> list:
         """References to rank 0's address and port, where a role's ranks meet (they may sit on
         several nodes); passed on unresolved, so no rank waits for the controller."""
         return group.handles[0].rendezvous_address.options(num_returns=2).remote()
-
-    def _create_replicas(self, backend) -> list:
-        """One engine replica per tp group, on the group's first rank's bundle; replica 0 is
-        the rollout host (agent loop, prompts) and deals requests to the others. Their setup
-        is not called yet."""
-        from trainer.workers.group import bundle_device_ids
-        from trainer.workers.rollout_host import EngineHost, ReplayHost, RolloutHost
-
-        cfg, layout, placement = self.cfg, self.layout, self.placement
-        share = layout.shares["rollout"]
-        if self.replay_dir is not None:
-            return [self._spawn(ReplayHost, 0, share, self.replay_dir)]
-        # CPU: the replicas split the cores; an accelerator's engine uses few of them.
-        cpus = os.cpu_count() or 1
-        threads = max(1, cpus // len(layout.replicas)) if backend.name == "cpu" else 4
-        replicas = []
-        for rep in layout.replicas:
-            env = None
-            if backend.is_accelerator:
-                # The replica's process sees exactly its tp group's devices (Ray would
-                # show it only its own bundle's) plus what the device's engine needs.
-                ids = [
-                    i
-                    for r in rep.ranks
-                    for i in bundle_device_ids(placement, r, timeout_s=CALL_TIMEOUT_S)
-                ]
-                env = backend.engine_env(ids)
-            cls = RolloutHost if rep.index == 0 else EngineHost
-            replicas.append(self._spawn(cls, rep.ranks[0], share, cfg, threads, rep.index, env=env))
-        return replicas
 
     def _setup_replicas(self, infos: list[dict[str, Any]]) -> None:
         """Keep the replicas' setup answers; with several, the rollout host deals to all."""

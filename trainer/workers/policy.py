@@ -106,7 +106,7 @@ class PolicyWorker(FSDPWorker):
 
     def compute_logprobs(self, micro_batches: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Log-probabilities of this rank's rows under the current weights, as
-        ``(rows, values)`` (see ``FSDPWorker.per_token_pass``); old log-probs for the actor,
+        ``(rows, values)`` (see ``BatchStore.per_token_pass``); old log-probs for the actor,
         reference log-probs for the reference model."""
         return self.per_token_pass(micro_batches, self._logprobs)
 
