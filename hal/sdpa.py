@@ -55,21 +55,21 @@ def segment_groups(offsets: list[int], device: torch.device) -> SegmentGroups:
     return SegmentGroups(order.to(device), inverse.to(device), tuple(groups))
 
 
-class _LastGroups:
-    """The grouping of the last offsets seen: every layer of a forward has the same ones."""
+class _LastPlan:
+    """The plan of the last key seen: every layer of a forward asks with the same one."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
-        self._value: SegmentGroups | None = None
+        self._value = None
 
-    def get(self, offsets: list[int], device: torch.device) -> SegmentGroups:
-        key = (tuple(offsets), device)
+    def get(self, key: tuple, make):
+        """``make()``'s result for ``key``, made again only when the key changes."""
         if key != self._key:
-            self._key, self._value = key, segment_groups(offsets, device)
+            self._key, self._value = key, make()
         return self._value
 
 
-_LAST_GROUPS = _LastGroups()
+_LAST_GROUPS = _LastPlan()
 
 
 def segmented_sdpa(
@@ -87,7 +87,7 @@ def segmented_sdpa(
     segment boundaries in tokens, from 0 to T (empty segments allowed). Returns [T, H, D].
     """
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    plan = _LAST_GROUPS.get(offsets, q.device)
+    plan = _LAST_GROUPS.get((tuple(offsets), q.device), lambda: segment_groups(offsets, q.device))
     if not plan.groups:
         return q.new_zeros(q.shape[0], num_heads, v.shape[-1])
     if plan.order is not None:
@@ -208,21 +208,7 @@ def prefix_groups(
     return PrefixGroups(tuple(buckets), inverse.to(device))
 
 
-class _LastPrefixGroups:
-    """The grouping of the last (offsets, parents) seen: every layer of a forward has the same."""
-
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._value: PrefixGroups | None = None
-
-    def get(self, offsets: list[int], parents: list[int], device: torch.device) -> PrefixGroups:
-        key = (tuple(offsets), tuple(parents), device, PREFIX_BUCKET_TOKENS)
-        if key != self._key:
-            self._key, self._value = key, prefix_groups(offsets, parents, device)
-        return self._value
-
-
-_LAST_PREFIX_GROUPS = _LastPrefixGroups()
+_LAST_PREFIX_GROUPS = _LastPlan()
 
 
 def prefix_sdpa(
@@ -247,7 +233,10 @@ def prefix_sdpa(
     real keys, then its own causally). The padding moves the last bits, never a value.
     """
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    plan = _LAST_PREFIX_GROUPS.get(offsets, parents, q.device)
+    plan = _LAST_PREFIX_GROUPS.get(
+        (tuple(offsets), tuple(parents), q.device, PREFIX_BUCKET_TOKENS),
+        lambda: prefix_groups(offsets, parents, q.device),
+    )
     if not plan.buckets:
         return q.new_zeros(q.shape[0], num_heads, v.shape[-1])
     outputs = []

@@ -407,14 +407,6 @@ class ReplayHost:
         batch = StepBatch.from_numpy(arrays)
         return batch_metadata(batch, {}), [put(arrays)]
 
-    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Load new weights handed over in this process (``ray.in_process``: the training
-        rank's own tensors, copied once into the engine); wakes them first, as
-        ``load_shared_bucket`` does. Returns the tensor count."""
-        self.engine.wake_up(["weights"])
-        self.engine.update_weights(named_tensors)
-        return len(named_tensors)
-
     def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
         """No engine to update."""
         return len(bucket)
