@@ -186,8 +186,9 @@ class DeviceBackend:
         timeout_s: float = 600.0,
         local_rank: int | None = None,
         host_collectives: bool = False,
-    ) -> None:
-        """Join the default torch.distributed group with this device's backend.
+    ) -> bool:
+        """Join the default torch.distributed group with this device's backend; returns whether
+        this call created it (False: a one-rank group already in this process, shared).
 
         rank, world_size: global process rank and count. local_rank: the device index on this node
         (default: env LOCAL_RANK, else rank modulo the visible device count). The device is set
@@ -203,7 +204,7 @@ class DeviceBackend:
         if timeout_s <= 0:
             raise ValueError(f"init_process_group: timeout_s={timeout_s} must be > 0 seconds")
         if world_size == 1 and dist.is_initialized() and dist.get_world_size() == 1:
-            return  # a second one-rank worker in this process (in-process runs) shares it
+            return False  # a second one-rank worker in this process (in-process runs) shares it
         if self.is_accelerator:
             if local_rank is None:
                 env_local = os.environ.get("LOCAL_RANK")
@@ -220,6 +221,7 @@ class DeviceBackend:
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        return True
 
     # ---- memory offload ---------------------------------------------------------------------
 

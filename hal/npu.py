@@ -126,9 +126,9 @@ class NpuBackend(DeviceBackend):
         mod = self.device_module()
         return [mod.get_device_name(i) for i in range(mod.device_count())]
 
-    def init_process_group(self, *args, **kwargs) -> None:
+    def init_process_group(self, *args, **kwargs) -> bool:
         import_torch_npu()  # the hccl backend is registered by torch_npu
-        super().init_process_group(*args, **kwargs)
+        return super().init_process_group(*args, **kwargs)
 
     def deterministic_env(self) -> dict[str, str]:
         """CANN's switches for reproducible collectives and matmuls (verl/vllm-ascend use these).

@@ -115,3 +115,26 @@ def test_in_process_and_ray_runs_agree_bit_for_bit(tmp_path):
     assert not ray.is_initialized()  # run_training shut the Ray it started
     assert len(runs["true"]) == 2
     assert runs["true"] == runs["false"]
+
+
+@pytest.mark.slow
+def test_in_process_run_leaves_the_programs_own_process_group_alone(tmp_path):
+    """A program that already runs torch.distributed (e.g. a vLLM engine in the same process)
+    keeps its group: the run shares a one-rank group it finds and ends only one it made."""
+    import torch.distributed as dist
+
+    from trainer.workers.group import free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        mine = dist.group.WORLD
+        cfg = load_config(None, [*SHORT, "train.total_steps=1", f"run.dir={tmp_path / 'run'}"])
+        assert run_training(cfg) == 0
+        assert dist.is_initialized() and dist.group.WORLD is mine
+    finally:
+        dist.destroy_process_group()
+    cfg = load_config(None, [*SHORT, "train.total_steps=1", f"run.dir={tmp_path / 'again'}"])
+    assert run_training(cfg) == 0
+    assert not dist.is_initialized()  # the group it made is gone with it

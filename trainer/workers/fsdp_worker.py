@@ -122,7 +122,8 @@ class FSDPWorker(BatchStore, CheckpointPieces):
         # One index for the process group and the model, right also when Ray's ids come
         # out of rank order (rank % device_count would not be).
         local_rank = self.local_index = self.local_rank()
-        self.backend.init_process_group(
+        # In one process (ray.in_process) a group may already exist: then it is not ours to end.
+        self.owns_process_group = self.backend.init_process_group(
             spec.rank,
             spec.world_size,
             master_addr=master_addr,
@@ -414,8 +415,9 @@ class FSDPWorker(BatchStore, CheckpointPieces):
         return bool(value.item())
 
     def shutdown(self) -> None:
-        """Leave the process group."""
+        """End the process group, if this worker made it (in one process, others may share a
+        group made before them, by another worker or by the program itself)."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if getattr(self, "owns_process_group", False) and dist.is_initialized():
             dist.destroy_process_group()
