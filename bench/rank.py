@@ -127,7 +127,8 @@ def run(model: str = "builtin:tiny", repeats: int = 10, threads: int = 1) -> dic
     diff = max(
         float((states["fsdp2"][k] - states["plain"][k]).abs().max()) for k in states["plain"]
     )
-    workers["plain"].shutdown()
+    for worker in workers.values():  # the one that made the process group ends it
+        worker.shutdown()
     keys = ("old_logprobs_wall_s", "old_logprobs_cpu_s", "update_wall_s", "update_cpu_s")
     return {
         "model": model,
