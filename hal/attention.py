@@ -18,6 +18,7 @@ from hal.base import DeviceBackend
 from hal.cpu import CpuBackend
 from hal.cuda import CudaBackend
 from hal.npu import NpuBackend
+from hal.sdpa import prefix_sdpa
 
 ATTN_IMPLEMENTATION = "crossrl_varlen"
 """Pass as `attn_implementation=` when creating a model that will see packed rows."""
@@ -139,6 +140,9 @@ def varlen_attention(
     offsets = _HOST_OFFSETS.get(cu_seqlens)
     if not offsets or offsets[0] != 0 or offsets[-1] != q.shape[0]:
         validate_cu_seqlens(offsets, q.shape[0])  # raises the ValueError that names the fix
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if parents is not None:  # every backend takes the SDPA reference for shared prompts
+        return prefix_sdpa(q, k, v, offsets, parents, scale=scale, dropout=dropout)
     if max_seqlen is None:
         max_seqlen = max((b - a for a, b in zip(offsets[:-1], offsets[1:])), default=0)
     return _kernel_owner(q.device).varlen_attention(
@@ -147,10 +151,9 @@ def varlen_attention(
         v,
         cu_seqlens,
         max_seqlen=int(max_seqlen),
-        scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+        scale=scale,
         dropout=dropout,
         cu_seqlens_host=offsets,
-        parents=parents,
     )
 
 

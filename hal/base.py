@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.deterministic
 
-from hal.sdpa import prefix_sdpa, segmented_sdpa
+from hal.sdpa import segmented_sdpa
 
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -302,7 +302,6 @@ class DeviceBackend:
         scale: float,
         dropout: float = 0.0,
         cu_seqlens_host: list[int] | None = None,
-        parents: list[int] | None = None,
     ) -> torch.Tensor:
         """Causal attention over packed rows in TND layout.
 
@@ -310,13 +309,8 @@ class DeviceBackend:
         from 0 to T; max_seqlen: longest segment in tokens; scale: softmax scale.
         cu_seqlens_host: the same offsets as a python list when the caller already has them.
         Returns [T, H, D]; a token attends only to earlier tokens of its own segment.
-        parents: per segment, the segment it continues (a shared prompt) or -1
-        (``prefix_sdpa``); None: every segment stands alone. This reference serves every
-        backend for shared prompts.
         """
         offsets = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.tolist()
-        if parents is not None:
-            return prefix_sdpa(q, k, v, offsets, parents, scale=scale, dropout=dropout)
         return segmented_sdpa(q, k, v, offsets, scale=scale, dropout=dropout)
 
 

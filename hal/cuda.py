@@ -160,13 +160,11 @@ class CudaBackend(DeviceBackend):
         scale: float,
         dropout: float = 0.0,
         cu_seqlens_host: list[int] | None = None,
-        parents: list[int] | None = None,
     ) -> torch.Tensor:
         """Half precision: flash-attn varlen when installed and loadable, else torch's flash
         varlen kernel (not in deterministic mode: its backward accumulates with atomics);
-        fp32, shared prompts (``parents``) and any kernel that failed once take SDPA per
-        segment (the exact reference)."""
-        if parents is None and q.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
+        fp32, and any kernel that failed once, take SDPA per segment (the exact reference)."""
+        if q.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
             if flash_attn_installed() and "flash-attn" not in _BROKEN:
                 out = self._flash_attn(q, k, v, cu_seqlens, max_seqlen, scale)
                 if out is not None:
@@ -184,7 +182,6 @@ class CudaBackend(DeviceBackend):
             scale=scale,
             dropout=dropout,
             cu_seqlens_host=cu_seqlens_host,
-            parents=parents,
         )
 
     @staticmethod

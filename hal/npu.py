@@ -165,22 +165,8 @@ class NpuBackend(DeviceBackend):
         scale: float,
         dropout: float = 0.0,
         cu_seqlens_host: list[int] | None = None,
-        parents: list[int] | None = None,
     ) -> torch.Tensor:
-        """`torch_npu.npu_fusion_attention` in TND layout, split every 1024 segments; shared
-        prompts (``parents``) take the SDPA reference."""
-        if parents is not None:
-            return super().varlen_attention(
-                q,
-                k,
-                v,
-                cu_seqlens,
-                max_seqlen=max_seqlen,
-                scale=scale,
-                dropout=dropout,
-                cu_seqlens_host=cu_seqlens_host,
-                parents=parents,
-            )
+        """`torch_npu.npu_fusion_attention` in TND layout, split every 1024 segments."""
         torch_npu = import_torch_npu()
         # The attention interface hands over [T, H, D] views of [1, H, T, D] tensors; the fused
         # kernel documents TND as a dense layout (transformers' and verl's NPU paths pass

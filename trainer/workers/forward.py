@@ -361,8 +361,6 @@ def shared_token_logprobs(
         entropy = logits_entropy(
             logits if entropy_grad else logits.detach(), temperature=temperature, **chunk
         ).float()
-    if not entropy_grad:
-        entropy = entropy.detach()
     back = torch.from_numpy(sharing.eval_of_token).to(device)
     starts = torch.from_numpy(sharing.row_starts).to(device)
     return (
