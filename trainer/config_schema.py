@@ -2,7 +2,8 @@
 
 Only the *shape* of each value is checked here (type, range, allowed words). Checks that
 relate two fields, or look at the machine (devices, files, packages), live in
-``trainer/config/checks.py`` so that they can name the key that has to change.
+``trainer/config/checks.py`` so that they can name the key that has to change. The ``run``
+and ``ray`` sections are in ``trainer/config_run.py``.
 
 Key names are a contract (see DESIGN.md "Config"): rename nothing without updating the
 configs, the docs and every reader.
@@ -14,15 +15,12 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from hal import BACKEND_NAMES
 from rollout.assets import BUILTIN_MODELS
-
-# Values every section shares: unknown keys are errors (a typo must fail in the first
-# second, not after an hour of rollout), no silent type coercion ("8" is not 8), and no
-# inf/nan in any float (``train.lr=.inf`` would train every weight to inf).
-_SECTION = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
+from trainer.config_base import SECTION as _SECTION
+from trainer.config_run import RayConfig, RunConfig
 
 # Exactly the names hal.get_backend accepts: one name per device, owned by the HAL.
 DeviceName = Literal[BACKEND_NAMES]
@@ -31,7 +29,6 @@ TrainDtype = Literal["float32", "bfloat16"]
 
 _ENV_SPEC = re.compile(r"^(?:[A-Za-z_][\w-]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 _FUNCTION_SPEC = re.compile(r"^(?:builtin:[a-z0-9_]+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
-_HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
 
 
 def _first_nonfinite(tree: Any, where: str = "") -> tuple[str, float] | None:
@@ -384,103 +381,6 @@ class TrainConfig(BaseModel):
         "through the model once, their responses attending to it (fewer tokens; the same "
         "values up to float rounding); false = every row carries its own copy",
     )
-
-
-class RunConfig(BaseModel):
-    """The run directory, checkpoints and records."""
-
-    model_config = _SECTION
-
-    dir: str = Field("runs/tiny", description="run directory (config, metrics, checkpoints)")
-    save_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
-    resume: str = Field(
-        "auto",
-        description="auto or latest (the latest checkpoint in run.dir if any), never, step_<N> "
-        "(that checkpoint in run.dir) or the path of a step_<N> checkpoint directory",
-    )
-    deterministic: bool = Field(
-        False, description="deterministic kernels and seeds (slower; for parity checks)"
-    )
-    record_rollouts: bool = Field(
-        False, description="save each step's rollout batch for replay (parity checks)"
-    )
-    fingerprint_every: int = Field(
-        1,
-        ge=0,
-        description="steps between parameter checksums in fingerprint.jsonl (written every step); 0 = never",
-    )
-    max_env_error_fraction: float = Field(
-        0.5,
-        ge=0,
-        le=1,
-        description="a step whose rollout loses more than this fraction of its trajectories to "
-        "environment faults stops the run (exit 1, before that step's checkpoint); 1 = never",
-    )
-    max_nonfinite_steps: int = Field(
-        3,
-        ge=1,
-        description="optimizer steps in a row skipped for a non-finite loss or grad norm that "
-        "stop the run (exit 1)",
-    )
-    overwrite: bool = Field(
-        False,
-        description="allow run.resume=never (and crossrl probe --out) on a directory that holds "
-        "a run; its metrics and newer checkpoints are then replaced",
-    )
-    val_every: int = Field(
-        0, ge=0, description="steps between validations on data.val_source; 0 = never"
-    )
-    val_before_train: bool = Field(
-        False, description="validate once before the first step of a fresh run (step 0)"
-    )
-    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
-        default_factory=lambda: ["jsonl"],
-        description="where metrics go: jsonl (metrics.jsonl, always required), tensorboard "
-        "(<run.dir>/tensorboard), wandb (honours WANDB_MODE=offline)",
-    )
-    wandb_project: str = Field("crossrl", description="wandb project name (run.loggers: wandb)")
-
-    @field_validator("dir", "resume")
-    @classmethod
-    def _not_empty(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("must not be empty")
-        return value
-
-
-class RayConfig(BaseModel):
-    """Where the Ray workers run."""
-
-    model_config = _SECTION
-
-    address: str | None = Field(
-        None, description="null: start a local Ray; auto or host:port: join a running cluster"
-    )
-    placement_timeout_s: float = Field(
-        300.0, gt=0, description="seconds to wait for devices before failing"
-    )
-    num_cpus: int | None = Field(
-        None, ge=1, description="CPUs of a local Ray (null = all); ignored when joining"
-    )
-    connect_timeout_s: float = Field(
-        60.0, gt=0, description="seconds to wait for the cluster at ray.address before failing"
-    )
-    in_process: bool | Literal["auto"] = Field(
-        "auto",
-        description="run the workers in the driver's process, without Ray: auto = when the job "
-        "is one CPU rank (device cpu, train.dp_size 1, the hf engine, no ray.address); true "
-        "insists (an error names what stops it); false = always Ray",
-    )
-
-    @field_validator("address")
-    @classmethod
-    def _address(cls, value: str | None) -> str | None:
-        if value is None or value == "auto":
-            return value
-        match = _HOST_PORT.match(value.removeprefix("ray://"))
-        if not match or not 1 <= int(match.group(1)) <= 65535:
-            raise ValueError("must be null, auto or host:port (port 1-65535)")
-        return value
 
 
 class Config(BaseModel):
