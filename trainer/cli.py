@@ -23,16 +23,19 @@ def _cmd_devices(args: argparse.Namespace) -> int:
 
 def _cmd_layout(args: argparse.Namespace) -> int:
     from trainer.config import ConfigError, load_config
-    from trainer.layout import LayoutError, format_layout, layout_for_cli
+    from trainer.layout import LayoutError, budget_for_cli, format_layout, layout_for_cli
+    from trainer.memory_budget import format_budget
 
     try:
         # The cluster's config is read on any machine: no check of this one's devices or files.
         cfg = load_config(args.config, args.overrides, check_environment=False)
         layout = layout_for_cli(cfg, nodes=args.nodes, devices_per_node=args.devices_per_node)
+        budget = budget_for_cli(cfg, layout, args.device_memory_gb)
     except (ConfigError, LayoutError) as err:
         print(f"crossrl layout: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(format_layout(layout))
+    print(format_budget(budget, cfg))
     return 0
 
 
@@ -147,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="devices of the config's type per node (default: what this machine has when the "
         "device is here, else enough for train.dp_size)",
+    )
+    layout.add_argument(
+        "--device-memory-gb",
+        type=float,
+        default=None,
+        help="memory of one device in GB (1e9 bytes) for the memory budget (default: this "
+        "machine's device when it has the config's type, else 80 for cuda, 64 for npu)",
     )
     layout.add_argument(
         "overrides", nargs="*", help="key.path=value overrides, e.g. train.dp_size=4"

@@ -10,6 +10,7 @@ checkpoint fails in seconds with one line (exit 2) instead of after every worker
 - model directories (``model.path``, and ``model.critic_path`` with a critic): config.json
   readable, weights present, safetensors headers whole, tokenizer loadable; ``builtin:`` skip;
 - the resume target, resolved and verified against its manifest (``trainer.checkpoint``);
+- the memory budget: every phase of a step fits its device (``trainer.memory_budget``);
 - ``run.dir``: a directory we can create and write (``trainer.run_dir``; that a fresh start
   may not overwrite a run there is checked once the directory's lock is held).
 
@@ -45,6 +46,7 @@ def preflight(cfg: Config, *, command: str = "train", replay: bool = False) -> N
     if not replay:
         _check_prompts(cfg)
     _check_layout(cfg)
+    _check_memory(cfg, replay=replay)
     _check_model(cfg)
     if not replay:
         _check_resume(cfg)
@@ -61,6 +63,24 @@ def _check_layout(cfg: Config) -> None:
         layout_for_cli(cfg)
     except LayoutError as err:
         raise PreflightError(str(err)) from None
+
+
+def _check_memory(cfg: Config, *, replay: bool = False) -> None:
+    """Every phase of a step must fit its device (``trainer.memory_budget``: an estimate from
+    the model's shape and the layout keys; no estimate, no refusal). On the CPU the budget
+    only refuses a job whose phase exceeds the host's RAM, and a cluster's CPU ranks (spread
+    over hosts we cannot see from here) are not checked. ``replay``: a probe runs no engine,
+    so only the update is checked."""
+    if cfg.device == "cpu" and cfg.ray.address is not None:
+        return
+    from trainer.layout import budget_for_cli
+    from trainer.memory_budget import memory_problem
+
+    budget = budget_for_cli(cfg)
+    phases = ("update",) if replay else None
+    problem = memory_problem(budget, cfg, phases) if budget is not None else None
+    if problem:
+        raise PreflightError(problem)
 
 
 def _check_prompts(cfg: Config) -> None:
