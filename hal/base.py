@@ -102,6 +102,15 @@ class DeviceBackend:
             "max_allocated": int(mod.max_memory_allocated()),
         }
 
+    def free_memory_bytes(self, local_index: int = 0) -> int | None:
+        """Device memory free on device ``local_index`` right now, in bytes, as the driver
+        sees it (every process's allocations counted); None on the CPU, whose memory the
+        host's operating system shares out."""
+        if not self.is_accelerator:
+            return None
+        free, _total = self.device_module().mem_get_info(local_index)
+        return int(free)
+
     def peak_memory_bytes(self) -> int:
         """Peak device memory allocated by this process since the last
         ``reset_peak_memory`` (bytes)."""
@@ -270,7 +279,13 @@ class DeviceBackend:
 
     def release_shared_buffer(self, handle: tuple) -> None:
         """Drop the name of a shared buffer once every reader has mapped it (mappings stay
-        valid; the memory goes when the last process lets go). A no-op for IPC handles."""
+        valid; the memory goes when the last process lets go). IPC handles have no name:
+        blocks that readers have let go of are returned to the allocator instead."""
+        collect = (
+            getattr(self.device_module(), "ipc_collect", None) if self.is_accelerator else None
+        )
+        if collect is not None:
+            collect()
 
     def engine_env(self, device_ids: list[str]) -> dict[str, str]:
         """Environment of an engine replica's process that runs on the node's devices

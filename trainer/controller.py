@@ -189,7 +189,9 @@ class Trainer:
         timer = StepTimer()
         with timer.section("rollout"):
             meta, batch_ref = self._rollout(step)
-            self._engines("sleep")  # the training ranks get the devices
+            # The training ranks get the devices; the push overwrites every engine weight,
+            # so the engines drop theirs instead of copying them to the host and back.
+            self._engines("sleep", self.replay_dir is None)
         check_env_faults(meta, self.cfg.run.max_env_error_fraction, step)
         plan = self._plan(meta)
         with timer.section("prepare"):
@@ -198,9 +200,7 @@ class Trainer:
             stats, mismatch = self._update(plan, step)
         adv_metrics.update(mismatch)
         with timer.section("sync"):
-            # Weights first, KV cache after the ranks have offloaded: a low peak.
-            self._sync_weights()
-            records = self._end_of_step(step, plan)
+            records = self._hand_over(step, plan)
         metrics = self._metrics(step, meta, plan, stats, adv_metrics, timer)
         metrics.update(records["memory"])
         fingerprint = self._fingerprint(step, plan, stats, metrics, records)
@@ -339,6 +339,18 @@ class Trainer:
             what=f"rollout.{method}",
         )
 
+    def _hand_over(self, step: int, plan) -> dict[str, Any]:
+        """The devices go back from the training ranks to the engines, one stage after the
+        other, each waited for before the next starts (the engines' sleep-mode allocators map
+        memory without asking what is free, so nothing may overlap): the ranks offload and
+        report the step's records (``_end_of_step``); the engines wake their weights and load
+        the new ones (``_sync_weights``, after which the ranks have freed the staging); then
+        the KV caches wake into what is left. Returns ``_end_of_step``'s records."""
+        records = self._end_of_step(step, plan)
+        self._sync_weights()
+        self._engines("wake_up", ["kv_cache"])
+        return records
+
     def _sync_weights(self, *, via_object_store: bool = False) -> None:
         """Load the actor's new weights into the engines: every tp group's ranks hand them to
         their own replica on the same devices, which wakes its weights (not its KV cache) as
@@ -349,11 +361,11 @@ class Trainer:
         owner = [
             self.replicas[self.layout.replica_of_rank(r)] for r in range(self.cfg.train.dp_size)
         ]
-        self.actor.call("push_weights", 64 << 20, via_object_store, per_rank=owner)
+        self.actor.call("push_weights", None, via_object_store, per_rank=owner)
 
     def _end_of_step(self, step: int, plan) -> dict[str, Any]:
-        """After the weight sync, in one wait: the ranks offload, the engines take back their
-        KV cache, and the step's records are read: ``memory`` (``memory/<role>_peak_gb``, the
+        """After the update, in one wait: the ranks offload and the step's records are read:
+        ``memory`` (``memory/<role>_peak_gb``, the
         largest rank's peak per role), ``counts`` (rows and loss tokens per mini-batch, for
         the fingerprint) and ``checksum`` (the parity checksum of the weights, or None when
         ``run.fingerprint_every`` skips this step)."""
@@ -374,8 +386,6 @@ class Trainer:
                     for ask in asks:
                         ask.append(("param_stats", ()))
             ends[group.role] = calls.submit(group, "end_of_step", per_rank=asks)
-        names = [f"engine replica {i}" for i in range(len(self.replicas))]
-        calls.add([h.wake_up.remote(["kv_cache"]) for h in self.replicas], names, "rollout.wake_up")
         results = calls.wait()
         ends = {role: [results[r] for r in refs] for role, refs in ends.items()}
         actor = ends[self.actor.role]

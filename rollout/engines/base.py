@@ -85,9 +85,11 @@ class Engine(ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new policy weights (HF parameter names), possibly in several buckets."""
 
-    def sleep(self) -> None:  # noqa: B027 - optional hook, default no-op
+    def sleep(self, discard_weights: bool = False) -> None:  # noqa: B027 - default no-op
         """Release device memory (weights and KV cache) while the trainer uses the device
-        (colocated mode)."""
+        (colocated mode). ``discard_weights``: the next wake is followed by a full weight
+        update, so the weights need not be kept anywhere (vLLM's sleep level 2) and the
+        engine refuses to generate until that update has been loaded."""
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:  # noqa: B027 - default no-op
         """Retake device memory released by ``sleep``: ``tags`` among ``WAKE_TAGS`` (None: all).
@@ -97,10 +99,26 @@ class Engine(ABC):
         """Load one bucket of new weights handed over in shared memory (``rollout.engines.
         buckets``): ``handles[k]`` is tp rank k's copy, ``open_bucket(handle)`` maps one as a
         flat uint8 tensor on this process's device. An engine in one process reads tp rank 0's;
-        engines with a worker per device (vLLM tp > 1) let each worker read its own."""
+        engines with a worker per device (vLLM tp > 1) let each worker read its own.
+        Returns once the bucket's memory has been read (device copies finished included)."""
         from rollout.engines.buckets import unpack_bucket
 
         self.update_weights(unpack_bucket(open_bucket(handles[0]), specs))
+        wait_for_device()  # the writer may reuse the memory once this returns
+
+    def finish_weight_update(self) -> None:  # noqa: B027 - optional hook, default no-op
+        """Complete a weight update loaded in buckets (an engine that defers per-layer work
+        until every bucket has arrived does it here); after it, the engine holds no view of
+        the memory the buckets came in."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Free every resource the engine holds."""
+
+
+def wait_for_device() -> None:
+    """Wait for every copy queued on this process's accelerator, if it has one: a shared
+    bucket is handed back to its writer only once nothing reads it any more."""
+    import torch
+
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()

@@ -38,26 +38,63 @@ def tensor_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return count * torch.empty((), dtype=dtype).element_size()
 
 
+def weight_group(name: str) -> str:
+    """The decoder layer a weight belongs to (``model.layers.3``), or the weight's own name:
+    a bucket boundary never falls inside a layer, so an engine that rebuilds a layer once
+    all its shards arrived (vLLM's layerwise reload: fused q/k/v, gate/up) finishes every
+    layer within one bucket and keeps no view of a bucket that is about to be rewritten."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return ".".join(parts[: i + 2])
+    return name
+
+
 def plan_buckets(
     items: Iterable[tuple[str, Sequence[int]]], dtype: torch.dtype, bucket_bytes: int
 ) -> tuple[list[list[TensorSpec]], int]:
-    """Split named shapes, in order, into buckets of about ``bucket_bytes`` bytes each; a
-    tensor larger than that gets a bucket of its own. Returns the buckets' specs and the buffer
-    size in bytes that holds the largest bucket."""
-    buckets: list[list[TensorSpec]] = [[]]
-    used = 0
+    """Split named shapes, in order, into buckets of about ``bucket_bytes`` bytes each, never
+    splitting a decoder layer (``weight_group``); a layer or tensor larger than that gets a
+    bucket of its own. Returns the buckets' specs and the buffer size in bytes that holds the
+    largest bucket."""
+    runs: list[list[tuple[str, tuple[int, ...], int]]] = []
     for name, shape in items:
         size = _aligned(tensor_nbytes(shape, dtype))
-        if buckets[-1] and used + size > bucket_bytes:
+        if not runs or weight_group(runs[-1][-1][0]) != weight_group(name):
+            runs.append([])
+        runs[-1].append((name, tuple(shape), size))
+    buckets: list[list[TensorSpec]] = [[]]
+    used = 0
+    dtype_name = str(dtype).removeprefix("torch.")
+    for run in runs:
+        run_bytes = sum(size for _, _, size in run)
+        if buckets[-1] and used + run_bytes > bucket_bytes:
             buckets.append([])
             used = 0
-        buckets[-1].append(TensorSpec(name, str(dtype).removeprefix("torch."), tuple(shape), used))
-        used += size
+        for name, shape, size in run:
+            buckets[-1].append(TensorSpec(name, dtype_name, shape, used))
+            used += size
     largest = max(
         (s.offset + _aligned(tensor_nbytes(s.shape, dtype)) for b in buckets for s in b[-1:]),
         default=0,
     )
     return [b for b in buckets if b], largest
+
+
+def stream_buckets(
+    model_bytes: int, free_bytes: int, *, engine_bytes: int, reserve_bytes: int, floor_bytes: int
+) -> tuple[int, int]:
+    """``(bucket_bytes, slots)`` of a streamed weight push on a device with ``free_bytes``
+    free (every rank's least, once the ranks have offloaded and the engine sleeps without
+    its weights): the whole model (``model_bytes`` in the engine's dtype) in one bucket when
+    it fits beside the engine's woken weights (``engine_bytes``) and ``reserve_bytes`` (one
+    gathered tensor and the allocator's slack); else two slots of half the room, so the ranks
+    fill one while the engine reads the other, never below ``floor_bytes`` (the largest
+    layer, which a bucket holds whole)."""
+    room = int(free_bytes) - int(engine_bytes) - int(reserve_bytes)
+    if room >= model_bytes:
+        return int(model_bytes), 1
+    return max(room // 2, int(floor_bytes)), 2
 
 
 def tensor_view(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

@@ -310,11 +310,12 @@ class HFEngine(Engine):
     def _sleeping(self) -> str:
         return " and ".join(t for t in WAKE_TAGS if t not in self._awake)
 
-    def sleep(self) -> None:
+    def sleep(self, discard_weights: bool = False) -> None:
         """Free the device for the trainer: the weights move to host memory and the
         KV cache memory and the allocator's cache are released. On the CPU the weights and
         the KV memory stay where they are (memory the next rollout would touch afresh); the
-        state is recorded either way (``awake_tags``)."""
+        state is recorded either way (``awake_tags``). ``discard_weights`` is accepted and
+        changes nothing here: this development engine keeps its weights (host memory)."""
         if "weights" in self._awake and self._device.type != "cpu":
             self.model.to("cpu")
         if self._device.type != "cpu":

@@ -49,6 +49,7 @@ from rollout.engines.base import (
     GenerationRequest,
     GenerationResult,
     SamplingParams,
+    wait_for_device,
 )
 from rollout.engines.buckets import TensorSpec, unpack_bucket
 
@@ -212,7 +213,9 @@ class VLLMWorkerExtension:
         device = getattr(self, "device", None)
         index = device.index if isinstance(device, torch.device) and device.index else 0
         flat = open_shared_buffer(handles[rank], index)
-        return self.crossrl_load_weights(unpack_bucket(flat, [TensorSpec(*s) for s in specs]))
+        count = self.crossrl_load_weights(unpack_bucket(flat, [TensorSpec(*s) for s in specs]))
+        wait_for_device()  # the copies out of the bucket are done: its writer may reuse it
+        return count
 
     def crossrl_load_weights_from_file(self, path: str) -> int:
         """``crossrl_load_weights`` for a bucket saved as a safetensors file."""
@@ -341,6 +344,7 @@ class VLLMEngine(Engine):
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self._awake: set[str] = set(WAKE_TAGS)
         self._updating = False
+        self._weights_discarded = False  # by sleep(discard_weights=True), until an update
 
     # ---------------------------------------------------------------- generation
 
@@ -353,6 +357,11 @@ class VLLMEngine(Engine):
         if len(self._awake) < len(WAKE_TAGS):
             raise RuntimeError("VLLMEngine.generate called while asleep; call wake_up() first")
         self.finish_weight_update()
+        if self._weights_discarded:
+            raise RuntimeError(
+                "VLLMEngine.generate: the weights were discarded by sleep(discard_weights=True) "
+                "and no weight update has been loaded since; load one first"
+            )
         from vllm import SamplingParams as VSamplingParams
 
         prompts = []
@@ -436,22 +445,26 @@ class VLLMEngine(Engine):
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         self._updating = False
+        self._weights_discarded = False
 
     @property
     def awake_tags(self) -> tuple[str, ...]:
         """What is awake, among ``WAKE_TAGS``."""
         return tuple(t for t in WAKE_TAGS if t in self._awake)
 
-    def sleep(self, level: int = 1) -> None:
-        """Free device memory for the trainer: level 1 offloads weights to host memory and drops
-        the KV cache; level 2 drops both (weights must then be reloaded with update_weights
-        before generating). Without sleep mode (or on CPU) only the state is recorded."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level={level}: use 1 (offload weights) or 2 (discard them)")
+    def sleep(self, discard_weights: bool = False) -> None:
+        """Free device memory for the trainer. vLLM's level 1 (default) copies the weights to
+        host memory and drops the KV cache; ``discard_weights`` is level 2, which drops the
+        weights too (their buffers, such as rotary tables, are kept): for a colocated trainer
+        whose weight push overwrites every weight anyway, it saves copying the whole model to
+        the host and back each step. Until an update has been loaded, ``generate`` then
+        refuses. Without sleep mode (or on CPU) only the state is recorded."""
         if self._awake:
             self.finish_weight_update()
             if self.sleep_mode:
-                self.llm.sleep(level=level)
+                self.llm.sleep(level=2 if discard_weights else 1)
+        if discard_weights:
+            self._weights_discarded = True
         self._awake.clear()
 
     def wake_up(self, tags=None) -> None:

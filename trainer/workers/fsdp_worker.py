@@ -26,7 +26,13 @@ from trainer.workers.batch_store import BatchStore
 from trainer.workers.checkpointing import CheckpointPieces
 from trainer.workers.spec import ROLES, WorkerSpec
 
-__all__ = ["ROLES", "FSDPWorker", "WorkerSpec", "enable_activation_checkpointing"]
+__all__ = [
+    "ROLES",
+    "FSDPWorker",
+    "WorkerSpec",
+    "enable_activation_checkpointing",
+    "held_gradient_bytes",
+]
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -75,6 +81,32 @@ def _retie(model: torch.nn.Module, tied: list[list[str]]) -> None:
             owner, _, leaf = name.rpartition(".")
             if model.get_parameter(name) is not param:
                 setattr(model.get_submodule(owner), leaf, param)
+
+
+def held_gradient_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of gradients ``model`` holds on this rank: ``sharded``, each parameter's own
+    shard (what the optimizer steps), and ``unsharded``, whole gradients FSDP2 keeps aside
+    (accumulated across micro-batches while gradient sync is off). The memory budget counts
+    the first only; the second must stay 0 (``run_micro_batches``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def nbytes(t: torch.Tensor | None) -> int:
+        if t is None:
+            return 0
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    sharded = sum(nbytes(p.grad) for p in model.parameters())
+    unsharded = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        for param in getattr(group, "fsdp_params", ()):
+            unsharded += nbytes(getattr(param, "unsharded_accumulated_grad", None))
+            whole = getattr(param, "_unsharded_param", None)
+            unsharded += nbytes(getattr(whole, "grad", None))
+    return {"sharded": sharded, "unsharded": unsharded}
 
 
 class FSDPWorker(BatchStore, CheckpointPieces):
@@ -314,7 +346,7 @@ class FSDPWorker(BatchStore, CheckpointPieces):
         """End of a step: free this worker's device memory for the rollout engine.
 
         The root's unsharded parameters (which a forward without backward leaves gathered)
-        are freed. ``train.optimizer_offload`` parks the optimizer state in (pinned) host
+        and the last update's gradients are freed. ``train.optimizer_offload`` parks the optimizer state in (pinned) host
         memory until the next optimizer step. ``train.param_offload`` needs nothing here:
         FSDP2's CPU-offload policy keeps the sharded parameters, their gradients and so the
         optimizer state in host memory all along, and gathers them onto the device per use.
@@ -323,6 +355,8 @@ class FSDPWorker(BatchStore, CheckpointPieces):
 
         if isinstance(self.model, FSDPModule):
             self.model.reshard()
+        if self.optimizer is not None:  # the step's gradients: nothing reads them any more
+            self.optimizer.zero_grad(set_to_none=True)
         if self.spec.cfg.train.optimizer_offload and self.optimizer is not None:
             self.backend.offload(self.optimizer)
         self.backend.empty_cache()
@@ -353,17 +387,19 @@ class FSDPWorker(BatchStore, CheckpointPieces):
         ``loss_fn(micro_batch) -> (loss, metric_sums)``; ``loss`` is this micro-batch's share of
         the mini-batch loss (global normalizers), metric sums (detached tensors, the keys of
         ``trainer.step_stats.SCHEMAS[role]``) are added up over micro-batches on the device
-        and read back once. Gradients are synchronised only on the last micro-batch. Returns
-        this rank's report of the optimizer step.
+        and read back once. Every micro-batch's gradients are reduce-scattered into the
+        sharded ones as its backward ends (``held_gradient_bytes``). Returns this rank's
+        report of the optimizer step.
         """
-        from torch.distributed.fsdp import FSDPModule
-
         model = self.model
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, Any] = {}
-        for k, rows in enumerate(micro_batches):
-            if isinstance(model, FSDPModule):
-                model.set_requires_gradient_sync(k == len(micro_batches) - 1)
+        # Gradient sync stays on for every micro-batch: FSDP2 reduce-scatters each backward's
+        # gradients into the sharded ones. With it off until the last micro-batch, FSDP2
+        # keeps every parameter's whole gradient in reduce_dtype through the accumulation
+        # (4 B x all parameters on every rank, whatever dp: 30.5 GB at 7B), which is what
+        # the memory budget (trainer/memory_budget.py) cannot afford.
+        for rows in micro_batches:
             mb = self.micro_batch(rows)
             loss, metric_sums = loss_fn(mb)
             # FSDP averages gradients over ranks; each rank's loss is already a share of the

@@ -90,9 +90,11 @@ class EngineHost:
         """The engine's ``generate`` on the requests dealt to this replica."""
         return self.engine.generate(requests, sampling)
 
-    def sleep(self) -> None:
-        """Free the devices for the training ranks (weights and KV cache)."""
-        self.engine.sleep()
+    def sleep(self, discard_weights: bool = False) -> None:
+        """Free the devices for the training ranks (weights and KV cache); ``discard_weights``:
+        a weight push follows before the next rollout, so the weights are dropped rather than
+        kept in host memory (``Engine.sleep``)."""
+        self.engine.sleep(discard_weights)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Retake ``tags`` (``rollout.engines.base.WAKE_TAGS``; None: all)."""
@@ -113,6 +115,16 @@ class EngineHost:
         self.engine.wake_up(["weights"])
         self.engine.load_shared_bucket(hal.open_shared_buffer, handles, specs)
         return len(specs)
+
+    def load_weight_stream(self, slots: list, doorbell: tuple, buckets: list) -> int:
+        """Load a whole streamed weight push in this one call (``rollout.engines.stream``):
+        ``buckets`` in order from the staging ``slots`` this replica's training ranks fill on
+        their devices, each once every tp rank has written it. Wakes the weights first;
+        returns the tensor count."""
+        from rollout.engines.stream import receive_weight_stream
+
+        self.engine.wake_up(["weights"])
+        return receive_weight_stream(self.engine, hal.open_shared_buffer, slots, doorbell, buckets)
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load new weights handed over in this process (``ray.in_process``: the training
@@ -418,7 +430,7 @@ class ReplayHost:
     def set_prompts_consumed(self, count: int) -> None:
         """A replay samples no prompts."""
 
-    def sleep(self) -> None:
+    def sleep(self, discard_weights: bool = False) -> None:
         """No engine to put to sleep."""
 
     def wake_up(self, tags: list[str] | None = None) -> None:
