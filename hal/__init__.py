@@ -26,6 +26,7 @@ _EXPORTS = {
         "cu_seqlens_from_position_ids",
         "packed_forward",
         "register_attention",
+        "shared_prompt_kernel",
         "validate_cu_seqlens",
         "varlen_attention",
     ),

@@ -18,7 +18,6 @@ from hal.base import DeviceBackend
 from hal.cpu import CpuBackend
 from hal.cuda import CudaBackend
 from hal.npu import NpuBackend
-from hal.sdpa import prefix_sdpa
 
 ATTN_IMPLEMENTATION = "crossrl_varlen"
 """Pass as `attn_implementation=` when creating a model that will see packed rows."""
@@ -34,6 +33,13 @@ _KERNELS: dict[str, DeviceBackend] = {
 def _kernel_owner(device: torch.device) -> DeviceBackend:
     # other device types (meta, mps, xpu) get the reference path, which is plain torch
     return _KERNELS.get(device.type, _KERNELS["cpu"])
+
+
+def shared_prompt_kernel(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The kernel that runs shared prompts on ``device`` at compute dtype ``dtype``, or None
+    where no fused kernel takes them and prompts should stay unshared
+    (``DeviceBackend.shared_prompt_kernel``)."""
+    return _kernel_owner(device).shared_prompt_kernel(dtype)
 
 
 def validate_cu_seqlens(cu_seqlens: torch.Tensor | list[int], total_tokens: int) -> list[int]:
@@ -141,8 +147,10 @@ def varlen_attention(
     if not offsets or offsets[0] != 0 or offsets[-1] != q.shape[0]:
         validate_cu_seqlens(offsets, q.shape[0])  # raises the ValueError that names the fix
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if parents is not None:  # every backend takes the SDPA reference for shared prompts
-        return prefix_sdpa(q, k, v, offsets, parents, scale=scale, dropout=dropout)
+    if parents is not None:  # shared prompts: the backend's fused kernel or the reference
+        return _kernel_owner(q.device).shared_prefix_attention(
+            q, k, v, offsets, parents, scale=scale, dropout=dropout
+        )
     if max_seqlen is None:
         max_seqlen = max((b - a for a, b in zip(offsets[:-1], offsets[1:])), default=0)
     return _kernel_owner(q.device).varlen_attention(

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.deterministic
 
-from hal.sdpa import segmented_sdpa
+from hal.sdpa import prefix_sdpa, segmented_sdpa
 
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -327,6 +327,38 @@ class DeviceBackend:
         """
         offsets = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.tolist()
         return segmented_sdpa(q, k, v, offsets, scale=scale, dropout=dropout)
+
+    # ---- shared prompts ---------------------------------------------------------------------
+
+    def shared_prompt_kernel(
+        self, dtype: torch.dtype, deterministic: bool | None = None
+    ) -> str | None:
+        """The kernel that runs shared prompts (``batching.share_prompts``) at compute dtype
+        ``dtype``, or None where no fused kernel of this device takes them: there SDPA with a
+        mask would fall to its math kernel (scores materialised, KV repeated per head
+        group), so the trainer leaves prompts unshared (``train.share_prompts``). The CPU
+        runs the SDPA reference, which is what it runs for every packed row.
+        ``deterministic``: for a run with deterministic algorithms (None: this process's
+        current setting)."""
+        return None if self.is_accelerator else "sdpa reference (bucketed by length)"
+
+    def shared_prefix_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        offsets: list[int],
+        parents: list[int],
+        *,
+        scale: float,
+        dropout: float = 0.0,
+    ) -> torch.Tensor:
+        """Causal attention over a packed row in the shared layout: segment s attends to
+        segment ``parents[s]`` first (or to nothing, -1), then causally to itself. q: [T, H, D];
+        k, v: [T, Hkv, D]; offsets: the S+1 segment boundaries in tokens. The reference
+        (``hal.sdpa.prefix_sdpa``); accelerators run their fused kernel with separate query
+        and key offsets (``hal.shared_prefix``)."""
+        return prefix_sdpa(q, k, v, offsets, parents, scale=scale, dropout=dropout)
 
 
 def ipc_rebuild_args(args: tuple, device_index: int) -> list:

@@ -14,6 +14,10 @@ import torch
 
 from hal import RAY_RESOURCES
 from hal.base import DeviceBackend
+from hal.shared_prefix import LAST_LAYOUT
+
+#: Dtypes the fused varlen kernels take.
+HALF = (torch.float16, torch.bfloat16)
 
 #: Kernels that failed once in this process (import or first call): never tried again.
 _BROKEN: dict[str, str] = {}
@@ -31,19 +35,24 @@ def flash_attn_varlen_kwargs(
     *,
     dropout: float = 0.0,
     deterministic: bool = False,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ) -> dict:
     """Keyword arguments for `flash_attn.flash_attn_varlen_func(q, k, v, **kwargs)` (causal).
 
     cu_seqlens: [R+1] token offsets of the packed segments; max_seqlen: longest segment in
     tokens; scale: softmax scale. flash-attn wants int32 offsets on the same device as q, and
-    `deterministic` selects its deterministic backward.
+    `deterministic` selects its deterministic backward. ``cu_seqlens_k`` / ``max_seqlen_k``:
+    the keys' own offsets and longest segment when they differ from the queries' (shared
+    prompts, ``hal.shared_prefix``; flash-attn aligns the causal mask bottom-right then).
     """
     offsets = cu_seqlens.to(torch.int32)
+    keys = offsets if cu_seqlens_k is None else cu_seqlens_k.to(torch.int32)
     return {
         "cu_seqlens_q": offsets,
-        "cu_seqlens_k": offsets,
+        "cu_seqlens_k": keys,
         "max_seqlen_q": int(max_seqlen),
-        "max_seqlen_k": int(max_seqlen),
+        "max_seqlen_k": int(max_seqlen if max_seqlen_k is None else max_seqlen_k),
         "dropout_p": float(dropout),
         "softmax_scale": float(scale),
         "causal": True,
@@ -164,7 +173,7 @@ class CudaBackend(DeviceBackend):
         """Half precision: flash-attn varlen when installed and loadable, else torch's flash
         varlen kernel (not in deterministic mode: its backward accumulates with atomics);
         fp32, and any kernel that failed once, take SDPA per segment (the exact reference)."""
-        if q.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
+        if q.dtype in HALF and dropout == 0.0:
             if flash_attn_installed() and "flash-attn" not in _BROKEN:
                 out = self._flash_attn(q, k, v, cu_seqlens, max_seqlen, scale)
                 if out is not None:
@@ -184,8 +193,45 @@ class CudaBackend(DeviceBackend):
             cu_seqlens_host=cu_seqlens_host,
         )
 
+    def shared_prompt_kernel(
+        self, dtype: torch.dtype, deterministic: bool | None = None
+    ) -> str | None:
+        """flash-attn varlen, else torch's varlen_attn (not in deterministic mode), both with
+        separate query and key offsets, in half precision; None otherwise."""
+        if dtype not in HALF:
+            return None
+        if flash_attn_installed() and "flash-attn" not in _BROKEN:
+            return "flash-attn varlen (query and key offsets)"
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+        usable = _torch_varlen_fn() is not None and "torch varlen_attn" not in _BROKEN
+        if usable and not deterministic:
+            return "torch varlen_attn (query and key offsets)"
+        return None
+
+    def shared_prefix_attention(self, q, k, v, offsets, parents, *, scale, dropout=0.0):
+        """The shared layout on a fused kernel (``hal.shared_prefix``): each segment's keys
+        are gathered (its root's, then its own) and the kernel runs with separate query and
+        key offsets; the SDPA reference where none applies."""
+        kernel = self.shared_prompt_kernel(q.dtype)
+        if kernel is not None and dropout == 0.0:
+            layout, index, cu_q, cu_k = LAST_LAYOUT.get(offsets, parents, q.device)
+            keys, values = k.index_select(0, index), v.index_select(0, index)
+            lengths = (cu_q, layout.max_q, scale, cu_k, layout.max_k)
+            if kernel.startswith("flash-attn"):
+                out = self._flash_attn(q, keys, values, *lengths)
+            else:
+                out = self._torch_varlen(q, keys, values, *lengths)
+            if out is not None:
+                return out
+        return super().shared_prefix_attention(
+            q, k, v, offsets, parents, scale=scale, dropout=dropout
+        )
+
     @staticmethod
-    def _flash_attn(q, k, v, cu_seqlens, max_seqlen, scale) -> torch.Tensor | None:
+    def _flash_attn(
+        q, k, v, cu_seqlens, max_seqlen, scale, cu_k=None, max_k=None
+    ) -> torch.Tensor | None:
         # PyPI ships flash-attn as source: an install built against another torch or CUDA
         # imports or loads badly, and must not take the run down with it.
         try:
@@ -196,6 +242,8 @@ class CudaBackend(DeviceBackend):
                 max_seqlen,
                 scale,
                 deterministic=torch.are_deterministic_algorithms_enabled(),
+                cu_seqlens_k=None if cu_k is None else cu_k.to(q.device),
+                max_seqlen_k=max_k,
             )
             return flash_attn_varlen_func(q, k, v, **kwargs)
         except torch.OutOfMemoryError:
@@ -205,7 +253,9 @@ class CudaBackend(DeviceBackend):
             return None
 
     @staticmethod
-    def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scale) -> torch.Tensor | None:
+    def _torch_varlen(
+        q, k, v, cu_seqlens, max_seqlen, scale, cu_k=None, max_k=None
+    ) -> torch.Tensor | None:
         fn = _torch_varlen_fn()
         if fn is None or "torch varlen_attn" in _BROKEN:
             return None
@@ -219,8 +269,10 @@ class CudaBackend(DeviceBackend):
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        keys = cu if cu_k is None else cu_k.to(device=q.device, dtype=torch.int32)
+        max_keys = int(max_seqlen if max_k is None else max_k)
         try:
-            return fn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), **kwargs)
+            return fn(q, k, v, cu, keys, int(max_seqlen), max_keys, **kwargs)
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, NotImplementedError, TypeError) as err:

@@ -48,6 +48,7 @@ def npu_fusion_attention_args(
     *,
     dropout: float = 0.0,
     atten_mask: torch.Tensor | None = None,
+    kv_seqlens: list[int] | None = None,
 ) -> dict:
     """Keyword arguments for `torch_npu.npu_fusion_attention(q, k, v, **kwargs)`, causal TND.
 
@@ -56,6 +57,9 @@ def npu_fusion_attention_args(
     torch_npu wants the cumulative *end* offsets as python ints (no leading 0) for both q and kv,
     and causality as sparse_mode=3 (right-down causal) with the compressed 2048x2048 mask.
     atten_mask: that mask already on the device; built on the CPU when not given.
+    kv_seqlens: the keys' own [R+1] offsets when they differ from the queries' (shared
+    prompts, ``hal.shared_prefix``): right-down causal aligns each segment's queries with the
+    last of its keys.
     """
     offsets = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     if not offsets or offsets[0] != 0:
@@ -66,6 +70,14 @@ def npu_fusion_attention_args(
             f"cu_seqlens holds {len(ends)} segments; npu_fusion_attention takes at most "
             f"{NPU_MAX_SEGMENTS_PER_CALL} per call: split the row (NpuBackend.varlen_attention does)"
         )
+    kv_ends = ends
+    if kv_seqlens is not None:
+        if len(kv_seqlens) != len(offsets) or kv_seqlens[0] != 0:
+            raise ValueError(
+                f"kv_seqlens has {len(kv_seqlens)} offsets starting at {kv_seqlens[:1]}; want "
+                f"{len(offsets)} starting at 0, one per query offset"
+            )
+        kv_ends = [int(x) for x in kv_seqlens[1:]]
     return {
         "head_num": int(num_heads),
         "input_layout": "TND",
@@ -73,7 +85,7 @@ def npu_fusion_attention_args(
         "scale": float(scale),
         "keep_prob": 1.0 - float(dropout),
         "actual_seq_qlen": ends,
-        "actual_seq_kvlen": ends,
+        "actual_seq_kvlen": kv_ends,
         "sparse_mode": NPU_SPARSE_MODE_RIGHT_DOWN_CAUSAL,
     }
 
@@ -87,6 +99,19 @@ def split_segments(offsets: list[int], max_segments: int) -> list[tuple[int, int
     for i in range(0, max(len(offsets) - 1, 0), max_segments):
         part = offsets[i : i + max_segments + 1]
         chunks.append((part[0], part[-1], [x - part[0] for x in part]))
+    return chunks
+
+
+def split_shared_segments(
+    offsets: list[int], kv_offsets: list[int], max_segments: int
+) -> list[tuple[int, int, int, int, list[int], list[int]]]:
+    """``split_segments`` for separate query and key offsets (shared prompts): per chunk of at
+    most ``max_segments`` segments, its query tokens ``[q0, q1)``, its key tokens ``[k0, k1)``
+    and both offsets rebased to 0."""
+    chunks = []
+    for i in range(0, max(len(offsets) - 1, 0), max_segments):
+        q, k = offsets[i : i + max_segments + 1], kv_offsets[i : i + max_segments + 1]
+        chunks.append((q[0], q[-1], k[0], k[-1], [x - q[0] for x in q], [x - k[0] for x in k]))
     return chunks
 
 
@@ -182,5 +207,36 @@ class NpuBackend(DeviceBackend):
             out = torch_npu.npu_fusion_attention(q[start:end], k[start:end], v[start:end], **kwargs)
             outputs.append(out[0])
         if not outputs:  # an empty row
+            return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+    def shared_prompt_kernel(
+        self, dtype: torch.dtype, deterministic: bool | None = None
+    ) -> str | None:
+        """``npu_fusion_attention`` with separate query and key lengths, in every dtype it
+        runs packed rows in."""
+        return "npu_fusion_attention TND (actual_seq_kvlen, sparse_mode=3)"
+
+    def shared_prefix_attention(self, q, k, v, offsets, parents, *, scale, dropout=0.0):
+        """The shared layout on ``npu_fusion_attention``: each segment's keys gathered (its
+        root's, then its own; ``hal.shared_prefix``), query and key lengths given apart,
+        right-down causal; split every 1024 segments."""
+        from hal.shared_prefix import LAST_LAYOUT
+
+        torch_npu = import_torch_npu()
+        layout, index, _, _ = LAST_LAYOUT.get(offsets, parents, q.device)
+        q = q.contiguous()
+        keys, values = (x.index_select(0, index).contiguous() for x in (k, v))
+        mask = self._causal_mask(q.device)
+        outputs = []
+        for q0, q1, k0, k1, local_q, local_k in split_shared_segments(
+            offsets, layout.cu_k, NPU_MAX_SEGMENTS_PER_CALL
+        ):
+            kwargs = npu_fusion_attention_args(
+                local_q, q.shape[1], scale, dropout=dropout, atten_mask=mask, kv_seqlens=local_k
+            )
+            out = torch_npu.npu_fusion_attention(q[q0:q1], keys[k0:k1], values[k0:k1], **kwargs)
+            outputs.append(out[0])
+        if not outputs:
             return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

@@ -23,7 +23,13 @@ def _cmd_devices(args: argparse.Namespace) -> int:
 
 def _cmd_layout(args: argparse.Namespace) -> int:
     from trainer.config import ConfigError, load_config
-    from trainer.layout import LayoutError, budget_for_cli, format_layout, layout_for_cli
+    from trainer.layout import (
+        LayoutError,
+        budget_for_cli,
+        format_layout,
+        layout_for_cli,
+        prompt_sharing_rule,
+    )
     from trainer.memory_budget import format_budget
 
     try:
@@ -35,6 +41,7 @@ def _cmd_layout(args: argparse.Namespace) -> int:
         print(f"crossrl layout: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(format_layout(layout))
+    print(prompt_sharing_rule(cfg, layout.device))
     print(format_budget(budget, cfg))
     return 0
 

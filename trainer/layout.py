@@ -235,6 +235,34 @@ def format_layout(layout: Layout) -> str:
     return "\n".join(lines)
 
 
+def prompt_sharing_rule(cfg: Config, device: str) -> str:
+    """Whether the job's prompts are shared on ``device`` (``train.share_prompts``), and by
+    which kernel, as ``crossrl layout`` prints it: only where a fused varlen kernel takes
+    separate query and key offsets at ``train.param_dtype`` (``hal.shared_prompt_kernel``);
+    elsewhere SDPA with a mask would fall to its math kernel, so prompts stay unshared. For
+    a device this machine lacks, its packages stand in for the node's: start-up checks again."""
+    if not cfg.train.share_prompts:
+        return "prompt sharing: off (train.share_prompts=false)"
+    import hal
+    from rollout.models import parse_dtype
+
+    backend = hal.backend_class(device)()
+    kernel = backend.shared_prompt_kernel(
+        parse_dtype(cfg.train.param_dtype), deterministic=cfg.run.deterministic
+    )
+    if kernel is None:
+        return (
+            f"prompt sharing: off on {device} at train.param_dtype={cfg.train.param_dtype}"
+            f"{' with run.deterministic' if cfg.run.deterministic else ''}: no fused varlen "
+            "kernel takes a shared prompt there (SDPA's math kernel would); on with bfloat16 "
+            "where flash-attn, or torch's varlen_attn outside deterministic runs, is present"
+        )
+    here = device in hal.available_backends()
+    return f"prompt sharing: on, {kernel}" + (
+        "" if here else " (this machine's packages; start-up checks the node's)"
+    )
+
+
 def layout_for_cli(
     cfg: Config, *, nodes: int | None = None, devices_per_node: int | None = None
 ) -> Layout:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+import hal
 from batching import LossNormalizers, PromptSharing, StepBatch, loss_normalizers, share_prompts
 from trainer.config_schema import Config
 from trainer.step_stats import StepStats
@@ -15,12 +16,25 @@ from trainer.workers.fsdp_worker import FSDPWorker
 from trainer.workers.weight_push import WeightPush
 
 
-def prompt_sharing(mb: StepBatch, cfg: Config) -> PromptSharing | None:
+def prompt_sharing(mb: StepBatch, cfg: Config, device: torch.device) -> PromptSharing | None:
     """The shared layout of ``mb`` (``batching.share_prompts``) when ``train.share_prompts``
-    is on and two of its rows share a prompt, else None."""
-    if not cfg.train.share_prompts:
+    is on, ``device`` has a kernel that runs it at the compute dtype (``sharing_kernel``) and
+    two of its rows share a prompt, else None."""
+    if sharing_kernel(cfg, device) is None:
         return None
     return share_prompts(mb.input_ids.numpy(), mb.cu_seqlens.numpy(), mb.prompt_len.numpy())
+
+
+def sharing_kernel(cfg: Config, device: torch.device) -> str | None:
+    """The kernel that runs shared prompts for this job on ``device`` (at
+    ``train.param_dtype``, the compute dtype), or None when ``train.share_prompts`` is off or
+    no fused kernel there takes them (``hal.shared_prompt_kernel``; ``crossrl layout`` prints
+    the rule)."""
+    if not cfg.train.share_prompts:
+        return None
+    from rollout.models import parse_dtype
+
+    return hal.shared_prompt_kernel(torch.device(device), parse_dtype(cfg.train.param_dtype))
 
 
 def actor_micro_batch_loss(
@@ -53,7 +67,7 @@ def actor_micro_batch_loss(
         temperature=cfg.rollout.temperature,
         lean=cfg.train.lean_logprobs,
         entropy_grad=bool(algo.entropy_coef),
-        sharing=prompt_sharing(mb, cfg),
+        sharing=prompt_sharing(mb, cfg, device),
     )
     mask = mb.loss_mask.to(device)
     field = mb.token_fields
@@ -100,7 +114,7 @@ class PolicyWorker(WeightPush, FSDPWorker):
             self.to_device(mb.cu_seqlens),
             temperature=cfg.rollout.temperature,
             lean=cfg.train.lean_logprobs,
-            sharing=prompt_sharing(mb, cfg),
+            sharing=prompt_sharing(mb, cfg, self.device),
         )
         return logprobs
 
