@@ -328,6 +328,16 @@ class DeviceBackend:
         offsets = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.tolist()
         return segmented_sdpa(q, k, v, offsets, scale=scale, dropout=dropout)
 
+    # ---- the vLLM engine on this device -------------------------------------------------------
+
+    #: Weight updates through vLLM's layerwise reload (False: the model's ``load_weights``).
+    vllm_layerwise_reload: bool = True
+
+    def vllm_engine_options(self) -> dict:
+        """Extra ``vllm.LLM`` keyword arguments a colocated engine needs on this device (none
+        on vLLM's own platforms)."""
+        return {}
+
     # ---- shared prompts ---------------------------------------------------------------------
 
     def shared_prompt_kernel(

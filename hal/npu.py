@@ -146,6 +146,19 @@ class NpuBackend(DeviceBackend):
         weight format, which its reload path cannot rebuild from HF-layout tensors."""
         return {**super().engine_env(device_ids), "VLLM_ASCEND_ENABLE_NZ": "0"}
 
+    #: vllm-ascend's own RL path loads new weights with the model's ``load_weights``;
+    #: vLLM's layerwise reload is not verified on Ascend's layer implementations.
+    vllm_layerwise_reload = False
+
+    def vllm_engine_options(self) -> dict:
+        """vllm-ascend's RL mode (``additional_config.rl_config``): its sleep frees only its own
+        allocator's memory unless ``sleep_mode_extra_cleanup`` also releases the HCCL process
+        groups' buffers and the ACL graph workspace while the colocated trainer runs; the
+        mode also turns off the FRACTAL_NZ weight layout that a reload cannot rebuild."""
+        return {
+            "additional_config": {"rl_config": {"enabled": True, "sleep_mode_extra_cleanup": True}}
+        }
+
     def device_names(self) -> list[str]:
         """Chip name of every visible NPU (e.g. Ascend910B3)."""
         mod = self.device_module()

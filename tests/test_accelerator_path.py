@@ -331,3 +331,34 @@ def test_step_boundary_hands_over_one_stage_at_a_time(tmp_path, monkeypatch):
         "push",
         "wake kv_cache",
     ], events
+
+
+# ------------------------------------------------------------------ 7. NPU engine options
+
+
+@pytest.mark.parametrize(("backend_name", "layerwise"), [("cuda", True), ("npu", False)])
+def test_engine_host_builds_vllm_with_the_devices_options(monkeypatch, backend_name, layerwise):
+    """On Ascend the engine asks vllm-ascend's RL mode with the extra sleep cleanup (its sleep
+    otherwise frees only its own allocator's memory) and loads weights through the model's
+    ``load_weights`` as vllm-ascend's RL path does; on CUDA neither (vLLM's layerwise reload)."""
+    import hal
+    import rollout.engines
+    from trainer.config import load_config
+    from trainer.workers.rollout_host import EngineHost
+
+    backend = hal.backend_class(backend_name)()
+    built = {}
+    monkeypatch.setattr(hal, "get_backend", lambda name="auto": backend)
+    monkeypatch.setattr(
+        rollout.engines, "make_engine", lambda name, model, tok=None, **kw: built.update(kw)
+    )
+    cfg = load_config(None, [*JOB, "rollout.engine=vllm"], check_environment=False)
+    EngineHost(cfg).setup()
+    assert built["layerwise_reload"] is layerwise
+    assert built["enable_sleep_mode"] is True
+    options = built["engine_kwargs"]
+    if layerwise:
+        assert options == {}
+    else:
+        rl = options["additional_config"]["rl_config"]
+        assert rl == {"enabled": True, "sleep_mode_extra_cleanup": True}

@@ -191,9 +191,11 @@ class VLLMWorkerExtension:
             stack.enter_context(device)
         return stack
 
-    def crossrl_begin_weight_update(self) -> None:
-        """Prepare every layer to collect new weights."""
-        api = self._crossrl_reload_api()
+    def crossrl_begin_weight_update(self, layerwise: bool = True) -> None:
+        """Prepare every layer to collect new weights (``layerwise``: through vLLM's layerwise
+        reload; else each bucket goes straight to the model's ``load_weights``, the path
+        vllm-ascend's own RL integration takes)."""
+        api = self._crossrl_reload_api() if layerwise else None
         if api is not None:
             with self._crossrl_context():
                 api[0](self.model_runner.get_model())
@@ -223,10 +225,11 @@ class VLLMWorkerExtension:
 
         return self.crossrl_load_weights(list(load_file(path).items()))
 
-    def crossrl_finish_weight_update(self) -> None:
-        """Post-process the loaded layers and drop state derived from the old weights."""
+    def crossrl_finish_weight_update(self, layerwise: bool = True) -> None:
+        """Post-process the loaded layers (``layerwise``, as begun) and drop state derived
+        from the old weights."""
         model = self.model_runner.get_model()
-        api = self._crossrl_reload_api()
+        api = self._crossrl_reload_api() if layerwise else None
         if api is not None:
             with self._crossrl_context():
                 api[1](model, self.vllm_config.model_config)
@@ -264,6 +267,8 @@ class VLLMEngine(Engine):
     cache size in bytes instead (the usual choice on CPU). ``max_model_len``: tokens per
     sequence (prompt + response). ``enforce_eager``: skip graph capture / compilation (fast start).
     ``in_process``: run vLLM's scheduler and worker in this process (see the module docstring).
+    ``layerwise_reload``: weight updates through vLLM's layerwise reload (else straight into
+    the model's ``load_weights``; the HAL picks per platform, ``vllm_layerwise_reload``).
     ``engine_kwargs``: further ``vllm.LLM`` keyword arguments, passed unchanged.
     """
 
@@ -281,8 +286,10 @@ class VLLMEngine(Engine):
         max_model_len: int | None = None,
         enforce_eager: bool = False,
         in_process: bool = True,
+        layerwise_reload: bool = True,
         engine_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
+        self.layerwise_reload = bool(layerwise_reload)
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization={gpu_memory_utilization}: must be a fraction in (0, 1]"
@@ -425,7 +432,7 @@ class VLLMEngine(Engine):
                 "VLLMEngine: weights updated while they sleep; call wake_up(['weights']) first"
             )
         if not self._updating:
-            self.llm.collective_rpc("crossrl_begin_weight_update")
+            self.llm.collective_rpc("crossrl_begin_weight_update", args=(self.layerwise_reload,))
             self._updating = True
 
     def load_shared_bucket(self, open_bucket, handles, specs) -> None:
@@ -441,7 +448,7 @@ class VLLMEngine(Engine):
         """Complete the weight update begun by ``update_weights`` (no-op when none is open)."""
         if not self._updating:
             return
-        self.llm.collective_rpc("crossrl_finish_weight_update")
+        self.llm.collective_rpc("crossrl_finish_weight_update", args=(self.layerwise_reload,))
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         self._updating = False

@@ -77,6 +77,8 @@ class EngineHost:
                 max_model_len=roll.max_input_len + roll.max_new_tokens,
                 # colocated: free the devices while the ranks train (ignored on the CPU)
                 enable_sleep_mode=backend.is_accelerator,
+                layerwise_reload=backend.vllm_layerwise_reload,
+                engine_kwargs=backend.vllm_engine_options(),
             )
         self.startup.done("engine")
         return {
