@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from batching.data import StepBatch
+    from batching.columns import PackedColumns
 
 __all__ = ["PADDING_TOKEN_ID", "renumber_padding", "select_rows"]
 
@@ -29,7 +29,7 @@ PADDING_TOKEN_ID = 0
 
 
 def select_rows(
-    batch: StepBatch, indices: Sequence[int]
+    batch: PackedColumns, indices: Sequence[int]
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """(token fields, row fields, cu_seqlens) of `batch`'s rows `indices` in that order, index
     -1 materialising a padding row; see `StepBatch.select`. Padding ids are not renumbered

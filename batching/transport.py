@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from batching.data import StepBatch
+    from batching.columns import PackedColumns
 
 __all__ = ["arrays_to_fields", "batch_to_arrays"]
 
@@ -23,7 +23,7 @@ _ROW_PREFIX = "row/"
 _CU_KEY = "cu_seqlens"
 
 
-def batch_to_arrays(batch: StepBatch) -> dict[str, np.ndarray]:
+def batch_to_arrays(batch: PackedColumns) -> dict[str, np.ndarray]:
     """Flat dict of numpy arrays of `batch`; see `StepBatch.to_numpy`."""
     out: dict[str, np.ndarray] = {_CU_KEY: batch.cu_seqlens.numpy()}
     for name, t in batch.token_fields.items():

@@ -386,7 +386,7 @@ def open_shared_buffer(handle: tuple, device_index: int = 0) -> torch.Tensor:
     tensor, the same memory (no copy), on this process's device ``device_index``."""
     kind = handle[0]
     if kind == "file":
-        from hal.cpu import open_shm_file
+        from hal.shm import open_shm_file
 
         return open_shm_file(handle[1], handle[2])
     if kind == "ipc":

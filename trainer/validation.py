@@ -60,7 +60,7 @@ def run_validation(engine, tokenizer, env_factory, items, cfg: Config, step: int
     training step just finished (0 before training), which only seeds the sampling.
     """
     from rollout.engines import SamplingParams
-    from trainer.workers.rollout_host import run_config_rollouts
+    from trainer.workers.sampling import run_config_rollouts
 
     roll = cfg.rollout
     greedy = roll.val_temperature == 0

@@ -22,6 +22,7 @@ from rollout.engines.base import Engine
 from trainer.config_schema import Config
 from trainer.startup import Phases, process_start_time
 from trainer.workers.local import fetch, put
+from trainer.workers.sampling import run_config_rollouts
 
 
 class EngineHost:
@@ -324,36 +325,6 @@ class RolloutHost(EngineHost):
 #: rollout metrics that count things: summed over a step's sampled batches (the rest are
 #: means, weighted by each batch's trajectories).
 _COUNTS = ("num_trajectories", "num_rows", "_trajectories", "errors")
-
-
-def run_config_rollouts(
-    engine, tokenizer, env_factory, items, cfg: Config, *, n, sampling, seed, step
-):
-    """``rollout.agent_loop.run_rollouts`` with the job's ``rollout.*`` settings: ``n`` samples
-    per prompt, ``sampling``, the request ``seed`` stream and ``step`` are the caller's
-    (training and validation differ there and only there)."""
-    from rollout.agent_loop import run_rollouts
-
-    roll = cfg.rollout
-    return run_rollouts(
-        engine,
-        tokenizer,
-        env_factory,
-        items,
-        n=n,
-        max_turns=roll.max_turns,
-        step_wise=roll.step_wise,
-        merge_stepwise=roll.merge_stepwise,
-        max_input_len=roll.max_input_len,
-        max_new_tokens=roll.max_new_tokens,
-        sampling=sampling,
-        seed=seed,
-        step=step,
-        stop_strings=tuple(roll.stop_strings),
-        env_timeout_s=roll.env_timeout_s,
-        env_concurrency=roll.env_concurrency,
-        deterministic=cfg.run.deterministic,
-    )
 
 
 def combine_rollout_metrics(per_batch: list[dict[str, float]]) -> dict[str, float]:
