@@ -133,7 +133,7 @@ def sync_run(repeats: int = 10) -> dict:
     """Seconds of one step's weight sync at dp 2 on builtin:small, both ways in one run.
 
     Starts Ray and the trainer once (two ranks, two engine replicas), then times
-    ``Trainer._sync_weights`` ``repeats`` times per path, alternating (shared memory first,
+    ``Trainer.sync_weights`` ``repeats`` times per path, alternating (shared memory first,
     then the object store, and so on), after one untimed warm-up each. Returns medians,
     minimums, the ratio object-store / shared-memory, the parameter count and the bucket
     count of one sync.
@@ -152,7 +152,7 @@ def sync_run(repeats: int = 10) -> dict:
             for i in range(repeats + 1):
                 for path, via_store in (("shared_memory", False), ("object_store", True)):
                     t0 = time.perf_counter()
-                    trainer._sync_weights(via_object_store=via_store)
+                    trainer.sync_weights(via_object_store=via_store)
                     if i:  # the first round maps buffers and warms caches
                         times[path].append(time.perf_counter() - t0)
             params = sum(info["num_params"] for info in trainer.actor.setup_info[:1])

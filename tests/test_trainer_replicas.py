@@ -85,7 +85,7 @@ def test_replicas_sleep_through_training_and_wake_for_the_sync(local_ray, tmp_pa
         trainer._rollout(1)
         trainer._engines("sleep")
         assert trainer._engines("awake_tags") == [[], []]
-        trainer._sync_weights()  # weights first ...
+        trainer.sync_weights()  # weights first ...
         assert trainer._engines("awake_tags") == [["weights"]] * 2
         trainer._engines("wake_up", ["kv_cache"])  # ... the KV cache after
         assert trainer._engines("awake_tags") == both

@@ -13,7 +13,6 @@ worker to worker the same way. Each concern lives in its own module: the plan in
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,6 @@ from trainer.workers.group import (
     CALL_TIMEOUT_S,
     PendingCalls,
     WorkerGroup,
-    agree_on_settings,
     wait_all,
 )
 
@@ -55,130 +53,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
-        """Reserve devices, start the engine replicas and training workers, resume if asked.
+        """Reserve devices, start the engine replicas and training workers, resume if asked
+        (``trainer.launch.start``)."""
+        from trainer.launch import start
 
-        Every actor is created before any is waited on, so their processes boot and import
-        side by side; then every setup runs at once, except on an accelerator, where the
-        engines take their share of device memory before the training ranks load theirs (an
-        engine sizes its cache from the memory it finds free).
-        """
-        import hal
-        from trainer.layout import plan_layout, runs_in_process
-        from trainer.startup import CLOCK
-        from trainer.workers.group import cluster_nodes, make_placement
-        from trainer.workers.spawn import Spawner
+        start(self)
 
-        cfg = self.cfg
-        backend = hal.get_backend(cfg.device)
-        resource = backend.ray_resource
-        self.in_process = runs_in_process(cfg, backend.name)
-        # Fails here, naming the key, when the cluster cannot hold the job (trainer/layout.py).
-        nodes = [1] if self.in_process else cluster_nodes(resource)
-        self.layout = plan_layout(cfg, nodes, resource, device=backend.name)
-        if not self.in_process:
-            self.placement = make_placement(
-                resource,
-                cfg.train.dp_size,
-                tp=self.layout.tp,
-                timeout_s=cfg.ray.placement_timeout_s,
-            )
-        self.use_ref = "reference" in self.layout.roles
-        self.use_critic = "critic" in self.layout.roles
-        CLOCK.done("placement")
-        spawner = Spawner(cfg, self.layout, self.placement, backend, self.in_process)
-        self.replicas = spawner.replicas(self.replay_dir)
-        self.rollout = self.replicas[0]
-        self.actor = spawner.group("actor")
-        self.ref = spawner.group("reference") if self.use_ref else None
-        self.critic = spawner.group("critic") if self.use_critic else None
-        CLOCK.done("actors_created")
-        replica_refs = [h.setup.remote() for h in self.replicas]
-        replica_names = [f"engine replica {i}" for i in range(len(self.replicas))]
-        if backend.is_accelerator:
-            self._setup_replicas(
-                wait_all(
-                    replica_refs, replica_names, timeout_s=CALL_TIMEOUT_S, what="rollout.setup"
-                )
-            )
-            replica_refs, replica_names = [], []
-        groups = self._all_groups()
-        refs = {g.role: g.submit("setup", *self._rendezvous(g)) for g in groups}
-        answers = wait_all(
-            replica_refs + [r for g in groups for r in refs[g.role]],
-            replica_names + [n for g in groups for n in g.names],
-            timeout_s=CALL_TIMEOUT_S,
-            what="setup",
-        )
-        if replica_refs:
-            self._setup_replicas(answers[: len(replica_refs)])
-        answers = answers[len(replica_refs) :]
-        for group in groups:
-            group.setup_info, answers = answers[: len(group.handles)], answers[len(group.handles) :]
-            CLOCK.add_worker(group.role, group.setup_info[0].get("startup", {}))
-        CLOCK.done("actors_setup")
-        self.deterministic_settings = self._agreed_deterministic_settings()
-        self._resume()
-        CLOCK.done("resume")
-
-    @staticmethod
-    def _rendezvous(group: WorkerGroup) -> list:
-        """References to rank 0's address and port, where a role's ranks meet (they may sit on
-        several nodes); passed on unresolved, so no rank waits for the controller."""
-        return group.handles[0].rendezvous_address.options(num_returns=2).remote()
-
-    def _setup_replicas(self, infos: list[dict[str, Any]]) -> None:
-        """Keep the replicas' setup answers; with several, the rollout host deals to all."""
-        from trainer.startup import CLOCK
-
-        self.rollout_info = infos[0]
-        self.replica_info = infos
-        CLOCK.add_worker("rollout", infos[0].get("startup", {}))
-        if len(self.replicas) > 1:
-            wait_all(
-                [self.rollout.connect.remote(self.replicas[1:])],
-                ["engine replica 0"],
-                timeout_s=CALL_TIMEOUT_S,
-                what="rollout.connect",
-            )
-
-    def _resume(self) -> None:
-        from trainer.checkpoint import LAYOUT, load_json, resolve_resume
-
-        # run_training's preflight verified every file's sha256 seconds ago; sizes suffice here
-        ckpt = resolve_resume(self.run_dir, self.cfg.run.resume, check_hashes=False)
-        if ckpt is None:
-            return
-        state = load_json(ckpt / LAYOUT.trainer_state)
-        for group in self._training_groups():
-            group.call("load_pieces", str(ckpt))
-        self.start_step = int(state["step"])
-        consumed = state.get("prompts_consumed", self.start_step * self.cfg.train.batch_size)
-        wait_all(
-            [self.rollout.set_prompts_consumed.remote(consumed)],
-            ["rollout host"],
-            timeout_s=CALL_TIMEOUT_S,
-            what="rollout.set_prompts_consumed",
-        )
-        self._sync_weights()
-        print(f"crossrl: resumed from {ckpt} (step {self.start_step})", file=sys.stderr)
-
-    def _agreed_deterministic_settings(self) -> dict[str, str]:
-        """The deterministic settings every worker and the rollout engine's process applied,
-        which must be the same everywhere (``agree_on_settings``)."""
-        applied = [
-            (name, info.get("deterministic", {}))
-            for g in self._all_groups()
-            for name, info in zip(g.names, g.setup_info)
-        ]
-        for i, info in enumerate(self.replica_info):
-            if "deterministic" in info:  # a replaying probe runs no engine
-                applied.append((f"engine replica {i}", info["deterministic"]))
-        return agree_on_settings(applied)
-
-    def _training_groups(self) -> list[WorkerGroup]:
+    def training_groups(self) -> list[WorkerGroup]:
+        """The roles that train (actor, critic), in that order."""
         return [g for g in (self.actor, self.critic) if g is not None]
 
-    def _all_groups(self) -> list[WorkerGroup]:
+    def all_groups(self) -> list[WorkerGroup]:
+        """Every role's workers (actor, reference, critic), in that order."""
         return [g for g in (self.actor, self.ref, self.critic) if g is not None]
 
     # ------------------------------------------------------------------ one step
@@ -256,7 +142,7 @@ class Trainer:
         from_update = self._old_from_update()
         old_mbs = self._rank_micro_batches(plan.mini_batches[1:]) if from_update else rank_mbs
         calls = PendingCalls()
-        for group in self._all_groups():
+        for group in self.all_groups():
             calls.submit(group, "load_batch", batch_ref)
         pieces = {"old_logprobs": calls.submit(self.actor, "compute_logprobs", per_rank=old_mbs)}
         if self.ref is not None:
@@ -265,10 +151,10 @@ class Trainer:
             pieces["values"] = calls.submit(self.critic, "compute_values", per_rank=rank_mbs)
         # every training worker gets the full token fields computed piecewise by the ranks
         for field, piece_refs in pieces.items():
-            for group in self._training_groups():
+            for group in self.training_groups():
                 calls.submit(group, "set_token_field", field, piece_refs)
         advantages = [
-            calls.submit(g, "compute_advantages", not from_update) for g in self._training_groups()
+            calls.submit(g, "compute_advantages", not from_update) for g in self.training_groups()
         ]
         results = calls.wait()
         return results[advantages[0][0]]
@@ -278,7 +164,7 @@ class Trainer:
         submitted at once (each worker runs them in order); then a stop if any weights are
         non-finite. Returns each training role's statistics of the whole step, and the
         engine-vs-trainer metrics when the old log-probs were completed by the update."""
-        groups = self._training_groups()
+        groups = self.training_groups()
         from_update = self._old_from_update()
         calls = PendingCalls()
         steps = []  # (role, refs of one mini-batch), in order
@@ -312,7 +198,7 @@ class Trainer:
 
     def _check_weights(self, step: int) -> None:
         """Stop before non-finite weights reach the rollout engine or a checkpoint."""
-        for group in self._training_groups():
+        for group in self.training_groups():
             check_finite_weights(group.role, group.call("weights_finite"), step)
 
     def validate(self, step: int) -> dict[str, Any]:
@@ -344,14 +230,14 @@ class Trainer:
         other, each waited for before the next starts (the engines' sleep-mode allocators map
         memory without asking what is free, so nothing may overlap): the ranks offload and
         report the step's records (``_end_of_step``); the engines wake their weights and load
-        the new ones (``_sync_weights``, after which the ranks have freed the staging); then
+        the new ones (``sync_weights``, after which the ranks have freed the staging); then
         the KV caches wake into what is left. Returns ``_end_of_step``'s records."""
         records = self._end_of_step(step, plan)
-        self._sync_weights()
+        self.sync_weights()
         self._engines("wake_up", ["kv_cache"])
         return records
 
-    def _sync_weights(self, *, via_object_store: bool = False) -> None:
+    def sync_weights(self, *, via_object_store: bool = False) -> None:
         """Load the actor's new weights into the engines: every tp group's ranks hand them to
         their own replica on the same devices, which wakes its weights (not its KV cache) as
         it loads them (nothing to push when replaying). ``via_object_store``: the earlier
@@ -378,7 +264,7 @@ class Trainer:
         rows = [mb.rows.tolist() for mb in plan.mini_batches]
         calls = PendingCalls()
         ends = {}
-        for group in self._all_groups():
+        for group in self.all_groups():
             asks: list[list] = [[] for _ in group.handles]
             if group is self.actor:
                 asks[0].append(("mini_batch_counts", (rows,)))
@@ -426,41 +312,22 @@ class Trainer:
         return fingerprint_of_step(plan, fields, metrics, records["checksum"], records["counts"])
 
     def save_checkpoint(self, step: int) -> Path:
-        """Write a whole checkpoint atomically (workers write their pieces, then commit)."""
-        from trainer.checkpoint import (
-            LAYOUT,
-            begin_checkpoint,
-            commit_checkpoint,
-            rng_state,
-            save_json,
-            save_torch,
-        )
+        """Write a whole checkpoint atomically (``trainer.checkpoint.save_step``), never of
+        non-finite weights."""
+        from trainer.checkpoint.save import save_step
 
         self._check_weights(step)  # never commit non-finite weights over good checkpoints
-        staging = begin_checkpoint(self.run_dir, step)
-        expected: set[str] = set()  # what the workers say they wrote; the commit checks it
-        for group in self._training_groups():
-            for names in group.call("save_pieces", str(staging)):
-                expected.update(names)
-        (consumed,) = wait_all(
-            [self.rollout.get_prompts_consumed.remote()],
-            ["rollout host"],
-            timeout_s=CALL_TIMEOUT_S,
-            what="rollout.get_prompts_consumed",
-        )
-        save_json({"step": step, "prompts_consumed": consumed}, staging / LAYOUT.trainer_state)
-        save_torch(rng_state(), staging / LAYOUT.controller_rng)
-        return commit_checkpoint(self.run_dir, step, staging, expect_files=sorted(expected))
+        return save_step(self.run_dir, step, self.training_groups(), self.rollout)
 
     def shutdown(self) -> None:
         """Stop every worker (best effort: a dead one is already gone)."""
         if self.in_process:
-            for handle in [h for g in self._all_groups() for h in g.handles] + self.replicas:
+            for handle in [h for g in self.all_groups() for h in g.handles] + self.replicas:
                 handle.target.shutdown()
             return
         import ray
 
-        for group in self._all_groups():
+        for group in self.all_groups():
             for h in group.handles:
                 ray.kill(h, no_restart=True)
         for handle in self.replicas:
