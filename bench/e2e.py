@@ -139,8 +139,8 @@ def sync_run(repeats: int = 10) -> dict:
     count of one sync.
     """
     from trainer.config import load_config
-    from trainer.controller import Trainer
-    from trainer.workers.group import start_ray
+    from trainer.loop.controller import Trainer
+    from trainer.loop.workers.group import start_ray
 
     with tempfile.TemporaryDirectory(prefix="crossrl-bench-sync-") as tmp:
         cfg = load_config(None, [*SYNC_OVERRIDES, f"run.dir={tmp}"])

@@ -4,7 +4,7 @@ Rows in arrival order, a fixed number per micro-batch, right-padded to the micro
 longest row (``[B, S]``), the model run with transformers' ``sdpa`` attention and an attention
 mask. This is the baseline's own code: its forward, its log-probs and entropies read off the
 ``[B, S, V]`` logits, its own count of the loss normalizers. Only the per-token PPO terms and
-their aggregation are the trainer's (``trainer.losses``), so both layouts of the benchmark
+their aggregation are the trainer's (``trainer.algorithms.losses``), so both layouts of the benchmark
 optimise the same objective and their losses and gradients can be compared.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from batching import LossNormalizers, StepBatch
-from trainer.losses import actor_loss, masked_sums
+from trainer.algorithms.losses import actor_loss, masked_sums
 
 __all__ = [
     "PADDED_ROWS_PER_MICRO_BATCH",

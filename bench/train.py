@@ -4,14 +4,14 @@ micro-batches.
     python -m bench train [--quick]
 
 One update = forward + backward over every micro-batch of one mini-batch, gradient clipping,
-then one AdamW step (``trainer.optim.build_optimizer``), fp32 on the HAL's device (a CPU here),
+then one AdamW step (``trainer.loop.workers.optim.build_optimizer``), fp32 on the HAL's device (a CPU here),
 with the CPU default job's actor loss (configs/cpu/tiny.yaml: clipped PPO surrogate,
 token-mean). The same rows (log-normal lengths, clipped to 16-1024 tokens) laid out two ways:
 
 - ``packed`` (``bench.packed``): the trainer's own code. ``StepBatch`` rows, planner
   micro-batches under 2048 tokens (the default job's budget), ``batching.loss_normalizers``,
   and per micro-batch the calls ``PolicyWorker.train_mini_batch`` makes (``hal.packed_forward``
-  with the varlen attention, ``packed_token_logprobs``, ``trainer.losses``). No token is padding.
+  with the varlen attention, ``packed_token_logprobs``, ``trainer.algorithms.losses``). No token is padding.
 - ``padded`` (``bench.padded``): the baseline's own code, the layout without remove-padding:
   8 rows per micro-batch, right-padded, ``sdpa`` attention with a mask; the same per-token loss.
 
@@ -244,7 +244,7 @@ def compare(
     and mean log-probs, the median tokens/s (real tokens per second) of each layout and the
     median speedup (padded seconds / packed seconds of the same repeat)."""
     from rollout.models import load_model
-    from trainer.optim import build_optimizer
+    from trainer.loop.workers.optim import build_optimizer
 
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: need at least 1 repeat")
@@ -406,9 +406,9 @@ def run(quick: bool = False, threads: int | None = CPU_THREADS) -> dict:
         "workload": {
             "lengths": "log-normal, median 96 tokens, sigma 1.0, clipped to 16-1024 tokens",
             "response": "last 40-80 % of each row carries the loss",
-            "loss": "the default job's actor loss (trainer.losses), one advantage per row",
+            "loss": "the default job's actor loss (trainer.algorithms.losses), one advantage per row",
             "packed": "the trainer's code: StepBatch, planner, loss_normalizers, "
-            "hal.packed_forward, packed_token_logprobs, trainer.losses",
+            "hal.packed_forward, packed_token_logprobs, trainer.algorithms.losses",
             "update": "forward + backward over all micro-batches + grad clip + one AdamW step",
         },
         "models": models,

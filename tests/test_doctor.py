@@ -27,8 +27,8 @@ from hal.doctor_facts import (
     vllm_ascend_nz_check,
     vllm_ascend_pairing,
 )
-from trainer import doctor
 from trainer.cli import main
+from trainer.commands import doctor
 
 ROOT = Path(__file__).resolve().parent.parent
 

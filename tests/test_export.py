@@ -13,12 +13,12 @@ import ray
 import torch
 import yaml
 
-from trainer.checkpoint import find_latest, read_model_weights
 from trainer.cli import main
 from trainer.config import load_config
-from trainer.metrics import read_jsonl
-from trainer.run import run_training
-from trainer.workers.group import start_ray
+from trainer.loop.run import run_training
+from trainer.loop.workers.group import start_ray
+from trainer.records.checkpoint import find_latest, read_model_weights
+from trainer.records.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -65,9 +65,9 @@ def _trainer_logits(run_dir: Path, ids: torch.Tensor) -> torch.Tensor:
     """Logits ``[T, V]`` of the trainer's own actor (FSDP2 worker, the run's config) after
     loading the run's latest checkpoint."""
     import hal
-    from trainer.workers.fsdp_worker import WorkerSpec
-    from trainer.workers.group import free_port
-    from trainer.workers.policy import PolicyWorker
+    from trainer.loop.workers.fsdp_worker import WorkerSpec
+    from trainer.loop.workers.group import free_port
+    from trainer.loop.workers.policy import PolicyWorker
 
     cfg = load_config(str(run_dir / "config.yaml"), [])
     worker = PolicyWorker(WorkerSpec(role="actor", rank=0, cfg=cfg))

@@ -446,7 +446,7 @@ class _FakeDeviceModule:
 
 
 def test_device_rng_state_round_trips_through_a_checkpoint_file(tmp_path, monkeypatch):
-    from trainer.checkpoint import load_torch, rng_state, save_torch, set_rng_state
+    from trainer.records.checkpoint import load_torch, rng_state, save_torch, set_rng_state
 
     assert hal.CpuBackend().device_rng_state() is None
     fake = _FakeDeviceModule()

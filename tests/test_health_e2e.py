@@ -11,11 +11,11 @@ import textwrap
 import pytest
 import ray
 
-from trainer.checkpoint import find_latest, list_checkpoints
 from trainer.config import load_config
-from trainer.metrics import read_jsonl
-from trainer.run import run_training
-from trainer.workers.group import start_ray
+from trainer.loop.run import run_training
+from trainer.loop.workers.group import start_ray
+from trainer.records.checkpoint import find_latest, list_checkpoints
+from trainer.records.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
 

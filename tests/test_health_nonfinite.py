@@ -12,11 +12,11 @@ import torch
 
 from batching import Row, StepBatch, plan_minibatches
 from trainer.config import load_config
-from trainer.health import HealthError, NonfiniteStreak, check_finite_weights, checkpoint_veto
-from trainer.step_stats import StepStats
-from trainer.workers.fsdp_worker import WorkerSpec
-from trainer.workers.group import free_port
-from trainer.workers.policy import PolicyWorker
+from trainer.loop.health import HealthError, NonfiniteStreak, check_finite_weights, checkpoint_veto
+from trainer.loop.step_stats import StepStats
+from trainer.loop.workers.fsdp_worker import WorkerSpec
+from trainer.loop.workers.group import free_port
+from trainer.loop.workers.policy import PolicyWorker
 
 
 def _batch() -> StepBatch:

@@ -1,4 +1,4 @@
-"""The memory budget (trainer/memory_budget.py): parameter counts of the shapes it knows, the
+"""The memory budget (trainer/loop/memory_budget.py): parameter counts of the shapes it knows, the
 shipped 7B jobs fitting their devices after issue 24's fixes (and the 30.5 GB of whole fp32
 gradients before them), each component moving with its key, `crossrl layout` printing the
 table for every shipped GPU and NPU config, and `crossrl train` refusing a job that cannot fit
@@ -14,7 +14,7 @@ import ray
 
 from trainer.cli import main
 from trainer.config import load_config
-from trainer.memory_budget import (
+from trainer.loop.memory_budget import (
     COMPONENTS,
     DEFAULT_DEVICE_MEMORY_BYTES,
     GB,
@@ -195,7 +195,7 @@ def test_layout_with_less_device_memory_says_which_key_to_change(capsys):
 
 
 def test_an_unknown_shape_gives_no_estimate_and_refuses_nothing(tmp_path):
-    from trainer.preflight import _check_memory
+    from trainer.loop.preflight import _check_memory
 
     cfg = _cfg("gpu/qwen2.5-7b-grpo.yaml", f"model.path={tmp_path / 'my-llm'}")
     assert budget_for(cfg, "cuda", 1e9) is None
@@ -207,7 +207,7 @@ def test_an_unknown_shape_gives_no_estimate_and_refuses_nothing(tmp_path):
 
 
 def test_train_refuses_a_7b_job_on_one_gpu_before_start_up(tmp_path, capsys):
-    from trainer.run import run_training
+    from trainer.loop.run import run_training
 
     cfg = _cfg(
         "gpu/qwen2.5-7b-grpo.yaml",
@@ -225,7 +225,7 @@ def test_train_refuses_a_7b_job_on_one_gpu_before_start_up(tmp_path, capsys):
 
 
 def test_a_probe_is_checked_on_its_update_only(tmp_path):
-    from trainer.preflight import PreflightError, _check_memory
+    from trainer.loop.preflight import PreflightError, _check_memory
 
     # a probe replays recorded rollouts: no engine, so its memory_fraction takes nothing
     cfg = _cfg("gpu/qwen2.5-7b-grpo.yaml", "rollout.memory_fraction=0.95")
@@ -247,7 +247,7 @@ def test_on_the_cpu_only_a_phase_beyond_the_hosts_ram_refuses():
 
 
 def test_lean_chunk_size_is_the_workers_own():
-    from trainer.memory_budget import LEAN_CHUNK_BYTES
-    from trainer.workers.forward import LEAN_CHUNK_BYTES as WORKERS
+    from trainer.loop.memory_budget import LEAN_CHUNK_BYTES
+    from trainer.loop.workers.forward import LEAN_CHUNK_BYTES as WORKERS
 
     assert LEAN_CHUNK_BYTES == WORKERS

@@ -180,7 +180,7 @@ def ray_once():
     """One local Ray for every run that needs it (dp 2, ``ray.in_process=false``)."""
     import ray
 
-    from trainer.workers.group import start_ray
+    from trainer.loop.workers.group import start_ray
 
     started = start_ray(None, num_cpus=8)
     yield

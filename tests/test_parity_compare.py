@@ -16,14 +16,18 @@ import torch
 
 from rollout.replay import load_rollout, record_rollout, recorded_steps
 from trainer.cli import main as cli_main
-from trainer.fingerprint import combine_param_stats, local_param_stats, tracked_parameter_names
-from trainer.parity import (
+from trainer.commands.parity import (
     DEFAULT_TOLERANCES,
     ParityInputError,
     compare_runs,
     format_report,
     read_run,
     tolerance_used_by_field,
+)
+from trainer.records.fingerprint import (
+    combine_param_stats,
+    local_param_stats,
+    tracked_parameter_names,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_cpu_fp32"

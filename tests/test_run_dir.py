@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from trainer.cli import main
-from trainer.run_dir import LOCK_FILE, RunDirError, RunDirLock, overwrite_problem
+from trainer.records.run_dir import LOCK_FILE, RunDirError, RunDirLock, overwrite_problem
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 
@@ -43,7 +43,7 @@ def holder(tmp_path):
     code = textwrap.dedent(
         f"""
         import sys, time
-        from trainer.run_dir import RunDirLock
+        from trainer.records.run_dir import RunDirLock
         with RunDirLock({str(run_dir)!r}, "train"):
             print("locked", flush=True)
             time.sleep(120)

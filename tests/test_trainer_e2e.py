@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import ray
 
-from trainer.checkpoint import LAYOUT, find_latest, read_model_weights, verify_checkpoint
 from trainer.config import load_config
-from trainer.controller import Trainer
-from trainer.metrics import REQUIRED_KEYS, read_jsonl
-from trainer.run import run_training
-from trainer.workers.group import WorkerFailedError, start_ray
+from trainer.loop.controller import Trainer
+from trainer.loop.run import run_training
+from trainer.loop.workers.group import WorkerFailedError, start_ray
+from trainer.records.checkpoint import LAYOUT, find_latest, read_model_weights, verify_checkpoint
+from trainer.records.metrics import REQUIRED_KEYS, read_jsonl
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import batching
-from trainer.losses import (
+from trainer.algorithms.losses import (
     apply_kl_penalty,
     kl_divergence,
     loss_for_micro_batch,
@@ -18,7 +18,7 @@ from trainer.losses import (
     value_loss,
     value_loss_for_micro_batch,
 )
-from trainer.workers.forward import logits_entropy, token_entropy
+from trainer.loop.workers.forward import logits_entropy, token_entropy
 
 LN = math.log
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.metrics import (
+from trainer.records.metrics import (
     FINGERPRINT_FILE,
     METRICS_FILE,
     REQUIRED_KEYS,

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from trainer.metrics import METRICS_FILE, MetricsLogger
-from trainer.plot import DEFAULT_KEYS, PlotDependencyError, main, plot_run
+from trainer.commands.plot import DEFAULT_KEYS, PlotDependencyError, main, plot_run
+from trainer.records.metrics import METRICS_FILE, MetricsLogger
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

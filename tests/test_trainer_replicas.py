@@ -12,10 +12,10 @@ import ray
 
 from rollout.replay import load_rollout
 from trainer.config import load_config
-from trainer.controller import Trainer
-from trainer.metrics import read_jsonl
-from trainer.run import run_training
-from trainer.workers.group import start_ray
+from trainer.loop.controller import Trainer
+from trainer.loop.run import run_training
+from trainer.loop.workers.group import start_ray
+from trainer.records.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
 

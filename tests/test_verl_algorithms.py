@@ -12,6 +12,7 @@ import torch
 from batching import Row, StepBatch
 from trainer.algorithms import compute_advantages
 from trainer.algorithms.dynamic_sampling import GroupSelection
+from trainer.algorithms.losses import gspo_policy_loss, kl_reward_penalty, policy_loss_terms
 from trainer.algorithms.rollout_correction import (
     mismatch_from_sums,
     mismatch_metrics,
@@ -19,7 +20,6 @@ from trainer.algorithms.rollout_correction import (
     rollout_correction_weights,
 )
 from trainer.config import ConfigError, load_config
-from trainer.losses import gspo_policy_loss, kl_reward_penalty, policy_loss_terms
 
 
 def _row(uid, traj, score, mask=(1, 1, 0), last=True):
@@ -89,7 +89,7 @@ def test_kl_penalty_moves_rloo_and_grpo_advantages():
 def test_kl_penalty_with_grpo_is_accepted_and_documented():
     cfg = load_config(None, ["algorithm.kl_coef=0.1"])  # use_kl_loss false: reward penalty
     assert cfg.algorithm.adv_estimator == "grpo" and not cfg.algorithm.use_kl_loss
-    from trainer.config_schema import AlgorithmConfig
+    from trainer.config.schema import AlgorithmConfig
 
     assert "before the group statistics" in AlgorithmConfig.model_fields["kl_coef"].description
 

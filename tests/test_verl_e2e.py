@@ -9,11 +9,11 @@ import json
 import pytest
 import ray
 
-from trainer.checkpoint import find_latest
 from trainer.config import load_config
-from trainer.metrics import read_jsonl
-from trainer.run import run_training
-from trainer.workers.group import start_ray
+from trainer.loop.run import run_training
+from trainer.loop.workers.group import start_ray
+from trainer.records.checkpoint import find_latest
+from trainer.records.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
 pa = pytest.importorskip("pyarrow")
@@ -99,7 +99,7 @@ def test_verl_parquet_reward_module_validation_every_step(local_ray, tmp_path):
 def test_dynamic_sampling_prompt_stream_resumes_where_it_stopped(local_ray, tmp_path):
     """With dynamic sampling a step consumes a variable number of prompts; a host that resumes
     from the saved count samples exactly what the uninterrupted host sampled next."""
-    from trainer.workers.rollout_host import RolloutHost
+    from trainer.loop.workers.rollout_host import RolloutHost
 
     train = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(_rows(8, "train")), str(train))

@@ -8,8 +8,8 @@ import importlib.util
 import pytest
 
 from trainer.config import ConfigError, load_config
-from trainer.metrics import METRICS_FILE, MetricsLogger, read_jsonl
-from trainer.validation import validation_due, validation_metrics
+from trainer.loop.validation import validation_due, validation_metrics
+from trainer.records.metrics import METRICS_FILE, MetricsLogger, read_jsonl
 
 
 def test_validation_metrics_by_hand():
@@ -47,7 +47,7 @@ def test_step_zero_validation_line_progress_bar_and_plot(tmp_path, capsys):
     assert [r["step"] for r in read_jsonl(tmp_path / METRICS_FILE)] == [0, 1, 2]
     assert "val=0.750" in capsys.readouterr().err
     pytest.importorskip("matplotlib")
-    from trainer.plot import plot_run
+    from trainer.commands.plot import plot_run
 
     names = {p.name for p in plot_run(tmp_path)}
     assert {"val_reward_mean.png", "val_pass@2.png", "val_reward_mean_gsm8k.png"} <= names

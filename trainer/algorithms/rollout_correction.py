@@ -75,7 +75,7 @@ def rollout_correction_weights(
         raise ValueError(f"algorithm.rollout_correction={level!r}: use token or sequence")
     if not cap >= 1.0:
         raise ValueError(f"algorithm.rollout_correction_cap={cap!r} must be >= 1")
-    from trainer.losses import row_of_token
+    from trainer.algorithms.losses import row_of_token
 
     on = loss_mask > 0
     log_w = torch.where(on, (old_logprobs - rollout_logprobs).double(), 0.0)

@@ -2,7 +2,7 @@
 
 ``load_config(path, overrides)`` reads a YAML job file (following its ``include:`` files),
 applies ``key.path=value`` overrides, validates the result against the typed schema in
-``trainer/config_schema.py`` and then runs the cross-field checks and, unless told not to,
+``trainer/config/schema.py`` and then runs the cross-field checks and, unless told not to,
 the checks against this machine (devices, packages, files). Every failure is a
 ``ConfigError`` whose one-line message names the key, the bad value and what is allowed,
 so a typo fails in the first second instead of after Ray and the models have started.
@@ -30,7 +30,7 @@ from trainer.config.loading import (
     parse_override,
     read_yaml,
 )
-from trainer.config_schema import (
+from trainer.config.schema import (
     LAYOUT_KEYS,
     AlgorithmConfig,
     Config,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rollout.assets import BUILTIN_MODELS
 from trainer.config.errors import Problem, problem, raise_first
-from trainer.config_schema import Config
+from trainer.config.schema import Config
 
 log = logging.getLogger("crossrl.config")
 
@@ -316,7 +316,7 @@ def env_problem(cfg: Config, record: dict | None = None) -> Problem | None:
     or a constructor that raises fails at start-up, in one line. The constructor gets
     ``rollout.env_kwargs`` updated by ``record`` (a prompt file's first record, as the rollout
     passes it); with a prompt file and no record yet the class is only imported (its required
-    arguments may come from the file: ``trainer.preflight`` constructs it then)."""
+    arguments may come from the file: ``trainer.loop.preflight`` constructs it then)."""
     env, kwargs = cfg.rollout.env, dict(cfg.rollout.env_kwargs)
     if ":" in env and not _module_available(env.split(":", 1)[0]):
         module = env.split(":", 1)[0]
@@ -335,7 +335,7 @@ def env_problem(cfg: Config, record: dict | None = None) -> Problem | None:
         reason = str(exc).split(": ", 1)[-1]  # drop its own "rollout.env=...: " head
         return problem("rollout.env", env, reason)
     if record is None and cfg.data.source != "env":
-        return None  # each prompt-file row brings arguments: trainer.preflight constructs it
+        return None  # each prompt-file row brings arguments: trainer.loop.preflight constructs it
     where = "rollout.env_kwargs" + (f" and {cfg.data.source}'s first record" if record else "")
     reward_fn = None
     if cfg.reward.function is not None:

@@ -17,7 +17,7 @@ import annotated_types
 from pydantic import BaseModel
 
 from trainer.config.errors import show
-from trainer.config_schema import LAYOUT_KEYS, SECTIONS, Config
+from trainer.config.schema import LAYOUT_KEYS, SECTIONS, Config
 
 _DOC_BEGIN = "<!-- BEGIN GENERATED: python -m trainer.config --write-docs docs/config.md -->"
 _DOC_END = "<!-- END GENERATED -->"

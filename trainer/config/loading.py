@@ -1,7 +1,7 @@
 """Load a job config: YAML files with ``include:``, ``key.path=value`` overrides, the schema.
 
 ``load_config(path, overrides)`` reads a YAML job file (following its ``include:`` files),
-applies the overrides, builds the typed ``Config`` (``trainer/config_schema.py``), turning
+applies the overrides, builds the typed ``Config`` (``trainer/config/schema.py``), turning
 pydantic's errors into ``ConfigError``s that name the key, and then runs the checks in
 ``trainer/config/checks.py``.
 """
@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from rollout.files import undecodable
 from trainer.config.checks import validate_config
 from trainer.config.errors import ConfigError, Problem, problem, raise_first, show
-from trainer.config_schema import SECTIONS, Config
+from trainer.config.schema import SECTIONS, Config
 
 log = logging.getLogger("crossrl.config")
 

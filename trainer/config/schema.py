@@ -1,0 +1,465 @@
+"""The typed job config: one pydantic model per section, every field with its unit.
+
+Only the *shape* of each value is checked here (type, range, allowed words). Checks that
+relate two fields, or look at the machine (devices, files, packages), live in
+``trainer/config/checks.py`` so that they can name the key that has to change. The ``run``
+and ``ray`` sections are in ``trainer/config/schema_run.py``.
+
+Key names are a contract (see DESIGN.md "Config"): rename nothing without updating the
+configs, the docs and every reader.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from hal import BACKEND_NAMES
+from rollout.assets import BUILTIN_MODELS
+from trainer.config.schema_base import SECTION as _SECTION
+from trainer.config.schema_run import RayConfig, RunConfig
+
+# Exactly the names hal.get_backend accepts: one name per device, owned by the HAL.
+DeviceName = Literal[BACKEND_NAMES]
+ModelDtype = Literal["float32", "bfloat16", "float16"]
+TrainDtype = Literal["float32", "bfloat16"]
+
+_ENV_SPEC = re.compile(r"^(?:[A-Za-z_][\w-]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+_FUNCTION_SPEC = re.compile(r"^(?:builtin:[a-z0-9_]+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+
+
+def _first_nonfinite(tree: Any, where: str = "") -> tuple[str, float] | None:
+    """``(path, value)`` of the first inf/nan float in nested dicts/lists, else None."""
+    if isinstance(tree, float) and not math.isfinite(tree):
+        return where or "value", tree
+    items = (
+        tree.items()
+        if isinstance(tree, dict)
+        else enumerate(tree)
+        if isinstance(tree, list)
+        else ()
+    )
+    for key, child in items:
+        found = _first_nonfinite(child, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+class ModelConfig(BaseModel):
+    """What to train."""
+
+    model_config = _SECTION
+
+    path: str = Field(
+        "builtin:tiny",
+        description="policy weights: builtin:tiny, builtin:small or a local HF model directory "
+        "(config.json + safetensors); nothing is downloaded",
+    )
+    dtype: ModelDtype = Field(
+        "float32",
+        description="dtype of the rollout engine's weights and of `crossrl export`'s weights "
+        "(checkpoints keep the float32 master weights)",
+    )
+    critic_path: str | None = Field(
+        None, description="critic initial weights (same forms as path); null = model.path"
+    )
+
+    @field_validator("path", "critic_path")
+    @classmethod
+    def _known_builtin(cls, value: str | None) -> str | None:
+        if value is not None and value.startswith("builtin:"):
+            name = value.removeprefix("builtin:")
+            if name not in BUILTIN_MODELS:
+                allowed = ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
+                raise ValueError(f"unknown built-in model; allowed: {allowed} or a directory")
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+
+class DataConfig(BaseModel):
+    """Where prompts come from."""
+
+    model_config = _SECTION
+
+    source: str = Field(
+        "env",
+        description="env (prompts from the environment's own generator) or a path to a "
+        ".jsonl / .parquet file of prompts",
+    )
+
+    val_source: str | None = Field(
+        None,
+        description="a .jsonl / .parquet file of validation prompts (every record once per "
+        "validation, in file order); null = no validation",
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _env_or_file(cls, value: str) -> str:
+        if value != "env" and not value.endswith((".jsonl", ".parquet")):
+            raise ValueError("must be 'env' or a path ending in .jsonl or .parquet")
+        return value
+
+    @field_validator("val_source")
+    @classmethod
+    def _val_file(cls, value: str | None) -> str | None:
+        if value is not None and not value.endswith((".jsonl", ".parquet")):
+            raise ValueError("must be null or a path ending in .jsonl or .parquet")
+        return value
+
+
+class RolloutConfig(BaseModel):
+    """How trajectories are sampled."""
+
+    model_config = _SECTION
+
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="generation engine: hf (transformers, runs anywhere) or vllm"
+    )
+    env: str = Field(
+        "recall", description="environment: a built-in name, or module:Class for your own"
+    )
+    env_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments for the environment (a prompt file's fields override them)",
+    )
+    n: int = Field(4, ge=1, description="samples (trajectories) per prompt")
+    max_turns: int = Field(3, ge=1, description="model turns per trajectory, at most")
+    step_wise: bool = Field(True, description="one training row per turn (else one per trajectory)")
+    merge_stepwise: bool = Field(
+        False,
+        description="merge consecutive step rows of a trajectory into one row when a turn's "
+        "prompt+response is a token prefix of the next turn's prompt (needs step_wise)",
+    )
+    max_input_len: int = Field(
+        512, ge=1, description="tokens: longest prompt a turn may send; longer ends the trajectory"
+    )
+    max_new_tokens: int = Field(
+        16,
+        ge=2,
+        description="tokens per turn's response, at most (the response horizon); one of them "
+        "is kept for the end-of-turn token, so at least 2",
+    )
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (> 0)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass; 1.0 = off")
+    top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0 = off")
+    stop_strings: list[str] = Field(
+        default_factory=list,
+        description="texts that end a turn (kept in the response; an untrained EOS closes it)",
+    )
+    memory_fraction: float = Field(
+        0.5, gt=0, lt=1, description="fraction of each accelerator's memory the engine may take"
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="devices per engine replica (vllm only; must divide train.dp_size)"
+    )
+    max_sample_batches: int = Field(
+        1,
+        ge=1,
+        description="DAPO dynamic sampling when > 1: groups whose scores are all equal are "
+        "dropped and another train.batch_size prompts sampled, up to this many batches per "
+        "step; still short, the step is topped up with dropped groups; 1 = off",
+    )
+    env_timeout_s: float | None = Field(
+        120.0,
+        gt=0,
+        description="seconds each environment reset/step call may take; past it the "
+        "trajectory ends as an environment fault (rollout/env_errors); null = no limit",
+    )
+    env_concurrency: int = Field(
+        64,
+        ge=1,
+        description="environment calls (reset/step) running at once, at most; synchronous "
+        "environments run on this many threads",
+    )
+    val_n: int = Field(1, ge=1, description="validation samples per prompt (k of val/pass@k)")
+    val_temperature: float = Field(
+        0.0, ge=0, description="validation sampling temperature; 0 = greedy"
+    )
+
+    @field_validator("env_kwargs")
+    @classmethod
+    def _finite_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        bad = _first_nonfinite(value)
+        if bad is not None:
+            raise ValueError(f"{bad[0]} is {bad[1]!r}; every number must be finite")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_spec(cls, value: str) -> str:
+        if not _ENV_SPEC.match(value):
+            raise ValueError(
+                "must be a built-in environment name (e.g. recall) or module.path:ClassName"
+            )
+        return value
+
+
+class AlgorithmConfig(BaseModel):
+    """Advantages and the policy loss."""
+
+    model_config = _SECTION
+
+    adv_estimator: Literal["grpo", "rloo", "gae", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "grpo",
+        description="advantage estimator (gae needs critic.enable); reinforce_pp_baseline "
+        "is REINFORCE++ with the group mean as baseline",
+    )
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        "ppo",
+        description="ppo: token-level clipped ratio (with dual clip); gspo: one ratio per "
+        "sequence (geometric mean of its token ratios), clipped at the sequence level",
+    )
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = Field("token-mean", description="how per-token losses are averaged over a mini-batch")
+    loss_agg_horizon: int | None = Field(
+        None,
+        ge=1,
+        description="tokens: the constant divisor of seq-mean-token-sum-norm; null = "
+        "rollout.max_new_tokens (must be set when a row can hold several turns)",
+    )
+    norm_adv_by_std: bool = Field(
+        True, description="grpo: divide by the group's reward std (false = Dr. GRPO)"
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="discount per token (gae, reinforce_pp)")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (gae)")
+    clip_ratio_low: float = Field(
+        0.2, gt=0, lt=1, description="PPO clip: ratio floor is 1 - clip_ratio_low"
+    )
+    clip_ratio_high: float = Field(
+        0.2, gt=0, description="PPO clip: ratio ceiling is 1 + clip_ratio_high"
+    )
+    clip_ratio_c: float = Field(
+        3.0, gt=1, description="dual-clip bound on the ratio for negative advantages (> 1)"
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="weight of KL(policy || reference); 0 = none. As a reward penalty "
+        "(use_kl_loss false) with grpo / rloo / reinforce_pp_baseline, each trajectory's "
+        "summed token penalty is added to its score before the group statistics (as verl "
+        "does), so the penalty moves the advantages instead of being silently ignored and a "
+        "verl config that relies on it trains the same here",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="per-token KL estimator (k3 = low-variance)"
+    )
+    use_kl_loss: bool = Field(
+        False, description="KL as a loss term (true) or as a per-token reward penalty (false)"
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus; 0 = none")
+    cliprange_value: float = Field(
+        0.2, gt=0, description="critic value clipping around the old values (gae)"
+    )
+    rollout_correction: Literal["none", "token", "sequence"] = Field(
+        "none",
+        description="truncated importance weights min(pi_old / pi_rollout, cap) on the policy "
+        "loss, for the engine / trainer log-prob mismatch: per token, or one per sequence",
+    )
+    rollout_correction_cap: float = Field(
+        2.0, ge=1, description="upper bound of the rollout-correction weights (>= 1)"
+    )
+
+
+class RewardConfig(BaseModel):
+    """Reward functions and reward shaping."""
+
+    model_config = _SECTION
+
+    function: str | None = Field(
+        None,
+        description="module:function with verl's signature f(data_source, solution_str, "
+        "ground_truth, extra_info) -> float or dict with score (other keys become reward/extra/* "
+        "metrics), or builtin:gsm8k / builtin:math; the env scores its final turn with it",
+    )
+    timeout_s: float = Field(
+        10.0, gt=0, description="seconds one reward call may take; longer counts as a fault"
+    )
+    overlong_buffer_len: int = Field(
+        0,
+        ge=0,
+        description="tokens: DAPO overlong shaping; a turn longer than rollout.max_new_tokens - "
+        "1 - this loses up to overlong_penalty_factor, linearly; 0 = off",
+    )
+    overlong_penalty_factor: float = Field(
+        1.0, ge=0, description="DAPO overlong shaping: the penalty at the length cap"
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _function_spec(cls, value: str | None) -> str | None:
+        if value is not None and not _FUNCTION_SPEC.match(value):
+            raise ValueError("must be null, builtin:gsm8k, builtin:math or module.path:function")
+        return value
+
+
+class CriticConfig(BaseModel):
+    """The value model (used by gae)."""
+
+    model_config = _SECTION
+
+    enable: bool = Field(False, description="train a critic (required by gae, only gae uses it)")
+    lr: float = Field(1e-5, gt=0, description="critic learning rate (peak)")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear lr warm-up")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float | None = Field(
+        1.0, gt=0, description="max global grad norm; null = no clipping"
+    )
+
+
+class TrainConfig(BaseModel):
+    """Batch sizes, parallelism and the optimizer."""
+
+    model_config = _SECTION
+
+    batch_size: int = Field(8, ge=1, description="prompts per training step")
+    mini_batch_size: int = Field(
+        4, ge=1, description="prompts per mini-batch (one optimizer step); divides batch_size"
+    )
+    dp_size: int = Field(1, ge=1, description="data-parallel ranks (devices) of the trainer")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=2,
+        description="tokens per micro-batch per rank (a longer row goes alone); "
+        "null = one micro-batch per rank",
+    )
+    total_steps: int = Field(30, ge=1, description="training steps (rollout + update)")
+    lr: float = Field(1e-6, gt=0, description="actor learning rate (peak)")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear lr warm-up")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="lr after warm-up: constant, or cosine down to min_lr_ratio * lr"
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: final lr as a fraction of lr")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float | None = Field(
+        1.0, gt=0, description="max global grad norm; null = no clipping"
+    )
+    ppo_epochs: int = Field(1, ge=1, description="passes over each step's batch")
+    param_offload: bool = Field(
+        False,
+        description="keep sharded parameters, their gradients and the optimizer step in host "
+        "memory, gathered onto the device per use (FSDP2's CPU-offload policy)",
+    )
+    optimizer_offload: bool = Field(
+        False, description="keep optimizer state in host memory between optimizer steps"
+    )
+    param_dtype: TrainDtype = Field(
+        "float32",
+        description="compute dtype of forward/backward (FSDP2 mixed precision); parameters "
+        "and optimizer state stay float32",
+    )
+    reduce_dtype: TrainDtype = Field(
+        "float32", description="dtype in which gradients are reduced across ranks"
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer's activations in backward instead of "
+        "keeping them (less memory, about a third more compute)",
+    )
+    lean_logprobs: bool = Field(
+        True,
+        description="log-probs and entropy from the hidden states through the LM head a chunk "
+        "of tokens at a time, recomputed in backward (no [tokens, vocab] logits kept); false = "
+        "from the full logits (more memory, same values)",
+    )
+    old_logprobs_from_update: bool = Field(
+        True,
+        description="the step's first mini-batch trains on the weights that sampled it, so "
+        "its old log-probs are its update's own forward (detached) instead of a separate "
+        "pass (one forward less per step; off by itself with algorithm.rollout_correction "
+        "or a KL reward penalty, which need them before the update)",
+    )
+    share_prompts: bool = Field(
+        True,
+        description="rows of a micro-batch with the same prompt (a group's samples) run it "
+        "through the model once, their responses attending to it (fewer tokens; the same "
+        "values up to float rounding); false = every row carries its own copy",
+    )
+
+
+class Config(BaseModel):
+    """A whole job. Build it with ``trainer.config.load_config``, which also runs the
+    cross-field and environment checks."""
+
+    model_config = _SECTION
+
+    device: DeviceName = Field(
+        "auto", description="device backend: auto picks the best accelerator present, else cpu"
+    )
+    seed: int = Field(1, ge=0, description="seed of everything random in the run")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="what to train")
+    data: DataConfig = Field(default_factory=DataConfig, description="prompt source")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="RL math")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="rewards")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="value model")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="optimisation")
+    run: RunConfig = Field(default_factory=RunConfig, description="outputs")
+    ray: RayConfig = Field(default_factory=RayConfig, description="cluster")
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML text that ``load_config`` reads back unchanged."""
+        import yaml
+
+        return yaml.safe_dump(self.model_dump(mode="python"), sort_keys=False)
+
+    def flat(self) -> dict[str, object]:
+        """Every leaf value by its dotted key, e.g. ``{"train.lr": 1e-6, ...}``."""
+        out: dict[str, object] = {}
+        for name, value in self.model_dump(mode="python").items():
+            if isinstance(value, dict):
+                out.update({f"{name}.{k}": v for k, v in value.items()})
+            else:
+                out[name] = value
+        return out
+
+    def get(self, key: str) -> object:
+        """The value at a dotted key such as ``"train.lr"``; KeyError if there is none."""
+        flat = self.flat()
+        if key not in flat:
+            raise KeyError(key)
+        return flat[key]
+
+    def loss_horizon_tokens(self) -> int:
+        """Tokens: the divisor of seq-mean-token-sum-norm (``algorithm.loss_agg_horizon``,
+        else ``rollout.max_new_tokens``, the longest response a step row can have)."""
+        return self.algorithm.loss_agg_horizon or self.rollout.max_new_tokens
+
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer steps per training step: mini-batches per batch times ppo_epochs."""
+        return (self.train.batch_size // self.train.mini_batch_size) * self.train.ppo_epochs
+
+
+SECTIONS: dict[str, type[BaseModel]] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "algorithm": AlgorithmConfig,
+    "reward": RewardConfig,
+    "critic": CriticConfig,
+    "train": TrainConfig,
+    "run": RunConfig,
+    "ray": RayConfig,
+}
+
+# Keys that describe how a job is laid out on a machine, not what it computes. The
+# versions of one job for different device types (configs/<device>/<job>.yaml) may differ
+# only in these, which makes their runs comparable step for step
+# (tests/test_config_pairs.py holds configs/ to it).
+LAYOUT_KEYS: frozenset[str] = frozenset(
+    {
+        "device",
+        "train.dp_size",
+        "rollout.memory_fraction",
+        "rollout.tensor_parallel_size",
+        "train.max_tokens_per_micro_batch",
+        "train.param_offload",
+        "train.optimizer_offload",
+    }
+)

@@ -1,0 +1,137 @@
+"""Start-up of a training job: reserve devices, start the engine replicas and the training
+workers, set them up, agree on their deterministic settings, resume from a checkpoint.
+
+``start(job)`` fills a ``trainer.loop.controller.Trainer`` (``job``)'s workers; the controller keeps the
+loop and the step.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from trainer.loop.workers.group import CALL_TIMEOUT_S, WorkerGroup, agree_on_settings, wait_all
+
+
+def start(job) -> None:
+    """Reserve devices, start the engine replicas and training workers, resume if asked.
+
+    Every actor is created before any is waited on, so their processes boot and import
+    side by side; then every setup runs at once, except on an accelerator, where the
+    engines take their share of device memory before the training ranks load theirs (an
+    engine sizes its cache from the memory it finds free).
+    """
+    import hal
+    from trainer.loop.layout import plan_layout, runs_in_process
+    from trainer.loop.startup import CLOCK
+    from trainer.loop.workers.group import cluster_nodes, make_placement
+    from trainer.loop.workers.spawn import Spawner
+
+    cfg = job.cfg
+    backend = hal.get_backend(cfg.device)
+    resource = backend.ray_resource
+    job.in_process = runs_in_process(cfg, backend.name)
+    # Fails here, naming the key, when the cluster cannot hold the job (trainer/loop/layout.py).
+    nodes = [1] if job.in_process else cluster_nodes(resource)
+    job.layout = plan_layout(cfg, nodes, resource, device=backend.name)
+    if not job.in_process:
+        job.placement = make_placement(
+            resource,
+            cfg.train.dp_size,
+            tp=job.layout.tp,
+            timeout_s=cfg.ray.placement_timeout_s,
+        )
+    job.use_ref = "reference" in job.layout.roles
+    job.use_critic = "critic" in job.layout.roles
+    CLOCK.done("placement")
+    spawner = Spawner(cfg, job.layout, job.placement, backend, job.in_process)
+    job.replicas = spawner.replicas(job.replay_dir)
+    job.rollout = job.replicas[0]
+    job.actor = spawner.group("actor")
+    job.ref = spawner.group("reference") if job.use_ref else None
+    job.critic = spawner.group("critic") if job.use_critic else None
+    CLOCK.done("actors_created")
+    replica_refs = [h.setup.remote() for h in job.replicas]
+    replica_names = [f"engine replica {i}" for i in range(len(job.replicas))]
+    if backend.is_accelerator:
+        _setup_replicas(
+            job,
+            wait_all(replica_refs, replica_names, timeout_s=CALL_TIMEOUT_S, what="rollout.setup"),
+        )
+        replica_refs, replica_names = [], []
+    groups = job.all_groups()
+    refs = {g.role: g.submit("setup", *_rendezvous(g)) for g in groups}
+    answers = wait_all(
+        replica_refs + [r for g in groups for r in refs[g.role]],
+        replica_names + [n for g in groups for n in g.names],
+        timeout_s=CALL_TIMEOUT_S,
+        what="setup",
+    )
+    if replica_refs:
+        _setup_replicas(job, answers[: len(replica_refs)])
+    answers = answers[len(replica_refs) :]
+    for group in groups:
+        group.setup_info, answers = answers[: len(group.handles)], answers[len(group.handles) :]
+        CLOCK.add_worker(group.role, group.setup_info[0].get("startup", {}))
+    CLOCK.done("actors_setup")
+    job.deterministic_settings = _agreed_deterministic_settings(job)
+    resume(job)
+    CLOCK.done("resume")
+
+
+def _rendezvous(group: WorkerGroup) -> list:
+    """References to rank 0's address and port, where a role's ranks meet (they may sit on
+    several nodes); passed on unresolved, so no rank waits for the controller."""
+    return group.handles[0].rendezvous_address.options(num_returns=2).remote()
+
+
+def _setup_replicas(job, infos: list[dict[str, Any]]) -> None:
+    """Keep the replicas' setup answers; with several, the rollout host deals to all."""
+    from trainer.loop.startup import CLOCK
+
+    job.rollout_info = infos[0]
+    job.replica_info = infos
+    CLOCK.add_worker("rollout", infos[0].get("startup", {}))
+    if len(job.replicas) > 1:
+        wait_all(
+            [job.rollout.connect.remote(job.replicas[1:])],
+            ["engine replica 0"],
+            timeout_s=CALL_TIMEOUT_S,
+            what="rollout.connect",
+        )
+
+
+def resume(job) -> None:
+    from trainer.records.checkpoint import LAYOUT, load_json, resolve_resume
+
+    # run_training's preflight verified every file's sha256 seconds ago; sizes suffice here
+    ckpt = resolve_resume(job.run_dir, job.cfg.run.resume, check_hashes=False)
+    if ckpt is None:
+        return
+    state = load_json(ckpt / LAYOUT.trainer_state)
+    for group in job.training_groups():
+        group.call("load_pieces", str(ckpt))
+    job.start_step = int(state["step"])
+    consumed = state.get("prompts_consumed", job.start_step * job.cfg.train.batch_size)
+    wait_all(
+        [job.rollout.set_prompts_consumed.remote(consumed)],
+        ["rollout host"],
+        timeout_s=CALL_TIMEOUT_S,
+        what="rollout.set_prompts_consumed",
+    )
+    job.sync_weights()
+    print(f"crossrl: resumed from {ckpt} (step {job.start_step})", file=sys.stderr)
+
+
+def _agreed_deterministic_settings(job) -> dict[str, str]:
+    """The deterministic settings every worker and the rollout engine's process applied,
+    which must be the same everywhere (``agree_on_settings``)."""
+    applied = [
+        (name, info.get("deterministic", {}))
+        for g in job.all_groups()
+        for name, info in zip(g.names, g.setup_info)
+    ]
+    for i, info in enumerate(job.replica_info):
+        if "deterministic" in info:  # a replaying probe runs no engine
+            applied.append((f"engine replica {i}", info["deterministic"]))
+    return agree_on_settings(applied)

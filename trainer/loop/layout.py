@@ -1,0 +1,346 @@
+"""Which process runs on which device: a pure function of the config and the cluster.
+
+``plan_layout(cfg, nodes, resource)`` places ``train.dp_size`` training ranks (one device each;
+every role of a rank, actor / reference / critic, shares that device) and
+``train.dp_size / rollout.tensor_parallel_size`` engine replicas, each on the devices of its
+tp group of ranks (ranks ``g*tp .. g*tp+tp-1``), which never spans nodes. It starts nothing and
+asks no device, so ``crossrl layout`` and the tests run it anywhere; the controller reserves
+exactly this shape (one placement group of ``tp`` bundles per replica, see
+``trainer.loop.workers.group.make_placement``).
+
+``deal_prompt`` (``rollout.engines.router``) says which replica serves a prompt: all ``rollout.n`` samples of a prompt, on
+every turn, go to one replica, chosen from the prompt's index in the run's prompt stream only
+(never from timing), so runs stay reproducible and the samples of a group share the
+replica's prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from rollout.engines.router import deal_prompt
+from trainer.config.schema import Config
+from trainer.loop.memory_budget import MemoryBudget
+
+__all__ = [
+    "Layout",
+    "LayoutError",
+    "Replica",
+    "budget_for_cli",
+    "deal_prompt",
+    "device_memory",
+    "format_layout",
+    "plan_layout",
+]
+
+#: Ray's share of one bundle's device each process asks for: they add up to one device.
+#: (Shares only keep Ray's books; device memory is handed over by sleep/wake, not by them.)
+RAY_SHARES: dict[str, float] = {"actor": 0.4, "reference": 0.2, "critic": 0.2, "rollout": 0.2}
+
+
+class LayoutError(ValueError):
+    """A layout that cannot work; the one-line message names the keys and the fix."""
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One engine replica: its ``tp`` training ranks and their devices on one node."""
+
+    index: int
+    ranks: tuple[int, ...]
+    node: int
+    devices: tuple[int, ...]  # device indices on ``node``, tp rank order
+
+    @property
+    def tp(self) -> int:
+        """Devices of this replica (``rollout.tensor_parallel_size``)."""
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where everything of a job runs (see the module docstring)."""
+
+    device: str  # the HAL backend name (hal.get_backend)
+    resource: str  # its Ray resource (DeviceBackend.ray_resource)
+    nodes: tuple[int, ...]  # devices of each node
+    roles: tuple[str, ...]  # training roles, each one process per rank
+    rank_slots: tuple[tuple[int, int], ...]  # rank r -> (node, device index on that node)
+    replicas: tuple[Replica, ...]
+    engine: str  # rollout.engine
+    engine_memory_fraction: float  # of each device, while the engine is awake
+    shares: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def dp_size(self) -> int:
+        """Training ranks (``train.dp_size``)."""
+        return len(self.rank_slots)
+
+    @property
+    def tp(self) -> int:
+        """Devices per engine replica (``rollout.tensor_parallel_size``)."""
+        return self.replicas[0].tp
+
+    def replica_of_rank(self, rank: int) -> int:
+        """The replica whose tp group holds training rank ``rank``."""
+        return rank // self.tp
+
+
+def training_roles(cfg: Config) -> tuple[str, ...]:
+    """The training roles a job runs: the actor always, the reference when the KL term is on
+    (``algorithm.kl_coef > 0``), the critic when ``critic.enable``."""
+    roles = ["actor"]
+    if cfg.algorithm.kl_coef > 0:
+        roles.append("reference")
+    if cfg.critic.enable:
+        roles.append("critic")
+    return tuple(roles)
+
+
+def plan_layout(cfg: Config, nodes: Sequence[int], resource: str, device: str = "") -> Layout:
+    """Place the job of ``cfg`` on a cluster whose node ``i`` has ``nodes[i]`` devices of Ray
+    resource ``resource`` (the HAL backend's Ray resource; ``device`` names the backend for printing).
+
+    tp groups fill the nodes in order, each whole on one node; training rank ``r`` is tp rank
+    ``r % tp`` of replica ``r // tp``. Raises ``LayoutError`` for a layout that cannot work:
+    tp not dividing dp, tp larger than any node, a tp group that would have to span nodes,
+    more ranks than devices.
+    """
+    dp, tp = cfg.train.dp_size, cfg.rollout.tensor_parallel_size
+    nodes = tuple(int(n) for n in nodes)
+    if not nodes or any(n < 1 for n in nodes):
+        raise LayoutError(f"nodes={list(nodes)}: every node needs at least 1 {resource} device")
+    total = sum(nodes)
+    if dp % tp:
+        raise LayoutError(
+            f"rollout.tensor_parallel_size={tp} does not divide train.dp_size={dp}: each engine "
+            f"replica takes the devices of {tp} training ranks; pick a divisor of {dp}"
+        )
+    if tp > max(nodes):
+        raise LayoutError(
+            f"rollout.tensor_parallel_size={tp} is larger than a node ({max(nodes)} {resource} "
+            f"devices): a replica's devices must be on one node; lower it to <= {max(nodes)}"
+        )
+    if dp > total:
+        raise LayoutError(
+            f"train.dp_size={dp} needs {dp} {resource} devices, the cluster has {total} "
+            f"({len(nodes)} node(s) of {'/'.join(map(str, nodes))}); lower train.dp_size or add "
+            "nodes"
+        )
+    slots: list[tuple[int, int]] = []
+    replicas: list[Replica] = []
+    for node, count in enumerate(nodes):
+        for first in range(0, count - tp + 1, tp):
+            if len(slots) == dp:
+                break
+            devices = tuple(range(first, first + tp))
+            ranks = tuple(range(len(slots), len(slots) + tp))
+            replicas.append(Replica(len(replicas), ranks, node, devices))
+            slots += [(node, d) for d in devices]
+    if len(slots) < dp:
+        raise LayoutError(
+            f"train.dp_size={dp} with rollout.tensor_parallel_size={tp}: nodes of "
+            f"{'/'.join(map(str, nodes))} {resource} devices hold only {len(slots) // tp} whole tp "
+            f"groups ({len(slots)} ranks) and a tp group cannot span nodes; lower train.dp_size "
+            f"to {len(slots)} or use a tp that divides each node's device count"
+        )
+    roles = training_roles(cfg)
+    return Layout(
+        device=device,
+        resource=resource,
+        nodes=nodes,
+        roles=roles,
+        rank_slots=tuple(slots),
+        replicas=tuple(replicas),
+        engine=cfg.rollout.engine,
+        engine_memory_fraction=cfg.rollout.memory_fraction,
+        shares={role: RAY_SHARES[role] for role in (*roles, "rollout")},
+    )
+
+
+def in_process_blockers(cfg: Config, device: str) -> list[str]:
+    """What keeps the job of ``cfg`` from running in one process (``ray.in_process``), as
+    ``key=value`` entries; empty when nothing does. ``device``: the backend's name, or
+    ``auto`` to resolve it (``hal``; only when nothing else blocks)."""
+    found = []
+    if cfg.train.dp_size != 1:
+        found.append(f"train.dp_size={cfg.train.dp_size}")
+    if cfg.rollout.engine != "hf":
+        found.append(f"rollout.engine={cfg.rollout.engine}")
+    if cfg.ray.address is not None:
+        found.append(f"ray.address={cfg.ray.address}")
+    if device == "auto" and not found:
+        import hal
+
+        device = hal.get_backend("auto").name
+    if device not in ("cpu", "auto"):
+        found.append(f"device={device}")
+    return found
+
+
+def runs_in_process(cfg: Config, device: str | None = None) -> bool:
+    """Whether the job runs its workers in the driver's process (``ray.in_process``: auto =
+    when ``in_process_blockers`` finds nothing). ``device``: the backend's name (default:
+    ``cfg.device``). Raises ``LayoutError`` for ``true`` when something stops it, naming what."""
+    if cfg.ray.in_process is False:
+        return False
+    blockers = in_process_blockers(cfg, device or cfg.device)
+    if cfg.ray.in_process is True and blockers:
+        raise LayoutError(
+            f"ray.in_process=true needs a one-rank CPU job with the hf engine and a local "
+            f"Ray; this one has {', '.join(blockers)}: set ray.in_process=auto or false"
+        )
+    return not blockers
+
+
+def local_ray_cpus(cfg: Config) -> int:
+    """CPUs a local Ray is started with (``ray.num_cpus``, else 2 per rank + 2, at least 4):
+    on the CPU backend, the devices of the one local node."""
+    return cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2)
+
+
+def format_layout(layout: Layout) -> str:
+    """The layout as ``crossrl layout`` prints it: a summary, then one line per used device."""
+    n_used = layout.dp_size
+    total = sum(layout.nodes)
+    nodes = layout.nodes
+    shape = (
+        f"{len(nodes)} node(s) x {nodes[0]}" if len(set(nodes)) == 1 else "/".join(map(str, nodes))
+    )
+    lines = [
+        f"device {layout.device or '?'} (Ray resource {layout.resource}): {shape} devices, "
+        f"{n_used} of {total} used",
+        f"training: {layout.dp_size} ranks (train.dp_size), roles {', '.join(layout.roles)}: "
+        "one process per role per rank, on the rank's device",
+        f"rollout: {len(layout.replicas)} {layout.engine} engine replicas x tp {layout.tp} "
+        f"(rollout.tensor_parallel_size) over {n_used} devices",
+        f"memory: an engine takes {layout.engine_memory_fraction:g} of each of its devices "
+        "(rollout.memory_fraction) while awake and sleeps while the ranks train",
+        "Ray shares of a device: "
+        + ", ".join(f"{role} {share:g}" for role, share in layout.shares.items()),
+    ]
+    for node in range(len(nodes)):
+        here = [(r, d) for r, (n, d) in enumerate(layout.rank_slots) if n == node]
+        if not here:
+            continue
+        lines.append(f"node {node}:")
+        for rank, dev in here:
+            rep = layout.replicas[layout.replica_of_rank(rank)]
+            procs = ", ".join(f"{role} rank {rank}" for role in layout.roles)
+            lines.append(
+                f"  device {dev:2d}: {procs}, engine replica {rep.index} "
+                f"(tp rank {rank - rep.ranks[0]} of {rep.tp})"
+            )
+    return "\n".join(lines)
+
+
+def prompt_sharing_rule(cfg: Config, device: str) -> str:
+    """Whether the job's prompts are shared on ``device`` (``train.share_prompts``), and by
+    which kernel, as ``crossrl layout`` prints it: only where a fused varlen kernel takes
+    separate query and key offsets at ``train.param_dtype`` (``hal.shared_prompt_kernel``);
+    elsewhere SDPA with a mask would fall to its math kernel, so prompts stay unshared. For
+    a device this machine lacks, its packages stand in for the node's: start-up checks again."""
+    if not cfg.train.share_prompts:
+        return "prompt sharing: off (train.share_prompts=false)"
+    import hal
+    from rollout.models import parse_dtype
+
+    backend = hal.backend_class(device)()
+    kernel = backend.shared_prompt_kernel(
+        parse_dtype(cfg.train.param_dtype), deterministic=cfg.run.deterministic
+    )
+    if kernel is None:
+        return (
+            f"prompt sharing: off on {device} at train.param_dtype={cfg.train.param_dtype}"
+            f"{' with run.deterministic' if cfg.run.deterministic else ''}: no fused varlen "
+            "kernel takes a shared prompt there (SDPA's math kernel would); on with bfloat16 "
+            "where flash-attn, or torch's varlen_attn outside deterministic runs, is present"
+        )
+    here = device in hal.available_backends()
+    return f"prompt sharing: on, {kernel}" + (
+        "" if here else " (this machine's packages; start-up checks the node's)"
+    )
+
+
+def layout_for_cli(
+    cfg: Config, *, nodes: int | None = None, devices_per_node: int | None = None
+) -> Layout:
+    """``crossrl layout``'s layout: ``nodes`` nodes (default 1) of ``devices_per_node`` devices
+    of the config's device type. Default devices per node: what this machine's HAL sees when
+    that device type is here (on the CPU: a local Ray's CPUs), else enough for
+    ``train.dp_size`` over the nodes (the config's own intent, e.g. a GPU job read on a laptop).
+    """
+    import hal
+
+    name = cfg.device if cfg.device != "auto" else hal.available_backends()[0]
+    resource = hal.RAY_RESOURCES[name]  # without importing torch for a named device
+    count = nodes or 1
+    if count < 1:
+        raise LayoutError(f"--nodes={count}: must be >= 1")
+    if devices_per_node is None:
+        if name == "cpu":
+            devices_per_node = local_ray_cpus(cfg)
+        elif name in hal.available_backends():
+            devices_per_node = hal.get_backend(name).device_count()
+        else:
+            devices_per_node = -(-cfg.train.dp_size // count)
+    if devices_per_node < 1:
+        raise LayoutError(f"--devices-per-node={devices_per_node}: must be >= 1")
+    return plan_layout(cfg, [devices_per_node] * count, resource, device=name)
+
+
+def device_memory(name: str, override_gb: float | None = None) -> tuple[float, str]:
+    """Bytes of one device of type ``name`` (cpu: the host's RAM) for the memory budget, and
+    where the number comes from: ``override_gb`` (``crossrl layout --device-memory-gb``),
+    else this machine's device 0 when that device type is here, else the type's default
+    (``trainer.loop.memory_budget.DEFAULT_DEVICE_MEMORY_BYTES``). Imports torch only for an
+    accelerator type, as ``layout_for_cli`` does."""
+    from trainer.loop.memory_budget import DEFAULT_DEVICE_MEMORY_BYTES, DEFAULT_DEVICE_NAMES
+
+    if override_gb is not None:
+        if not override_gb > 0:
+            raise LayoutError(f"--device-memory-gb={override_gb}: must be > 0")
+        return override_gb * 1e9, "--device-memory-gb"
+    if name == "cpu":
+        import os
+
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return float(ram), "this host's RAM"
+    import hal
+
+    if name in hal.available_backends():
+        try:  # the device's properties: no context is created, no memory taken
+            props = hal.get_backend(name).device_module().get_device_properties(0)
+            return float(props.total_memory), f"this machine's {name} device 0"
+        except Exception:  # noqa: BLE001 - a driver that cannot say falls back to the default
+            pass
+    return (
+        DEFAULT_DEVICE_MEMORY_BYTES[name],
+        f"{DEFAULT_DEVICE_NAMES[name]}, the default without one here",
+    )
+
+
+def budget_for_cli(
+    cfg: Config, layout: Layout | None = None, device_memory_gb: float | None = None
+) -> MemoryBudget | None:
+    """The memory budget of ``cfg``'s step (``trainer.loop.memory_budget``) on its device type,
+    sized by ``device_memory``; None when the model's shape is unknown. On the CPU the host's
+    RAM holds every rank of the node: those of ``layout``'s fullest node, else all of
+    ``train.dp_size``. Raises ``LayoutError`` for a bad ``device_memory_gb``."""
+    import hal
+    from trainer.loop.memory_budget import budget_for
+
+    name = layout.device if layout is not None and layout.device else cfg.device
+    if name == "auto":
+        name = hal.available_backends()[0]
+    memory, source = device_memory(name, device_memory_gb)
+    ranks = 1
+    if name == "cpu":
+        ranks = cfg.train.dp_size
+        if layout is not None:
+            ranks = max(
+                sum(1 for n, _ in layout.rank_slots if n == node)
+                for node in range(len(layout.nodes))
+            )
+    return budget_for(cfg, name, memory, source, ranks_per_memory=max(1, ranks))

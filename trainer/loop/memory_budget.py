@@ -1,0 +1,668 @@
+"""Device memory of a training step, phase by phase, estimated before anything starts.
+
+``estimate_memory(cfg, shape, device_memory_bytes, device=...)`` adds up, per device (one
+training rank's device; on the CPU the whole host, shared by its ranks), what each phase of a
+step holds:
+
+- **rollout**: the engine awake (vLLM takes ``rollout.memory_fraction`` of the device) beside
+  the training ranks' state between steps (sharded fp32 parameters of every role, the
+  optimizer state unless ``train.optimizer_offload``);
+- **update**: the actor at its peak (parameters, gradients, optimizer state, FSDP2's gathered
+  layers, the micro-batch's activations, one log-prob chunk of logits), the critic at its peak
+  too (the controller runs both updates at once, one process each on the same device), the
+  reference's parameters, the engine asleep;
+- **weight push**: the ranks' state after offload, the engine's woken weights, the staging
+  buffer the ranks pack the weights into and one gathered fp32 tensor.
+
+Every process on an accelerator adds a device context (``CONTEXT_BYTES``). ``crossrl layout``
+prints the table (``format_budget``); ``trainer.loop.preflight`` refuses a job whose phase does
+not fit (``memory_problem``), naming the key to change. docs/cluster.md ("Memory budget")
+explains each term and shows the shipped configs' tables.
+
+``before_fixes=True`` is the model of the trainer before issue 24's fixes, kept to show what
+they bought: every rank held whole fp32 gradients through gradient accumulation (gradient
+sync off until the last micro-batch), kept its sharded gradients until the next update, and
+pushed weights in 64 MB buckets before offloading its optimizer state.
+
+Pure: reads ``config.json`` files only; no torch, no device. Sizes are bytes; printed GB are
+1e9 bytes. Estimates, not measurements: allocator caching and fragmentation come on top.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.config.schema import Config
+
+__all__ = [
+    "COMPONENTS",
+    "MemoryBudget",
+    "ModelShape",
+    "Phase",
+    "budget_for",
+    "estimate_memory",
+    "format_budget",
+    "memory_problem",
+    "micro_batch_tokens",
+    "model_shape",
+]
+
+GB = 1e9
+#: A process's device context (CUDA/CANN runtime, kernels, communicator buffers), bytes.
+CONTEXT_BYTES = 0.5e9
+#: Float32 logits of one lean log-prob chunk, bytes (``trainer.loop.workers.forward``'s
+#: ``LEAN_CHUNK_BYTES``, which a test holds equal; that module imports torch).
+LEAN_CHUNK_BYTES = 128 * 2**20
+#: Tokens per chunk of the plain log-prob path (``token_logprobs``' default).
+PLAIN_CHUNK_TOKENS = 4096
+#: Tensors of a log-prob chunk alive at once in backward: logits, log-softmax, probabilities.
+CHUNK_COPIES = 3
+#: Allocator slack the streamed weight push leaves free beside its staging
+#: (``trainer.loop.workers.weight_push``'s reserve, with one gathered fp32 tensor).
+STAGING_SLACK_BYTES = 1 << 30
+#: The weight push's bucket before issue 24's streamed push (``push_weights(64 << 20)``).
+BEFORE_BUCKET_BYTES = 64 << 20
+#: Device memory when the device is not on this machine: an H100 (80 GB), one A3 die (64 GB).
+DEFAULT_DEVICE_MEMORY_BYTES: dict[str, float] = {"cuda": 80e9, "npu": 64e9}
+DEFAULT_DEVICE_NAMES: dict[str, str] = {"cuda": "an 80 GB H100", "npu": "a 64 GB Atlas A3 die"}
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+#: The columns of a phase, in table order, with what each counts.
+COMPONENTS: dict[str, str] = {
+    "params": "sharded fp32 parameters of every training role",
+    "grads": "gradients: fp32 shards, and the LM head's whole gradient in backward",
+    "optim": "AdamW state on the device: two fp32 moments (and a temporary in its step)",
+    "gather": "update: FSDP2's gathered layers and root (param_dtype) and a layer's "
+    "reduce-scatter input; push: the staging buffer and one gathered fp32 tensor",
+    "activ": "activations of one micro-batch",
+    "logits": "one log-prob chunk of fp32 logits and its softmax work",
+    "engine": "rollout engine: awake (rollout.memory_fraction of the device) or its weights",
+    "ctx": "device context of every process on the device",
+}
+
+
+# ----------------------------------------------------------------------------- model shape
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's sizes (Hugging Face ``config.json`` names) and where they
+    came from (``source``, printed with the table)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    head_dim: int
+    attention_bias: bool
+    source: str
+
+    @classmethod
+    def from_config(cls, config: dict, source: str) -> ModelShape | None:
+        """The shape in a ``config.json`` dict, or None when a size is missing or not a
+        positive integer (an architecture this estimate does not know)."""
+        keys = (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+        )
+        sizes = {k: config.get(k) for k in keys}
+        if not all(isinstance(v, int) and v > 0 for v in sizes.values()):
+            return None
+        heads = sizes["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or sizes["hidden_size"] // heads
+        bias = config.get("attention_bias", config.get("model_type") == "qwen2")
+        return cls(
+            **sizes,
+            num_key_value_heads=int(kv_heads),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            head_dim=int(head_dim),
+            attention_bias=bool(bias),
+            source=source,
+        )
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: attention (q, k, v with their biases when the
+        architecture has them, o), the gated MLP (gate, up, down) and two RMSNorms."""
+        h, q = self.hidden_size, self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        bias = (q + 2 * kv) if self.attention_bias else 0
+        return h * (q + 2 * kv) + bias + q * h + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def embedding_params(self) -> int:
+        """Parameters of the token embedding (and of an untied LM head), ``vocab x hidden``."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the causal LM: layers, embedding, final norm, LM head unless tied."""
+        head = 0 if self.tie_word_embeddings else self.embedding_params
+        return (
+            self.num_hidden_layers * self.layer_params
+            + self.embedding_params
+            + head
+            + (self.hidden_size)
+        )
+
+    @property
+    def value_model_params(self) -> int:
+        """Parameters of the critic built from this shape: the LM head (untied) is replaced by
+        a one-output value head with a bias (``trainer.loop.workers.critic``)."""
+        head = 0 if self.tie_word_embeddings else self.embedding_params
+        return self.num_params - head + self.hidden_size + 1
+
+    @property
+    def largest_tensor_params(self) -> int:
+        """Elements of the largest single weight (the embedding at every Qwen2.5 size)."""
+        h = self.hidden_size
+        return max(self.embedding_params, h * self.intermediate_size, h * h)
+
+
+#: Published shapes of the Qwen2.5 sizes the shipped configs train, for a ``model.path`` that
+#: is not on this machine (a cluster's /models/... read on a laptop); matched by name.
+PUBLISHED_SHAPES: dict[str, dict] = {
+    "Qwen2.5-0.5B": {
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "intermediate_size": 4864,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "model_type": "qwen2",
+    },
+    "Qwen2.5-1.5B": {
+        "hidden_size": 1536,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "intermediate_size": 8960,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "model_type": "qwen2",
+    },
+    "Qwen2.5-7B": {
+        "hidden_size": 3584,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "intermediate_size": 18944,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "model_type": "qwen2",
+    },
+}
+_PUBLISHED_NAME = re.compile(r"qwen2\.5-(0\.5|1\.5|7)b(?![0-9.])")
+
+
+def model_shape(path: str) -> ModelShape | None:
+    """The shape of the model at ``path`` (``model.path``'s forms): a ``builtin:`` model's
+    shipped config.json, else ``<path>/config.json`` when it is here, else the published
+    Qwen2.5 shape its directory name names (``PUBLISHED_SHAPES``); None when none applies."""
+    if path.startswith("builtin:"):
+        from rollout.assets import BUILTIN_MODELS_DIR
+
+        name = path.removeprefix("builtin:")
+        file = BUILTIN_MODELS_DIR / name / "config.json"
+        return _read_shape(file, f"{path}'s config.json")
+    file = Path(path).expanduser() / "config.json"
+    if file.is_file():
+        return _read_shape(file, str(file))
+    match = _PUBLISHED_NAME.search(Path(path).name.lower())
+    if match is None:
+        return None
+    name = f"Qwen2.5-{match.group(1).upper()}B"
+    return ModelShape.from_config(
+        PUBLISHED_SHAPES[name],
+        f"crossrl's table of published shapes, by the name {name}\n    (no {file} on this machine)",
+    )
+
+
+def _read_shape(file: Path, source: str) -> ModelShape | None:
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return ModelShape.from_config(config, source) if isinstance(config, dict) else None
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a step on one device: bytes by ``COMPONENTS`` key."""
+
+    name: str
+    parts: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        """Bytes of the whole phase."""
+        return float(sum(self.parts.values()))
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The phases of a step on one device (the host on the CPU) against its memory."""
+
+    device: str  # cpu | cuda | npu
+    device_memory_bytes: float
+    memory_source: str  # where device_memory_bytes came from, for printing
+    shape: ModelShape
+    micro_batch_tokens: int
+    phases: tuple[Phase, ...]
+    critic_shape: ModelShape | None = None
+    ranks_per_memory: int = 1
+    before_fixes: bool = False
+
+    @property
+    def peak(self) -> Phase:
+        """The phase that needs the most memory."""
+        return max(self.phases, key=lambda p: p.total)
+
+    @property
+    def over(self) -> list[Phase]:
+        """Phases that need more than the device has."""
+        return [p for p in self.phases if p.total > self.device_memory_bytes]
+
+    def phase(self, name: str) -> Phase:
+        """The phase called ``name``; KeyError if there is none."""
+        for p in self.phases:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+def micro_batch_tokens(cfg: Config) -> int:
+    """Tokens of the largest micro-batch a rank runs: ``train.max_tokens_per_micro_batch``,
+    or a row of ``rollout.max_input_len + rollout.max_new_tokens`` tokens when that is longer
+    (a longer row goes alone); null budget: all of a rank's rows of one mini-batch
+    (``train.mini_batch_size`` prompts x ``rollout.n`` samples x one row per turn when
+    step-wise, each as long as a row can be, over ``train.dp_size`` ranks)."""
+    roll, train = cfg.rollout, cfg.train
+    row = roll.max_input_len + roll.max_new_tokens
+    if train.max_tokens_per_micro_batch is not None:
+        return max(train.max_tokens_per_micro_batch, row)
+    rows = train.mini_batch_size * roll.n * (roll.max_turns if roll.step_wise else 1)
+    return math.ceil(rows / train.dp_size) * row
+
+
+def _zero() -> dict[str, float]:
+    return dict.fromkeys(COMPONENTS, 0.0)
+
+
+def _add(*parts: dict[str, float]) -> dict[str, float]:
+    out = _zero()
+    for p in parts:
+        for k, v in p.items():
+            out[k] += v
+    return out
+
+
+def estimate_memory(
+    cfg: Config,
+    shape: ModelShape,
+    device_memory_bytes: float,
+    *,
+    device: str,
+    memory_source: str = "",
+    critic_shape: ModelShape | None = None,
+    ranks_per_memory: int = 1,
+    before_fixes: bool = False,
+) -> MemoryBudget:
+    """The phases of one step of ``cfg`` on one device of ``device_memory_bytes`` bytes
+    (see the module docstring). ``device``: cpu, cuda or npu; on the CPU the memory is the
+    host's, shared by ``ranks_per_memory`` ranks and their engine replicas, and offloading
+    moves nothing off it. ``critic_shape``: the critic's (default ``shape``).
+    ``before_fixes``: the model of the trainer before issue 24's fixes."""
+    train, roll = cfg.train, cfg.rollout
+    host = device == "cpu"
+    dp, tp = train.dp_size, roll.tensor_parallel_size
+    pb, rb = DTYPE_BYTES[train.param_dtype], DTYPE_BYTES[train.reduce_dtype]
+    eb = DTYPE_BYTES[cfg.model.dtype]
+    tokens = micro_batch_tokens(cfg)
+    n_actor = shape.num_params
+    critic = critic_shape or shape
+    n_critic = critic.value_model_params if cfg.critic.enable else 0
+    n_ref = n_actor if cfg.algorithm.kl_coef > 0 else 0
+    # Where the sharded state lives: the device, unless FSDP2's CPU offload keeps it on the
+    # host; the optimizer state between steps also goes to the host with optimizer_offload.
+    state_here = host or not train.param_offload
+    optim_between = state_here and (host or not train.optimizer_offload)
+    # With more than one optimizer step per step the state, brought back for the first one,
+    # stays on the device until the end of the step: offload does not lower the update.
+    optim_in_update = state_here and (optim_between or cfg.optimizer_steps_per_step() > 1)
+
+    def shard(count: int, nbytes: int) -> float:
+        return count * nbytes / dp
+
+    def resident(offloaded: bool) -> dict[str, float]:
+        """Every role's state between steps; ``offloaded``: after ``offload_states``."""
+        params = shard(n_actor + n_ref + n_critic, 4) if state_here else 0.0
+        keep_optim = optim_between if offloaded else state_here
+        optim = shard(n_actor + n_critic, 8) if keep_optim else 0.0
+        # Before the fixes the last update's sharded gradients stayed until the next one.
+        grads = shard(n_actor + n_critic, 4) if before_fixes and state_here else 0.0
+        return {"params": params, "grads": grads, "optim": optim}
+
+    def role_peak(role_shape: ModelShape, n: int, lm_head: bool) -> dict[str, float]:
+        """One training role's update at its peak, the larger of its backward and its
+        optimizer step."""
+        h, layers = role_shape.hidden_size, role_shape.num_hidden_layers
+        # The head: the LM head (one tensor with the embedding when tied) or the critic's
+        # value head. FSDP2 keeps the root's parameters (embedding, final norm, head)
+        # gathered from the forward to the end of the backward.
+        head = role_shape.embedding_params if lm_head else h + 1
+        tied = lm_head and role_shape.tie_word_embeddings
+        root = role_shape.embedding_params + h + (0 if tied else head)
+        sharded_grads = shard(n, 4) if state_here else 0.0
+        # Before the fixes gradient sync was off until the last micro-batch: FSDP2 kept every
+        # parameter's whole gradient in reduce_dtype through the accumulation.
+        grads = n * rb if before_fixes else sharded_grads
+        grads += head * pb  # the head's whole gradient exists from the start of backward
+        gather = (2 * role_shape.layer_params + root) * pb + role_shape.layer_params * rb
+        layer_full = tokens * (4 * h + 3 * role_shape.intermediate_size) * pb
+        kept = tokens * h * pb
+        if train.activation_checkpointing:
+            activ = (layers + 1) * kept + layer_full
+        else:
+            activ = layers * layer_full + kept
+        logits = 0.0
+        if lm_head:
+            vocab = role_shape.vocab_size
+            if train.lean_logprobs:
+                chunk = min(tokens, max(1, LEAN_CHUNK_BYTES // (4 * vocab)))
+                logits = CHUNK_COPIES * chunk * vocab * 4
+            else:  # the full logits stay for backward, chunks of them in fp32 on top
+                chunk = min(tokens, PLAIN_CHUNK_TOKENS)
+                logits = tokens * vocab * pb + CHUNK_COPIES * chunk * vocab * 4
+        params = shard(n, 4) if state_here else 0.0
+        backward = {
+            "params": params,
+            "grads": grads,
+            "optim": shard(n, 8) if optim_in_update else 0.0,
+            "gather": gather,
+            "activ": activ,
+            "logits": logits,
+        }
+        # The optimizer step: no activations, but foreach AdamW's temporary of the second
+        # moment's square root (4 B per parameter shard) beside the state.
+        step = {
+            "params": params,
+            "grads": sharded_grads,
+            "optim": shard(n, 12) if state_here else 0.0,
+        }
+        return backward if sum(backward.values()) >= sum(step.values()) else step
+
+    # The engine: vLLM takes memory_fraction of each device awake and drops its weights and
+    # KV cache asleep; on the CPU it has no sleep mode and the replicas split the fraction.
+    replicas = max(1, ranks_per_memory // tp) if host else 1
+    model_bytes = n_actor * eb
+    if roll.engine == "vllm":
+        awake = roll.memory_fraction * device_memory_bytes
+        asleep = awake if host else 0.0
+    else:  # hf: its weights and the KV cache of its share of a step's rows
+        rows = math.ceil(cfg.train.batch_size / (dp // tp)) * roll.n
+        kv = (
+            rows
+            * (roll.max_input_len + roll.max_new_tokens)
+            * shape.num_hidden_layers
+            * 2
+            * shape.num_key_value_heads
+            * shape.head_dim
+            * eb
+        )
+        awake = replicas * (model_bytes + kv)
+        asleep = replicas * model_bytes if host else 0.0
+    engine_weights = asleep if host else model_bytes / tp
+
+    processes = (1 + (n_ref > 0) + (n_critic > 0) + 1) * ranks_per_memory
+    ctx = {"ctx": 0.0 if host else processes * CONTEXT_BYTES}
+
+    def per_memory(parts: dict[str, float]) -> dict[str, float]:
+        """A rank's parts times the ranks that share this memory."""
+        return {k: v * ranks_per_memory for k, v in parts.items()}
+
+    rollout = _add(per_memory(resident(offloaded=True)), {"engine": awake}, ctx)
+
+    actor = role_peak(shape, n_actor, lm_head=True)
+    others = [{"params": shard(n_ref, 4) if state_here else 0.0}]
+    if n_critic:
+        others.append(role_peak(critic, n_critic, lm_head=False))
+    update = _add(per_memory(_add(actor, *others)), {"engine": asleep}, ctx)
+
+    # The weight push: after the fixes the ranks offload first, then stream the weights
+    # through a staging buffer sized from what is left (rollout.engines.buckets.
+    # stream_buckets): the whole model when it fits, else two slots of half the room.
+    state = per_memory(resident(offloaded=not before_fixes))
+    gathered = 0.0 if host else shape.largest_tensor_params * 4
+    largest_layer = max(shape.layer_params, shape.embedding_params) * eb
+    if host:  # one shared model buffer on the host, each rank writing its shards in place
+        staging = model_bytes
+    elif before_fixes:
+        staging = max(BEFORE_BUCKET_BYTES, shape.largest_tensor_params * eb)
+    else:
+        room = device_memory_bytes - sum(state.values()) - ctx["ctx"] - engine_weights
+        room -= gathered + STAGING_SLACK_BYTES
+        staging = model_bytes if room >= model_bytes else 2 * max(room // 2, largest_layer)
+    push = _add(state, {"engine": engine_weights, "gather": staging + gathered}, ctx)
+
+    phases = [Phase("rollout", rollout), Phase("update", update), Phase("weight push", push)]
+    return MemoryBudget(
+        device=device,
+        device_memory_bytes=float(device_memory_bytes),
+        memory_source=memory_source,
+        shape=shape,
+        micro_batch_tokens=tokens,
+        phases=tuple(phases),
+        critic_shape=critic_shape,
+        ranks_per_memory=ranks_per_memory,
+        before_fixes=before_fixes,
+    )
+
+
+def budget_for(
+    cfg: Config,
+    device: str,
+    device_memory_bytes: float,
+    memory_source: str = "",
+    *,
+    ranks_per_memory: int = 1,
+    before_fixes: bool = False,
+) -> MemoryBudget | None:
+    """``estimate_memory`` with the shapes of ``model.path`` (and ``model.critic_path``) from
+    ``model_shape``; None when the policy's shape is unknown (no estimate is possible)."""
+    shape = model_shape(cfg.model.path)
+    if shape is None:
+        return None
+    critic = None
+    if cfg.critic.enable and cfg.model.critic_path is not None:
+        critic = model_shape(cfg.model.critic_path)
+    return estimate_memory(
+        cfg,
+        shape,
+        device_memory_bytes,
+        device=device,
+        memory_source=memory_source,
+        critic_shape=critic,
+        ranks_per_memory=ranks_per_memory,
+        before_fixes=before_fixes,
+    )
+
+
+# ----------------------------------------------------------------------------- verdict
+
+
+def _levers(cfg: Config) -> list[tuple[str, Config]]:
+    """The changes that can lower a phase, each as ``(advice naming the key, the changed
+    config)``: one natural step of each layout key (twice the ranks, half the micro-batch,
+    half the engine's share, twice the tp) and each memory switch that is off."""
+    train, roll = cfg.train, cfg.rollout
+    out: list[tuple[str, Config]] = []
+
+    def changed(section: str, key: str, value) -> Config:
+        new = cfg.model_copy(deep=True)
+        setattr(getattr(new, section), key, value)
+        return new
+
+    out.append(
+        (
+            f"raise train.dp_size (now {train.dp_size})",
+            changed("train", "dp_size", 2 * train.dp_size),
+        )
+    )
+    if not (train.optimizer_offload or train.param_offload):
+        out.append(
+            ("set train.optimizer_offload=true", changed("train", "optimizer_offload", True))
+        )
+    if not train.activation_checkpointing:
+        out.append(
+            (
+                "set train.activation_checkpointing=true",
+                changed("train", "activation_checkpointing", True),
+            )
+        )
+    if not train.lean_logprobs:
+        out.append(("set train.lean_logprobs=true", changed("train", "lean_logprobs", True)))
+    tokens = micro_batch_tokens(cfg)
+    if tokens >= 4:
+        now = train.max_tokens_per_micro_batch
+        out.append(
+            (
+                f"lower train.max_tokens_per_micro_batch (now {now})"
+                if now is not None
+                else "set train.max_tokens_per_micro_batch (now null: a rank's whole mini-batch)",
+                changed("train", "max_tokens_per_micro_batch", tokens // 2),
+            )
+        )
+    if roll.engine == "vllm":
+        out.append(
+            (
+                f"lower rollout.memory_fraction (now {roll.memory_fraction:g})",
+                changed("rollout", "memory_fraction", roll.memory_fraction / 2),
+            )
+        )
+        out.append(
+            (
+                f"raise rollout.tensor_parallel_size (now {roll.tensor_parallel_size})",
+                changed("rollout", "tensor_parallel_size", 2 * roll.tensor_parallel_size),
+            )
+        )
+    if train.param_dtype == "float32":
+        out.append(("set train.param_dtype=bfloat16", changed("train", "param_dtype", "bfloat16")))
+    return out
+
+
+def _reestimate(budget: MemoryBudget, cfg: Config, changed: Config) -> MemoryBudget:
+    """``budget`` again for ``changed`` (``cfg`` with one lever moved); on the CPU more
+    ranks share the host."""
+    ranks = budget.ranks_per_memory
+    if budget.device == "cpu":
+        ranks = max(1, ranks * changed.train.dp_size // cfg.train.dp_size)
+    return estimate_memory(
+        changed,
+        budget.shape,
+        budget.device_memory_bytes,
+        device=budget.device,
+        memory_source=budget.memory_source,
+        critic_shape=budget.critic_shape,
+        ranks_per_memory=ranks,
+        before_fixes=budget.before_fixes,
+    )
+
+
+def memory_problem(
+    budget: MemoryBudget, cfg: Config, phases: tuple[str, ...] | None = None
+) -> str | None:
+    """One line when a phase of ``budget`` (made from ``cfg``) needs more than the device
+    has: the largest such phase, its estimate, the device's memory, and the key whose one
+    step (``_levers``) lowers that phase the most, with the estimate after it. None when
+    every phase fits. ``phases``: the names of the phases to check (default: all)."""
+    over = [p for p in budget.over if phases is None or p.name in phases]
+    if not over:
+        return None
+    phase = max(over, key=lambda p: p.total)
+    where = "on the host" if budget.device == "cpu" else f"per {budget.device} device"
+    head = (
+        f"memory: the {phase.name} phase needs about {phase.total / GB:.1f} GB {where}, "
+        f"more than its {budget.device_memory_bytes / GB:.1f} GB ({budget.memory_source})"
+    )
+    best, after = None, phase.total
+    for advice, changed in _levers(cfg):
+        total = _reestimate(budget, cfg, changed).phase(phase.name).total
+        if total < after:
+            best, after = advice, total
+    if best is None:
+        return head + "; no layout key lowers it (`crossrl layout` prints the budget)"
+    return (
+        f"{head}; {best}: that lowers it most, to about {after / GB:.1f} GB "
+        "(`crossrl layout` prints the budget)"
+    )
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}e9" if n >= 1e8 else f"{n:,}"
+
+
+def format_budget(budget: MemoryBudget | None, cfg: Config) -> str:
+    """The budget as ``crossrl layout`` prints it (under 100 columns): where the shape and
+    the memory come from, one row per phase with its components in GB, and the peak.
+    ``budget`` None: why there is no estimate."""
+    import textwrap
+
+    if budget is None:
+        return textwrap.fill(
+            f"memory: no estimate: the shape of model.path={cfg.model.path!r} is unknown (no "
+            "config.json there, and its name is none of "
+            f"{', '.join(PUBLISHED_SHAPES)}); nothing is refused",
+            width=96,
+            subsequent_indent="  ",
+        )
+    shape, mem = budget.shape, budget.device_memory_bytes
+    where = "on the host" if budget.device == "cpu" else f"per {budget.device} device"
+    title = (
+        "estimated as before issue 24's fixes (GB = 1e9 bytes)"
+        if budget.before_fixes
+        else 'estimated (GB = 1e9 bytes; docs/cluster.md "Memory budget")'
+    )
+    tokens = cfg.train.max_tokens_per_micro_batch
+    lines = [
+        f"memory {where}, {title}:",
+        f"  model: {_count(shape.num_params)} parameters, shape from {shape.source}",
+        f"  device: {mem / GB:.1f} GB ({budget.memory_source})",
+        f"  micro-batch: {budget.micro_batch_tokens:,} tokens (train.max_tokens_per_micro_batch"
+        f"={tokens if tokens is not None else 'null'})",
+        "  " + f"{'phase':<12}" + "".join(f"{k:>7}" for k in COMPONENTS) + f"{'total':>8}",
+    ]
+    peak = budget.peak
+    for phase in budget.phases:
+        cells = "".join(f"{phase.parts[k] / GB:7.2f}" for k in COMPONENTS)
+        mark = "  peak" if phase is peak else ""
+        lines.append(f"  {phase.name:<12}{cells}{phase.total / GB:8.2f}{mark}")
+    share = peak.total / mem
+    verdict = "fits" if share <= 1 else "does NOT fit"
+    lines.append(
+        f"  peak: {peak.name}, {peak.total / GB:.1f} of {mem / GB:.1f} GB ({share:.0%}): {verdict}"
+    )
+    problem = memory_problem(budget, cfg)
+    if problem:
+        lines.append(
+            textwrap.fill(problem, width=96, initial_indent="  ", subsequent_indent="    ")
+        )
+    return "\n".join(lines)

@@ -1,0 +1,231 @@
+"""Everything about a job's input, checked before Ray and the models start.
+
+``load_config`` has already checked each key, the keys against each other, that files and
+devices exist, and imported and constructed the environment once. ``preflight`` reads what
+those files hold, so a bad line 3 of a prompt file, a truncated safetensors file or a corrupt
+checkpoint fails in seconds with one line (exit 2) instead of after every worker started:
+
+- prompt files, every record (``rollout.envs.prompts``: file, line or row, field), and the
+  environment constructed with the first record's fields (``trainer.config.checks``);
+- model directories (``model.path``, and ``model.critic_path`` with a critic): config.json
+  readable, weights present, safetensors headers whole, tokenizer loadable; ``builtin:`` skip;
+- the resume target, resolved and verified against its manifest (``trainer.records.checkpoint``);
+- the memory budget: every phase of a step fits its device (``trainer.loop.memory_budget``);
+- ``run.dir``: a directory we can create and write (``trainer.records.run_dir``; that a fresh start
+  may not overwrite a run there is checked once the directory's lock is held).
+
+Each check lives with the module that owns the input; this module only calls them in order.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from trainer.config import Config
+
+#: safetensors: an 8-byte little-endian header length, then that many bytes of JSON.
+_SAFETENSORS_MAX_HEADER_BYTES = 100 << 20
+
+
+class PreflightError(ValueError):
+    """Bad job input found before start-up; one line naming the file or key, the value and the
+    fix. The CLI exits 2 on it."""
+
+
+def preflight(cfg: Config, *, command: str = "train", replay: bool = False) -> None:
+    """Check the job's input files and run directory; raise ``PreflightError`` on the first
+    problem. ``replay``: a probe replays recorded rollouts, so no prompts are read and nothing
+    is resumed (the probe checks its recording itself, ``trainer.commands.probe``)."""
+    from trainer.records.run_dir import usable_problem
+
+    problem = usable_problem(cfg.run.dir, command=command)
+    if problem:
+        raise PreflightError(problem)
+    if not replay:
+        _check_prompts(cfg)
+    _check_layout(cfg)
+    _check_memory(cfg, replay=replay)
+    _check_model(cfg)
+    if not replay:
+        _check_resume(cfg)
+
+
+def _check_layout(cfg: Config) -> None:
+    """A local run's layout must fit this machine (``trainer.loop.layout``); a cluster's is checked
+    against the cluster's resources once Ray has joined it."""
+    if cfg.ray.address is not None:
+        return
+    from trainer.loop.layout import LayoutError, layout_for_cli
+
+    try:
+        layout_for_cli(cfg)
+    except LayoutError as err:
+        raise PreflightError(str(err)) from None
+
+
+def _check_memory(cfg: Config, *, replay: bool = False) -> None:
+    """Every phase of a step must fit its device (``trainer.loop.memory_budget``: an estimate from
+    the model's shape and the layout keys; no estimate, no refusal). On the CPU the budget
+    only refuses a job whose phase exceeds the host's RAM, and a cluster's CPU ranks (spread
+    over hosts we cannot see from here) are not checked. ``replay``: a probe runs no engine,
+    so only the update is checked."""
+    if cfg.device == "cpu" and cfg.ray.address is not None:
+        return
+    from trainer.loop.layout import budget_for_cli
+    from trainer.loop.memory_budget import memory_problem
+
+    budget = budget_for_cli(cfg)
+    phases = ("update",) if replay else None
+    problem = memory_problem(budget, cfg, phases) if budget is not None else None
+    if problem:
+        raise PreflightError(problem)
+
+
+def _check_prompts(cfg: Config) -> None:
+    if cfg.data.source == "env":
+        return
+    from rollout.envs.prompts import PromptSource
+    from trainer.config.checks import env_problem
+
+    try:
+        source = PromptSource(cfg.data.source, seed=cfg.seed)  # reads and checks every record
+    except (ValueError, OSError) as err:
+        raise PreflightError(f"data.source: {err}") from None
+    # The environment, constructed as the rollout will: with a record's fields.
+    bad_env = env_problem(cfg, record=source.item(0).env_kwargs)
+    if bad_env:
+        raise PreflightError(bad_env[2])
+
+
+def _check_model(cfg: Config) -> None:
+    paths = [("model.path", cfg.model.path)]
+    if cfg.critic.enable and cfg.model.critic_path is not None:
+        paths.append(("model.critic_path", cfg.model.critic_path))
+    for key, path in paths:
+        if not path.startswith("builtin:"):
+            problem = model_dir_problem(key, Path(path).expanduser())
+            if problem:
+                raise PreflightError(problem)
+
+
+def model_dir_problem(key: str, directory: Path) -> str | None:
+    """Why ``directory`` is not a loadable HF model directory, or None: config.json must be a
+    JSON object, weights present (safetensors, whole headers; or pytorch_model*.bin) and the
+    tokenizer loadable. Reads headers only, never the weights."""
+    head = f"{key}={str(directory)!r}"
+    config = directory / "config.json"
+    try:
+        loaded = json.loads(config.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"{head}: no config.json there; point at a Hugging Face model directory"
+    except UnicodeDecodeError as err:
+        from rollout.files import undecodable
+
+        return f"{head}: {config}: {undecodable(config, err)}"
+    except json.JSONDecodeError as err:
+        return f"{head}: {config} is not valid JSON (line {err.lineno}: {err.msg}); fix or re-download it"
+    except OSError as err:
+        return f"{head}: cannot read {config} ({err.strerror or err})"
+    if not isinstance(loaded, dict):
+        return f"{head}: {config} holds a JSON {type(loaded).__name__}, not an object"
+    shards = sorted(directory.glob("*.safetensors"))
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            return f"{head}: {index} is not a safetensors index ({err}); re-download the model"
+        missing = sorted(n for n in names if not (directory / n).is_file())
+        if missing:
+            return (
+                f"{head}: {index.name} lists {missing[0]}, which is missing "
+                f"({len(missing)} of {len(names)} shards); finish the download"
+            )
+    if not shards and not sorted(directory.glob("pytorch_model*.bin")):
+        return f"{head}: no weights (*.safetensors) next to config.json; download the weights too"
+    for shard in shards:
+        problem = safetensors_header_problem(shard)
+        if problem:
+            return f"{head}: {shard.name} {problem}; re-download that file"
+    return _tokenizer_problem(head, directory)
+
+
+#: Files that hold a tokenizer's vocabulary (transformers builds an empty one without them).
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _tokenizer_problem(head: str, directory: Path) -> str | None:
+    from rollout.tokenizer import load_tokenizer
+
+    if not any((directory / name).is_file() for name in _VOCAB_FILES):
+        return (
+            f"{head}: no tokenizer there (none of {', '.join(_VOCAB_FILES)}); copy the model's "
+            "tokenizer files next to config.json"
+        )
+    try:
+        tokenizer = load_tokenizer(directory)
+    except Exception as err:  # noqa: BLE001 - transformers raises many types for a bad tokenizer
+        text = " ".join(str(err).split())[:200]
+        return (
+            f"{head}: its tokenizer does not load ({type(err).__name__}: {text}); re-download "
+            "the tokenizer files"
+        )
+    if tokenizer.eos_token is None:
+        return (
+            f"{head}: its tokenizer has no eos_token, which ends every turn; set eos_token in "
+            "tokenizer_config.json"
+        )
+    return None
+
+
+def safetensors_header_problem(path: Path) -> str | None:
+    """What is wrong with a safetensors file's header, or None: the 8-byte length, the JSON
+    header, and every tensor's byte range inside the file (a truncated download fails here)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as fh:
+            first = fh.read(8)
+            if len(first) < 8:
+                return f"is {size} bytes, too short for a safetensors header (truncated)"
+            (length,) = struct.unpack("<Q", first)
+            if length > min(size - 8, _SAFETENSORS_MAX_HEADER_BYTES):
+                return (
+                    f"is not a whole safetensors file (header of {length} bytes in a file of "
+                    f"{size} bytes)"
+                )
+            header = json.loads(fh.read(length).decode("utf-8"))
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    except (UnicodeDecodeError, ValueError):
+        return "has a damaged safetensors header (not JSON)"
+    if not isinstance(header, dict):
+        return "has a damaged safetensors header (not a JSON object)"
+    data_bytes = size - 8 - length
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            end = int(info["data_offsets"][1])
+        except (TypeError, KeyError, IndexError, ValueError):
+            return f"has a damaged safetensors header (tensor {name!r} has no data_offsets)"
+        if end > data_bytes:
+            return (
+                f"is truncated: tensor {name!r} ends at byte {end} of the data, which holds "
+                f"{data_bytes} bytes"
+            )
+    return None
+
+
+def _check_resume(cfg: Config) -> None:
+    if cfg.run.resume == "never":
+        return
+    from trainer.records.checkpoint import resolve_resume
+
+    try:
+        # Every file's size and sha256 against the manifest; the trainer then loads it
+        # without hashing it again (Trainer._resume).
+        resolve_resume(cfg.run.dir, cfg.run.resume)
+    except ValueError as err:  # CheckpointError is a ValueError
+        raise PreflightError(" ".join(str(err).split())) from None

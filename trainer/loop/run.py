@@ -1,0 +1,232 @@
+"""A whole run: start Ray and the trainer, loop over steps, log, checkpoint, stop cleanly.
+
+The step itself (rollout -> update -> sync) is ``trainer.loop.controller.Trainer.train_step``; this
+module owns what surrounds it: the run directory's config.yaml, signals, the exit status.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.config import Config
+
+if TYPE_CHECKING:
+    from trainer.loop.controller import Trainer
+
+#: What the driver imports once Ray is up: the controller and the worker classes Ray pickles
+#: (torch, FSDP, transformers). Imported in the background while Ray starts; the checks
+#: before Ray need none of them.
+DRIVER_MODULES = (
+    "trainer.loop.controller",
+    "trainer.loop.workers.policy",
+    "trainer.loop.workers.critic",
+    "trainer.loop.workers.rollout_host",
+    "trainer.records.metrics",
+)
+
+
+def write_run_config(cfg: Config, run_dir: Path, deterministic: dict[str, str]) -> None:
+    """``config.yaml``: the resolved config, plus the deterministic settings the workers
+    applied (as comments, so the file still loads as a config)."""
+    from rollout.files import atomic_write_text
+
+    lines = [cfg.to_yaml().rstrip("\n")]
+    if deterministic:
+        lines.append("# run.deterministic applied on every worker:")
+        lines += [f"#   {key}={value}" for key, value in sorted(deterministic.items())]
+    atomic_write_text(run_dir / "config.yaml", "\n".join(lines) + "\n")
+
+
+class StopRequests:
+    """SIGINT / SIGTERM handling for a run (a scheduler's stop is a SIGTERM).
+
+    The first signal asks the loop to stop after the current step (and its checkpoint, if one
+    is due): a flag, not an exception, because Ray's own waits may swallow a
+    KeyboardInterrupt raised inside them. A second signal abandons the step at once. Either
+    way Ray shuts down, ``latest`` names the last whole checkpoint, and the exit status is
+    128 + the signal number (130 for SIGINT, 143 for SIGTERM). ``ray.init`` installs its own
+    SIGTERM handler, so ``install`` runs again once Ray is up.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequests:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def install(self) -> None:
+        """(Re-)install the handlers; the first call remembers the ones to restore on exit."""
+        for sig in self.SIGNALS:
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"signal {signum} again: abandoning the step")
+        self.signum = signum
+        print(
+            f"crossrl: signal {signum}: stopping after this step (again to stop now)",
+            file=sys.stderr,
+        )
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if a stop was asked for."""
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"signal {self.signum}")
+
+    @property
+    def exit_status(self) -> int:
+        """128 + the signal that stopped the run (130 when none was seen: a Ctrl-C that Python
+        turned into KeyboardInterrupt before the handler was in place)."""
+        return 128 + (self.signum or signal.SIGINT)
+
+
+def run_training(
+    cfg: Config,
+    *,
+    replay_dir: str | None = None,
+    save_checkpoints: bool = True,
+    command: str = "train",
+) -> int:
+    """Run a whole job; returns the process exit status (0 done, 1 failed or stopped by a
+    health gate, 2 bad input found before start-up, 130/143 stopped by SIGINT/SIGTERM).
+
+    Before Ray starts: ``trainer.loop.preflight`` checks every input, then the run directory is
+    locked (``trainer.records.run_dir``) and a fresh start may not overwrite a run in it without
+    ``run.overwrite``. ``replay_dir``: train on recorded rollouts (``step_<N>.npz``) instead of
+    sampling (the parity probe, which also passes ``save_checkpoints=False``: a probe of a 7B
+    job should not write tens of GB). ``command`` names the CLI command in messages.
+    """
+    from trainer.loop.preflight import PreflightError, preflight
+    from trainer.loop.startup import CLOCK
+    from trainer.loop.workers.group import RayConnectError
+    from trainer.records.run_dir import RunDirError, RunDirLock, overwrite_problem
+
+    CLOCK.start_run()
+    run_dir = Path(cfg.run.dir)
+    try:
+        preflight(cfg, command=command, replay=replay_dir is not None)
+        CLOCK.done("preflight")
+        with RunDirLock(run_dir, command) as lock:
+            if lock.took_over:
+                print(
+                    f"crossrl {command}: took over the stale lock of pid "
+                    f"{lock.took_over.get('pid')} (no longer running)",
+                    file=sys.stderr,
+                )
+            problem = overwrite_problem(
+                run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite, command=command
+            )
+            if problem:
+                raise RunDirError(problem)
+            CLOCK.done("run_dir")
+            return _run(cfg, run_dir, replay_dir, save_checkpoints, command)
+    except (PreflightError, RunDirError, RayConnectError) as err:
+        print(f"crossrl {command}: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(
+    cfg: Config, run_dir: Path, replay_dir: str | None, save_checkpoints: bool, command: str
+) -> int:
+    """Start Ray and the trainer, train, and shut everything down again."""
+    from trainer.loop.layout import LayoutError, local_ray_cpus, runs_in_process
+    from trainer.loop.startup import CLOCK, import_in_background
+    from trainer.loop.workers.group import WorkerFailedError, start_ray
+    from trainer.records.checkpoint import CheckpointError
+
+    try:
+        in_process = runs_in_process(cfg)
+    except LayoutError as err:  # ray.in_process=true on a job that needs Ray
+        print(f"crossrl {command}: {err}", file=sys.stderr)
+        return 2
+    with StopRequests() as stop:
+        imports = import_in_background(DRIVER_MODULES)  # while Ray starts, mostly waiting
+        started_ray = False
+        if not in_process:
+            started_ray = start_ray(
+                cfg.ray.address,
+                num_cpus=local_ray_cpus(cfg),
+                connect_timeout_s=cfg.ray.connect_timeout_s,
+            )
+            stop.install()  # ray.init replaced the SIGTERM handler
+            CLOCK.done("ray_init")
+        imports.join()
+        CLOCK.done("driver_imports")
+        from trainer.loop.controller import Trainer
+        from trainer.loop.health import HealthError
+
+        trainer = Trainer(cfg, run_dir, replay_dir=replay_dir)
+        try:
+            trainer.start()
+            write_run_config(cfg, run_dir, trainer.deterministic_settings)
+            CLOCK.done("config_yaml")
+            _train_loop(cfg, trainer, run_dir, stop, save_checkpoints=save_checkpoints)
+            return 0
+        except (WorkerFailedError, HealthError, CheckpointError) as err:
+            print(f"crossrl {command}: {err}", file=sys.stderr)
+            return 1
+        except LayoutError as err:  # the cluster joined cannot hold the job
+            print(f"crossrl {command}: {err}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(
+                f"crossrl {command}: interrupted; the last whole checkpoint stays `latest`",
+                file=sys.stderr,
+            )
+            return stop.exit_status
+        finally:
+            try:
+                trainer.shutdown()
+            finally:
+                if started_ray:
+                    import ray
+
+                    ray.shutdown()
+
+
+def _train_loop(
+    cfg: Config, trainer: Trainer, run_dir: Path, stop: StopRequests, *, save_checkpoints: bool
+) -> None:
+    """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint."""
+    from trainer.loop.health import checkpoint_veto
+    from trainer.loop.startup import CLOCK, log_summary
+    from trainer.loop.validation import validation_due
+    from trainer.records.metrics import FingerprintLogger, MetricsLogger
+
+    total = cfg.train.total_steps
+    with (
+        MetricsLogger.for_run(cfg, run_dir, start_step=trainer.start_step) as log,
+        FingerprintLogger(run_dir, start_step=trainer.start_step) as fp_log,
+    ):
+        CLOCK.done("loggers")
+        if cfg.run.val_before_train and trainer.start_step == 0:
+            log.log(0, trainer.validate(0))
+            CLOCK.done("validation")
+        if trainer.start_step < total:
+            log_summary()
+        for step in range(trainer.start_step + 1, total + 1):
+            stop.check()  # a signal during start-up or the previous step ends the run here
+            metrics, fingerprint = trainer.train_step(step)
+            metrics.update(CLOCK.metrics())  # the first step of this process only
+            if validation_due(cfg, step):
+                metrics.update(trainer.validate(step))
+            log.log(step, metrics)
+            fp_log.log(step, fingerprint)
+            due = step == total or (cfg.run.save_every and step % cfg.run.save_every == 0)
+            veto = checkpoint_veto(metrics) if save_checkpoints and due else None
+            if veto:
+                print(f"crossrl: {veto}", file=sys.stderr)
+            elif save_checkpoints and due:
+                trainer.save_checkpoint(step)

@@ -1,0 +1,331 @@
+"""Ray plumbing: start or join Ray, place workers through the HAL, wait without hanging.
+
+The controller never blocks on a plain ``ray.get`` of many workers: if one worker dies
+mid-collective the others wait forever inside the process group, so ``wait_all`` watches
+every reference, reports the first failure with the worker's name at once, and gives up
+after a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from trainer.loop.workers.local import LocalRef
+
+if TYPE_CHECKING:  # Ray is imported where it is used: an in-process run never needs it
+    from ray.util.placement_group import PlacementGroup
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+#: Seconds a controller call on the workers may take before it is called hung.
+CALL_TIMEOUT_S = 1800.0
+
+
+class WorkerFailedError(RuntimeError):
+    """A Ray worker died or raised; the message names the worker."""
+
+
+class RayConnectError(ValueError):
+    """The cluster at ``ray.address`` did not answer; the message names it and the fix."""
+
+
+def _cluster_address(address: str) -> str | None:
+    """``host:port`` that ``address`` (``auto``, ``host:port`` or ``ray://host:port``) points
+    at, or None when it cannot be told without asking Ray (``ray.init`` then reports)."""
+    if address == "auto":
+        try:  # RAY_ADDRESS, else the cluster this machine last started
+            from ray._private.services import canonicalize_bootstrap_address
+
+            return canonicalize_bootstrap_address("auto")
+        except Exception:  # noqa: BLE001 - none found: ray.init says so itself
+            return None
+    return address.removeprefix("ray://")
+
+
+def check_reachable(address: str, timeout_s: float) -> None:
+    """Raise ``RayConnectError`` unless a TCP connection to the cluster at ``address`` opens
+    within ``timeout_s`` seconds (``ray.init`` itself retries an unreachable address forever)."""
+    target = _cluster_address(address)
+    if not target:
+        return
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return
+    except (OSError, ValueError) as err:
+        reason = "timed out" if isinstance(err, TimeoutError) else (err.strerror or str(err))
+    shown = address if target == address else f"{address} ({target})"
+    raise RayConnectError(
+        f"ray.address={shown}: no Ray cluster answered ({reason}; waited at most "
+        f"{timeout_s:g} s); start "
+        "one there (`ray start --head`), fix the address, set ray.address=null for a local Ray, "
+        "or raise ray.connect_timeout_s"
+    )
+
+
+def start_ray(
+    address: str | None, *, num_cpus: int | None = None, connect_timeout_s: float = 60.0
+) -> bool:
+    """Start a local Ray (``address=None``) or join a cluster (``auto`` or ``host:port``),
+    failing with ``RayConnectError`` when the cluster does not answer within
+    ``connect_timeout_s`` seconds.
+
+    Returns False when Ray was already running in this process (the caller then leaves it
+    running), True when this call started or joined it.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address is not None:
+        check_reachable(address, connect_timeout_s)
+    # Local runs need no token; a cluster the user started keeps its own settings.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Runs are offline: no usage report for Ray's processes to prepare and fail to send.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "logging_level": "ERROR",
+        "log_to_driver": True,
+    }
+    if address is None:
+        ray.init(num_cpus=num_cpus, **kwargs)
+    else:
+        ray.init(address=address, **kwargs)
+    return True
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for the process-group rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Placement:
+    """One placement group per engine replica, each of ``tp`` bundles (one device each) on
+    one node (STRICT_PACK): training rank r sits on bundle ``r % tp`` of group ``r // tp``,
+    the layout ``trainer.loop.layout.plan_layout`` describes."""
+
+    groups: list[PlacementGroup]
+    resource: str
+    tp: int = 1
+
+    def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        """Scheduling strategy that pins an actor to training rank ``rank``'s bundle."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.groups[rank // self.tp],
+            placement_group_bundle_index=rank % self.tp,
+        )
+
+    def remove(self) -> None:
+        """Give the devices back to Ray."""
+        from ray.util.placement_group import remove_placement_group
+
+        for group in self.groups:
+            remove_placement_group(group)
+
+
+def cluster_nodes(resource: str) -> list[int]:
+    """Devices of Ray resource ``resource`` on each live node of the cluster Ray is joined to
+    (nodes without any left out): the ``nodes`` of ``trainer.loop.layout.plan_layout``."""
+    import ray
+
+    counts = [int(n.get("Resources", {}).get(resource, 0)) for n in ray.nodes() if n.get("Alive")]
+    return [c for c in counts if c >= 1]
+
+
+def make_placement(resource: str, num_bundles: int, *, timeout_s: float, tp: int = 1) -> Placement:
+    """Reserve ``num_bundles`` bundles of one device each (``resource`` is the HAL's Ray
+    resource name), as ``num_bundles / tp`` groups of ``tp`` bundles, each
+    group on one node: a replica's devices never span nodes.
+
+    Raises ``WorkerFailedError`` naming the resource when the cluster cannot provide the
+    bundles within ``timeout_s`` seconds, instead of waiting forever.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle = {resource: 1.0} if resource == "CPU" else {resource: 1.0, "CPU": 1.0}
+    groups = [
+        placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK")
+        for _ in range(num_bundles // tp)
+    ]
+    ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout_s)
+    if len(ready) < len(groups):
+        available = ray.available_resources().get(resource, 0)
+        for group in groups:
+            remove_placement_group(group)
+        raise WorkerFailedError(
+            f"could not reserve {num_bundles} x {resource} (groups of {tp} on one node) within "
+            f"{timeout_s:.0f} s (Ray reports {available:g} {resource} free): lower "
+            f"train.dp_size, free the devices, or raise ray.placement_timeout_s"
+        )
+    return Placement(groups=groups, resource=resource, tp=tp)
+
+
+def _assigned_ids(resource: str) -> list[str]:
+    import ray
+
+    ids = ray.get_runtime_context().get_accelerator_ids().get(resource, [])
+    return [str(i) for i in ids]
+
+
+def bundle_device_ids(placement: Placement, rank: int, *, timeout_s: float) -> list[str]:
+    """The node's id of training rank ``rank``'s device (Ray's assignment), asked by a tiny
+    task on its bundle: what an engine replica spanning several bundles must be shown."""
+    import ray
+
+    probe = ray.remote(_assigned_ids).options(**actor_options(placement, rank, 0.001))
+    ref = probe.remote(placement.resource)
+    return wait_all([ref], [f"device probe of rank {rank}"], timeout_s=timeout_s, what="probe")[0]
+
+
+def wait_all(
+    refs: Sequence[Any],
+    names: Sequence[str],
+    *,
+    timeout_s: float,
+    what: str | Sequence[str],
+) -> list[Any]:
+    """Results of ``refs`` in order; the first failure raises ``WorkerFailedError`` naming
+    the worker (``names[i]`` for ``refs[i]``) and the call (``what``, or ``what[i]``)
+    without waiting for the others."""
+    whats = [what] * len(refs) if isinstance(what, str) else list(what)
+    if all(isinstance(ref, LocalRef) for ref in refs):  # in-process workers: done already
+        return _local_results(refs, names, whats)
+    import ray
+
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    pending = list(refs)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            late = ", ".join(names[index[r]] for r in pending)
+            calls = ", ".join(dict.fromkeys(whats[index[r]] for r in pending))
+            raise WorkerFailedError(f"{calls}: no answer from {late} within {timeout_s:.0f} s")
+        done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
+        for ref in done:
+            i = index[ref]
+            try:
+                results[i] = ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                raise WorkerFailedError(
+                    f"{whats[i]}: worker {names[i]} died ({_first_line(err)})"
+                ) from err
+            except ray.exceptions.RayTaskError as err:
+                raise WorkerFailedError(
+                    f"{whats[i]}: worker {names[i]} raised {_first_line(err)}"
+                ) from err
+    return results
+
+
+def _local_results(refs: Sequence[LocalRef], names: Sequence[str], whats: list[str]) -> list:
+    """``wait_all`` of in-process calls: the first one that raised fails as a Ray task would."""
+    for i, ref in enumerate(refs):
+        if ref.error is not None:
+            err = ref.error
+            text = str(err).strip().splitlines()
+            message = f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+            raise WorkerFailedError(f"{whats[i]}: worker {names[i]} raised {message}") from err
+    return [ref.result() for ref in refs]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[-1] if text else type(err).__name__
+
+
+def actor_options(placement: Placement, rank: int, share: float) -> dict[str, Any]:
+    """Ray actor options that take ``share`` of training rank ``rank``'s device (colocated
+    workers split a bundle: actor, reference, critic and an engine replica share a device)."""
+    opts: dict[str, Any] = {"scheduling_strategy": placement.strategy(rank)}
+    if placement.resource == "CPU":
+        opts["num_cpus"] = share
+    elif placement.resource == "GPU":  # Ray refuses GPU inside `resources`
+        opts.update(num_gpus=share, num_cpus=0)
+    else:
+        opts.update(resources={placement.resource: share}, num_cpus=0)
+    return opts
+
+
+class WorkerGroup:
+    """The Ray actors of one role, one per data-parallel rank, called together."""
+
+    def __init__(self, role: str, handles: list) -> None:
+        self.role = role
+        self.handles = handles
+        self.names = [f"{role} rank {r}" for r in range(len(handles))]
+
+    def call(
+        self, method: str, *args, per_rank: list | None = None, timeout_s: float = CALL_TIMEOUT_S
+    ) -> list:
+        """Call ``method`` on every rank (``per_rank[r]`` prepended to rank r's args) and wait,
+        failing fast with the worker's name."""
+        refs = self.submit(method, *args, per_rank=per_rank)
+        return wait_all(refs, self.names, timeout_s=timeout_s, what=f"{self.role}.{method}")
+
+    def submit(self, method: str, *args, per_rank: list | None = None) -> list:
+        """Start ``method`` on every rank; returns the object refs."""
+        return [
+            getattr(h, method).remote(*(([per_rank[r]] if per_rank else []) + list(args)))
+            for r, h in enumerate(self.handles)
+        ]
+
+
+class PendingCalls:
+    """Calls on actors started without waiting, then waited for together.
+
+    Ray runs one actor's calls in the order they were submitted, so a chain on the same
+    workers (``load_batch`` -> ``compute_logprobs`` -> ``set_token_field`` ->
+    ``compute_advantages``) needs no wait in between: the round trips of a step overlap
+    instead of queueing one after another. ``wait`` fails fast naming the worker and method.
+    """
+
+    def __init__(self) -> None:
+        self._refs: list = []
+        self._names: list[str] = []
+        self._whats: list[str] = []
+
+    def submit(self, group: WorkerGroup, method: str, *args, per_rank: list | None = None) -> list:
+        """``group.submit(...)``, remembered for ``wait``; returns the refs (rank order)."""
+        refs = group.submit(method, *args, per_rank=per_rank)
+        self.add(refs, group.names, f"{group.role}.{method}")
+        return refs
+
+    def add(self, refs: list, names: Sequence[str], what: str) -> list:
+        """Remember refs started elsewhere (``names[i]`` made ``refs[i]``); returns them."""
+        self._refs.extend(refs)
+        self._names.extend(names)
+        self._whats.extend([what] * len(refs))
+        return refs
+
+    def wait(self, timeout_s: float = CALL_TIMEOUT_S) -> dict:
+        """Wait for every call; returns ``{ref: result}``. Raises ``WorkerFailedError``."""
+        results = wait_all(self._refs, self._names, timeout_s=timeout_s, what=self._whats)
+        out = dict(zip(self._refs, results))
+        self._refs, self._names, self._whats = [], [], []
+        return out
+
+
+def agree_on_settings(applied: list[tuple[str, dict[str, str]]]) -> dict[str, str]:
+    """The settings every named process applied, ``(name, settings)`` each; they must be the
+    same everywhere (a process that skipped run.deterministic's switches would make the run
+    irreproducible): raises ``WorkerFailedError`` naming the odd one."""
+    first_name, first = applied[0]
+    for name, settings in applied:
+        if settings != first:
+            raise WorkerFailedError(
+                f"{name} applied deterministic settings {settings}, {first_name} applied {first}"
+            )
+    return first

@@ -1,0 +1,417 @@
+"""Engine replicas and the rollout host.
+
+``train.dp_size / rollout.tensor_parallel_size`` engine replicas run colocated with the
+training ranks (``trainer.loop.layout``). Replica 0 is the ``RolloutHost``: it also owns the
+environment, the prompt stream and the agent loop, and deals generation requests to every
+replica by prompt. The others are plain ``EngineHost``s. The host hands the controller only
+metadata (row lengths, trajectory and group ids, metrics); the packed batch itself goes into
+Ray's object store as numpy arrays for the training workers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+import hal
+from batching import StepBatch, response_length_mean, trajectory_score_mean
+from rollout.agent_loop import RolloutOutput
+from rollout.engines.base import Engine
+from trainer.config.schema import Config
+from trainer.loop.startup import Phases, process_start_time
+from trainer.loop.workers.local import fetch, put
+from trainer.loop.workers.sampling import run_config_rollouts
+
+
+class EngineHost:
+    """One engine replica's process: the engine on its tp group's devices, sharing them with
+    that group's training ranks. Generates what the rollout host deals it, sleeps while the
+    ranks train, and takes new weights straight from its own ranks (``load_shared_bucket``)."""
+
+    def __init__(self, cfg: Config, threads: int = 1, replica: int = 0) -> None:
+        """``cfg``: the typed job config (it pickles into Ray); ``threads``: CPU threads;
+        ``replica``: this replica's index (``trainer.loop.layout``)."""
+        # Start-up phases, from this process's start: its boot and imports, then setup's.
+        self.startup = Phases(process_start_time())
+        self.startup.done("boot")
+        self.cfg = cfg
+        self.threads = threads
+        self.replica = replica
+        self.engine = None
+
+    def setup(self) -> dict[str, Any]:
+        """Load tokenizer, model and engine."""
+        from rollout.engines import make_engine
+        from rollout.models import builtin_weights_dir, load_model
+        from rollout.tokenizer import load_tokenizer
+
+        self.startup.done("queued")
+        torch.set_num_threads(max(1, self.threads))
+        cfg = self.cfg
+        backend = hal.get_backend(cfg.device)
+        # The engine's process gets the same deterministic switches as the trainers, before
+        # any kernel or engine starts (device libraries read theirs once, at start-up).
+        deterministic = backend.set_deterministic(cfg.seed) if cfg.run.deterministic else {}
+        model_path = cfg.model.path
+        is_builtin = model_path.startswith("builtin:")
+        self.tokenizer = load_tokenizer("builtin" if is_builtin else model_path)
+        self.startup.done("tokenizer")
+        roll = cfg.rollout
+        if roll.engine == "hf":
+            model = load_model(
+                model_path, dtype=cfg.model.dtype, seed=cfg.seed, device=backend.device(0)
+            )
+            model.eval()
+            self.engine = make_engine("hf", model, self.tokenizer)
+        else:
+            directory = builtin_weights_dir(model_path, cfg.seed) if is_builtin else model_path
+            self.engine = make_engine(
+                "vllm",
+                str(directory),
+                self.tokenizer,
+                dtype=cfg.model.dtype,
+                seed=cfg.seed,
+                gpu_memory_utilization=engine_memory_fraction(cfg, backend.is_accelerator),
+                tensor_parallel_size=roll.tensor_parallel_size,
+                max_model_len=roll.max_input_len + roll.max_new_tokens,
+                # colocated: free the devices while the ranks train (ignored on the CPU)
+                enable_sleep_mode=backend.is_accelerator,
+                layerwise_reload=backend.vllm_layerwise_reload,
+                engine_kwargs=backend.vllm_engine_options(),
+            )
+        self.startup.done("engine")
+        return {
+            "engine": roll.engine,
+            "replica": self.replica,
+            "deterministic": deterministic,
+            "startup": self.startup.seconds,
+        }
+
+    def generate(self, requests: list, sampling) -> list:
+        """The engine's ``generate`` on the requests dealt to this replica."""
+        return self.engine.generate(requests, sampling)
+
+    def sleep(self, discard_weights: bool = False) -> None:
+        """Free the devices for the training ranks (weights and KV cache); ``discard_weights``:
+        a weight push follows before the next rollout, so the weights are dropped rather than
+        kept in host memory (``Engine.sleep``)."""
+        self.engine.sleep(discard_weights)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Retake ``tags`` (``rollout.engines.base.WAKE_TAGS``; None: all)."""
+        self.engine.wake_up(tags)
+
+    def awake_tags(self) -> list[str]:
+        """What of the engine is awake (``weights``, ``kv_cache``)."""
+        return list(getattr(self.engine, "awake_tags", ()))
+
+    def load_shared_bucket(self, handles: list, specs: list) -> int:
+        """Load one bucket of new weights that this replica's training ranks put in memory
+        shared with this process (``trainer.loop.workers.policy.PolicyWorker.push_weights``);
+        returns the tensor count. The weights are woken first when they sleep, so the sync
+        needs no call of its own for that (the KV cache stays asleep)."""
+        from rollout.engines.buckets import TensorSpec
+
+        specs = [TensorSpec(*s) for s in specs]
+        self.engine.wake_up(["weights"])
+        self.engine.load_shared_bucket(hal.open_shared_buffer, handles, specs)
+        return len(specs)
+
+    def load_weight_stream(self, slots: list, doorbell: tuple, buckets: list) -> int:
+        """Load a whole streamed weight push in this one call (``rollout.engines.stream``):
+        ``buckets`` in order from the staging ``slots`` this replica's training ranks fill on
+        their devices, each once every tp rank has written it. Wakes the weights first;
+        returns the tensor count."""
+        from rollout.engines.stream import receive_weight_stream
+
+        self.engine.wake_up(["weights"])
+        return receive_weight_stream(self.engine, hal.open_shared_buffer, slots, doorbell, buckets)
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Load new weights handed over in this process (``ray.in_process``: the training
+        rank's own tensors, copied once into the engine); wakes them first, as
+        ``load_shared_bucket`` does. Returns the tensor count."""
+        self.engine.wake_up(["weights"])
+        self.engine.update_weights(named_tensors)
+        return len(named_tensors)
+
+    def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
+        """Load one bucket of new weights (HF names -> arrays) sent through Ray's object
+        store: the path before in-node sync, kept for ``bench e2e``'s comparison only. Wakes
+        the weights first, as ``load_shared_bucket`` does."""
+        self.engine.wake_up(["weights"])
+        self.engine.update_weights(
+            (name, torch.from_numpy(array)) for name, array in bucket.items()
+        )
+        return len(bucket)
+
+    def shutdown(self) -> None:
+        """Release the engine."""
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def engine_memory_fraction(cfg: Config, on_accelerator: bool) -> float:
+    """The share of its device memory one replica's engine may take: ``rollout.memory_fraction``
+    of each of its own devices on an accelerator; on the CPU all replicas share the host's
+    memory, so they split the fraction."""
+    if on_accelerator:
+        return cfg.rollout.memory_fraction
+    replicas = cfg.train.dp_size // cfg.rollout.tensor_parallel_size
+    return cfg.rollout.memory_fraction / replicas
+
+
+class RemoteEngine(Engine):
+    """An ``EngineHost`` actor seen as an ``Engine`` by the rollout host's router."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def generate(self, requests, sampling):
+        """Generate on the remote replica and wait for it."""
+        return fetch(self.handle.generate.remote(requests, sampling))
+
+    def update_weights(self, named_tensors) -> None:
+        """Not here: the replica's own training ranks sync it."""
+        raise NotImplementedError("engine replicas are synced by their own training ranks")
+
+
+class RolloutHost(EngineHost):
+    """Replica 0, which also owns the environment, the prompt stream and the agent loop:
+    ``rollout(step) -> (metadata, [batch_ref])``. With several replicas its agent loop deals
+    requests to all of them by prompt (``rollout.engines.router``); only it reads prompts."""
+
+    def setup(self) -> dict[str, Any]:
+        """Load tokenizer, model and engine; check the environment spec."""
+        from rollout.envs import bind_env
+        from rollout.envs.prompts import PromptSource
+        from rollout.rewards import RewardFunction
+
+        info = super().setup()
+        cfg, roll = self.cfg, self.cfg.rollout
+        reward_fn = None
+        if cfg.reward.function is not None:
+            # One worker per concurrent env step: a reward call never queues behind others.
+            reward_fn = RewardFunction(
+                cfg.reward.function,
+                timeout_s=cfg.reward.timeout_s,
+                max_workers=roll.env_concurrency,
+            )
+        self.env_factory = bind_env(roll.env, roll.env_kwargs, reward_fn)
+        self.prompts = PromptSource(cfg.data.source, seed=cfg.seed)
+        self.prompts_consumed = 0
+        self.val_items = []
+        if cfg.data.val_source is not None:
+            val = PromptSource(cfg.data.val_source, seed=cfg.seed, key="data.val_source")
+            self.val_items = val.all_records()
+        self.generator = self.engine
+        self.startup.done("env")
+        return info
+
+    def connect(self, peers: list) -> int:
+        """Generate on this replica and on ``peers`` (the other replicas' ``EngineHost``
+        handles, in replica order); returns the replica count."""
+        from rollout.engines.router import ReplicaRouter
+
+        if peers:
+            self.generator = ReplicaRouter([self.engine, *(RemoteEngine(h) for h in peers)])
+        return 1 + len(peers)
+
+    def rollout(self, step: int, record_dir: str | None = None) -> tuple[dict[str, Any], list]:
+        """Roll out training step ``step`` (1-based): ``train.batch_size`` prompts x ``rollout.n``.
+
+        Returns metadata for planning and metrics, and ``[ref]`` to the batch's numpy arrays
+        (a list, so Ray passes the reference on instead of resolving it).
+        """
+        from trainer.algorithms.dynamic_sampling import GroupSelection
+
+        size = self.cfg.train.batch_size
+        batches = self.cfg.rollout.max_sample_batches
+        # Without dynamic sampling every step takes exactly batch_size prompts.
+        first = (step - 1) * size if batches == 1 else self.prompts_consumed
+        selection, outputs = GroupSelection(), []
+        for _ in range(batches):
+            outputs.append(self._sample(step, self.prompts.take(first, size)))
+            first += size
+            if batches == 1:
+                break
+            selection.add(outputs[-1].rows)
+            if len(selection.kept) >= size:
+                break
+        self.prompts_consumed = first
+        metrics = combine_rollout_metrics([o.metrics for o in outputs])
+        if batches == 1:
+            rows = outputs[0].rows
+        else:
+            rows, picked = selection.final(size)
+            metrics.update(picked, **{"dynamic_sampling/sample_batches": float(len(outputs))})
+        faults = [fault for o in outputs for fault in o.faults]
+        out = RolloutOutput(rows=rows, metrics=metrics, faults=faults)
+        if not out.rows:
+            from rollout.env_calls import fault_summary
+
+            total = int(metrics.get("rollout/num_trajectories", 0))
+            why = fault_summary(faults, total) if faults else out.metrics
+            raise RuntimeError(
+                f"step {step}: the rollout produced no rows ({why}); check rollout.env and "
+                "rollout.max_input_len"
+            )
+        batch = StepBatch.from_rows(out.rows)
+        arrays = batch.to_numpy()
+        if record_dir is not None:
+            from rollout.replay import record_rollout
+
+            record_rollout(record_dir, step, arrays)
+        meta = batch_metadata(batch, out.metrics)
+        meta["prompts_consumed"] = self.prompts_consumed
+        meta["env_faults"] = out.faults  # the health gate shows them (trainer/loop/health.py)
+        return meta, [put(arrays)]
+
+    def _sample(self, step: int, items: list) -> RolloutOutput:
+        """One sampled batch: ``items`` x ``rollout.n`` trajectories, with reward shaping."""
+        from rollout.engines import SamplingParams
+        from rollout.rewards import apply_overlong_penalty
+
+        cfg, roll = self.cfg, self.cfg.rollout
+        sampling = SamplingParams(
+            max_new_tokens=roll.max_new_tokens,
+            temperature=roll.temperature,
+            top_p=roll.top_p,
+            top_k=roll.top_k,
+        )
+        out = run_config_rollouts(
+            self.generator,
+            self.tokenizer,
+            self.env_factory,
+            items,
+            cfg,
+            n=roll.n,
+            sampling=sampling,
+            seed=cfg.seed,
+            step=step,
+        )
+        if cfg.reward.overlong_buffer_len:
+            rows, shaped = apply_overlong_penalty(
+                out.rows,
+                horizon=roll.max_new_tokens - 1,  # the engine generates at most this many
+                buffer_len=cfg.reward.overlong_buffer_len,
+                factor=cfg.reward.overlong_penalty_factor,
+            )
+            out = RolloutOutput(rows=rows, metrics={**out.metrics, **shaped}, faults=out.faults)
+        return out
+
+    def validate(self, step: int) -> dict[str, float]:
+        """``val/*`` metrics of the validation set (``data.val_source``) under the engine's
+        current weights; ``step``: the training step just finished (0 before training)."""
+        from trainer.loop.validation import run_validation
+
+        if not self.val_items:
+            raise ValueError("run.val_every / run.val_before_train need data.val_source")
+        return run_validation(
+            self.generator, self.tokenizer, self.env_factory, self.val_items, self.cfg, step
+        )
+
+    def get_prompts_consumed(self) -> int:
+        """Training prompts taken from the stream so far (saved in checkpoints)."""
+        return self.prompts_consumed
+
+    def set_prompts_consumed(self, count: int) -> None:
+        """Resume the prompt stream after ``count`` prompts (from a checkpoint)."""
+        self.prompts_consumed = int(count)
+
+
+#: rollout metrics that count things: summed over a step's sampled batches (the rest are
+#: means, weighted by each batch's trajectories).
+_COUNTS = ("num_trajectories", "num_rows", "_trajectories", "errors")
+
+
+def combine_rollout_metrics(per_batch: list[dict[str, float]]) -> dict[str, float]:
+    """One step's rollout metrics from those of its sampled batches (dynamic sampling)."""
+    if len(per_batch) == 1:
+        return dict(per_batch[0])
+    weights = [m.get("rollout/num_trajectories", 1.0) for m in per_batch]
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for m in per_batch for k in m):
+        present = [(m[key], w) for m, w in zip(per_batch, weights) if key in m]
+        if key.endswith(_COUNTS):
+            out[key] = sum(v for v, _ in present)
+        else:
+            out[key] = sum(v * w for v, w in present) / max(sum(w for _, w in present), 1e-12)
+    return out
+
+
+def batch_metadata(batch: StepBatch, rollout_metrics: dict[str, float]) -> dict[str, Any]:
+    """What the controller needs of a batch: lengths and ids for planning, metrics."""
+    return {
+        "seq_lens": batch.seq_lens.astype(np.int64),
+        "trajectory_ids": batch.row_fields["trajectory_id"].numpy().copy(),
+        "group_ids": batch.row_fields["uid"].numpy().copy(),
+        "num_tokens": int(batch.num_tokens),
+        "metrics": {
+            **rollout_metrics,
+            "reward/mean": float(trajectory_score_mean(batch)),
+            "response_length/mean": float(response_length_mean(batch)),
+        },
+    }
+
+
+class ReplayHost:
+    """Stands in for ``RolloutHost`` when replaying recorded rollouts (``crossrl probe``):
+    step N's batch is ``<rollouts_dir>/step_<N>.npz``; there is no engine, so weight
+    updates are accepted and dropped. Sampling is gone, so two devices train on the same rows.
+    """
+
+    def __init__(self, rollouts_dir: str) -> None:
+        self.rollouts_dir = rollouts_dir
+
+    def setup(self) -> dict[str, Any]:
+        """Check the recording exists."""
+        from pathlib import Path
+
+        if not sorted(Path(self.rollouts_dir).glob("step_*.npz")):
+            raise ValueError(
+                f"--rollouts {self.rollouts_dir!r}: no step_<N>.npz files; record some with "
+                f"run.record_rollouts=true (they land in RUN_DIR/rollouts)"
+            )
+        return {"engine": "replay"}
+
+    def rollout(self, step: int, record_dir: str | None = None) -> tuple[dict[str, Any], list]:
+        """The recorded batch of ``step`` and its metadata."""
+        from pathlib import Path
+
+        from rollout.replay import load_rollout
+
+        path = Path(self.rollouts_dir) / f"step_{step}.npz"
+        if not path.is_file():
+            raise ValueError(
+                f"--rollouts: {path} is missing; record at least as many steps as --steps asks for"
+            )
+        arrays = load_rollout(path)
+        batch = StepBatch.from_numpy(arrays)
+        return batch_metadata(batch, {}), [put(arrays)]
+
+    def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
+        """No engine to update."""
+        return len(bucket)
+
+    def get_prompts_consumed(self) -> int:
+        """A replay samples no prompts."""
+        return 0
+
+    def set_prompts_consumed(self, count: int) -> None:
+        """A replay samples no prompts."""
+
+    def sleep(self, discard_weights: bool = False) -> None:
+        """No engine to put to sleep."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """No engine to wake."""
+
+    def awake_tags(self) -> list[str]:
+        """No engine: nothing awake."""
+        return []
+
+    def shutdown(self) -> None:
+        """Nothing to release."""

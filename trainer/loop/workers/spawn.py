@@ -1,0 +1,92 @@
+"""Creating a job's workers: each training role's ranks and the engine replicas, as Ray actors
+on their ranks' bundles, or, in one process (``ray.in_process``), as the objects themselves
+behind ``LocalHandle``s. Nothing here calls a worker's ``setup``; the controller does, after
+every worker exists, so their processes boot side by side."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.config.schema import Config
+from trainer.loop.workers.group import CALL_TIMEOUT_S, Placement, WorkerGroup
+
+
+@dataclass
+class Spawner:
+    """Makes the workers of ``cfg`` placed as ``layout`` (``trainer.loop.layout``) says, on
+    ``placement``'s bundles (None in one process), for device ``backend``."""
+
+    cfg: Config
+    layout: Any
+    placement: Placement | None
+    backend: Any
+    in_process: bool
+
+    def spawn(self, cls, rank: int, share: float, *args, env: dict | None = None):
+        """A worker of class ``cls`` built with ``args``: a Ray actor on training rank
+        ``rank``'s bundle taking ``share`` of its device (``env``: its extra environment), or,
+        in one process, the object itself behind a ``LocalHandle``."""
+        if self.in_process:
+            from trainer.loop.workers.local import LocalHandle
+
+            return LocalHandle(cls(*args))
+        import ray
+
+        from trainer.loop.workers.group import actor_options
+
+        opts = actor_options(self.placement, rank, share)
+        if env is not None:
+            opts["runtime_env"] = {"env_vars": env}
+        return ray.remote(cls).options(**opts).remote(*args)
+
+    def group(self, role: str) -> WorkerGroup:
+        """The workers of training role ``role``, one per rank."""
+        from trainer.loop.workers.critic import CriticWorker
+        from trainer.loop.workers.policy import PolicyWorker
+        from trainer.loop.workers.spec import WorkerSpec
+
+        cfg, dp = self.cfg, self.cfg.train.dp_size
+        cls = CriticWorker if role == "critic" else PolicyWorker
+        threads = max(1, (os.cpu_count() or 1) // dp) if self.backend.name == "cpu" else 4
+        handles = [
+            self.spawn(
+                cls,
+                rank,
+                self.layout.shares[role],
+                WorkerSpec(role=role, rank=rank, cfg=cfg, threads=threads),
+            )
+            for rank in range(dp)
+        ]
+        return WorkerGroup(role, handles)
+
+    def replicas(self, replay_dir: str | None = None) -> list:
+        """One engine replica per tp group, on the group's first rank's bundle; replica 0 is
+        the rollout host (agent loop, prompts) and deals requests to the others. With
+        ``replay_dir``, one host that replays recorded rollouts instead."""
+        from trainer.loop.workers.group import bundle_device_ids
+        from trainer.loop.workers.rollout_host import EngineHost, ReplayHost, RolloutHost
+
+        cfg, layout, backend = self.cfg, self.layout, self.backend
+        share = layout.shares["rollout"]
+        if replay_dir is not None:
+            return [self.spawn(ReplayHost, 0, share, replay_dir)]
+        # CPU: the replicas split the cores; an accelerator's engine uses few of them.
+        cpus = os.cpu_count() or 1
+        threads = max(1, cpus // len(layout.replicas)) if backend.name == "cpu" else 4
+        replicas = []
+        for rep in layout.replicas:
+            env = None
+            if backend.is_accelerator:
+                # The replica's process sees exactly its tp group's devices (Ray would
+                # show it only its own bundle's) plus what the device's engine needs.
+                ids = [
+                    i
+                    for r in rep.ranks
+                    for i in bundle_device_ids(self.placement, r, timeout_s=CALL_TIMEOUT_S)
+                ]
+                env = backend.engine_env(ids)
+            cls = RolloutHost if rep.index == 0 else EngineHost
+            replicas.append(self.spawn(cls, rep.ranks[0], share, cfg, threads, rep.index, env=env))
+        return replicas

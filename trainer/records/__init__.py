@@ -1,0 +1,1 @@
+"""The run's records: metrics and fingerprint files, checkpoints, the run directory."""
