@@ -14,11 +14,13 @@ import concurrent.futures
 import inspect
 import math
 import numbers
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from rollout.envs import exception_line
+from rollout.envs.base import runs_inline
 
 __all__ = [
     "EnvCalls",
@@ -136,9 +138,16 @@ class EnvCalls:
 
     async def __call__(self, method: Callable, *args: object) -> object:
         """``method(*args)``'s result; its exception, or ``EnvTimeout`` when it overruns."""
-        if getattr(getattr(method, "__self__", None), "inline", False) is True:
-            if not inspect.iscoroutinefunction(method):
-                return method(*args)  # a quick computation: no thread hop (Env.inline)
+        owner = getattr(method, "__self__", None)
+        if owner is not None and not inspect.iscoroutinefunction(method):
+            if runs_inline(owner, method.__name__):  # a declared quick computation: no thread
+                started = time.monotonic()
+                result = method(*args)
+                if self.timeout_s is not None and time.monotonic() - started > self.timeout_s:
+                    raise EnvTimeout(
+                        f"took longer than rollout.env_timeout_s={self.timeout_s:g} s (inline)"
+                    )
+                return result
         async with self._slots:
             if inspect.iscoroutinefunction(method):
                 task = asyncio.ensure_future(method(*args))

@@ -326,7 +326,10 @@ def test_async_rows_equal_the_lockstep_baseline(tok, tiny_engine):
 
 
 class ThreadNotingEnv:
-    """Records the thread each call runs on; ``inline`` as the instance says."""
+    """Records the thread each call runs on; ``inline`` as the instance says (the class
+    declares it, ``rollout.envs.base.runs_inline``)."""
+
+    inline = True
 
     def __init__(self, threads: list, inline: bool):
         self.threads, self.inline = threads, inline

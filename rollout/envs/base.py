@@ -18,9 +18,13 @@ An environment is a multi-turn text game:
 
 Both methods may be ``async def`` (awaited on the agent loop's event loop: never block in them)
 or plain methods (run on a worker thread, so they may block on I/O). An environment whose plain
-methods are quick computations (no I/O, no sleeping, like the built-ins) sets the class or
-instance attribute ``inline = True``: the agent loop then calls them directly on its event loop,
-without the thread hop (about 0.1 ms a call); ``rollout.env_timeout_s`` cannot interrupt them. Every trajectory has its own
+methods are quick computations (no I/O, no sleeping, like the built-ins) declares the class
+attribute ``inline = True``: the agent loop then calls them directly on its event loop,
+without the thread hop (about 0.1 ms a call). The declaration belongs to the class that
+defines the method (``runs_inline``): a subclass that overrides ``reset`` or ``step`` runs
+them on worker threads unless it declares ``inline`` itself, and an instance may still opt out
+(``self.inline = False``). An inline call that overruns ``rollout.env_timeout_s`` ends its
+trajectory once it returns (it cannot be interrupted). Every trajectory has its own
 environment instance, and the agent loop runs up to ``rollout.env_concurrency`` calls at once;
 state shared between instances needs a lock. A call that takes longer than
 ``rollout.env_timeout_s`` seconds ends its trajectory like any other fault (a thread cannot be
@@ -60,6 +64,17 @@ class Env(ABC):
     def step(self, action_text: str) -> tuple[str, float, bool, dict]:
         """Apply the model's reply; return (observation, reward in ``reward_range``, done,
         info)."""
+
+
+def runs_inline(env: object, method: str) -> bool:
+    """Whether ``env.<method>`` may run on the agent loop's event loop: the class that defines
+    the method (the first in the MRO whose own body has it) declares ``inline = True`` in its
+    own body, and the instance has not set ``inline`` to anything else. A subclass that
+    overrides ``reset`` or ``step`` does not inherit its parent's declaration."""
+    owner = next((c for c in type(env).__mro__ if method in vars(c)), None)
+    if owner is None or vars(owner).get("inline") is not True:
+        return False
+    return getattr(env, "inline", False) is True
 
 
 def _char_class(ch: str) -> int:

@@ -16,6 +16,8 @@ class QAEnv(Env):
     """``prompt``: the question text; ``answer``: the expected answer string; ``reward_fn``:
     optional ``rollout.rewards.RewardFunction`` for the final (only) turn."""
 
+    inline = True  # string work; an instance with a user's reward function opts out
+
     def __init__(
         self,
         prompt: str = "",
