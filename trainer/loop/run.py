@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -172,7 +173,19 @@ def _run(
             trainer.start()
             write_run_config(cfg, run_dir, trainer.deterministic_settings)
             CLOCK.done("config_yaml")
-            _train_loop(cfg, trainer, run_dir, stop, save_checkpoints=save_checkpoints)
+            started = time.monotonic()
+            rewards = _train_loop(cfg, trainer, run_dir, stop, save_checkpoints=save_checkpoints)
+            print(
+                closing_summary(
+                    command,
+                    run_dir,
+                    first_step=trainer.start_step + 1,
+                    total_steps=cfg.train.total_steps,
+                    rewards=rewards,
+                    wall_s=time.monotonic() - started,
+                ),
+                file=sys.stderr,
+            )
             return 0
         except (WorkerFailedError, HealthError, CheckpointError) as err:
             print(f"crossrl {command}: {err}", file=sys.stderr)
@@ -196,10 +209,39 @@ def _run(
                     ray.shutdown()
 
 
+def closing_summary(
+    command: str,
+    run_dir: Path,
+    *,
+    first_step: int,
+    total_steps: int,
+    rewards: list[float],
+    wall_s: float,
+) -> str:
+    """The lines ``crossrl train`` ends with: what this process ran (steps ``first_step`` to
+    ``total_steps``; ``rewards``: each step's ``reward/mean``), the wall time in seconds, where
+    the run directory is, and what to run next."""
+    ran = len(rewards)
+    if ran:
+        what = (
+            f"steps {first_step}-{first_step + ran - 1} of {total_steps}, {wall_s:.1f} s of training; "
+            f"reward/mean {rewards[0]:.3f} (step {first_step}) -> {rewards[-1]:.3f} "
+            f"(step {first_step + ran - 1})"
+        )
+    else:
+        what = f"nothing left to run: all {total_steps} steps were done before (resumed)"
+    if command == "probe":
+        nxt = f"compare it with another run: crossrl parity RUN_A {run_dir}"
+    else:
+        nxt = f"crossrl plot {run_dir}    crossrl export {run_dir} OUT_DIR"
+    return f"crossrl {command}: done, {what}\n  run directory: {run_dir}\n  next: {nxt}"
+
+
 def _train_loop(
     cfg: Config, trainer: Trainer, run_dir: Path, stop: StopRequests, *, save_checkpoints: bool
-) -> None:
-    """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint."""
+) -> list[float]:
+    """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint.
+    Returns each step's ``reward/mean``, in step order."""
     from trainer.loop.health import checkpoint_veto
     from trainer.loop.startup import CLOCK, log_summary
     from trainer.loop.validation import validation_due
@@ -216,9 +258,11 @@ def _train_loop(
             CLOCK.done("validation")
         if trainer.start_step < total:
             log_summary()
+        rewards: list[float] = []
         for step in range(trainer.start_step + 1, total + 1):
             stop.check()  # a signal during start-up or the previous step ends the run here
             metrics, fingerprint = trainer.train_step(step)
+            rewards.append(float(metrics.get("reward/mean", float("nan"))))
             metrics.update(CLOCK.metrics())  # the first step of this process only
             if validation_due(cfg, step):
                 metrics.update(trainer.validate(step))
@@ -230,3 +274,4 @@ def _train_loop(
                 print(f"crossrl: {veto}", file=sys.stderr)
             elif save_checkpoints and due:
                 trainer.save_checkpoint(step)
+    return rewards
