@@ -109,8 +109,11 @@ class HFEngine(Engine):
         self._device = next(model.parameters()).device
         # Logits of the last position only (what sampling reads), where the model allows it:
         # a prefill's full [rows, width, vocab] logits are large for real vocabularies.
-        takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}
+        params = inspect.signature(model.forward).parameters
+        self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        # The KV cache's keyword: ``cache`` from transformers 5.2x (``past_key_values`` is
+        # deprecated there and warns on every call), ``past_key_values`` before.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._arena = KVArena()  # KV cache memory, kept between calls until sleep()
         self._lock = threading.Lock()  # one generate call at a time (they share the arena)
         self._awake: set[str] = set(WAKE_TAGS)
@@ -226,8 +229,8 @@ class HFEngine(Engine):
                 input_ids=step_ids,
                 attention_mask=attention_mask[:, : width + step + 1],
                 position_ids=next_pos,
-                past_key_values=cache,
                 use_cache=True,
+                **{self._cache_kw: cache},
                 **self._last_logits_only,
             )
             logits = out.logits[:, -1, :]
@@ -255,11 +258,13 @@ class HFEngine(Engine):
         head = min(head, min(len(p) for p in prompts) - 1)  # every prompt keeps a token
         cache = None
         if head * (len(prompts) - 1) >= _MIN_SHARED_HEAD_TOKENS:
-            cache = self.model(
-                input_ids=torch.tensor([prompts[0][:head]], dtype=torch.long, device=device),
-                use_cache=True,
-                **self._last_logits_only,
-            ).past_key_values
+            cache = _cache_of(
+                self.model(
+                    input_ids=torch.tensor([prompts[0][:head]], dtype=torch.long, device=device),
+                    use_cache=True,
+                    **self._last_logits_only,
+                )
+            )
             cache.batch_repeat_interleave(len(prompts))
         else:
             head = 0
@@ -276,11 +281,11 @@ class HFEngine(Engine):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)[:, head:],
-            past_key_values=cache,
             use_cache=True,
+            **{self._cache_kw: cache},
             **self._last_logits_only,
         )
-        return out.logits[:, -1, :], out.past_key_values, attention_mask
+        return out.logits[:, -1, :], _cache_of(out), attention_mask
 
     # ---------------------------------------------------------------- weights and memory
 
@@ -339,3 +344,9 @@ class HFEngine(Engine):
     def shutdown(self) -> None:
         """Drop the model reference."""
         self.model = None  # type: ignore[assignment]
+
+
+def _cache_of(out) -> object:
+    """The KV cache a forward returned: ``out.cache`` (transformers 5.2x) or, before,
+    ``out.past_key_values``."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
