@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 import hal
 from hal import doctor_facts
@@ -101,9 +102,12 @@ def test_minimum_versions_follow_setup_cfg():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     requires = {}
-    for line in cfg["options"]["install_requires"].split():
-        name, _, version = line.partition(">=")
-        requires[name] = version
+    for line in cfg["options"]["install_requires"].splitlines():
+        line = line.split("#")[0].strip()
+        if not line:
+            continue
+        req = Requirement(line)  # e.g. torch>=2.6,<2.14: the minimum is the >= bound
+        requires[req.name] = next(s.version for s in req.specifier if s.operator == ">=")
     assert cfg["options"]["python_requires"] == f">={doctor.MINIMUM_VERSIONS['python']}"
     for name in ("torch", "transformers", "ray"):
         assert requires[name] == doctor.MINIMUM_VERSIONS[name]
