@@ -226,6 +226,55 @@ def _check_resume(cfg: Config) -> None:
     try:
         # Every file's size and sha256 against the manifest; the trainer then loads it
         # without hashing it again (Trainer._resume).
-        resolve_resume(cfg.run.dir, cfg.run.resume)
+        ckpt = resolve_resume(cfg.run.dir, cfg.run.resume)
     except ValueError as err:  # CheckpointError is a ValueError
         raise PreflightError(" ".join(str(err).split())) from None
+    if ckpt is None:
+        return
+    _check_metrics_file(cfg)
+    _check_checkpoint_shapes(cfg, ckpt)
+
+
+def _check_metrics_file(cfg: Config) -> None:
+    """A resumed run appends to ``metrics.jsonl``: every line of it must read (a torn last
+    line, from a crash mid-write, is dropped as the logger does)."""
+    from trainer.records.metrics import MetricsFileError, read_jsonl
+
+    path = Path(cfg.run.dir) / "metrics.jsonl"
+    if not path.is_file():
+        return
+    try:
+        read_jsonl(path, allow_torn_tail=True)
+    except (MetricsFileError, OSError, UnicodeDecodeError) as err:
+        raise PreflightError(
+            f"run.resume={cfg.run.resume}: {' '.join(str(err).split())} (or start afresh with "
+            "run.resume=never in another run.dir)"
+        ) from None
+
+
+def _check_checkpoint_shapes(cfg: Config, ckpt: Path) -> None:
+    """The checkpoint's actor weights have the shapes of ``model.path``'s model: resuming a
+    run with another model would fail while loading, after start-up."""
+    from trainer.records.checkpoint import LAYOUT
+
+    sharded = ckpt / LAYOUT.model_dir("actor")
+    if not (sharded / ".metadata").is_file():
+        return  # the single-file layout of older checkpoints: checked when it loads
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from rollout.models import build_empty_model
+
+    saved = {
+        name: tuple(meta.size)
+        for name, meta in FileSystemReader(str(sharded)).read_metadata().state_dict_metadata.items()
+        if hasattr(meta, "size")
+    }
+    model = build_empty_model(cfg.model.path, dtype=torch.float32, seed=cfg.seed)
+    for name, tensor in model.state_dict().items():
+        if name in saved and saved[name] != tuple(tensor.shape):
+            raise PreflightError(
+                f"model.path={cfg.model.path}: {name} has shape {tuple(tensor.shape)}, the "
+                f"checkpoint {ckpt} has {saved[name]}; resume with the model the run trained "
+                "(see its config.yaml) or start afresh with run.resume=never"
+            )

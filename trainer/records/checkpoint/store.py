@@ -74,10 +74,17 @@ def begin_checkpoint(run_dir: str | os.PathLike, step: int) -> Path:
     """
     step = _check_step(step)
     root = _checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     staging = root / f"{_TMP_PREFIX}step_{step}_{uuid.uuid4().hex}"
-    staging.mkdir()
-    fsync_dir(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+        fsync_dir(root)
+    except OSError as err:  # a file in its place, no permission, a full or read-only disk
+        raise CheckpointError(
+            f"step {step}: cannot write a checkpoint under {root} ({err.strerror or err}); "
+            "make that directory writable (or point run.dir at one that is); the last whole "
+            "checkpoint stays `latest`"
+        ) from None
     return staging
 
 
