@@ -50,6 +50,15 @@ SHAPES: dict[str, dict] = {
         "pad_token_id": 151643,
     },
 }
+# Qwen2.5-1.5B: the 0.5B's config with its own sizes (the GPU lane's vLLM job).
+SHAPES["qwen2.5-1.5b"] = {
+    **SHAPES["qwen2.5-0.5b"],
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+}
 
 _DTYPES = {
     "float32": torch.float32,

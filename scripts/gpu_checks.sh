@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The accelerator bring-up checks of docs/gpu.md, one command per part, logs under OUT.
 #
-#   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh [env] [tests] [job] [probe] [bench]
+#   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh [install] [env] [tests] [job] [probe] [bench] [vllm]
 #   KIND=<folder> picks configs/<folder>/qwen2.5-0.5b-grpo.yaml for the job (default: gpu)
 #
 # No part given: all of them, in that order. Each part has its own time limit so that one
@@ -21,6 +21,34 @@ parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(env tests job probe bench)
 
 crossrl() { "$PY" -m trainer.cli "$@"; }
+
+SITE=${CROSSRL_SITE:-/tmp/crossrl-site}  # where `install` puts the carried wheels
+CARRY=${CROSSRL_CARRY:-/tmp/crossrl-carry}  # where the run calls of scripts/gpu_carry.sh copy the parts
+
+part_install() {
+    # The parts scripts/gpu_carry.sh made, carried over back-to-back run calls: joined and
+    # checked against their manifest, then installed (no network, no dependency resolution:
+    # the set is complete, `carry.py missing` said so) into a target directory that the later
+    # parts put on PYTHONPATH.
+    "$PY" scripts/carry.py join "$CARRY" "$CARRY/gpu-wheels.tar" || return 1
+    rm -rf "$CARRY/wheels" && tar -C "$CARRY" -xf "$CARRY/gpu-wheels.tar"
+    "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$CARRY"/wheels/*.whl
+    [ -f .carry/offline.tar.xz ] && tar -xJf .carry/offline.tar.xz -C "$SITE"
+    PYTHONPATH="$SITE:$PWD" "$PY" -c 'import vllm, trl; print("vllm", vllm.__version__, "trl", trl.__version__)'
+}
+
+part_vllm() {
+    # The vLLM-marked tests on CUDA, then a few steps of the 1.5B-shaped job with the vLLM
+    # engine colocated (sleep/wake, the streamed weight push).
+    "$PY" -m pytest -q -rs -p no:cacheprovider -m vllm tests/test_rollout_vllm.py \
+        tests/test_trainer_vllm_e2e.py || return 1
+    local model=$WORK/qwen2.5-1.5b-random
+    [ -d "$model" ] || "$PY" -m rollout.models random qwen2.5-1.5b "$model" --seed 0
+    crossrl train --config "configs/$KIND/qwen2.5-1.5b-grpo.yaml" model.path="$model" \
+        rollout.engine=vllm train.dp_size=1 train.total_steps=3 run.save_every=0 \
+        run.resume=never run.dir="$RUNS/vllm-1.5b"
+    "$PY" scripts/summarize_run.py "$RUNS/vllm-1.5b"
+}
 
 part_env() {
     "$PY" -c 'import platform, pydantic; print("python", platform.python_version(), "pydantic", pydantic.__version__)'
@@ -64,13 +92,15 @@ part_bench() {
     crossrl bench gpu --out "$RUNS/bench-gpu.json"
 }
 
-declare -A limit=([env]=60 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=150 [bench]=200)
+declare -A limit=([install]=240 [env]=60 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=150
+    [bench]=200 [vllm]=420)
 for part in "${parts[@]}"; do
     echo "=== $part (limit ${limit[$part]} s) $(date -u +%FT%TZ)" | tee -a "$OUT/summary.txt"
     start=$(date +%s)
     (
         export -f crossrl "part_$part"
-        export PY MODEL RUNS KIND
+        export PY MODEL RUNS KIND SITE CARRY WORK
+        [ -d "$SITE" ] && export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
         timeout "${limit[$part]}" bash -c "part_$part"
     ) >"$OUT/$part.txt" 2>&1
     rc=$?
