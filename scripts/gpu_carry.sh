@@ -14,7 +14,9 @@
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
-grep -qxF '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+grep -qxF '/.carry/' "$exclude" 2>/dev/null || echo '/.carry/' >> "$exclude"
 wheels=.carry/wheels
 mkdir -p "$wheels" .carry/dropped
 if ! python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
