@@ -41,7 +41,9 @@ def test_the_libraries_that_break_us_have_upper_bounds():
         assert any(s.operator in ("<", "<=", "==") for s in specs), (name, str(specs))
 
 
-@pytest.mark.parametrize("lane", ["constraints-cpu.txt", "constraints-gpu.txt"])
+@pytest.mark.parametrize(
+    "lane", ["constraints-cpu.txt", "constraints-gpu.txt", "constraints-npu.txt"]
+)
 def test_each_lanes_pins_lie_inside_the_ranges(lane):
     reqs = _requirements()
     pins = _pins(lane)
