@@ -18,6 +18,13 @@ BACKEND_NAMES = ("auto", "cpu", "cuda", "npu")
 RAY_RESOURCES = {"cpu": "CPU", "cuda": "GPU", "npu": "NPU"}
 """The Ray resource of each device type (a backend's ``ray_resource``), known without torch."""
 
+DEFAULT_DEVICE_MEMORY_BYTES: dict[str, float] = {"cuda": 80e9, "npu": 64e9}
+"""Memory of one device, in bytes, when the device is not on this machine (an H100, one A3
+die): what the memory budget assumes for ``crossrl layout`` elsewhere; known without torch."""
+
+DEFAULT_DEVICE_NAMES: dict[str, str] = {"cuda": "an 80 GB H100", "npu": "a 64 GB Atlas A3 die"}
+"""The device ``DEFAULT_DEVICE_MEMORY_BYTES`` describes, for printing."""
+
 #: Where each public name lives; imported on first use (PEP 562).
 _EXPORTS = {
     "hal.attention": (

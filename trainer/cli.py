@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="memory of one device in GB (1e9 bytes) for the memory budget (default: this "
-        "machine's device when it has the config's type, else 80 for cuda, 64 for npu)",
+        "machine's device when it has the config's type, else hal.DEFAULT_DEVICE_MEMORY_BYTES)",
     )
     layout.add_argument(
         "overrides", nargs="*", help="key.path=value overrides, e.g. train.dp_size=4"

@@ -36,6 +36,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from hal import DEFAULT_DEVICE_MEMORY_BYTES, DEFAULT_DEVICE_NAMES  # noqa: F401 - re-exported
 from trainer.config.schema import Config
 
 __all__ = [
@@ -66,9 +67,6 @@ CHUNK_COPIES = 3
 STAGING_SLACK_BYTES = 1 << 30
 #: The weight push's bucket before issue 24's streamed push (``push_weights(64 << 20)``).
 BEFORE_BUCKET_BYTES = 64 << 20
-#: Device memory when the device is not on this machine: an H100 (80 GB), one A3 die (64 GB).
-DEFAULT_DEVICE_MEMORY_BYTES: dict[str, float] = {"cuda": 80e9, "npu": 64e9}
-DEFAULT_DEVICE_NAMES: dict[str, str] = {"cuda": "an 80 GB H100", "npu": "a 64 GB Atlas A3 die"}
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 #: The columns of a phase, in table order, with what each counts.
@@ -258,7 +256,7 @@ class Phase:
 class MemoryBudget:
     """The phases of a step on one device (the host on the CPU) against its memory."""
 
-    device: str  # cpu | cuda | npu
+    device: str  # a HAL backend name (hal.BACKEND_NAMES)
     device_memory_bytes: float
     memory_source: str  # where device_memory_bytes came from, for printing
     shape: ModelShape
@@ -324,7 +322,7 @@ def estimate_memory(
     before_fixes: bool = False,
 ) -> MemoryBudget:
     """The phases of one step of ``cfg`` on one device of ``device_memory_bytes`` bytes
-    (see the module docstring). ``device``: cpu, cuda or npu; on the CPU the memory is the
+    (see the module docstring). ``device``: a HAL backend name; on the CPU the memory is the
     host's, shared by ``ranks_per_memory`` ranks and their engine replicas, and offloading
     moves nothing off it. ``critic_shape``: the critic's (default ``shape``).
     ``before_fixes``: the model of the trainer before issue 24's fixes."""
