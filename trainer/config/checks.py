@@ -131,15 +131,25 @@ def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
                 "the hf engine runs one device per replica; use 1 or rollout.engine=vllm",
             )
         )
-    elif tr.dp_size % ro.tensor_parallel_size:
+    elif ro.engine_devices and ro.engine_devices % ro.tensor_parallel_size:
+        p.append(
+            problem(
+                "rollout.engine_devices",
+                ro.engine_devices,
+                f"must be a multiple of rollout.tensor_parallel_size ({ro.tensor_parallel_size}): "
+                "each engine replica takes that many of the engines' own devices",
+            )
+        )
+    elif not ro.engine_devices and tr.dp_size % ro.tensor_parallel_size:
         p.append(
             problem(
                 "rollout.tensor_parallel_size",
                 ro.tensor_parallel_size,
                 f"must divide train.dp_size ({tr.dp_size}): engine replicas share the "
-                "trainer's devices",
+                "trainer's devices (or give them their own: rollout.engine_devices)",
             )
         )
+    p += _lag_problems(cfg)
     if alg.use_kl_loss and alg.kl_coef == 0:
         p.append(
             problem(
@@ -186,6 +196,36 @@ def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
             f"mini-batch < train.dp_size ({tr.dp_size}): some ranks will train on padding rows only"
         )
     return p, warn
+
+
+def _lag_problems(cfg: Config) -> list[Problem]:
+    """``train.rollout_lag`` > 0: the engines must generate while the ranks train, so they
+    need devices of their own, and the loss must correct for the older behaviour policy."""
+    lag = cfg.train.rollout_lag
+    if not lag:
+        return []
+    p = []
+    if not cfg.rollout.engine_devices:
+        p.append(
+            problem(
+                "train.rollout_lag",
+                lag,
+                "the engines generate the next steps while the ranks train, so they need "
+                "devices of their own: set rollout.engine_devices (e.g. to "
+                f"{cfg.rollout.tensor_parallel_size}) or train.rollout_lag=0",
+            )
+        )
+    if cfg.algorithm.rollout_correction == "none":
+        p.append(
+            problem(
+                "train.rollout_lag",
+                lag,
+                "samples come from an older policy, so the loss needs importance weights "
+                "(decoupled PPO): set algorithm.rollout_correction=token or sequence, or "
+                "train.rollout_lag=0",
+            )
+        )
+    return p
 
 
 def _verl_problems(cfg: Config, warn: list[str]) -> list[Problem]:

@@ -156,7 +156,17 @@ class RolloutConfig(BaseModel):
         0.5, gt=0, lt=1, description="fraction of each accelerator's memory the engine may take"
     )
     tensor_parallel_size: int = Field(
-        1, ge=1, description="devices per engine replica (vllm only; must divide train.dp_size)"
+        1,
+        ge=1,
+        description="devices per engine replica (vllm only; must divide train.dp_size, or "
+        "rollout.engine_devices when the engines have devices of their own)",
+    )
+    engine_devices: int = Field(
+        0,
+        ge=0,
+        description="devices of their own for the engine replicas (rollout.engine_devices / "
+        "rollout.tensor_parallel_size replicas, placed on the last nodes); 0 = colocated on "
+        "the training ranks' devices, sleeping while they train; train.rollout_lag > 0 needs it",
     )
     max_sample_batches: int = Field(
         1,
@@ -374,6 +384,14 @@ class TrainConfig(BaseModel):
         "its old log-probs are its update's own forward (detached) instead of a separate "
         "pass (one forward less per step; off by itself with algorithm.rollout_correction "
         "or a KL reward penalty, which need them before the update)",
+    )
+    rollout_lag: int = Field(
+        0,
+        ge=0,
+        description="training steps between the policy that samples a step and the one that "
+        "trains on it: step t is sampled by the weights after step t - 1 - rollout_lag, so "
+        "the engines generate ahead while the ranks train (needs rollout.engine_devices and "
+        "algorithm.rollout_correction); 0 = synchronous",
     )
     share_prompts: bool = Field(
         True,

@@ -50,6 +50,9 @@ class Trainer:
         self.critic: WorkerGroup | None = None
         self.deterministic_settings: dict[str, str] = {}
         self.nonfinite = NonfiniteStreak(cfg.run.max_nonfinite_steps)
+        # Engines on devices of their own: the fixed-lag pipeline (set up by start).
+        self.pipeline = None
+        self.last_rollout: dict[str, Any] = {}  # the metadata of the step's rollout
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -74,10 +77,15 @@ class Trainer:
 
         timer = StepTimer()
         with timer.section("rollout"):
-            meta, batch_ref = self._rollout(step)
-            # The training ranks get the devices; the push overwrites every engine weight,
-            # so the engines drop theirs instead of copying them to the host and back.
-            self._engines("sleep", self.replay_dir is None)
+            if self.pipeline is not None:  # generated ahead, while earlier steps trained
+                meta, batch_ref = self.pipeline.take(step)
+            else:
+                meta, batch_ref = self._rollout(step)
+                # The training ranks get the devices; the push overwrites every engine
+                # weight, so the engines drop theirs instead of copying them to the host
+                # and back.
+                self._engines("sleep", self.replay_dir is None)
+        self.last_rollout = meta
         check_env_faults(meta, self.cfg.run.max_env_error_fraction, step)
         plan = self._plan(meta)
         with timer.section("prepare"):
@@ -86,17 +94,24 @@ class Trainer:
             stats, mismatch = self._update(plan, step)
         adv_metrics.update(mismatch)
         with timer.section("sync"):
-            records = self._hand_over(step, plan)
+            if self.pipeline is not None:
+                records = self._end_of_step(step, plan)
+                self.pipeline.after_update(step, self.snapshot_weights())
+            else:
+                records = self._hand_over(step, plan)
         metrics = self._metrics(step, meta, plan, stats, adv_metrics, timer)
         metrics.update(records["memory"])
         fingerprint = self._fingerprint(step, plan, stats, metrics, records)
         return metrics, fingerprint
 
+    def record_dir(self) -> str | None:
+        """Where the rollouts are recorded (``run.record_rollouts``), or None."""
+        return str(self.run_dir / "rollouts") if self.cfg.run.record_rollouts else None
+
     def _rollout(self, step: int) -> tuple[dict[str, Any], list]:
         """Rows of this step: metadata here, the batch itself in the object store."""
-        record = str(self.run_dir / "rollouts") if self.cfg.run.record_rollouts else None
         return wait_all(
-            [self.rollout.rollout.remote(step, record)],
+            [self.rollout.rollout.remote(step, self.record_dir())],
             ["rollout host"],
             timeout_s=CALL_TIMEOUT_S,
             what="rollout",
@@ -117,11 +132,14 @@ class Trainer:
     def _old_from_update(self) -> bool:
         """Whether the step's first mini-batch takes its old log-probs from its own update
         (``train.old_logprobs_from_update``): not when something reads them before the update
-        (``algorithm.rollout_correction``, a KL reward penalty)."""
+        (``algorithm.rollout_correction``, a KL reward penalty), nor under a rollout lag, where
+        the update's weights are not those that sampled (the recomputed old log-probs are the
+        proximal policy of decoupled PPO)."""
         algo = self.cfg.algorithm
         kl_penalty = algo.kl_coef > 0 and not algo.use_kl_loss
         return (
             self.cfg.train.old_logprobs_from_update
+            and not self.cfg.train.rollout_lag
             and algo.rollout_correction == "none"
             and not kl_penalty
         )
@@ -196,6 +214,13 @@ class Trainer:
 
         return totals, mismatch_from_sums([results[r] for r in mismatch])
 
+    def snapshot_weights(self) -> list | None:
+        """The actor's new weights in host memory for engines of their own (rank 0's
+        ``snapshot_weights``; every rank gathers), or None when replaying (no engine)."""
+        if self.replay_dir is not None:
+            return None
+        return self.actor.call("snapshot_weights")[0]
+
     def _check_weights(self, step: int) -> None:
         """Stop before non-finite weights reach the rollout engine or a checkpoint."""
         for group in self.training_groups():
@@ -207,9 +232,12 @@ class Trainer:
         from trainer.records.metrics import StepTimer
 
         timer = StepTimer()
+        # Pipelined, the host loads the step's weights first (its earlier rollouts sample
+        # with older ones): the validation always sees the weights after ``step``.
+        weights = self.pipeline.snapshot if self.pipeline is not None else None
         with timer.section("val"):
             (metrics,) = wait_all(
-                [self.rollout.validate.remote(step)],
+                [self.rollout.validate.remote(step, weights)],
                 ["rollout host"],
                 timeout_s=CALL_TIMEOUT_S,
                 what="rollout.validate",
@@ -317,12 +345,15 @@ class Trainer:
         from trainer.records.checkpoint.save import save_step
 
         self._check_weights(step)  # never commit non-finite weights over good checkpoints
-        (consumed,) = wait_all(
-            [self.rollout.get_prompts_consumed.remote()],
-            ["rollout host"],
-            timeout_s=CALL_TIMEOUT_S,
-            what="rollout.get_prompts_consumed",
-        )
+        if self.pipeline is not None:  # the host is sampling later steps already
+            consumed = self.last_rollout.get("prompts_consumed", step * self.cfg.train.batch_size)
+        else:
+            (consumed,) = wait_all(
+                [self.rollout.get_prompts_consumed.remote()],
+                ["rollout host"],
+                timeout_s=CALL_TIMEOUT_S,
+                what="rollout.get_prompts_consumed",
+            )
         return save_step(self.run_dir, step, self.training_groups(), consumed)
 
     def shutdown(self) -> None:

@@ -24,7 +24,7 @@ def start(job) -> None:
     import hal
     from trainer.loop.layout import plan_layout, runs_in_process
     from trainer.loop.startup import CLOCK
-    from trainer.loop.workers.group import cluster_nodes, make_placement
+    from trainer.loop.workers.group import cluster_node_ids, cluster_nodes, make_placement
     from trainer.loop.workers.spawn import Spawner
 
     cfg = job.cfg
@@ -37,9 +37,9 @@ def start(job) -> None:
     if not job.in_process:
         job.placement = make_placement(
             resource,
-            cfg.train.dp_size,
-            tp=job.layout.tp,
+            job.layout,
             timeout_s=cfg.ray.placement_timeout_s,
+            node_ids=cluster_node_ids(resource),
         )
     job.use_ref = "reference" in job.layout.roles
     job.use_critic = "critic" in job.layout.roles
@@ -77,6 +77,25 @@ def start(job) -> None:
     job.deterministic_settings = _agreed_deterministic_settings(job)
     resume(job)
     CLOCK.done("resume")
+    if job.layout.separate:
+        _start_pipeline(job)
+
+
+def _start_pipeline(job) -> None:
+    """Engines on devices of their own: queue the first rollouts of the fixed-lag pipeline
+    (``trainer.loop.pipeline``), sampled with the weights the run starts from (the engines'
+    own at step 0, a snapshot of the resumed ones after a resume)."""
+    from trainer.loop.pipeline import RolloutPipeline
+
+    cfg = job.cfg
+    job.pipeline = RolloutPipeline(
+        job.rollout, cfg.train.rollout_lag, cfg.train.total_steps, job.record_dir()
+    )
+    weights = None
+    if job.start_step:
+        snapshot = job.snapshot_weights()
+        weights = None if snapshot is None else [job.start_step, *snapshot]
+    job.pipeline.start(job.start_step + 1, weights)
 
 
 def _rendezvous(group: WorkerGroup) -> list:
@@ -119,7 +138,8 @@ def resume(job) -> None:
         timeout_s=CALL_TIMEOUT_S,
         what="rollout.set_prompts_consumed",
     )
-    job.sync_weights()
+    if not job.layout.separate:  # else the pipeline's first rollouts take a snapshot
+        job.sync_weights()
     print(f"crossrl: resumed from {ckpt} (step {job.start_step})", file=sys.stderr)
 
 

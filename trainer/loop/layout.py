@@ -45,7 +45,8 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Replica:
-    """One engine replica: its ``tp`` training ranks and their devices on one node."""
+    """One engine replica: its ``tp`` devices on one node, and the training ranks it shares
+    them with (none when the engines have devices of their own)."""
 
     index: int
     ranks: tuple[int, ...]
@@ -55,7 +56,7 @@ class Replica:
     @property
     def tp(self) -> int:
         """Devices of this replica (``rollout.tensor_parallel_size``)."""
-        return len(self.ranks)
+        return len(self.devices)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Layout:
     engine: str  # rollout.engine
     engine_memory_fraction: float  # of each device, while the engine is awake
     shares: dict[str, float] = field(default_factory=dict)
+    separate: bool = False  # the engines on devices of their own (rollout.engine_devices)
 
     @property
     def dp_size(self) -> int:
@@ -83,8 +85,62 @@ class Layout:
         return self.replicas[0].tp
 
     def replica_of_rank(self, rank: int) -> int:
-        """The replica whose tp group holds training rank ``rank``."""
+        """The replica whose tp group holds training rank ``rank`` (colocated layouts)."""
         return rank // self.tp
+
+    @property
+    def devices_used(self) -> int:
+        """Devices the job takes: the ranks', plus the engines' own when separate."""
+        return self.dp_size + (sum(r.tp for r in self.replicas) if self.separate else 0)
+
+
+def _separate_layout(cfg: Config, nodes: tuple[int, ...], resource: str, device: str) -> Layout:
+    """``plan_layout`` with ``rollout.engine_devices`` > 0: the training ranks fill the nodes
+    from the first, one device each; the engine replicas, ``tp`` devices each on one node,
+    fill what is left from the last node back, so on a cluster of several nodes the engines
+    sit on nodes of their own (their weights then cross nodes, through host memory)."""
+    dp, tp = cfg.train.dp_size, cfg.rollout.tensor_parallel_size
+    count = cfg.rollout.engine_devices // tp
+    shape = "/".join(map(str, nodes))
+    if dp + cfg.rollout.engine_devices > sum(nodes):
+        raise LayoutError(
+            f"train.dp_size={dp} + rollout.engine_devices={cfg.rollout.engine_devices} need "
+            f"{dp + cfg.rollout.engine_devices} {resource} devices, the cluster has "
+            f"{sum(nodes)} ({len(nodes)} node(s) of {shape}); lower one of them or add nodes"
+        )
+    free = [list(range(n)) for n in nodes]
+    slots: list[tuple[int, int]] = []
+    for node in range(len(nodes)):
+        while free[node] and len(slots) < dp:
+            slots.append((node, free[node].pop(0)))
+    replicas: list[Replica] = []
+    for node in reversed(range(len(nodes))):
+        while len(free[node]) >= tp and len(replicas) < count:
+            devices = tuple(free[node][-tp:])
+            del free[node][-tp:]
+            replicas.append(Replica(len(replicas), (), node, devices))
+    if len(replicas) < count:
+        raise LayoutError(
+            f"rollout.engine_devices={cfg.rollout.engine_devices} with "
+            f"rollout.tensor_parallel_size={tp}: after train.dp_size={dp} ranks, nodes of "
+            f"{shape} {resource} devices hold only {len(replicas)} whole replica(s) of {tp} "
+            "devices on one node; lower train.dp_size or rollout.tensor_parallel_size"
+        )
+    roles = training_roles(cfg)
+    # Each training process and each engine owns its device: no sharing to keep books of.
+    shares = {role: 1.0 / len(roles) for role in roles}
+    return Layout(
+        device=device,
+        resource=resource,
+        nodes=nodes,
+        roles=roles,
+        rank_slots=tuple(slots),
+        replicas=tuple(replicas),
+        engine=cfg.rollout.engine,
+        engine_memory_fraction=cfg.rollout.memory_fraction,
+        shares={**shares, "rollout": 1.0},
+        separate=True,
+    )
 
 
 def training_roles(cfg: Config) -> tuple[str, ...]:
@@ -111,6 +167,8 @@ def plan_layout(cfg: Config, nodes: Sequence[int], resource: str, device: str = 
     nodes = tuple(int(n) for n in nodes)
     if not nodes or any(n < 1 for n in nodes):
         raise LayoutError(f"nodes={list(nodes)}: every node needs at least 1 {resource} device")
+    if cfg.rollout.engine_devices:
+        return _separate_layout(cfg, nodes, resource, device)
     total = sum(nodes)
     if dp % tp:
         raise LayoutError(
@@ -166,6 +224,8 @@ def in_process_blockers(cfg: Config, device: str) -> list[str]:
     found = []
     if cfg.train.dp_size != 1:
         found.append(f"train.dp_size={cfg.train.dp_size}")
+    if cfg.rollout.engine_devices:  # the engines run beside the ranks, in their own process
+        found.append(f"rollout.engine_devices={cfg.rollout.engine_devices}")
     if cfg.rollout.engine != "hf":
         found.append(f"rollout.engine={cfg.rollout.engine}")
     if cfg.ray.address is not None:
@@ -202,7 +262,7 @@ def local_ray_cpus(cfg: Config) -> int:
 
 def format_layout(layout: Layout) -> str:
     """The layout as ``crossrl layout`` prints it: a summary, then one line per used device."""
-    n_used = layout.dp_size
+    n_used = layout.devices_used
     total = sum(layout.nodes)
     nodes = layout.nodes
     shape = (
@@ -214,25 +274,54 @@ def format_layout(layout: Layout) -> str:
         f"training: {layout.dp_size} ranks (train.dp_size), roles {', '.join(layout.roles)}: "
         "one process per role per rank, on the rank's device",
         f"rollout: {len(layout.replicas)} {layout.engine} engine replicas x tp {layout.tp} "
-        f"(rollout.tensor_parallel_size) over {n_used} devices",
+        "(rollout.tensor_parallel_size) over "
+        + (
+            f"{layout.devices_used - layout.dp_size} devices of their own (rollout.engine_devices)"
+            if layout.separate
+            else f"the training ranks' {layout.dp_size} devices"
+        ),
         f"memory: an engine takes {layout.engine_memory_fraction:g} of each of its devices "
-        "(rollout.memory_fraction) while awake and sleeps while the ranks train",
+        "(rollout.memory_fraction)"
+        + (
+            "; it stays awake, generating while the ranks train; new weights reach it through "
+            "host memory"
+            if layout.separate
+            else " while awake and sleeps while the ranks train"
+        ),
         "Ray shares of a device: "
         + ", ".join(f"{role} {share:g}" for role, share in layout.shares.items()),
     ]
     for node in range(len(nodes)):
-        here = [(r, d) for r, (n, d) in enumerate(layout.rank_slots) if n == node]
-        if not here:
+        here = [(d, r) for r, (n, d) in enumerate(layout.rank_slots) if n == node]
+        engines = [
+            (d, rep)
+            for rep in layout.replicas
+            if rep.node == node and layout.separate
+            for d in rep.devices
+        ]
+        if not here and not engines:
             continue
         lines.append(f"node {node}:")
-        for rank, dev in here:
-            rep = layout.replicas[layout.replica_of_rank(rank)]
-            procs = ", ".join(f"{role} rank {rank}" for role in layout.roles)
-            lines.append(
-                f"  device {dev:2d}: {procs}, engine replica {rep.index} "
-                f"(tp rank {rank - rep.ranks[0]} of {rep.tp})"
-            )
+        for dev, what in sorted(
+            [(d, _rank_line(layout, r)) for d, r in here]
+            + [(d, _engine_line(rep, d)) for d, rep in engines]
+        ):
+            lines.append(f"  device {dev:2d}: {what}")
     return "\n".join(lines)
+
+
+def _rank_line(layout: Layout, rank: int) -> str:
+    """What runs on training rank ``rank``'s device, for ``format_layout``."""
+    procs = ", ".join(f"{role} rank {rank}" for role in layout.roles)
+    if layout.separate:
+        return procs
+    rep = layout.replicas[layout.replica_of_rank(rank)]
+    return f"{procs}, engine replica {rep.index} (tp rank {rank - rep.ranks[0]} of {rep.tp})"
+
+
+def _engine_line(rep: Replica, device: int) -> str:
+    """An engine replica's own device, for ``format_layout``."""
+    return f"engine replica {rep.index} (tp rank {rep.devices.index(device)} of {rep.tp})"
 
 
 def prompt_sharing_rule(cfg: Config, device: str) -> str:

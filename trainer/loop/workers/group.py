@@ -8,11 +8,12 @@ after a timeout.
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from trainer.loop.workers.local import LocalRef
@@ -109,44 +110,69 @@ def free_port() -> int:
 
 @dataclass
 class Placement:
-    """One placement group per engine replica, each of ``tp`` bundles (one device each) on
-    one node (STRICT_PACK): training rank r sits on bundle ``r % tp`` of group ``r // tp``,
-    the layout ``trainer.loop.layout.plan_layout`` describes."""
+    """The job's placement groups, each on the node the layout (``trainer.loop.layout``) names.
+    Colocated: one group of ``tp`` bundles (one device each) per engine replica; training rank
+    r sits on bundle ``r % tp`` of group ``r // tp``, its replica on the group's first bundle.
+    With engine devices of their own (``engine_groups``): one group of one bundle per rank,
+    and one group of ``tp`` bundles per replica."""
 
     groups: list[PlacementGroup]
     resource: str
     tp: int = 1
+    engine_groups: list[PlacementGroup] = field(default_factory=list)
 
     def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
         """Scheduling strategy that pins an actor to training rank ``rank``'s bundle."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        return _bundle_strategy(self.groups[rank // self.tp], rank % self.tp)
 
-        return PlacementGroupSchedulingStrategy(
-            placement_group=self.groups[rank // self.tp],
-            placement_group_bundle_index=rank % self.tp,
-        )
+    def engine_strategy(self, replica: int, bundle: int = 0) -> PlacementGroupSchedulingStrategy:
+        """Scheduling strategy on bundle ``bundle`` of engine replica ``replica``'s own group
+        (layouts with ``rollout.engine_devices``)."""
+        return _bundle_strategy(self.engine_groups[replica], bundle)
 
     def remove(self) -> None:
         """Give the devices back to Ray."""
         from ray.util.placement_group import remove_placement_group
 
-        for group in self.groups:
+        for group in self.groups + self.engine_groups:
             remove_placement_group(group)
+
+
+def _bundle_strategy(group, bundle: int) -> PlacementGroupSchedulingStrategy:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(
+        placement_group=group, placement_group_bundle_index=bundle
+    )
+
+
+def _live_nodes(resource: str) -> list[dict]:
+    """Ray's records of the live nodes with at least one ``resource`` device, in Ray's order."""
+    import ray
+
+    return [
+        n
+        for n in ray.nodes()
+        if n.get("Alive") and int(n.get("Resources", {}).get(resource, 0)) >= 1
+    ]
 
 
 def cluster_nodes(resource: str) -> list[int]:
     """Devices of Ray resource ``resource`` on each live node of the cluster Ray is joined to
     (nodes without any left out): the ``nodes`` of ``trainer.loop.layout.plan_layout``."""
-    import ray
-
-    counts = [int(n.get("Resources", {}).get(resource, 0)) for n in ray.nodes() if n.get("Alive")]
-    return [c for c in counts if c >= 1]
+    return [int(n["Resources"][resource]) for n in _live_nodes(resource)]
 
 
-def make_placement(resource: str, num_bundles: int, *, timeout_s: float, tp: int = 1) -> Placement:
-    """Reserve ``num_bundles`` bundles of one device each (``resource`` is the HAL's Ray
-    resource name), as ``num_bundles / tp`` groups of ``tp`` bundles, each
-    group on one node: a replica's devices never span nodes.
+def cluster_node_ids(resource: str) -> list[str]:
+    """Ray's node ids of ``cluster_nodes``' nodes, in the same order."""
+    return [n["NodeID"] for n in _live_nodes(resource)]
+
+
+def make_placement(resource: str, layout, *, timeout_s: float, node_ids: list[str]) -> Placement:
+    """Reserve the devices of ``layout`` (``trainer.loop.layout.Layout``; ``resource`` is the
+    HAL's Ray resource name), each group STRICT_PACKed on the node the layout names
+    (``node_ids[i]``: Ray's id of the layout's node ``i``), so a replica's devices never span
+    nodes and ``crossrl layout`` says where everything runs.
 
     Raises ``WorkerFailedError`` naming the resource when the cluster cannot provide the
     bundles within ``timeout_s`` seconds, instead of waiting forever.
@@ -155,21 +181,43 @@ def make_placement(resource: str, num_bundles: int, *, timeout_s: float, tp: int
     from ray.util.placement_group import placement_group, remove_placement_group
 
     bundle = {resource: 1.0} if resource == "CPU" else {resource: 1.0, "CPU": 1.0}
-    groups = [
-        placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK")
-        for _ in range(num_bundles // tp)
-    ]
-    ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout_s)
-    if len(ready) < len(groups):
+
+    # Ray before bundle label selectors (2.4x) places each group on any node with room.
+    pins = "bundle_label_selector" in inspect.signature(placement_group).parameters
+    if layout.separate and not pins:
+        raise WorkerFailedError(
+            f"rollout.engine_devices={layout.devices_used - layout.dp_size} places the engines "
+            f"on nodes of their own, which needs Ray's bundle label selectors (ray "
+            f"{ray.__version__} lacks them): upgrade ray, or set rollout.engine_devices=0"
+        )
+
+    def on_node(node: int, size: int):
+        kwargs = {}
+        if pins:
+            kwargs["bundle_label_selector"] = [{"ray.io/node-id": node_ids[node]}] * size
+        return placement_group([dict(bundle) for _ in range(size)], "STRICT_PACK", **kwargs)
+
+    if layout.separate:
+        tp = 1
+        groups = [on_node(node, 1) for node, _ in layout.rank_slots]
+        engine_groups = [on_node(rep.node, rep.tp) for rep in layout.replicas]
+    else:
+        tp = layout.tp
+        groups = [on_node(rep.node, rep.tp) for rep in layout.replicas]
+        engine_groups = []
+    every = groups + engine_groups
+    ready, _ = ray.wait([g.ready() for g in every], num_returns=len(every), timeout=timeout_s)
+    if len(ready) < len(every):
         available = ray.available_resources().get(resource, 0)
-        for group in groups:
+        for group in every:
             remove_placement_group(group)
         raise WorkerFailedError(
-            f"could not reserve {num_bundles} x {resource} (groups of {tp} on one node) within "
-            f"{timeout_s:.0f} s (Ray reports {available:g} {resource} free): lower "
-            f"train.dp_size, free the devices, or raise ray.placement_timeout_s"
+            f"could not reserve {layout.devices_used} x {resource} as the layout places them "
+            f"(`crossrl layout`) within {timeout_s:.0f} s (Ray reports {available:g} {resource} "
+            "free): lower train.dp_size or rollout.engine_devices, free the devices, or raise "
+            "ray.placement_timeout_s"
         )
-    return Placement(groups=groups, resource=resource, tp=tp)
+    return Placement(groups=groups, resource=resource, tp=tp, engine_groups=engine_groups)
 
 
 def _assigned_ids(resource: str) -> list[str]:
@@ -179,12 +227,16 @@ def _assigned_ids(resource: str) -> list[str]:
     return [str(i) for i in ids]
 
 
-def bundle_device_ids(placement: Placement, rank: int, *, timeout_s: float) -> list[str]:
+def bundle_device_ids(
+    placement: Placement, rank: int, *, timeout_s: float, strategy=None
+) -> list[str]:
     """The node's id of training rank ``rank``'s device (Ray's assignment), asked by a tiny
-    task on its bundle: what an engine replica spanning several bundles must be shown."""
+    task on its bundle (or on ``strategy``'s, e.g. an engine's own bundle): what an engine
+    replica spanning several bundles must be shown."""
     import ray
 
-    probe = ray.remote(_assigned_ids).options(**actor_options(placement, rank, 0.001))
+    opts = actor_options(placement, rank, 0.001, strategy=strategy)
+    probe = ray.remote(_assigned_ids).options(**opts)
     ref = probe.remote(placement.resource)
     return wait_all([ref], [f"device probe of rank {rank}"], timeout_s=timeout_s, what="probe")[0]
 
@@ -246,10 +298,13 @@ def _first_line(err: BaseException) -> str:
     return text[-1] if text else type(err).__name__
 
 
-def actor_options(placement: Placement, rank: int, share: float) -> dict[str, Any]:
+def actor_options(
+    placement: Placement, rank: int, share: float, *, strategy=None
+) -> dict[str, Any]:
     """Ray actor options that take ``share`` of training rank ``rank``'s device (colocated
-    workers split a bundle: actor, reference, critic and an engine replica share a device)."""
-    opts: dict[str, Any] = {"scheduling_strategy": placement.strategy(rank)}
+    workers split a bundle: actor, reference, critic and an engine replica share a device),
+    or of ``strategy``'s bundle when given (``Placement.engine_strategy``)."""
+    opts: dict[str, Any] = {"scheduling_strategy": strategy or placement.strategy(rank)}
     if placement.resource == "CPU":
         opts["num_cpus"] = share
     elif placement.resource == "GPU":  # Ray refuses GPU inside `resources`

@@ -77,7 +77,7 @@ class EngineHost:
                 tensor_parallel_size=roll.tensor_parallel_size,
                 max_model_len=roll.max_input_len + roll.max_new_tokens,
                 # colocated: free the devices while the ranks train (ignored on the CPU)
-                enable_sleep_mode=backend.is_accelerator,
+                enable_sleep_mode=backend.is_accelerator and not roll.engine_devices,
                 layerwise_reload=backend.vllm_layerwise_reload,
                 engine_kwargs=backend.vllm_engine_options(),
             )
@@ -129,6 +129,29 @@ class EngineHost:
         self.engine.wake_up(["weights"])
         return receive_weight_stream(self.engine, hal.open_shared_buffer, slots, doorbell, buckets)
 
+    def load_host_buckets(self, refs: list, specs: list) -> int:
+        """Load a host-memory snapshot of the weights (``WeightPush.snapshot_weights``:
+        ``refs`` to flat byte buckets in Ray's object store, read here from this node's copy,
+        and each bucket's tensor specs); returns the tensor count."""
+        import warnings
+
+        import ray
+
+        from rollout.engines.buckets import TensorSpec, unpack_bucket
+
+        self.engine.wake_up(["weights"])
+        count = 0
+        for ref, bucket in zip(refs, specs):
+            array = ray.get(ref)
+            with warnings.catch_warnings():  # Ray's arrays are read-only; the engine copies
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.from_numpy(array)
+            named = unpack_bucket(flat, [TensorSpec(*s) for s in bucket])
+            self.engine.update_weights(named)
+            count += len(named)
+        self.engine.finish_weight_update()
+        return count
+
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load new weights handed over in this process (``ray.in_process``: the training
         rank's own tensors, copied once into the engine); wakes them first, as
@@ -159,7 +182,8 @@ def engine_memory_fraction(cfg: Config, on_accelerator: bool) -> float:
     memory, so they split the fraction."""
     if on_accelerator:
         return cfg.rollout.memory_fraction
-    replicas = cfg.train.dp_size // cfg.rollout.tensor_parallel_size
+    devices = cfg.rollout.engine_devices or cfg.train.dp_size
+    replicas = devices // cfg.rollout.tensor_parallel_size
     return cfg.rollout.memory_fraction / replicas
 
 
@@ -215,17 +239,41 @@ class RolloutHost(EngineHost):
         handles, in replica order); returns the replica count."""
         from rollout.engines.router import ReplicaRouter
 
+        self.peers = list(peers)
         if peers:
             self.generator = ReplicaRouter([self.engine, *(RemoteEngine(h) for h in peers)])
         return 1 + len(peers)
 
-    def rollout(self, step: int, record_dir: str | None = None) -> tuple[dict[str, Any], list]:
+    def take_weights(self, weights: list | None) -> int:
+        """Load ``weights``, ``[version, bucket refs, bucket specs]`` (a host-memory snapshot,
+        ``WeightPush.snapshot_weights``, of the policy after training step ``version``), into
+        every replica unless they hold that version already; None: keep what they hold.
+        Returns the version the replicas hold (0: the initial weights)."""
+        version = getattr(self, "weights_version", 0)
+        if weights is None or weights[0] == version:
+            return version
+        target, refs, specs = weights
+        calls = [h.load_host_buckets.remote(refs, specs) for h in getattr(self, "peers", [])]
+        self.load_host_buckets(refs, specs)
+        for call in calls:
+            fetch(call)
+        self.weights_version = int(target)
+        return self.weights_version
+
+    def rollout(
+        self, step: int, record_dir: str | None = None, weights: list | None = None
+    ) -> tuple[dict[str, Any], list]:
         """Roll out training step ``step`` (1-based): ``train.batch_size`` prompts x ``rollout.n``.
+        ``weights``: a snapshot to load first (``take_weights``; the fixed-lag pipeline sends
+        the one its step number asks for, ``trainer.loop.pipeline``).
 
         Returns metadata for planning and metrics, and ``[ref]`` to the batch's numpy arrays
-        (a list, so Ray passes the reference on instead of resolving it).
+        (a list, so Ray passes the reference on instead of resolving it); the metadata's
+        ``policy_version`` is the training step whose weights sampled it.
         """
         from trainer.algorithms.dynamic_sampling import GroupSelection
+
+        version = self.take_weights(weights)
 
         size = self.cfg.train.batch_size
         batches = self.cfg.rollout.max_sample_batches
@@ -266,6 +314,7 @@ class RolloutHost(EngineHost):
             record_rollout(record_dir, step, arrays)
         meta = batch_metadata(batch, out.metrics)
         meta["prompts_consumed"] = self.prompts_consumed
+        meta["policy_version"] = version
         meta["env_faults"] = out.faults  # the health gate shows them (trainer/loop/health.py)
         return meta, [put(arrays)]
 
@@ -302,11 +351,13 @@ class RolloutHost(EngineHost):
             out = RolloutOutput(rows=rows, metrics={**out.metrics, **shaped}, faults=out.faults)
         return out
 
-    def validate(self, step: int) -> dict[str, float]:
+    def validate(self, step: int, weights: list | None = None) -> dict[str, float]:
         """``val/*`` metrics of the validation set (``data.val_source``) under the engine's
-        current weights; ``step``: the training step just finished (0 before training)."""
+        current weights, after loading ``weights`` (``take_weights``); ``step``: the training
+        step just finished (0 before training)."""
         from trainer.loop.validation import run_validation
 
+        self.take_weights(weights)
         if not self.val_items:
             raise ValueError("run.val_every / run.val_before_train need data.val_source")
         return run_validation(
@@ -377,7 +428,9 @@ class ReplayHost:
             )
         return {"engine": "replay"}
 
-    def rollout(self, step: int, record_dir: str | None = None) -> tuple[dict[str, Any], list]:
+    def rollout(
+        self, step: int, record_dir: str | None = None, weights: list | None = None
+    ) -> tuple[dict[str, Any], list]:
         """The recorded batch of ``step`` and its metadata."""
         from pathlib import Path
 

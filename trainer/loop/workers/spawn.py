@@ -24,10 +24,11 @@ class Spawner:
     backend: Any
     in_process: bool
 
-    def spawn(self, cls, rank: int, share: float, *args, env: dict | None = None):
+    def spawn(self, cls, rank: int, share: float, *args, env: dict | None = None, engine=None):
         """A worker of class ``cls`` built with ``args``: a Ray actor on training rank
-        ``rank``'s bundle taking ``share`` of its device (``env``: its extra environment), or,
-        in one process, the object itself behind a ``LocalHandle``."""
+        ``rank``'s bundle (or, ``engine`` given, on that engine replica's own first bundle)
+        taking ``share`` of its device (``env``: its extra environment), or, in one process,
+        the object itself behind a ``LocalHandle``."""
         if self.in_process:
             from trainer.loop.workers.local import LocalHandle
 
@@ -36,7 +37,8 @@ class Spawner:
 
         from trainer.loop.workers.group import actor_options
 
-        opts = actor_options(self.placement, rank, share)
+        strategy = None if engine is None else self.placement.engine_strategy(engine)
+        opts = actor_options(self.placement, rank, share, strategy=strategy)
         if env is not None:
             opts["runtime_env"] = {"env_vars": env}
         return ray.remote(cls).options(**opts).remote(*args)
@@ -49,7 +51,9 @@ class Spawner:
 
         cfg, dp = self.cfg, self.cfg.train.dp_size
         cls = CriticWorker if role == "critic" else PolicyWorker
-        threads = max(1, (os.cpu_count() or 1) // dp) if self.backend.name == "cpu" else 4
+        # CPU: the ranks split the cores, less the engines' own when they have some.
+        cores = max(1, (os.cpu_count() or 1) - self.cfg.rollout.engine_devices)
+        threads = max(1, cores // dp) if self.backend.name == "cpu" else 4
         handles = [
             self.spawn(
                 cls,
@@ -65,15 +69,16 @@ class Spawner:
         """One engine replica per tp group, on the group's first rank's bundle; replica 0 is
         the rollout host (agent loop, prompts) and deals requests to the others. With
         ``replay_dir``, one host that replays recorded rollouts instead."""
-        from trainer.loop.workers.group import bundle_device_ids
         from trainer.loop.workers.rollout_host import EngineHost, ReplayHost, RolloutHost
 
         cfg, layout, backend = self.cfg, self.layout, self.backend
         share = layout.shares["rollout"]
+        own = 0 if layout.separate else None  # the engines' own bundles, when they have them
         if replay_dir is not None:
-            return [self.spawn(ReplayHost, 0, share, replay_dir)]
-        # CPU: the replicas split the cores; an accelerator's engine uses few of them.
-        cpus = os.cpu_count() or 1
+            return [self.spawn(ReplayHost, 0, share, replay_dir, engine=own)]
+        # CPU: the replicas split the cores (their own ones, when separate); an
+        # accelerator's engine uses few of them.
+        cpus = cfg.rollout.engine_devices or os.cpu_count() or 1
         threads = max(1, cpus // len(layout.replicas)) if backend.name == "cpu" else 4
         replicas = []
         for rep in layout.replicas:
@@ -81,12 +86,22 @@ class Spawner:
             if backend.is_accelerator:
                 # The replica's process sees exactly its tp group's devices (Ray would
                 # show it only its own bundle's) plus what the device's engine needs.
-                ids = [
-                    i
-                    for r in rep.ranks
-                    for i in bundle_device_ids(self.placement, r, timeout_s=CALL_TIMEOUT_S)
-                ]
+                ids = [i for b in range(rep.tp) for i in self._device_ids(rep, b)]
                 env = backend.engine_env(ids)
             cls = RolloutHost if rep.index == 0 else EngineHost
-            replicas.append(self.spawn(cls, rep.ranks[0], share, cfg, threads, rep.index, env=env))
+            first = rep.ranks[0] if rep.ranks else 0
+            engine = rep.index if layout.separate else None
+            replicas.append(
+                self.spawn(cls, first, share, cfg, threads, rep.index, env=env, engine=engine)
+            )
         return replicas
+
+    def _device_ids(self, rep, bundle: int) -> list[str]:
+        """Ray's device ids of tp rank ``bundle`` of replica ``rep``: its training rank's
+        bundle when colocated, else its own."""
+        from trainer.loop.workers.group import bundle_device_ids
+
+        if self.layout.separate:
+            strategy = self.placement.engine_strategy(rep.index, bundle)
+            return bundle_device_ids(self.placement, 0, timeout_s=CALL_TIMEOUT_S, strategy=strategy)
+        return bundle_device_ids(self.placement, rep.ranks[bundle], timeout_s=CALL_TIMEOUT_S)

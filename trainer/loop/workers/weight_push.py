@@ -20,7 +20,12 @@ import numpy as np
 import torch
 
 import hal
+from rollout.engines.buckets import tensor_nbytes
 from trainer.loop.workers.local import LocalHandle, fetch
+
+#: Bytes per bucket of a host-memory snapshot (``snapshot_weights``): big enough that the
+#: object store's per-object cost vanishes, small enough to stream to another node.
+SNAPSHOT_BUCKET_BYTES = 256 << 20
 
 
 def full_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -194,6 +199,39 @@ class WeightPush:
             if rank == 0:
                 self.backend.release_shared_buffer(handle)
         return 1 if leader else 0
+
+    # ---------------------------------------------------------------- engines of their own
+    def snapshot_weights(self, bucket_bytes: int = SNAPSHOT_BUCKET_BYTES) -> list | None:
+        """The new weights in host memory, for engines on devices of their own
+        (``rollout.engine_devices``): every rank takes part in the gather; rank 0 packs the
+        full tensors, in the engine's dtype, into flat byte buckets of about ``bucket_bytes``
+        bytes (never splitting a layer) and puts each in Ray's object store, which is shared
+        memory on its node and is copied to an engine on another node when that engine reads
+        it. The snapshot outlives the ranks' next update, so an engine loads it whenever its
+        queue of rollouts reaches it (``EngineHost.load_host_buckets``). Returns ``[bucket
+        refs, bucket specs]`` on rank 0, None on the others."""
+        import ray
+
+        from rollout.engines.buckets import pack_tensor, plan_buckets
+        from rollout.models import parse_dtype
+
+        state = self.model.state_dict()
+        dtype = parse_dtype(self.spec.cfg.model.dtype)
+        buckets, _ = plan_buckets(((n, t.shape) for n, t in state.items()), dtype, bucket_bytes)
+        refs = []
+        for specs in buckets:
+            end = specs[-1].offset + tensor_nbytes(specs[-1].shape, dtype)
+            flat = torch.empty(end, dtype=torch.uint8) if self.spec.rank == 0 else None
+            for spec in specs:
+                tensor = state[spec.name]
+                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                if flat is not None:
+                    pack_tensor(flat, spec, full.detach())
+            if flat is not None:
+                refs.append(ray.put(flat.numpy()))
+        if self.spec.rank != 0:
+            return None
+        return [refs, [[tuple(s) for s in specs] for specs in buckets]]
 
     # ---------------------------------------------------------------- object store (bench)
     def _push_weights_object_store(self, engine, bucket_bytes: int) -> int:
