@@ -476,6 +476,7 @@ LAYOUT_KEYS: frozenset[str] = frozenset(
         "train.dp_size",
         "rollout.memory_fraction",
         "rollout.tensor_parallel_size",
+        "rollout.engine_devices",
         "train.max_tokens_per_micro_batch",
         "train.param_offload",
         "train.optimizer_offload",

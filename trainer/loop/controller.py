@@ -53,6 +53,7 @@ class Trainer:
         # Engines on devices of their own: the fixed-lag pipeline (set up by start).
         self.pipeline = None
         self.last_rollout: dict[str, Any] = {}  # the metadata of the step's rollout
+        self.resumed_from: Path | None = None  # the checkpoint resumed, if any
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -345,8 +346,10 @@ class Trainer:
         from trainer.records.checkpoint.save import save_step
 
         self._check_weights(step)  # never commit non-finite weights over good checkpoints
+        pending = None
         if self.pipeline is not None:  # the host is sampling later steps already
             consumed = self.last_rollout.get("prompts_consumed", step * self.cfg.train.batch_size)
+            pending = self.pipeline.sampled_ahead(step)
         else:
             (consumed,) = wait_all(
                 [self.rollout.get_prompts_consumed.remote()],
@@ -354,7 +357,7 @@ class Trainer:
                 timeout_s=CALL_TIMEOUT_S,
                 what="rollout.get_prompts_consumed",
             )
-        return save_step(self.run_dir, step, self.training_groups(), consumed)
+        return save_step(self.run_dir, step, self.training_groups(), consumed, pending)
 
     def shutdown(self) -> None:
         """Stop every worker (best effort: a dead one is already gone)."""

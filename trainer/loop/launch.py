@@ -95,6 +95,18 @@ def _start_pipeline(job) -> None:
     if job.start_step:
         snapshot = job.snapshot_weights()
         weights = None if snapshot is None else [job.start_step, *snapshot]
+    if job.resumed_from is not None:
+        from trainer.records.checkpoint.pending import read_pending_rollouts
+
+        # The steps the saved run had sampled ahead, with weights the checkpoint lacks.
+        consumed = job.pipeline.resume(read_pending_rollouts(job.resumed_from))
+        if consumed is not None:
+            wait_all(
+                [job.rollout.set_prompts_consumed.remote(consumed)],
+                ["rollout host"],
+                timeout_s=CALL_TIMEOUT_S,
+                what="rollout.set_prompts_consumed",
+            )
     job.pipeline.start(job.start_step + 1, weights)
 
 
@@ -127,6 +139,7 @@ def resume(job) -> None:
     ckpt = resolve_resume(job.run_dir, job.cfg.run.resume, check_hashes=False)
     if ckpt is None:
         return
+    job.resumed_from = ckpt
     state = load_json(ckpt / LAYOUT.trainer_state)
     for group in job.training_groups():
         group.call("load_pieces", str(ckpt))

@@ -42,6 +42,7 @@ class RolloutPipeline:
         self.total_steps = total_steps
         self.record_dir = record_dir
         self.queued: dict[int, Any] = {}  # step -> the rollout's reference
+        self.ready: dict[int, tuple[dict[str, Any], list]] = {}  # step -> waited-for rollout
         self.snapshot: list | None = None  # the last weights handed to the host
 
     def start(self, first_step: int, weights: list | None = None) -> None:
@@ -49,13 +50,14 @@ class RolloutPipeline:
         with the weights after step ``first_step - 1``: the engines' own (``weights`` None),
         or a snapshot of them (``[version, refs, specs]``, e.g. after a resume)."""
         for step in range(first_step, min(first_step + self.lag, self.total_steps) + 1):
-            self._queue(step, weights)
+            if step not in self.ready:  # a resumed run brings those it had sampled
+                self._queue(step, weights)
 
     def take(self, step: int) -> tuple[dict[str, Any], list]:
         """Wait for step ``step``'s rollout: ``(metadata, [batch ref])``; the metadata says
         which weights sampled it (``policy_version``) and the lag."""
-        ref = self.queued.pop(step)
-        meta, batch = wait_all([ref], ["rollout host"], timeout_s=CALL_TIMEOUT_S, what="rollout")[0]
+        self._wait({step})
+        meta, batch = self.ready.pop(step)
         meta.setdefault("policy_version", sampled_by(step, self.lag))
         meta["metrics"] = {
             **meta["metrics"],
@@ -76,13 +78,38 @@ class RolloutPipeline:
     def _queue(self, step: int, weights: list | None) -> None:
         self.queued[step] = self.host.rollout.remote(step, self.record_dir, weights)
 
-    def drain(self) -> dict[int, tuple[dict[str, Any], list]]:
-        """Wait for every queued rollout; returns them by step (the pipeline is then empty)."""
-        steps = sorted(self.queued)
+    def _wait(self, steps: set[int]) -> None:
+        """Move the queued rollouts of ``steps`` to ``ready``, waiting for them."""
+        steps = sorted(s for s in steps if s in self.queued)
         results = wait_all(
             [self.queued.pop(s) for s in steps],
             ["rollout host"] * len(steps),
             timeout_s=CALL_TIMEOUT_S,
             what="rollout",
         )
-        return dict(zip(steps, results))
+        self.ready.update(zip(steps, results))
+
+    def sampled_ahead(self, step: int) -> dict[int, tuple[dict[str, Any], dict]]:
+        """For a checkpoint of step ``step``: the rollouts of steps ``step + 1 .. step + lag``,
+        sampled by weights older than the checkpoint's (waited for; they stay ready for
+        ``take``), as step -> (metadata, the batch's numpy arrays)."""
+        import ray
+
+        ahead = set(range(step + 1, min(step + self.lag, self.total_steps) + 1))
+        self._wait(ahead)
+        return {s: (self.ready[s][0], ray.get(self.ready[s][1][0])) for s in sorted(ahead)}
+
+    def resume(self, pending: dict[int, tuple[dict[str, Any], dict]]) -> int | None:
+        """Take a checkpoint's pending rollouts (``sampled_ahead`` of the run that saved it)
+        as ready; returns the prompts consumed after the last of them (None: there were none)."""
+        import ray
+
+        from batching import StepBatch
+        from trainer.loop.workers.rollout_host import batch_metadata
+
+        for step, (kept, arrays) in sorted(pending.items()):
+            meta = batch_metadata(StepBatch.from_numpy(arrays), kept["metrics"])
+            meta.update({k: v for k, v in kept.items() if k != "metrics"})
+            meta["metrics"] = {**kept["metrics"], **meta["metrics"]}
+            self.ready[step] = (meta, [ray.put(arrays)])
+        return pending[max(pending)][0].get("prompts_consumed") if pending else None

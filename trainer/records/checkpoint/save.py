@@ -15,12 +15,19 @@ from trainer.records.checkpoint import (
 )
 
 
-def save_step(run_dir: Path, step: int, groups: list, prompts_consumed: int) -> Path:
+def save_step(
+    run_dir: Path, step: int, groups: list, prompts_consumed: int, pending: dict | None = None
+) -> Path:
     """Checkpoint of step ``step`` under ``run_dir``: ``groups`` (the training roles' worker
     groups: ``group.call("save_pieces", dir)`` answers, per rank, the files it wrote) write
-    their pieces; ``prompts_consumed``: prompts the run has taken from its stream. The commit
-    checks every piece the workers said they wrote. Returns the committed step directory."""
+    their pieces; ``prompts_consumed``: prompts the run has taken from its stream, up to step
+    ``step``'s rollout; ``pending``: a lagged run's rollouts of later steps, already sampled
+    (``trainer.records.checkpoint.pending``). The commit checks every piece the workers said
+    they wrote. Returns the committed step directory."""
+    from trainer.records.checkpoint.pending import write_pending_rollouts
+
     staging = begin_checkpoint(run_dir, step)
+    write_pending_rollouts(staging, pending or {})
     expected: set[str] = set()  # what the workers say they wrote; the commit checks it
     for group in groups:
         for names in group.call("save_pieces", str(staging)):
