@@ -1,0 +1,141 @@
+"""The fixed-lag pipeline's promises that need no cluster: which weights sample which step
+(decided by the step number), the schedule the pipeline queues on a stand-in rollout host
+that runs calls in submission order as a Ray actor does, the config checks that refuse a lag
+without its prerequisites, and the layout of engines on devices of their own."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import ConfigError, load_config
+from trainer.loop.layout import LayoutError, format_layout, plan_layout, runs_in_process
+from trainer.loop.pipeline import RolloutPipeline, sampled_by
+from trainer.loop.workers.local import LocalHandle
+
+LAGGED = ["rollout.engine_devices=1", "algorithm.rollout_correction=token"]
+
+
+class RecordingHost:
+    """A rollout host that holds one set of weights and records, per rollout, the version it
+    sampled with; ``LocalHandle`` runs each call when submitted, in order, as Ray runs one
+    actor's calls."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.sampled: dict[int, int] = {}
+        self.order: list[int] = []
+
+    def rollout(self, step, record_dir=None, weights=None):
+        if weights is not None:
+            self.version = weights[0]
+        self.sampled[step] = self.version
+        self.order.append(step)
+        meta = {"metrics": {}, "prompts_consumed": 8 * step, "policy_version": self.version}
+        return meta, [f"batch {step}"]
+
+
+def _run_schedule(lag: int, total: int, first: int = 1) -> tuple[RecordingHost, list[dict]]:
+    host = RecordingHost()
+    pipe = RolloutPipeline(LocalHandle(host), lag, total, None)
+    pipe.start(first, None if first == 1 else [first - 1, "refs", "specs"])
+    taken = []
+    for step in range(first, total + 1):
+        meta, _ = pipe.take(step)
+        taken.append(meta)
+        pipe.after_update(step, [f"weights after {step}", "specs"])
+    assert not pipe.queued and not pipe.ready  # nothing sampled beyond the run
+    return host, taken
+
+
+def test_the_step_number_says_which_weights_sample_a_step():
+    assert [sampled_by(t, 0) for t in range(1, 6)] == [0, 1, 2, 3, 4]
+    assert [sampled_by(t, 1) for t in range(1, 6)] == [0, 0, 1, 2, 3]
+    assert [sampled_by(t, 2) for t in range(1, 6)] == [0, 0, 0, 1, 2]
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2, 3])
+def test_the_pipeline_samples_every_step_with_the_weights_its_number_names(lag):
+    host, taken = _run_schedule(lag, total=7)
+    assert host.order == list(range(1, 8))  # one rollout per step, in step order
+    assert host.sampled == {t: sampled_by(t, lag) for t in range(1, 8)}
+    for step, meta in enumerate(taken, start=1):
+        assert meta["metrics"]["pipeline/rollout_lag"] == lag
+        assert meta["metrics"]["pipeline/policy_version"] == sampled_by(step, lag)
+
+
+def test_a_resumed_pipeline_keeps_the_schedule():
+    # Resumed after step 3 with lag 2: steps 4 and 5 come from the checkpoint (sampled by
+    # the weights after steps 1 and 2); the host samples 6 with the weights after step 3.
+    host = RecordingHost()
+    pipe = RolloutPipeline(LocalHandle(host), 2, 8, None)
+    for step in (4, 5):
+        pipe.ready[step] = ({"metrics": {}, "policy_version": step - 3}, [f"saved {step}"])
+    pipe.start(4, [3, "refs", "specs"])
+    assert host.order == [6]
+    for step in range(4, 9):
+        meta, batch = pipe.take(step)
+        assert meta["policy_version"] == sampled_by(step, 2)
+        pipe.after_update(step, ["refs", "specs"])
+    assert host.order == [6, 7, 8]
+    assert host.sampled == {6: 3, 7: 4, 8: 5}
+
+
+def test_a_lag_needs_engine_devices_of_their_own():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.rollout_lag=1", "algorithm.rollout_correction=token"])
+    text = str(info.value)
+    assert "train.rollout_lag" in text and "rollout.engine_devices" in text
+
+
+def test_a_lag_needs_importance_weights():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.rollout_lag=1", "rollout.engine_devices=1"])
+    text = str(info.value)
+    assert "train.rollout_lag" in text and "algorithm.rollout_correction=token" in text
+
+
+def test_engine_devices_come_in_whole_replicas():
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            None,
+            [
+                "rollout.engine=vllm",
+                "rollout.tensor_parallel_size=2",
+                "rollout.engine_devices=3",
+            ],
+            check_environment=False,
+        )
+    assert "rollout.engine_devices" in str(info.value)
+
+
+def test_engines_of_their_own_sit_on_the_last_nodes():
+    cfg = load_config(None, ["train.dp_size=2", "train.rollout_lag=1", *LAGGED])
+    layout = plan_layout(cfg, [2, 2], "CPU", device="cpu")
+    assert layout.separate and layout.devices_used == 3
+    assert layout.rank_slots == ((0, 0), (0, 1))
+    assert [(r.node, r.devices, r.ranks) for r in layout.replicas] == [(1, (1,), ())]
+    text = format_layout(layout)
+    assert "devices of their own (rollout.engine_devices)" in text
+    assert "engine replica 0 (tp rank 0 of 1)" in text.split("node 1:")[1]
+    assert not runs_in_process(cfg, "cpu")  # the engine runs beside the ranks
+
+
+def test_engine_replicas_never_span_nodes():
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=vllm",
+            "rollout.tensor_parallel_size=2",
+            "rollout.engine_devices=4",
+            "train.dp_size=2",
+        ],
+        check_environment=False,
+    )
+    layout = plan_layout(cfg, [4, 4], "GPU", device="cuda")
+    assert [(r.node, r.devices) for r in layout.replicas] == [(1, (2, 3)), (1, (0, 1))]
+    with pytest.raises(LayoutError) as info:
+        plan_layout(cfg, [3, 3], "GPU", device="cuda")  # 2 + 4 devices, but no whole pair left
+    assert "rollout.engine_devices=4" in str(info.value)
+    with pytest.raises(LayoutError) as info:
+        plan_layout(cfg, [2, 2], "GPU", device="cuda")
+    assert "need 6" in str(info.value)
