@@ -1,6 +1,6 @@
 """crossrl benchmarks: one table per benchmark, every result in one JSON file.
 
-    python -m bench [planner|stepwise|rollout|train|e2e|gpu|memory|peer|all ...] [--quick] [--out FILE]
+    python -m bench [planner|stepwise|rollout|train|e2e|pipeline|gpu|memory|peer|all ...] [--quick] [--out FILE]
     crossrl bench [which ...] [--quick]
 
 ``peer`` (crossrl vs TRL's GRPOTrainer) needs the optional ``bench`` extra and is not part of
@@ -60,6 +60,12 @@ def _e2e():
     return e2e.run, e2e.format_table
 
 
+def _pipeline():
+    from bench import pipeline
+
+    return pipeline.run, pipeline.format_table
+
+
 def _gpu():
     from bench import gpu
 
@@ -85,6 +91,7 @@ BENCHMARKS: dict[str, tuple[str, Callable]] = {
     "rollout": ("multi-turn rollout wall time: async agent loop vs lockstep", _rollout),
     "train": ("actor update: packed varlen rows vs padded micro-batches", _train),
     "e2e": ("seconds per step of the default job, dp 1 and dp 2", _e2e),
+    "pipeline": ("fixed-lag pipeline: lag 1 vs lag 0 seconds per step, reward curves", _pipeline),
     "gpu": ("accelerator: MFU of the actor update, HF rollout tokens/s", _gpu),
     "memory": (
         "actor update memory: activation checkpointing and lean log-probs, alone and together",

@@ -1,0 +1,149 @@
+"""The fixed-lag pipeline: seconds per step at ``train.rollout_lag=1`` against lag 0 on the same
+devices, and the default job's reward curve at both lags.
+
+    python -m bench pipeline [--quick]
+
+1. ``slow_tool``: the rollout benchmark's workload (``bench rollout``: 16 prompts x n 8 x 4
+   turns on ``builtin:tiny``, every environment step a seeded 0-200 ms wait, ``sleepy``) as a
+   training job, the engine on a CPU of its own (``rollout.engine_devices=1``) beside one
+   training rank, at lag 0 and lag 1: the same devices in total, only the schedule differs.
+   Runs alternate (lag0 lag1 lag1 lag0 ... without --quick), each a ``crossrl train``
+   subprocess (``bench.e2e.run_job``); the figure is the ratio of the median seconds per step
+   over the steps after each run's first (target: at most 0.6).
+2. ``reward``: the CPU default job for 30 steps (10 with --quick) at lag 0 and lag 1, seeds 1
+   and 2: ``reward/mean`` averaged over the last 5 steps, so the lag's effect can be read
+   against the seed-to-seed spread; the run directories are kept for ``crossrl plot``.
+Nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from pathlib import Path
+
+__all__ = ["LAGGED", "SLOW_TOOL", "format_table", "run"]
+
+#: Engines on a device of their own, with the importance weights a lag needs.
+LAGGED = ["rollout.engine_devices=1", "algorithm.rollout_correction=token", "run.resume=never"]
+#: ``bench rollout``'s workload as a training job.
+SLOW_TOOL = [
+    "rollout.env=rollout.envs.sleepy:SleepyEnv",
+    "rollout.env_kwargs={turns: 4, max_delay_s: 0.2}",
+    "rollout.max_turns=4",
+    "rollout.max_new_tokens=8",
+    "train.batch_size=16",
+    "train.mini_batch_size=8",
+    "rollout.n=8",
+]
+#: Steps the reward curves average over, at the end of each run.
+TAIL_STEPS = 5
+
+
+def _job(overrides: list[str], where: Path) -> dict:
+    """``bench.e2e.run_job`` in the folder ``where``, made first."""
+    from bench.e2e import run_job
+
+    where.mkdir(parents=True, exist_ok=True)
+    return run_job(overrides, where)
+
+
+def _slow_tool(quick: bool, workdir: Path) -> dict:
+    from bench.e2e import summarise_runs
+
+    steps, order = (3, (0, 1)) if quick else (6, (0, 1, 1, 0))
+    runs: dict[int, list] = {0: [], 1: []}
+    commands = {}
+    for i, lag in enumerate(order):
+        job = _job(
+            [*LAGGED, *SLOW_TOOL, f"train.total_steps={steps}", f"train.rollout_lag={lag}"],
+            workdir / f"slow_tool_{i}",
+        )
+        runs[lag].append(job["records"])
+        commands[lag] = job["command"]
+    summary = {lag: summarise_runs(records) for lag, records in runs.items()}
+    return {
+        "steps": steps,
+        "order": list(order),
+        "commands": {f"lag{k}": v for k, v in commands.items()},
+        "lag0": summary[0],
+        "lag1": summary[1],
+        "ratio": summary[1]["step_s"] / summary[0]["step_s"],
+    }
+
+
+def _reward(quick: bool, workdir: Path, keep: Path | None) -> dict:
+    steps = 10 if quick else 30
+    out: dict = {"steps": steps, "runs": {}}
+    for seed in (1, 2):
+        for lag in (0, 1):
+            name = f"lag{lag}_seed{seed}"
+            where = (keep or workdir) / name
+            job = _job(
+                [*LAGGED, f"train.total_steps={steps}", f"train.rollout_lag={lag}", f"seed={seed}"],
+                where,
+            )
+            rewards = [r["reward/mean"] for r in job["records"]]
+            out["runs"][name] = {
+                "command": job["command"],
+                "run_dir": str(where / "run") if keep else None,
+                "reward_tail": statistics.fmean(rewards[-TAIL_STEPS:]),
+                "reward_first": rewards[0],
+            }
+    tail = {name: r["reward_tail"] for name, r in out["runs"].items()}
+    out["seed_spread_lag0"] = abs(tail["lag0_seed1"] - tail["lag0_seed2"])
+    out["lag_gap"] = [abs(tail[f"lag1_seed{s}"] - tail[f"lag0_seed{s}"]) for s in (1, 2)]
+    return out
+
+
+def run(quick: bool = False, keep: str | None = None) -> dict:
+    """Both measurements (module docstring); ``keep``: a folder that keeps the reward runs'
+    directories (for ``crossrl plot``), else they go with a temporary folder."""
+    with tempfile.TemporaryDirectory(prefix="crossrl-bench-pipeline-") as tmp:
+        workdir = Path(tmp)
+        return {
+            "slow_tool": _slow_tool(quick, workdir),
+            "reward": _reward(quick, workdir, Path(keep) if keep else None),
+        }
+
+
+def format_table(res: dict) -> str:
+    """The two measurements as text tables."""
+    slow = res["slow_tool"]
+    lines = [
+        f"slow-tool job, {slow['steps']} steps per run, runs in order "
+        f"{' '.join(f'lag{k}' for k in slow['order'])}:",
+        f"{'':6} {'step_s':>8} {'rollout_s':>10} {'prepare_s':>10} {'update_s':>9} {'sync_s':>7}",
+    ]
+    for lag in ("lag0", "lag1"):
+        s = slow[lag]
+        sec = {name: v["median_s"] for name, v in s["sections"].items()}
+        lines.append(
+            f"{lag:6} {s['step_s']:8.2f} {sec['rollout']:10.2f} {sec['prepare']:10.2f} "
+            f"{sec['update']:9.2f} {sec['sync']:7.2f}"
+        )
+    lines.append(f"lag1 / lag0 seconds per step: {slow['ratio']:.2f}x (target <= 0.6x)")
+    rew = res["reward"]
+    lines.append(f"default job, reward/mean over the last {TAIL_STEPS} of {rew['steps']} steps:")
+    for name, r in rew["runs"].items():
+        lines.append(f"  {name:12} {r['reward_tail']:.3f} (step 1: {r['reward_first']:.3f})")
+    lines.append(
+        f"  lag1 - lag0 per seed: {', '.join(f'{g:.3f}' for g in rew['lag_gap'])}; "
+        f"seed-to-seed spread at lag 0: {rew['seed_spread_lag0']:.3f}"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """``python -m bench.pipeline [--quick] [--keep DIR]``: run and print the tables."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--keep", help="keep the reward runs' directories here")
+    args = parser.parse_args()
+    print(format_table(run(quick=args.quick, keep=args.keep)))
+
+
+if __name__ == "__main__":
+    main()
