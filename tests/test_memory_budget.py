@@ -251,3 +251,23 @@ def test_lean_chunk_size_is_the_workers_own():
     from trainer.loop.workers.forward import LEAN_CHUNK_BYTES as WORKERS
 
     assert LEAN_CHUNK_BYTES == WORKERS
+
+
+def test_engines_of_their_own_leave_the_ranks_devices_to_training():
+    cfg, colocated = _budget("gpu/qwen2.5-7b-grpo.yaml", "train.dp_size=4")
+    _, separate = _budget(
+        "gpu/qwen2.5-7b-grpo.yaml",
+        "train.dp_size=4",
+        "rollout.engine_devices=4",
+        "train.rollout_lag=1",
+        "algorithm.rollout_correction=token",
+    )
+    assert [p.name for p in separate.phases] == ["update", "weight push", "engines"]
+    # No engine on a rank's device, awake or asleep; the engine's own device holds its share.
+    assert separate.phase("update").parts.get("engine", 0.0) == 0.0
+    engines = separate.phase("engines").parts["engine"]
+    assert engines == pytest.approx(cfg.rollout.memory_fraction * separate.device_memory_bytes)
+    # The update itself is the colocated one, less the engine process's device context.
+    assert separate.phase("update").total < colocated.phase("update").total
+    text = format_budget(separate, cfg)
+    assert "engines" in text and "fits" in text

@@ -278,7 +278,7 @@ def format_layout(layout: Layout) -> str:
         + (
             f"{layout.devices_used - layout.dp_size} devices of their own (rollout.engine_devices)"
             if layout.separate
-            else f"the training ranks' {layout.dp_size} devices"
+            else f"{layout.dp_size} devices"
         ),
         f"memory: an engine takes {layout.engine_memory_fraction:g} of each of its devices "
         "(rollout.memory_fraction)"
@@ -358,7 +358,7 @@ def layout_for_cli(
     """``crossrl layout``'s layout: ``nodes`` nodes (default 1) of ``devices_per_node`` devices
     of the config's device type. Default devices per node: what this machine's HAL sees when
     that device type is here (on the CPU: a local Ray's CPUs), else enough for
-    ``train.dp_size`` over the nodes (the config's own intent, e.g. a GPU job read on a laptop).
+    ``train.dp_size`` (plus ``rollout.engine_devices``) over the nodes (the config's own intent, e.g. a GPU job read on a laptop).
     """
     import hal
 
@@ -373,7 +373,7 @@ def layout_for_cli(
         elif name in hal.available_backends():
             devices_per_node = hal.get_backend(name).device_count()
         else:
-            devices_per_node = -(-cfg.train.dp_size // count)
+            devices_per_node = -(-(cfg.train.dp_size + cfg.rollout.engine_devices) // count)
     if devices_per_node < 1:
         raise LayoutError(f"--devices-per-node={devices_per_node}: must be >= 1")
     return plan_layout(cfg, [devices_per_node] * count, resource, device=name)

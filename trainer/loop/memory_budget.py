@@ -407,13 +407,17 @@ def estimate_memory(
 
     # The engine: vLLM takes memory_fraction of each device awake and drops its weights and
     # KV cache asleep; on the CPU it has no sleep mode and the replicas split the fraction.
-    replicas = max(1, ranks_per_memory // tp) if host else 1
+    # Engines of their own (rollout.engine_devices) never sleep, and on an accelerator sit on
+    # devices of their own: a phase of their own below.
+    separate = bool(roll.engine_devices) and not before_fixes
+    engine_replicas = (roll.engine_devices if separate else dp) // tp
+    replicas = (engine_replicas if separate else max(1, ranks_per_memory // tp)) if host else 1
     model_bytes = n_actor * eb
     if roll.engine == "vllm":
         awake = roll.memory_fraction * device_memory_bytes
         asleep = awake if host else 0.0
     else:  # hf: its weights and the KV cache of its share of a step's rows
-        rows = math.ceil(cfg.train.batch_size / (dp // tp)) * roll.n
+        rows = math.ceil(cfg.train.batch_size / engine_replicas) * roll.n
         kv = (
             rows
             * (roll.max_input_len + roll.max_new_tokens)
@@ -459,6 +463,16 @@ def estimate_memory(
     push = _add(state, {"engine": engine_weights, "gather": staging + gathered}, ctx)
 
     phases = [Phase("rollout", rollout), Phase("update", update), Phase("weight push", push)]
+    if separate:
+        phases = _separate_phases(
+            per_memory(_add(actor, *others)),
+            per_memory(resident(offloaded=True)),
+            engine=awake,
+            # the snapshot: one gathered tensor on the device, the whole model on the host
+            snapshot=model_bytes if host else shape.largest_tensor_params * 4,
+            ctx=0.0 if host else (processes - ranks_per_memory) * CONTEXT_BYTES,
+            host=host,
+        )
     return MemoryBudget(
         device=device,
         device_memory_bytes=float(device_memory_bytes),
@@ -470,6 +484,31 @@ def estimate_memory(
         ranks_per_memory=ranks_per_memory,
         before_fixes=before_fixes,
     )
+
+
+def _separate_phases(
+    training: dict[str, float],
+    between: dict[str, float],
+    *,
+    engine: float,
+    snapshot: float,
+    ctx: float,
+    host: bool,
+) -> list[Phase]:
+    """The phases of a step whose engines have devices of their own (``rollout.engine_devices``):
+    on a rank's device the update (``training``: the roles at their peak) and the snapshot of
+    the new weights (``between``: the state after the update, plus ``snapshot`` bytes); no
+    engine there, and no sleep. On an accelerator the engine's own device is a phase of its
+    own, ``engines`` (``engine`` bytes awake and one context); on the host, where every process shares the
+    memory and the engines generate while the ranks train, the engines come on top of both."""
+    here = {"engine": engine} if host else {}
+    phases = [
+        Phase("update", _add(training, here, {"ctx": ctx})),
+        Phase("weight push", _add(between, {"gather": snapshot}, here, {"ctx": ctx})),
+    ]
+    if not host:
+        phases.append(Phase("engines", {"engine": engine, "ctx": CONTEXT_BYTES}))
+    return phases
 
 
 def budget_for(
@@ -650,7 +689,7 @@ def format_budget(budget: MemoryBudget | None, cfg: Config) -> str:
     ]
     peak = budget.peak
     for phase in budget.phases:
-        cells = "".join(f"{phase.parts[k] / GB:7.2f}" for k in COMPONENTS)
+        cells = "".join(f"{phase.parts.get(k, 0.0) / GB:7.2f}" for k in COMPONENTS)
         mark = "  peak" if phase is peak else ""
         lines.append(f"  {phase.name:<12}{cells}{phase.total / GB:8.2f}{mark}")
     share = peak.total / mem
