@@ -93,6 +93,13 @@ FACTORS: dict[str, dict[str, list[str]]] = {
         "small": ["train.max_tokens_per_micro_batch=96"],
     },
     "entropy": {"off": ["algorithm.entropy_coef=0.0"], "on": ["algorithm.entropy_coef=0.01"]},
+    # engines on a device of their own, synchronous or a step behind (a lag without
+    # rollout_correction is refused by name)
+    "pipeline": {
+        "colocated": ["rollout.engine_devices=0", "train.rollout_lag=0"],
+        "own-lag0": ["rollout.engine_devices=1", "train.rollout_lag=0"],
+        "own-lag1": ["rollout.engine_devices=1", "train.rollout_lag=1"],
+    },
 }
 
 #: The default job, cut to one short step: 4 prompts x 4 samples, 2 mini-batches.

@@ -92,3 +92,23 @@ def test_module_main_prints_paths_and_exit_codes(tmp_path, capsys):
     assert main([str(tmp_path)]) == 0
     printed = capsys.readouterr().out.split()
     assert printed[-1].endswith("overview.png")
+
+
+def test_plot_compares_runs_on_the_same_panels(tmp_path, capsys):
+    from trainer.cli import main as cli
+
+    for name, steps in (("lag0", 30), ("lag1", 25)):
+        _write_run(tmp_path / name, steps)
+    out = tmp_path / "plots"
+    code = cli(
+        ["plot", str(tmp_path / "lag0"), "--compare", str(tmp_path / "lag1"), "--out", str(out)]
+    )
+    assert code == 0
+    assert (out / "reward_mean.png").is_file() and (out / "overview.png").is_file()
+    paths = plot_run(tmp_path / "lag0", tmp_path / "single", keys=["reward/mean"])
+    # two runs' lines make a different picture from one run's
+    assert (out / "reward_mean.png").read_bytes() != paths[0].read_bytes()
+    # a compared run that is missing is named, as the main one would be
+    code = cli(["plot", str(tmp_path / "lag0"), "--compare", str(tmp_path / "nope")])
+    assert code == 2
+    assert "nope" in capsys.readouterr().err

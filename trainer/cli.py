@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="PNG curves from RUN_DIR/metrics.jsonl")
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None, help="output folder (default: RUN_DIR/plots)")
+    plot.add_argument(
+        "--compare",
+        nargs="+",
+        default=[],
+        metavar="OTHER_RUN",
+        help="other run directories drawn on the same panels (e.g. another train.rollout_lag)",
+    )
     plot.set_defaults(func=entry.plot)
 
     probe = sub.add_parser(

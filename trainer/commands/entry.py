@@ -81,7 +81,7 @@ def plot(args: argparse.Namespace) -> int:
     from trainer.commands.plot import plot_run
 
     try:
-        paths = plot_run(args.run_dir, args.out)
+        paths = plot_run(args.run_dir, args.out, compare=args.compare)
     except (FileNotFoundError, ValueError) as err:
         print(f"crossrl plot: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

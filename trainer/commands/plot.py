@@ -1,4 +1,5 @@
-"""``crossrl plot RUN_DIR``: PNG curves from ``<run_dir>/metrics.jsonl``.
+"""``crossrl plot RUN_DIR [--compare OTHER_RUN ...]``: PNG curves from ``<run_dir>/metrics.jsonl``
+(and the other runs', on the same panels).
 
 matplotlib is an optional dependency (the ``plot`` extra) and is imported only here, lazily.
 Figures are drawn with the Agg canvas directly (no pyplot), so plotting never changes the
@@ -66,26 +67,33 @@ def _moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def _draw(ax: Any, key: str, steps: list[int], values: list[float]) -> None:
+def _draw(ax: Any, key: str, runs: list[tuple[str, list[int], list[float]]]) -> None:
+    """One panel: ``key`` of each run, ``(label, steps, values)``, in its own colour (the
+    label only in the legend when there are several runs)."""
     ax.set_title(key, fontsize=10)
     ax.set_xlabel("step")
     ax.grid(True, alpha=0.3)
-    if not steps:
+    if not any(steps for _, steps, _ in runs):
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
         return
-    if len(steps) >= _SMOOTH_MIN_POINTS:
-        ax.plot(steps, values, color="C0", alpha=0.35, linewidth=1, label="raw")
-        window = max(2, len(steps) // 10)
-        ax.plot(
-            steps,
-            _moving_average(values, window),
-            color="C0",
-            linewidth=2,
-            label=f"mean of {window}",
-        )
+    several = len(runs) > 1
+    for i, (label, steps, values) in enumerate(runs):
+        color = f"C{i}"
+        name = f"{label}: " if several else ""
+        if len(steps) >= _SMOOTH_MIN_POINTS:
+            ax.plot(steps, values, color=color, alpha=0.35, linewidth=1, label=f"{name}raw")
+            window = max(2, len(steps) // 10)
+            ax.plot(
+                steps,
+                _moving_average(values, window),
+                color=color,
+                linewidth=2,
+                label=f"{name}mean of {window}",
+            )
+        elif steps:
+            ax.plot(steps, values, color=color, marker="o", markersize=3, label=label)
+    if several or any(len(steps) >= _SMOOTH_MIN_POINTS for _, steps, _ in runs):
         ax.legend(fontsize=8)
-    else:
-        ax.plot(steps, values, color="C0", marker="o", markersize=3)
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -104,24 +112,8 @@ def validation_keys(records: list[dict]) -> list[str]:
     return first + passes + sources
 
 
-def plot_run(
-    run_dir: str | os.PathLike,
-    out_dir: str | os.PathLike | None = None,
-    keys: Sequence[str] | None = None,
-) -> list[Path]:
-    """Write one PNG per metric in ``keys`` plus ``overview.png`` (all in a grid).
-
-    ``keys`` None: ``DEFAULT_KEYS`` plus the validation curves the run has (``val/reward_mean``,
-    ``val/pass@k``, ``val/reward_mean/<data_source>``); validation points are drawn at the steps
-    that validated (step 0: before training).
-
-    Reads ``<run_dir>/metrics.jsonl``; writes to ``out_dir`` (default ``<run_dir>/plots``).
-    File names are the keys with ``/`` replaced by ``_`` (``reward_mean.png``). A key with no
-    finite value in any step gets no PNG of its own (its overview panel says "no data").
-    Returns the written paths, overview last. Raises FileNotFoundError when metrics.jsonl is
-    missing, ValueError when it is empty or malformed, PlotDependencyError without matplotlib.
-    """
-    run_dir = Path(run_dir)
+def _read_run(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl records, in step order; the errors ``plot_run`` documents."""
     metrics_path = run_dir / METRICS_FILE
     if not metrics_path.exists():
         hint = "" if run_dir.is_dir() else f" ({run_dir} does not exist)"
@@ -135,16 +127,41 @@ def plot_run(
         raise ValueError(read_error_line(metrics_path, err, "the run's metrics file")) from None
     if not records:
         raise ValueError(f"{metrics_path} has no steps yet; plot again after the first step")
+    for lineno, rec in enumerate(records, start=1):
+        if not isinstance(rec.get("step"), int) or isinstance(rec.get("step"), bool):
+            raise ValueError(f"{metrics_path}: record {lineno} has no integer 'step': {rec!r:.80}")
+    return sorted(records, key=lambda r: r["step"])
+
+
+def plot_run(
+    run_dir: str | os.PathLike,
+    out_dir: str | os.PathLike | None = None,
+    keys: Sequence[str] | None = None,
+    compare: Sequence[str | os.PathLike] = (),
+) -> list[Path]:
+    """Write one PNG per metric in ``keys`` plus ``overview.png`` (all in a grid).
+    ``compare``: other runs drawn on the same panels, each in its own colour and labelled by
+    its directory's name (e.g. the same job at another ``train.rollout_lag``).
+
+    ``keys`` None: ``DEFAULT_KEYS`` plus the validation curves the run has (``val/reward_mean``,
+    ``val/pass@k``, ``val/reward_mean/<data_source>``); validation points are drawn at the steps
+    that validated (step 0: before training).
+
+    Reads ``<run_dir>/metrics.jsonl``; writes to ``out_dir`` (default ``<run_dir>/plots``).
+    File names are the keys with ``/`` replaced by ``_`` (``reward_mean.png``). A key with no
+    finite value in any step gets no PNG of its own (its overview panel says "no data").
+    Returns the written paths, overview last. Raises FileNotFoundError when metrics.jsonl is
+    missing, ValueError when it is empty or malformed, PlotDependencyError without matplotlib.
+    """
+    run_dir = Path(run_dir)
+    records = _read_run(run_dir)
+    others = [(Path(d).name, _read_run(Path(d))) for d in compare]
     if keys is None:
         keys = [*DEFAULT_KEYS, *validation_keys(records)]
     if isinstance(keys, str):
         keys = [keys]
     if not keys:
         raise ValueError("keys is empty; name at least one metric, e.g. reward/mean")
-    for lineno, rec in enumerate(records, start=1):
-        if not isinstance(rec.get("step"), int) or isinstance(rec.get("step"), bool):
-            raise ValueError(f"{metrics_path}: record {lineno} has no integer 'step': {rec!r:.80}")
-    records = sorted(records, key=lambda r: r["step"])
     Figure = _figure_class()
     out = Path(out_dir) if out_dir is not None else run_dir / PLOT_DIR
     try:
@@ -155,21 +172,25 @@ def plot_run(
         ) from None
 
     written: list[Path] = []
-    series = {key: _series(records, key) for key in keys}
-    for key, (steps, values) in series.items():
-        if not steps:
+    runs = [(run_dir.name, records), *others]
+    series = {key: [(name, *_series(recs, key)) for name, recs in runs] for key in keys}
+    for key, drawn in series.items():
+        if not any(steps for _, steps, _ in drawn):
             continue
         fig = Figure(figsize=(6, 4))
-        _draw(fig.add_subplot(1, 1, 1), key, steps, values)
+        _draw(fig.add_subplot(1, 1, 1), key, drawn)
         fig.tight_layout()
         written.append(_save(fig, out / (key.replace("/", "_") + ".png")))
 
     ncols = min(3, len(keys))
     nrows = math.ceil(len(keys) / ncols)
     fig = Figure(figsize=(4.5 * ncols, 3.2 * nrows))
-    for i, (key, (steps, values)) in enumerate(series.items()):
-        _draw(fig.add_subplot(nrows, ncols, i + 1), key, steps, values)
-    fig.suptitle(f"{run_dir.name}: {len(records)} steps")
+    for i, (key, drawn) in enumerate(series.items()):
+        _draw(fig.add_subplot(nrows, ncols, i + 1), key, drawn)
+    title = f"{run_dir.name}: {len(records)} steps"
+    if others:
+        title = f"{' vs '.join(name for name, _ in runs)}: {len(records)} steps"
+    fig.suptitle(title)
     fig.tight_layout()
     written.append(_save(fig, out / "overview.png"))
     return written
