@@ -139,3 +139,75 @@ def test_engine_replicas_never_span_nodes():
     with pytest.raises(LayoutError) as info:
         plan_layout(cfg, [2, 2], "GPU", device="cuda")
     assert "need 6" in str(info.value)
+
+
+def test_engines_of_another_device_type_fill_their_own_nodes():
+    cfg = load_config(
+        None,
+        [
+            "device=cuda",
+            "rollout.engine=vllm",
+            "rollout.tensor_parallel_size=2",
+            "train.dp_size=8",
+            "rollout.engine_devices=8",
+            "rollout.device=npu",
+        ],
+        check_environment=False,
+    )
+    assert cfg.engine_device() == "npu"
+    # node 0: 8 GPUs; node 1: 16 NPU dies (an A3 half-node), in one cluster's node order
+    layout = plan_layout(
+        cfg,
+        [8, 0],
+        "GPU",
+        device="cuda",
+        engine_nodes=[0, 16],
+        engine_resource="NPU",
+        engine_device="npu",
+    )
+    assert layout.other_engine_device and layout.engine_resource == "NPU"
+    assert layout.rank_slots == tuple((0, d) for d in range(8))
+    assert [(r.node, r.devices) for r in layout.replicas] == [
+        (1, (14, 15)),
+        (1, (12, 13)),
+        (1, (10, 11)),
+        (1, (8, 9)),
+    ]
+    text = format_layout(layout)
+    assert "engines on npu (Ray resource NPU): 8 of 16 used" in text
+    assert "npu device 15: engine replica 0 (tp rank 1 of 2)" in text
+    with pytest.raises(LayoutError) as info:  # no NPU in the cluster
+        plan_layout(
+            cfg, [8, 0], "GPU", engine_nodes=[0, 0], engine_resource="NPU", engine_device="npu"
+        )
+    assert "rollout.engine_devices=8" in str(info.value) and "NPU" in str(info.value)
+
+
+def test_the_engine_spawner_takes_the_engines_backend():
+    from hal.cpu import CpuBackend
+    from hal.npu import NpuBackend
+    from trainer.loop.workers.spawn import Spawner
+
+    cfg = load_config(
+        None, ["rollout.engine_devices=2", "rollout.device=npu"], check_environment=False
+    )
+    layout = plan_layout(
+        cfg,
+        [2, 0],
+        "CPU",
+        device="cpu",
+        engine_nodes=[0, 2],
+        engine_resource="NPU",
+        engine_device="npu",
+    )
+    spawner = Spawner(cfg, layout, None, CpuBackend(), in_process=False)
+    assert isinstance(spawner.engine_backend(), NpuBackend)  # its class: no NPU asked here
+    same = plan_layout(load_config(None, LAGGED), [4], "CPU", device="cpu")
+    assert Spawner(cfg, same, None, CpuBackend(), in_process=False).engine_backend().name == "cpu"
+
+
+def test_another_engine_device_needs_engine_devices_of_their_own():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["device=cpu", "rollout.device=npu"], check_environment=False)
+    text = str(info.value)
+    assert "rollout.device" in text and "rollout.engine_devices" in text

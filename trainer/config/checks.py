@@ -200,11 +200,21 @@ def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
 
 def _lag_problems(cfg: Config) -> list[Problem]:
     """``train.rollout_lag`` > 0: the engines must generate while the ranks train, so they
-    need devices of their own, and the loss must correct for the older behaviour policy."""
+    need devices of their own, and the loss must correct for the older behaviour policy;
+    ``rollout.device`` other than the trainer's needs devices of their own too."""
+    p = []
+    if cfg.rollout.device not in (None, cfg.device) and not cfg.rollout.engine_devices:
+        p.append(
+            problem(
+                "rollout.device",
+                cfg.rollout.device,
+                f"engines on another device than the trainer's ({cfg.device}) need devices of "
+                "their own: set rollout.engine_devices, or rollout.device=null",
+            )
+        )
     lag = cfg.train.rollout_lag
     if not lag:
-        return []
-    p = []
+        return p
     if not cfg.rollout.engine_devices:
         p.append(
             problem(

@@ -168,6 +168,12 @@ class RolloutConfig(BaseModel):
         "rollout.tensor_parallel_size replicas, placed on the last nodes); 0 = colocated on "
         "the training ranks' devices, sleeping while they train; train.rollout_lag > 0 needs it",
     )
+    device: DeviceName | None = Field(
+        None,
+        description="device backend of the engine replicas when they have devices of their "
+        "own (rollout.engine_devices), e.g. generation on an NPU pool while the ranks train on "
+        "GPUs (the weights go through host memory); null = the trainer's device",
+    )
     max_sample_batches: int = Field(
         1,
         ge=1,
@@ -448,6 +454,10 @@ class Config(BaseModel):
         """Tokens: the divisor of seq-mean-token-sum-norm (``algorithm.loss_agg_horizon``,
         else ``rollout.max_new_tokens``, the longest response a step row can have)."""
         return self.algorithm.loss_agg_horizon or self.rollout.max_new_tokens
+
+    def engine_device(self) -> str:
+        """The engine replicas' device backend: ``rollout.device``, else ``device``."""
+        return self.rollout.device or self.device
 
     def optimizer_steps_per_step(self) -> int:
         """Optimizer steps per training step: mini-batches per batch times ppo_epochs."""

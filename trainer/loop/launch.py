@@ -24,7 +24,12 @@ def start(job) -> None:
     import hal
     from trainer.loop.layout import plan_layout, runs_in_process
     from trainer.loop.startup import CLOCK
-    from trainer.loop.workers.group import cluster_node_ids, cluster_nodes, make_placement
+    from trainer.loop.workers.group import (
+        cluster_node_ids,
+        cluster_node_table,
+        cluster_nodes,
+        make_placement,
+    )
     from trainer.loop.workers.spawn import Spawner
 
     cfg = job.cfg
@@ -32,14 +37,25 @@ def start(job) -> None:
     resource = backend.ray_resource
     job.in_process = runs_in_process(cfg, backend.name)
     # Fails here, naming the key, when the cluster cannot hold the job (trainer/loop/layout.py).
-    nodes = [1] if job.in_process else cluster_nodes(resource)
-    job.layout = plan_layout(cfg, nodes, resource, device=backend.name)
+    engine = _other_engine_device(cfg, backend.name)
+    if engine is not None:  # rollout.device: the engines' devices are of another type
+        node_ids, counts = cluster_node_table([resource, hal.RAY_RESOURCES[engine]])
+        job.layout = plan_layout(
+            cfg,
+            counts[resource],
+            resource,
+            device=backend.name,
+            engine_nodes=counts[hal.RAY_RESOURCES[engine]],
+            engine_resource=hal.RAY_RESOURCES[engine],
+            engine_device=engine,
+        )
+    else:
+        nodes = [1] if job.in_process else cluster_nodes(resource)
+        job.layout = plan_layout(cfg, nodes, resource, device=backend.name)
+        node_ids = [] if job.in_process else cluster_node_ids(resource)
     if not job.in_process:
         job.placement = make_placement(
-            resource,
-            job.layout,
-            timeout_s=cfg.ray.placement_timeout_s,
-            node_ids=cluster_node_ids(resource),
+            resource, job.layout, timeout_s=cfg.ray.placement_timeout_s, node_ids=node_ids
         )
     job.use_ref = "reference" in job.layout.roles
     job.use_critic = "critic" in job.layout.roles
@@ -110,6 +126,17 @@ def _start_pipeline(job) -> None:
     job.pipeline.start(job.start_step + 1, weights)
 
 
+def _other_engine_device(cfg, trainer_device: str) -> str | None:
+    """The engines' backend name when ``rollout.device`` names another than the trainer's
+    (``trainer_device``, resolved), else None. ``auto`` resolves on this machine."""
+    import hal
+
+    name = cfg.engine_device()
+    if name == "auto":
+        name = hal.get_backend("auto").name
+    return None if name == trainer_device or not cfg.rollout.engine_devices else name
+
+
 def _rendezvous(group: WorkerGroup) -> list:
     """References to rank 0's address and port, where a role's ranks meet (they may sit on
     several nodes); passed on unresolved, so no rank waits for the controller."""
@@ -164,7 +191,13 @@ def _agreed_deterministic_settings(job) -> dict[str, str]:
         for g in job.all_groups()
         for name, info in zip(g.names, g.setup_info)
     ]
-    for i, info in enumerate(job.replica_info):
-        if "deterministic" in info:  # a replaying probe runs no engine
-            applied.append((f"engine replica {i}", info["deterministic"]))
-    return agree_on_settings(applied)
+    engines = [
+        (f"engine replica {i}", info["deterministic"])
+        for i, info in enumerate(job.replica_info)
+        if "deterministic" in info  # a replaying probe runs no engine
+    ]
+    if job.layout.other_engine_device:  # another backend has switches of its own
+        if engines:
+            agree_on_settings(engines)
+        return agree_on_settings(applied)
+    return agree_on_settings(applied + engines)

@@ -73,6 +73,11 @@ class Layout:
     engine_memory_fraction: float  # of each device, while the engine is awake
     shares: dict[str, float] = field(default_factory=dict)
     separate: bool = False  # the engines on devices of their own (rollout.engine_devices)
+    # When the engines' backend differs from the trainer's (rollout.device): its Ray
+    # resource, name, and devices per node (same node order as ``nodes``); empty otherwise.
+    engine_resource: str = ""
+    engine_device: str = ""
+    engine_nodes: tuple[int, ...] = ()
 
     @property
     def dp_size(self) -> int:
@@ -93,26 +98,47 @@ class Layout:
         """Devices the job takes: the ranks', plus the engines' own when separate."""
         return self.dp_size + (sum(r.tp for r in self.replicas) if self.separate else 0)
 
+    @property
+    def other_engine_device(self) -> bool:
+        """Whether the engines run on another device type than the ranks (``rollout.device``)."""
+        return bool(self.engine_resource) and self.engine_resource != self.resource
 
-def _separate_layout(cfg: Config, nodes: tuple[int, ...], resource: str, device: str) -> Layout:
+
+def _separate_layout(
+    cfg: Config,
+    nodes: tuple[int, ...],
+    resource: str,
+    device: str,
+    engine: tuple[tuple[int, ...], str, str] | None = None,
+) -> Layout:
     """``plan_layout`` with ``rollout.engine_devices`` > 0: the training ranks fill the nodes
     from the first, one device each; the engine replicas, ``tp`` devices each on one node,
     fill what is left from the last node back, so on a cluster of several nodes the engines
-    sit on nodes of their own (their weights then cross nodes, through host memory)."""
+    sit on nodes of their own (their weights then cross nodes, through host memory).
+    ``engine``: ``(devices per node, Ray resource, backend)`` of the engines when their backend
+    differs from the trainer's; they then fill those devices, from the last node back."""
     dp, tp = cfg.train.dp_size, cfg.rollout.tensor_parallel_size
     count = cfg.rollout.engine_devices // tp
     shape = "/".join(map(str, nodes))
-    if dp + cfg.rollout.engine_devices > sum(nodes):
+    if engine is None and dp + cfg.rollout.engine_devices > sum(nodes):
         raise LayoutError(
             f"train.dp_size={dp} + rollout.engine_devices={cfg.rollout.engine_devices} need "
             f"{dp + cfg.rollout.engine_devices} {resource} devices, the cluster has "
             f"{sum(nodes)} ({len(nodes)} node(s) of {shape}); lower one of them or add nodes"
+        )
+    if engine is not None and dp > sum(nodes):
+        raise LayoutError(
+            f"train.dp_size={dp} needs {dp} {resource} devices, the cluster has {sum(nodes)} "
+            f"({len(nodes)} node(s) of {shape}); lower train.dp_size or add nodes"
         )
     free = [list(range(n)) for n in nodes]
     slots: list[tuple[int, int]] = []
     for node in range(len(nodes)):
         while free[node] and len(slots) < dp:
             slots.append((node, free[node].pop(0)))
+    if engine is not None:  # the engines' own device type: all of its devices are free
+        free = [list(range(n)) for n in engine[0]]
+        shape = "/".join(map(str, engine[0]))
     replicas: list[Replica] = []
     for node in reversed(range(len(nodes))):
         while len(free[node]) >= tp and len(replicas) < count:
@@ -123,8 +149,9 @@ def _separate_layout(cfg: Config, nodes: tuple[int, ...], resource: str, device:
         raise LayoutError(
             f"rollout.engine_devices={cfg.rollout.engine_devices} with "
             f"rollout.tensor_parallel_size={tp}: after train.dp_size={dp} ranks, nodes of "
-            f"{shape} {resource} devices hold only {len(replicas)} whole replica(s) of {tp} "
-            "devices on one node; lower train.dp_size or rollout.tensor_parallel_size"
+            f"{shape} {engine[1] if engine else resource} devices hold only {len(replicas)} "
+            f"whole replica(s) of {tp} devices on one node; lower train.dp_size or "
+            "rollout.tensor_parallel_size"
         )
     roles = training_roles(cfg)
     # Each training process and each engine owns its device: no sharing to keep books of.
@@ -140,6 +167,9 @@ def _separate_layout(cfg: Config, nodes: tuple[int, ...], resource: str, device:
         engine_memory_fraction=cfg.rollout.memory_fraction,
         shares={**shares, "rollout": 1.0},
         separate=True,
+        engine_resource=engine[1] if engine else "",
+        engine_device=engine[2] if engine else "",
+        engine_nodes=engine[0] if engine else (),
     )
 
 
@@ -154,17 +184,38 @@ def training_roles(cfg: Config) -> tuple[str, ...]:
     return tuple(roles)
 
 
-def plan_layout(cfg: Config, nodes: Sequence[int], resource: str, device: str = "") -> Layout:
+def plan_layout(
+    cfg: Config,
+    nodes: Sequence[int],
+    resource: str,
+    device: str = "",
+    *,
+    engine_nodes: Sequence[int] | None = None,
+    engine_resource: str = "",
+    engine_device: str = "",
+) -> Layout:
     """Place the job of ``cfg`` on a cluster whose node ``i`` has ``nodes[i]`` devices of Ray
     resource ``resource`` (the HAL backend's Ray resource; ``device`` names the backend for printing).
 
     tp groups fill the nodes in order, each whole on one node; training rank ``r`` is tp rank
-    ``r % tp`` of replica ``r // tp``. Raises ``LayoutError`` for a layout that cannot work:
-    tp not dividing dp, tp larger than any node, a tp group that would have to span nodes,
-    more ranks than devices.
+    ``r % tp`` of replica ``r // tp``. With ``rollout.engine_devices`` the engines get devices
+    of their own (``_separate_layout``); when their backend (``rollout.device``) differs from
+    the trainer's, node ``i`` also has ``engine_nodes[i]`` devices of ``engine_resource``
+    (``engine_device``), the nodes in the same order, and ``nodes[i]`` may be 0. Raises
+    ``LayoutError`` for a layout that cannot work: tp not dividing dp, tp larger than any node,
+    a tp group that would have to span nodes, more ranks than devices.
     """
     dp, tp = cfg.train.dp_size, cfg.rollout.tensor_parallel_size
     nodes = tuple(int(n) for n in nodes)
+    if engine_nodes is not None and cfg.rollout.engine_devices:
+        engine_nodes = tuple(int(n) for n in engine_nodes)
+        if len(engine_nodes) != len(nodes) or any(n < 0 for n in nodes + engine_nodes):
+            raise LayoutError(
+                f"nodes={list(nodes)}, engine nodes={list(engine_nodes)}: one count each per node"
+            )
+        return _separate_layout(
+            cfg, nodes, resource, device, engine=(engine_nodes, engine_resource, engine_device)
+        )
     if not nodes or any(n < 1 for n in nodes):
         raise LayoutError(f"nodes={list(nodes)}: every node needs at least 1 {resource} device")
     if cfg.rollout.engine_devices:
@@ -262,21 +313,33 @@ def local_ray_cpus(cfg: Config) -> int:
 
 def format_layout(layout: Layout) -> str:
     """The layout as ``crossrl layout`` prints it: a summary, then one line per used device."""
-    n_used = layout.devices_used
+    other = layout.other_engine_device
+    n_used = layout.dp_size if other else layout.devices_used
     total = sum(layout.nodes)
     nodes = layout.nodes
+    counts = [n for n in nodes if n] if other else nodes
     shape = (
-        f"{len(nodes)} node(s) x {nodes[0]}" if len(set(nodes)) == 1 else "/".join(map(str, nodes))
+        f"{len(counts)} node(s) x {counts[0]}"
+        if len(set(counts)) == 1
+        else "/".join(map(str, counts))
     )
     lines = [
         f"device {layout.device or '?'} (Ray resource {layout.resource}): {shape} devices, "
-        f"{n_used} of {total} used",
+        f"{n_used} of {total} used"
+        + (
+            f"; engines on {layout.engine_device} (Ray resource {layout.engine_resource}): "
+            f"{layout.devices_used - layout.dp_size} of {sum(layout.engine_nodes)} used"
+            if other
+            else ""
+        ),
         f"training: {layout.dp_size} ranks (train.dp_size), roles {', '.join(layout.roles)}: "
         "one process per role per rank, on the rank's device",
         f"rollout: {len(layout.replicas)} {layout.engine} engine replicas x tp {layout.tp} "
         "(rollout.tensor_parallel_size) over "
         + (
-            f"{layout.devices_used - layout.dp_size} devices of their own (rollout.engine_devices)"
+            f"{layout.devices_used - layout.dp_size} "
+            + (f"{layout.engine_device} " if layout.other_engine_device else "")
+            + "devices of their own (rollout.engine_devices)"
             if layout.separate
             else f"{layout.dp_size} devices"
         ),
@@ -302,11 +365,13 @@ def format_layout(layout: Layout) -> str:
         if not here and not engines:
             continue
         lines.append(f"node {node}:")
-        for dev, what in sorted(
-            [(d, _rank_line(layout, r)) for d, r in here]
-            + [(d, _engine_line(rep, d)) for d, rep in engines]
+        # Engines on another device type (rollout.device) count their own device indices.
+        other = f"{layout.engine_device} " if layout.other_engine_device else ""
+        for kind, dev, what in sorted(
+            [("", d, _rank_line(layout, r)) for d, r in here]
+            + [(other, d, _engine_line(rep, d)) for d, rep in engines]
         ):
-            lines.append(f"  device {dev:2d}: {what}")
+            lines.append(f"  {kind}device {dev:2d}: {what}")
     return "\n".join(lines)
 
 
@@ -358,7 +423,9 @@ def layout_for_cli(
     """``crossrl layout``'s layout: ``nodes`` nodes (default 1) of ``devices_per_node`` devices
     of the config's device type. Default devices per node: what this machine's HAL sees when
     that device type is here (on the CPU: a local Ray's CPUs), else enough for
-    ``train.dp_size`` (plus ``rollout.engine_devices``) over the nodes (the config's own intent, e.g. a GPU job read on a laptop).
+    ``train.dp_size`` (plus ``rollout.engine_devices``) over the nodes (the config's own
+    intent, e.g. a GPU job read on a laptop). Engines of another device type
+    (``rollout.device``) get one more node of their own, holding ``rollout.engine_devices``.
     """
     import hal
 
@@ -367,15 +434,28 @@ def layout_for_cli(
     count = nodes or 1
     if count < 1:
         raise LayoutError(f"--nodes={count}: must be >= 1")
+    engine_name = cfg.engine_device() if cfg.engine_device() != "auto" else name
     if devices_per_node is None:
         if name == "cpu":
             devices_per_node = local_ray_cpus(cfg)
         elif name in hal.available_backends():
             devices_per_node = hal.get_backend(name).device_count()
         else:
-            devices_per_node = -(-(cfg.train.dp_size + cfg.rollout.engine_devices) // count)
+            engine_here = cfg.rollout.engine_devices if engine_name == name else 0
+            devices_per_node = -(-(cfg.train.dp_size + engine_here) // count)
     if devices_per_node < 1:
         raise LayoutError(f"--devices-per-node={devices_per_node}: must be >= 1")
+    if cfg.rollout.engine_devices and engine_name != name:
+        # Engines of another device type: one more node, the engine pool, holding theirs.
+        return plan_layout(
+            cfg,
+            [devices_per_node] * count + [0],
+            resource,
+            device=name,
+            engine_nodes=[0] * count + [cfg.rollout.engine_devices],
+            engine_resource=hal.RAY_RESOURCES[engine_name],
+            engine_device=engine_name,
+        )
     return plan_layout(cfg, [devices_per_node] * count, resource, device=name)
 
 

@@ -472,6 +472,8 @@ def estimate_memory(
             snapshot=model_bytes if host else shape.largest_tensor_params * 4,
             ctx=0.0 if host else (processes - ranks_per_memory) * CONTEXT_BYTES,
             host=host,
+            # engines of another device type (rollout.device) are not on this device's budget
+            own_phase=roll.device in (None, device),
         )
     return MemoryBudget(
         device=device,
@@ -494,19 +496,21 @@ def _separate_phases(
     snapshot: float,
     ctx: float,
     host: bool,
+    own_phase: bool = True,
 ) -> list[Phase]:
     """The phases of a step whose engines have devices of their own (``rollout.engine_devices``):
     on a rank's device the update (``training``: the roles at their peak) and the snapshot of
     the new weights (``between``: the state after the update, plus ``snapshot`` bytes); no
     engine there, and no sleep. On an accelerator the engine's own device is a phase of its
-    own, ``engines`` (``engine`` bytes awake and one context); on the host, where every process shares the
+    own, ``engines`` (``engine`` bytes awake and one context; not with ``own_phase`` False, engines
+    of another device type); on the host, where every process shares the
     memory and the engines generate while the ranks train, the engines come on top of both."""
     here = {"engine": engine} if host else {}
     phases = [
         Phase("update", _add(training, here, {"ctx": ctx})),
         Phase("weight push", _add(between, {"gather": snapshot}, here, {"ctx": ctx})),
     ]
-    if not host:
+    if not host and own_phase:
         phases.append(Phase("engines", {"engine": engine, "ctx": CONTEXT_BYTES}))
     return phases
 

@@ -120,6 +120,7 @@ class Placement:
     resource: str
     tp: int = 1
     engine_groups: list[PlacementGroup] = field(default_factory=list)
+    engine_resource: str = ""  # the engines' Ray resource when it differs (rollout.device)
 
     def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
         """Scheduling strategy that pins an actor to training rank ``rank``'s bundle."""
@@ -168,6 +169,21 @@ def cluster_node_ids(resource: str) -> list[str]:
     return [n["NodeID"] for n in _live_nodes(resource)]
 
 
+def cluster_node_table(resources: Sequence[str]) -> tuple[list[str], dict[str, list[int]]]:
+    """The live nodes that have any of ``resources`` (e.g. the trainer's GPUs and the engines'
+    NPUs, ``rollout.device``), in Ray's order: their ids, and per resource its count on each
+    (0 where a node has none): the ``nodes`` and ``engine_nodes`` of ``plan_layout``."""
+    import ray
+
+    live = [
+        n
+        for n in ray.nodes()
+        if n.get("Alive") and any(int(n.get("Resources", {}).get(r, 0)) >= 1 for r in resources)
+    ]
+    counts = {r: [int(n["Resources"].get(r, 0)) for n in live] for r in resources}
+    return [n["NodeID"] for n in live], counts
+
+
 def make_placement(resource: str, layout, *, timeout_s: float, node_ids: list[str]) -> Placement:
     """Reserve the devices of ``layout`` (``trainer.loop.layout.Layout``; ``resource`` is the
     HAL's Ray resource name), each group STRICT_PACKed on the node the layout names
@@ -180,7 +196,10 @@ def make_placement(resource: str, layout, *, timeout_s: float, node_ids: list[st
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    bundle = {resource: 1.0} if resource == "CPU" else {resource: 1.0, "CPU": 1.0}
+    def device_bundle(kind: str) -> dict[str, float]:
+        return {kind: 1.0} if kind == "CPU" else {kind: 1.0, "CPU": 1.0}
+
+    engine_resource = layout.engine_resource or resource
 
     # Ray before bundle label selectors (2.4x) places each group on any node with room.
     pins = "bundle_label_selector" in inspect.signature(placement_group).parameters
@@ -191,16 +210,17 @@ def make_placement(resource: str, layout, *, timeout_s: float, node_ids: list[st
             f"{ray.__version__} lacks them): upgrade ray, or set rollout.engine_devices=0"
         )
 
-    def on_node(node: int, size: int):
+    def on_node(node: int, size: int, kind: str = resource):
         kwargs = {}
         if pins:
             kwargs["bundle_label_selector"] = [{"ray.io/node-id": node_ids[node]}] * size
-        return placement_group([dict(bundle) for _ in range(size)], "STRICT_PACK", **kwargs)
+        bundles = [device_bundle(kind) for _ in range(size)]
+        return placement_group(bundles, "STRICT_PACK", **kwargs)
 
     if layout.separate:
         tp = 1
         groups = [on_node(node, 1) for node, _ in layout.rank_slots]
-        engine_groups = [on_node(rep.node, rep.tp) for rep in layout.replicas]
+        engine_groups = [on_node(rep.node, rep.tp, engine_resource) for rep in layout.replicas]
     else:
         tp = layout.tp
         groups = [on_node(rep.node, rep.tp) for rep in layout.replicas]
@@ -217,7 +237,13 @@ def make_placement(resource: str, layout, *, timeout_s: float, node_ids: list[st
             "free): lower train.dp_size or rollout.engine_devices, free the devices, or raise "
             "ray.placement_timeout_s"
         )
-    return Placement(groups=groups, resource=resource, tp=tp, engine_groups=engine_groups)
+    return Placement(
+        groups=groups,
+        resource=resource,
+        tp=tp,
+        engine_groups=engine_groups,
+        engine_resource=layout.engine_resource,
+    )
 
 
 def _assigned_ids(resource: str) -> list[str]:
@@ -235,9 +261,10 @@ def bundle_device_ids(
     replica spanning several bundles must be shown."""
     import ray
 
-    opts = actor_options(placement, rank, 0.001, strategy=strategy)
+    kind = placement.engine_resource if strategy is not None else ""
+    opts = actor_options(placement, rank, 0.001, strategy=strategy, resource=kind)
     probe = ray.remote(_assigned_ids).options(**opts)
-    ref = probe.remote(placement.resource)
+    ref = probe.remote(kind or placement.resource)
     return wait_all([ref], [f"device probe of rank {rank}"], timeout_s=timeout_s, what="probe")[0]
 
 
@@ -299,18 +326,20 @@ def _first_line(err: BaseException) -> str:
 
 
 def actor_options(
-    placement: Placement, rank: int, share: float, *, strategy=None
+    placement: Placement, rank: int, share: float, *, strategy=None, resource: str = ""
 ) -> dict[str, Any]:
     """Ray actor options that take ``share`` of training rank ``rank``'s device (colocated
     workers split a bundle: actor, reference, critic and an engine replica share a device),
-    or of ``strategy``'s bundle when given (``Placement.engine_strategy``)."""
+    or of ``strategy``'s bundle when given (``Placement.engine_strategy``), whose device is
+    of Ray resource ``resource`` (default: the placement's)."""
     opts: dict[str, Any] = {"scheduling_strategy": strategy or placement.strategy(rank)}
-    if placement.resource == "CPU":
+    kind = resource or placement.resource
+    if kind == "CPU":
         opts["num_cpus"] = share
-    elif placement.resource == "GPU":  # Ray refuses GPU inside `resources`
+    elif kind == "GPU":  # Ray refuses GPU inside `resources`
         opts.update(num_gpus=share, num_cpus=0)
     else:
-        opts.update(resources={placement.resource: share}, num_cpus=0)
+        opts.update(resources={kind: share}, num_cpus=0)
     return opts
 
 

@@ -50,7 +50,7 @@ class EngineHost:
         self.startup.done("queued")
         torch.set_num_threads(max(1, self.threads))
         cfg = self.cfg
-        backend = hal.get_backend(cfg.device)
+        backend = hal.get_backend(cfg.engine_device())  # rollout.device, else the trainer's
         # The engine's process gets the same deterministic switches as the trainers, before
         # any kernel or engine starts (device libraries read theirs once, at start-up).
         deterministic = backend.set_deterministic(cfg.seed) if cfg.run.deterministic else {}

@@ -37,8 +37,11 @@ class Spawner:
 
         from trainer.loop.workers.group import actor_options
 
-        strategy = None if engine is None else self.placement.engine_strategy(engine)
-        opts = actor_options(self.placement, rank, share, strategy=strategy)
+        strategy, kind = None, ""
+        if engine is not None:
+            strategy = self.placement.engine_strategy(engine)
+            kind = self.placement.engine_resource
+        opts = actor_options(self.placement, rank, share, strategy=strategy, resource=kind)
         if env is not None:
             opts["runtime_env"] = {"env_vars": env}
         return ray.remote(cls).options(**opts).remote(*args)
@@ -71,7 +74,7 @@ class Spawner:
         ``replay_dir``, one host that replays recorded rollouts instead."""
         from trainer.loop.workers.rollout_host import EngineHost, ReplayHost, RolloutHost
 
-        cfg, layout, backend = self.cfg, self.layout, self.backend
+        cfg, layout, backend = self.cfg, self.layout, self.engine_backend()
         share = layout.shares["rollout"]
         own = 0 if layout.separate else None  # the engines' own bundles, when they have them
         if replay_dir is not None:
@@ -95,6 +98,16 @@ class Spawner:
                 self.spawn(cls, first, share, cfg, threads, rep.index, env=env, engine=engine)
             )
         return replicas
+
+    def engine_backend(self):
+        """The engine replicas' backend: the trainer's, or, with ``rollout.device`` naming
+        another, that one's class (its devices are on other nodes: nothing is asked of them
+        here)."""
+        import hal
+
+        if not self.layout.other_engine_device:
+            return self.backend
+        return hal.backend_class(self.layout.engine_device)()
 
     def _device_ids(self, rep, bundle: int) -> list[str]:
         """Ray's device ids of tp rank ``bundle`` of replica ``rep``: its training rank's
