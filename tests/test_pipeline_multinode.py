@@ -63,6 +63,10 @@ def test_the_layout_puts_rank_and_engine_on_different_nodes(two_nodes, tmp_path)
         assert rank_node != replica.node
         assert _node_of(trainer.actor.handles[0]) == ids[rank_node]
         assert _node_of(trainer.replicas[0]) == ids[replica.node]
+        # An explicit sync loads a snapshot across the nodes at once (weights of no step).
+        trainer.sync_weights()
+        version = ray.get(trainer.rollout.__ray_call__.remote(lambda host: host.weights_version))
+        assert version is None
     finally:
         trainer.shutdown()
 

@@ -269,9 +269,18 @@ class Trainer:
     def sync_weights(self, *, via_object_store: bool = False) -> None:
         """Load the actor's new weights into the engines: every tp group's ranks hand them to
         their own replica on the same devices, which wakes its weights (not its KV cache) as
-        it loads them (nothing to push when replaying). ``via_object_store``: the earlier
-        path through Ray's object store, for ``bench e2e``."""
+        it loads them (nothing to push when replaying); engines of their own load a snapshot
+        of them from host memory. ``via_object_store``: the earlier path through Ray's object
+        store, for ``bench e2e``."""
         if self.replay_dir is not None:
+            return
+        if self.layout.separate:  # engines of their own: a host-memory snapshot, loaded now
+            wait_all(
+                [self.rollout.take_weights.remote([None, *self.snapshot_weights()])],
+                ["rollout host"],
+                timeout_s=CALL_TIMEOUT_S,
+                what="rollout.take_weights",
+            )
             return
         owner = [
             self.replicas[self.layout.replica_of_rank(r)] for r in range(self.cfg.train.dp_size)

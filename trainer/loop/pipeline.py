@@ -58,7 +58,8 @@ class RolloutPipeline:
         which weights sampled it (``policy_version``) and the lag."""
         self._wait({step})
         meta, batch = self.ready.pop(step)
-        meta.setdefault("policy_version", sampled_by(step, self.lag))
+        if meta.get("policy_version") is None:  # a replay, or weights of no step
+            meta["policy_version"] = sampled_by(step, self.lag)
         meta["metrics"] = {
             **meta["metrics"],
             "pipeline/rollout_lag": float(self.lag),

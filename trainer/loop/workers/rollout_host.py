@@ -247,17 +247,18 @@ class RolloutHost(EngineHost):
     def take_weights(self, weights: list | None) -> int:
         """Load ``weights``, ``[version, bucket refs, bucket specs]`` (a host-memory snapshot,
         ``WeightPush.snapshot_weights``, of the policy after training step ``version``), into
-        every replica unless they hold that version already; None: keep what they hold.
-        Returns the version the replicas hold (0: the initial weights)."""
+        every replica unless they hold that version already (a version of None always loads:
+        ``Trainer.sync_weights``); None: keep what they hold. Returns the version the replicas
+        hold (0: the initial weights; None: weights of no step)."""
         version = getattr(self, "weights_version", 0)
-        if weights is None or weights[0] == version:
+        if weights is None or (weights[0] is not None and weights[0] == version):
             return version
         target, refs, specs = weights
         calls = [h.load_host_buckets.remote(refs, specs) for h in getattr(self, "peers", [])]
         self.load_host_buckets(refs, specs)
         for call in calls:
             fetch(call)
-        self.weights_version = int(target)
+        self.weights_version = None if target is None else int(target)
         return self.weights_version
 
     def rollout(
