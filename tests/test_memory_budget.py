@@ -18,15 +18,12 @@ from trainer.loop.memory_budget import (
     COMPONENTS,
     DEFAULT_DEVICE_MEMORY_BYTES,
     GB,
-    PUBLISHED_SHAPES,
-    ModelShape,
     budget_for,
     estimate_memory,
-    format_budget,
-    memory_problem,
     micro_batch_tokens,
-    model_shape,
 )
+from trainer.loop.memory_report import format_budget, memory_problem
+from trainer.loop.model_shape import PUBLISHED_SHAPES, ModelShape, model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(

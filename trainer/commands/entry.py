@@ -24,12 +24,11 @@ def layout(args: argparse.Namespace) -> int:
     from trainer.config import ConfigError, load_config
     from trainer.loop.layout import (
         LayoutError,
-        budget_for_cli,
         format_layout,
         layout_for_cli,
         prompt_sharing_rule,
     )
-    from trainer.loop.memory_budget import format_budget
+    from trainer.loop.memory_report import budget_for_cli, format_budget
 
     try:
         # The cluster's config is read on any machine: no check of this one's devices or files.

@@ -21,15 +21,12 @@ from dataclasses import dataclass, field
 
 from rollout.engines.router import deal_prompt
 from trainer.config.schema import Config
-from trainer.loop.memory_budget import MemoryBudget
 
 __all__ = [
     "Layout",
     "LayoutError",
     "Replica",
-    "budget_for_cli",
     "deal_prompt",
-    "device_memory",
     "format_layout",
     "plan_layout",
 ]
@@ -457,59 +454,3 @@ def layout_for_cli(
             engine_device=engine_name,
         )
     return plan_layout(cfg, [devices_per_node] * count, resource, device=name)
-
-
-def device_memory(name: str, override_gb: float | None = None) -> tuple[float, str]:
-    """Bytes of one device of type ``name`` (cpu: the host's RAM) for the memory budget, and
-    where the number comes from: ``override_gb`` (``crossrl layout --device-memory-gb``),
-    else this machine's device 0 when that device type is here, else the type's default
-    (``trainer.loop.memory_budget.DEFAULT_DEVICE_MEMORY_BYTES``). Imports torch only for an
-    accelerator type, as ``layout_for_cli`` does."""
-    from trainer.loop.memory_budget import DEFAULT_DEVICE_MEMORY_BYTES, DEFAULT_DEVICE_NAMES
-
-    if override_gb is not None:
-        if not override_gb > 0:
-            raise LayoutError(f"--device-memory-gb={override_gb}: must be > 0")
-        return override_gb * 1e9, "--device-memory-gb"
-    if name == "cpu":
-        import os
-
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return float(ram), "this host's RAM"
-    import hal
-
-    if name in hal.available_backends():
-        try:  # the device's properties: no context is created, no memory taken
-            props = hal.get_backend(name).device_module().get_device_properties(0)
-            return float(props.total_memory), f"this machine's {name} device 0"
-        except Exception:  # noqa: BLE001 - a driver that cannot say falls back to the default
-            pass
-    return (
-        DEFAULT_DEVICE_MEMORY_BYTES[name],
-        f"{DEFAULT_DEVICE_NAMES[name]}, the default without one here",
-    )
-
-
-def budget_for_cli(
-    cfg: Config, layout: Layout | None = None, device_memory_gb: float | None = None
-) -> MemoryBudget | None:
-    """The memory budget of ``cfg``'s step (``trainer.loop.memory_budget``) on its device type,
-    sized by ``device_memory``; None when the model's shape is unknown. On the CPU the host's
-    RAM holds every rank of the node: those of ``layout``'s fullest node, else all of
-    ``train.dp_size``. Raises ``LayoutError`` for a bad ``device_memory_gb``."""
-    import hal
-    from trainer.loop.memory_budget import budget_for
-
-    name = layout.device if layout is not None and layout.device else cfg.device
-    if name == "auto":
-        name = hal.available_backends()[0]
-    memory, source = device_memory(name, device_memory_gb)
-    ranks = 1
-    if name == "cpu":
-        ranks = cfg.train.dp_size
-        if layout is not None:
-            ranks = max(
-                sum(1 for n, _ in layout.rank_slots if n == node)
-                for node in range(len(layout.nodes))
-            )
-    return budget_for(cfg, name, memory, source, ranks_per_memory=max(1, ranks))

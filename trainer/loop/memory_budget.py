@@ -1,6 +1,7 @@
 """Device memory of a training step, phase by phase, estimated before anything starts.
 
-``estimate_memory(cfg, shape, device_memory_bytes, device=...)`` adds up, per device (one
+``estimate_memory(cfg, shape, device_memory_bytes, device=...)`` (``shape``:
+``trainer.loop.model_shape``) adds up, per device (one
 training rank's device; on the CPU the whole host, shared by its ranks), what each phase of a
 step holds:
 
@@ -15,8 +16,8 @@ step holds:
   buffer the ranks pack the weights into and one gathered fp32 tensor.
 
 Every process on an accelerator adds a device context (``CONTEXT_BYTES``). ``crossrl layout``
-prints the table (``format_budget``); ``trainer.loop.preflight`` refuses a job whose phase does
-not fit (``memory_problem``), naming the key to change. docs/cluster.md ("Memory budget")
+prints the table and ``trainer.loop.preflight`` refuses a job whose phase does not fit, naming
+the key to change (both in ``trainer.loop.memory_report``). docs/cluster.md ("Memory budget")
 explains each term and shows the shipped configs' tables.
 
 ``before_fixes=True`` is the model of the trainer before issue 24's fixes, kept to show what
@@ -30,26 +31,20 @@ Pure: reads ``config.json`` files only; no torch, no device. Sizes are bytes; pr
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from hal import DEFAULT_DEVICE_MEMORY_BYTES, DEFAULT_DEVICE_NAMES  # noqa: F401 - re-exported
 from trainer.config.schema import Config
+from trainer.loop.model_shape import ModelShape, model_shape
 
 __all__ = [
     "COMPONENTS",
     "MemoryBudget",
-    "ModelShape",
     "Phase",
     "budget_for",
     "estimate_memory",
-    "format_budget",
-    "memory_problem",
     "micro_batch_tokens",
-    "model_shape",
 ]
 
 GB = 1e9
@@ -81,159 +76,6 @@ COMPONENTS: dict[str, str] = {
     "engine": "rollout engine: awake (rollout.memory_fraction of the device) or its weights",
     "ctx": "device context of every process on the device",
 }
-
-
-# ----------------------------------------------------------------------------- model shape
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A decoder-only transformer's sizes (Hugging Face ``config.json`` names) and where they
-    came from (``source``, printed with the table)."""
-
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    head_dim: int
-    attention_bias: bool
-    source: str
-
-    @classmethod
-    def from_config(cls, config: dict, source: str) -> ModelShape | None:
-        """The shape in a ``config.json`` dict, or None when a size is missing or not a
-        positive integer (an architecture this estimate does not know)."""
-        keys = (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "vocab_size",
-        )
-        sizes = {k: config.get(k) for k in keys}
-        if not all(isinstance(v, int) and v > 0 for v in sizes.values()):
-            return None
-        heads = sizes["num_attention_heads"]
-        kv_heads = config.get("num_key_value_heads") or heads
-        head_dim = config.get("head_dim") or sizes["hidden_size"] // heads
-        bias = config.get("attention_bias", config.get("model_type") == "qwen2")
-        return cls(
-            **sizes,
-            num_key_value_heads=int(kv_heads),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            head_dim=int(head_dim),
-            attention_bias=bool(bias),
-            source=source,
-        )
-
-    @property
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer: attention (q, k, v with their biases when the
-        architecture has them, o), the gated MLP (gate, up, down) and two RMSNorms."""
-        h, q = self.hidden_size, self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        bias = (q + 2 * kv) if self.attention_bias else 0
-        return h * (q + 2 * kv) + bias + q * h + 3 * h * self.intermediate_size + 2 * h
-
-    @property
-    def embedding_params(self) -> int:
-        """Parameters of the token embedding (and of an untied LM head), ``vocab x hidden``."""
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def num_params(self) -> int:
-        """Parameters of the causal LM: layers, embedding, final norm, LM head unless tied."""
-        head = 0 if self.tie_word_embeddings else self.embedding_params
-        return (
-            self.num_hidden_layers * self.layer_params
-            + self.embedding_params
-            + head
-            + (self.hidden_size)
-        )
-
-    @property
-    def value_model_params(self) -> int:
-        """Parameters of the critic built from this shape: the LM head (untied) is replaced by
-        a one-output value head with a bias (``trainer.loop.workers.critic``)."""
-        head = 0 if self.tie_word_embeddings else self.embedding_params
-        return self.num_params - head + self.hidden_size + 1
-
-    @property
-    def largest_tensor_params(self) -> int:
-        """Elements of the largest single weight (the embedding at every Qwen2.5 size)."""
-        h = self.hidden_size
-        return max(self.embedding_params, h * self.intermediate_size, h * h)
-
-
-#: Published shapes of the Qwen2.5 sizes the shipped configs train, for a ``model.path`` that
-#: is not on this machine (a cluster's /models/... read on a laptop); matched by name.
-PUBLISHED_SHAPES: dict[str, dict] = {
-    "Qwen2.5-0.5B": {
-        "hidden_size": 896,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "intermediate_size": 4864,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-        "model_type": "qwen2",
-    },
-    "Qwen2.5-1.5B": {
-        "hidden_size": 1536,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-        "intermediate_size": 8960,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-        "model_type": "qwen2",
-    },
-    "Qwen2.5-7B": {
-        "hidden_size": 3584,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 28,
-        "num_key_value_heads": 4,
-        "intermediate_size": 18944,
-        "vocab_size": 152064,
-        "tie_word_embeddings": False,
-        "model_type": "qwen2",
-    },
-}
-_PUBLISHED_NAME = re.compile(r"qwen2\.5-(0\.5|1\.5|7)b(?![0-9.])")
-
-
-def model_shape(path: str) -> ModelShape | None:
-    """The shape of the model at ``path`` (``model.path``'s forms): a ``builtin:`` model's
-    shipped config.json, else ``<path>/config.json`` when it is here, else the published
-    Qwen2.5 shape its directory name names (``PUBLISHED_SHAPES``); None when none applies."""
-    if path.startswith("builtin:"):
-        from rollout.assets import BUILTIN_MODELS_DIR
-
-        name = path.removeprefix("builtin:")
-        file = BUILTIN_MODELS_DIR / name / "config.json"
-        return _read_shape(file, f"{path}'s config.json")
-    file = Path(path).expanduser() / "config.json"
-    if file.is_file():
-        return _read_shape(file, str(file))
-    match = _PUBLISHED_NAME.search(Path(path).name.lower())
-    if match is None:
-        return None
-    name = f"Qwen2.5-{match.group(1).upper()}B"
-    return ModelShape.from_config(
-        PUBLISHED_SHAPES[name],
-        f"crossrl's table of published shapes, by the name {name}\n    (no {file} on this machine)",
-    )
-
-
-def _read_shape(file: Path, source: str) -> ModelShape | None:
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return ModelShape.from_config(config, source) if isinstance(config, dict) else None
 
 
 # ----------------------------------------------------------------------------- the estimate
@@ -542,168 +384,3 @@ def budget_for(
         ranks_per_memory=ranks_per_memory,
         before_fixes=before_fixes,
     )
-
-
-# ----------------------------------------------------------------------------- verdict
-
-
-def _levers(cfg: Config) -> list[tuple[str, Config]]:
-    """The changes that can lower a phase, each as ``(advice naming the key, the changed
-    config)``: one natural step of each layout key (twice the ranks, half the micro-batch,
-    half the engine's share, twice the tp) and each memory switch that is off."""
-    train, roll = cfg.train, cfg.rollout
-    out: list[tuple[str, Config]] = []
-
-    def changed(section: str, key: str, value) -> Config:
-        new = cfg.model_copy(deep=True)
-        setattr(getattr(new, section), key, value)
-        return new
-
-    out.append(
-        (
-            f"raise train.dp_size (now {train.dp_size})",
-            changed("train", "dp_size", 2 * train.dp_size),
-        )
-    )
-    if not (train.optimizer_offload or train.param_offload):
-        out.append(
-            ("set train.optimizer_offload=true", changed("train", "optimizer_offload", True))
-        )
-    if not train.activation_checkpointing:
-        out.append(
-            (
-                "set train.activation_checkpointing=true",
-                changed("train", "activation_checkpointing", True),
-            )
-        )
-    if not train.lean_logprobs:
-        out.append(("set train.lean_logprobs=true", changed("train", "lean_logprobs", True)))
-    tokens = micro_batch_tokens(cfg)
-    if tokens >= 4:
-        now = train.max_tokens_per_micro_batch
-        out.append(
-            (
-                f"lower train.max_tokens_per_micro_batch (now {now})"
-                if now is not None
-                else "set train.max_tokens_per_micro_batch (now null: a rank's whole mini-batch)",
-                changed("train", "max_tokens_per_micro_batch", tokens // 2),
-            )
-        )
-    if roll.engine == "vllm":
-        out.append(
-            (
-                f"lower rollout.memory_fraction (now {roll.memory_fraction:g})",
-                changed("rollout", "memory_fraction", roll.memory_fraction / 2),
-            )
-        )
-        out.append(
-            (
-                f"raise rollout.tensor_parallel_size (now {roll.tensor_parallel_size})",
-                changed("rollout", "tensor_parallel_size", 2 * roll.tensor_parallel_size),
-            )
-        )
-    if train.param_dtype == "float32":
-        out.append(("set train.param_dtype=bfloat16", changed("train", "param_dtype", "bfloat16")))
-    return out
-
-
-def _reestimate(budget: MemoryBudget, cfg: Config, changed: Config) -> MemoryBudget:
-    """``budget`` again for ``changed`` (``cfg`` with one lever moved); on the CPU more
-    ranks share the host."""
-    ranks = budget.ranks_per_memory
-    if budget.device == "cpu":
-        ranks = max(1, ranks * changed.train.dp_size // cfg.train.dp_size)
-    return estimate_memory(
-        changed,
-        budget.shape,
-        budget.device_memory_bytes,
-        device=budget.device,
-        memory_source=budget.memory_source,
-        critic_shape=budget.critic_shape,
-        ranks_per_memory=ranks,
-        before_fixes=budget.before_fixes,
-    )
-
-
-def memory_problem(
-    budget: MemoryBudget, cfg: Config, phases: tuple[str, ...] | None = None
-) -> str | None:
-    """One line when a phase of ``budget`` (made from ``cfg``) needs more than the device
-    has: the largest such phase, its estimate, the device's memory, and the key whose one
-    step (``_levers``) lowers that phase the most, with the estimate after it. None when
-    every phase fits. ``phases``: the names of the phases to check (default: all)."""
-    over = [p for p in budget.over if phases is None or p.name in phases]
-    if not over:
-        return None
-    phase = max(over, key=lambda p: p.total)
-    where = "on the host" if budget.device == "cpu" else f"per {budget.device} device"
-    head = (
-        f"memory: the {phase.name} phase needs about {phase.total / GB:.1f} GB {where}, "
-        f"more than its {budget.device_memory_bytes / GB:.1f} GB ({budget.memory_source})"
-    )
-    best, after = None, phase.total
-    for advice, changed in _levers(cfg):
-        total = _reestimate(budget, cfg, changed).phase(phase.name).total
-        if total < after:
-            best, after = advice, total
-    if best is None:
-        return head + "; no layout key lowers it (`crossrl layout` prints the budget)"
-    return (
-        f"{head}; {best}: that lowers it most, to about {after / GB:.1f} GB "
-        "(`crossrl layout` prints the budget)"
-    )
-
-
-# ----------------------------------------------------------------------------- printing
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}e9" if n >= 1e8 else f"{n:,}"
-
-
-def format_budget(budget: MemoryBudget | None, cfg: Config) -> str:
-    """The budget as ``crossrl layout`` prints it (under 100 columns): where the shape and
-    the memory come from, one row per phase with its components in GB, and the peak.
-    ``budget`` None: why there is no estimate."""
-    import textwrap
-
-    if budget is None:
-        return textwrap.fill(
-            f"memory: no estimate: the shape of model.path={cfg.model.path!r} is unknown (no "
-            "config.json there, and its name is none of "
-            f"{', '.join(PUBLISHED_SHAPES)}); nothing is refused",
-            width=96,
-            subsequent_indent="  ",
-        )
-    shape, mem = budget.shape, budget.device_memory_bytes
-    where = "on the host" if budget.device == "cpu" else f"per {budget.device} device"
-    title = (
-        "estimated as before issue 24's fixes (GB = 1e9 bytes)"
-        if budget.before_fixes
-        else 'estimated (GB = 1e9 bytes; docs/cluster.md "Memory budget")'
-    )
-    tokens = cfg.train.max_tokens_per_micro_batch
-    lines = [
-        f"memory {where}, {title}:",
-        f"  model: {_count(shape.num_params)} parameters, shape from {shape.source}",
-        f"  device: {mem / GB:.1f} GB ({budget.memory_source})",
-        f"  micro-batch: {budget.micro_batch_tokens:,} tokens (train.max_tokens_per_micro_batch"
-        f"={tokens if tokens is not None else 'null'})",
-        "  " + f"{'phase':<12}" + "".join(f"{k:>7}" for k in COMPONENTS) + f"{'total':>8}",
-    ]
-    peak = budget.peak
-    for phase in budget.phases:
-        cells = "".join(f"{phase.parts.get(k, 0.0) / GB:7.2f}" for k in COMPONENTS)
-        mark = "  peak" if phase is peak else ""
-        lines.append(f"  {phase.name:<12}{cells}{phase.total / GB:8.2f}{mark}")
-    share = peak.total / mem
-    verdict = "fits" if share <= 1 else "does NOT fit"
-    lines.append(
-        f"  peak: {peak.name}, {peak.total / GB:.1f} of {mem / GB:.1f} GB ({share:.0%}): {verdict}"
-    )
-    problem = memory_problem(budget, cfg)
-    if problem:
-        lines.append(
-            textwrap.fill(problem, width=96, initial_indent="  ", subsequent_indent="    ")
-        )
-    return "\n".join(lines)

@@ -73,8 +73,7 @@ def _check_memory(cfg: Config, *, replay: bool = False) -> None:
     so only the update is checked."""
     if cfg.device == "cpu" and cfg.ray.address is not None:
         return
-    from trainer.loop.layout import budget_for_cli
-    from trainer.loop.memory_budget import memory_problem
+    from trainer.loop.memory_report import budget_for_cli, memory_problem
 
     budget = budget_for_cli(cfg)
     phases = ("update",) if replay else None

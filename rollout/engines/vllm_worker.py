@@ -1,0 +1,107 @@
+"""The worker side of the vLLM engine (``rollout.engines.vllm_engine``): methods vLLM mixes into
+each of its workers by name (``worker_extension_cls``), so the engine reaches them through
+``LLM.collective_rpc`` whether the workers run in the engine's process or in their own. This
+module imports vllm only inside the methods, which run where vLLM already is."""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.engines.base import wait_for_device
+from rollout.engines.buckets import TensorSpec, unpack_bucket
+
+
+class VLLMWorkerExtension:
+    """Methods vLLM mixes into each of its workers (``worker_extension_cls``), so the engine can
+    call them by name through ``collective_rpc`` whether workers are in this process or not.
+    They run inside vLLM's worker: ``self`` is the worker.
+
+    A weight update is begin -> load (once per bucket) -> finish, vLLM's layerwise reload
+    spread over several calls: a layer is rebuilt and post-processed once all its shards have
+    arrived, so a bucket may end in the middle of a fused q/k/v or gate/up layer. (vLLM's
+    one-shot ``reload_weights`` per bucket zeroes the shards a bucket lacks: measured.)
+    Where that API is absent (older vLLM) load falls back to the model's ``load_weights``.
+    """
+
+    def _crossrl_reload_api(self):
+        try:
+            from vllm.model_executor.model_loader.reload.layerwise import (
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
+        except ImportError:
+            return None
+        return initialize_layerwise_reload, finalize_layerwise_reload
+
+    def _crossrl_context(self):
+        """vLLM's config and this worker's device as the defaults while weights reload, so
+        tensors the reload creates land on the engine's device (vllm-ascend needs that)."""
+        from contextlib import ExitStack
+
+        from vllm.config import set_current_vllm_config
+
+        stack = ExitStack()
+        stack.enter_context(set_current_vllm_config(self.vllm_config))
+        device = getattr(self, "device", None)
+        if isinstance(device, torch.device):
+            stack.enter_context(device)
+        return stack
+
+    def crossrl_begin_weight_update(self, layerwise: bool = True) -> None:
+        """Prepare every layer to collect new weights (``layerwise``: through vLLM's layerwise
+        reload; else each bucket goes straight to the model's ``load_weights``, the path
+        vllm-ascend's own RL integration takes)."""
+        api = self._crossrl_reload_api() if layerwise else None
+        if api is not None:
+            with self._crossrl_context():
+                api[0](self.model_runner.get_model())
+
+    def crossrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """Feed one bucket of HF-named tensors to the model; returns the tensor count."""
+        with self._crossrl_context():
+            self.model_runner.get_model().load_weights(weights)
+        return len(weights)
+
+    def crossrl_load_shared_bucket(self, handles: list, specs: list) -> int:
+        """Load a bucket from shared memory: this worker maps the copy of the training rank on
+        its own device (``handles[tp rank]``) and reads views of it (no copy on the way)."""
+        from hal import open_shared_buffer
+
+        rank = int(getattr(self, "rank", 0)) % len(handles)
+        device = getattr(self, "device", None)
+        index = device.index if isinstance(device, torch.device) and device.index else 0
+        flat = open_shared_buffer(handles[rank], index)
+        count = self.crossrl_load_weights(unpack_bucket(flat, [TensorSpec(*s) for s in specs]))
+        wait_for_device()  # the copies out of the bucket are done: its writer may reuse it
+        return count
+
+    def crossrl_load_weights_from_file(self, path: str) -> int:
+        """``crossrl_load_weights`` for a bucket saved as a safetensors file."""
+        from safetensors.torch import load_file
+
+        return self.crossrl_load_weights(list(load_file(path).items()))
+
+    def crossrl_finish_weight_update(self, layerwise: bool = True) -> None:
+        """Post-process the loaded layers (``layerwise``, as begun) and drop state derived
+        from the old weights."""
+        model = self.model_runner.get_model()
+        api = self._crossrl_reload_api() if layerwise else None
+        if api is not None:
+            with self._crossrl_context():
+                api[1](model, self.vllm_config.model_config)
+        # A tied lm_head is skipped by load_weights, so the reload never re-runs its post-load
+        # step. On the CPU that step prepacks the matrix for oneDNN, so without this the logits
+        # keep the old embedding (measured: logprob error ~7 after an update). Elsewhere the
+        # step is a no-op for unquantized heads.
+        lm_head = getattr(model, "lm_head", None)
+        head_w = getattr(lm_head, "weight", None)
+        tied = head_w is not None and any(
+            getattr(mod, "weight", None) is head_w for mod in model.modules() if mod is not lm_head
+        )
+        method = getattr(lm_head, "quant_method", None)
+        if tied and method is not None:
+            method.process_weights_after_loading(lm_head)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            fn = getattr(self.model_runner, reset, None)
+            if fn is not None:
+                fn()
