@@ -171,8 +171,9 @@ class RolloutConfig(BaseModel):
     device: DeviceName | None = Field(
         None,
         description="device backend of the engine replicas when they have devices of their "
-        "own (rollout.engine_devices), e.g. generation on an NPU pool while the ranks train on "
-        "GPUs (the weights go through host memory); null = the trainer's device",
+        "own (rollout.engine_devices), e.g. generation on a pool of one accelerator type while "
+        "the ranks train on another (the weights go through host memory); null = the "
+        "trainer's device",
     )
     max_sample_batches: int = Field(
         1,
