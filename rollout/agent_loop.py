@@ -213,7 +213,7 @@ def run_rollouts(
         batcher = RequestBatcher(engine, params, waves=deterministic)
         env_calls = EnvCalls(env_concurrency, env_timeout_s)
         live = [t for t in trajs if not t.done]
-        batcher.join(len(live))
+        batcher.join([t.item.index for t in live])
         tasks = [asyncio.create_task(_roll_one(t, ctx, batcher, env_calls)) for t in live]
         try:
             await asyncio.gather(*tasks)
@@ -326,7 +326,7 @@ async def _roll_one(
                 record.obs_ids = _observation_ids(tokenizer, t.messages[:-1], obs)
                 t.seq = prompt + gen + record.obs_ids
     finally:
-        batcher.leave()
+        batcher.leave(t.item.index)
 
 
 def stop_string_cut(tokenizer, token_ids: list[int], stop_strings: Sequence[str]) -> int:

@@ -354,3 +354,58 @@ def test_inline_environments_run_on_the_event_loop_others_on_worker_threads(tok,
         assert set(threads) == {loop_thread}
     else:
         assert all(name.startswith("env") for name in threads)
+
+
+class HeldReplica(ReplyEngine):
+    """A replica whose first call is held until ``release`` is set (a slow replica), failing
+    after ``GATE_S`` instead of hanging a broken loop."""
+
+    def __init__(self, tok, release: threading.Event):
+        super().__init__(tok)
+        self.release = release
+
+    def generate(self, requests, sampling):
+        if not self.calls and not self.release.wait(GATE_S):
+            raise RuntimeError("the other replica's trajectories never finished")
+        return super().generate(requests, sampling)
+
+
+class CountingReplica(ReplyEngine):
+    """A fast replica that sets ``done`` once it has served ``turns`` calls."""
+
+    def __init__(self, tok, done: threading.Event, turns: int):
+        super().__init__(tok)
+        self.done, self.turns = done, turns
+
+    def generate(self, requests, sampling):
+        out = super().generate(requests, sampling)
+        if len(self.calls) == self.turns:
+            self.done.set()
+        return out
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_slow_replica_holds_up_only_its_own_prompts(tok, deterministic):
+    from rollout.engines.router import ReplicaRouter, deal_prompt
+
+    # Prompts 0 and 2 go to replica 0, prompt 1 to replica 1 (dealt by prompt index). Replica
+    # 0's first call is held until replica 1 has served all three turns of its prompt: with
+    # one call in flight for the whole router this would never happen (replica 1's second
+    # turn would wait for replica 0's first call).
+    assert [deal_prompt(i, 2) for i in range(3)] == [0, 1, 0]
+    finished = threading.Event()
+    slow, fast = HeldReplica(tok, finished), CountingReplica(tok, finished, turns=3)
+    router = ReplicaRouter([slow, fast])
+    try:
+        out = _run(tok, router, _factory(Gate()), deterministic=deterministic)
+    finally:
+        finished.set()
+        router.shutdown()
+    assert finished.is_set()
+    # Each replica served only its own prompts' trajectories (n=2 each), 3 turns each: in
+    # waves one call per turn; continuously, as many calls as the arrivals made.
+    assert [len(call) for call in fast.calls] == [2, 2, 2]
+    assert sum(len(call) for call in slow.calls) == 2 * 2 * 3
+    if deterministic:
+        assert [len(call) for call in slow.calls] == [4, 4, 4]
+    assert len(out.rows) == 3 * 2 * 3 and all(r.score == 0.75 for r in out.rows)

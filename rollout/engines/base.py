@@ -111,6 +111,18 @@ class Engine(ABC):
         until every bucket has arrived does it here); after it, the engine holds no view of
         the memory the buckets came in."""
 
+    def lanes(self) -> list[Engine]:
+        """The engines that serve this one's requests independently of each other, in lane
+        order: a replica router's replicas, else this engine alone. A caller that batches
+        requests (``rollout.engines.batcher``) keeps one call in flight per lane, so a slow
+        replica holds up only the requests dealt to it."""
+        return [self]
+
+    def lane_of(self, group: int) -> int:
+        """The lane (index into ``lanes()``) that serves the requests of prompt ``group``
+        (``GenerationRequest.group``); decided by the prompt alone, never by timing."""
+        return 0
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Free every resource the engine holds."""
 

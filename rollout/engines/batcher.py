@@ -2,25 +2,31 @@
 
 The agent loop runs every trajectory as its own asyncio task; each awaits
 ``RequestBatcher.generate(request, key)`` for its next turn. The batcher gathers the requests
-waiting at that moment and sends them to ``engine.generate`` in ONE call on a worker thread
-(the event loop keeps running environment steps meanwhile), one call in flight at a time.
+waiting at that moment and sends them to the engine in ONE call on a worker thread (the event
+loop keeps running environment steps meanwhile), one call in flight at a time per **lane**.
 Within a call requests are sorted by ``key`` (the trajectory id), so the call does not depend
 on the order in which trajectories arrived.
 
-Two flush rules:
+Lanes. An engine that is several replicas behind a router (``Engine.lanes``) gets one lane per
+replica: a request goes to the lane of its prompt (``Engine.lane_of``, dealt by the prompt
+alone), and each lane has its own waiting list, its own call in flight and its own thread. So
+the trajectories of a fast replica take their next turns while a slow replica is still busy,
+instead of every replica waiting for the slowest at each call. A plain engine is one lane.
 
-- ``waves=False`` (continuous): a call starts whenever the engine is free and a request waits;
+Two flush rules, applied per lane:
+
+- ``waves=False`` (continuous): a call starts whenever the lane is free and a request waits;
   whatever arrives while it runs goes into the next call. A slow environment delays no other
   trajectory. The HF engine's samples do not depend on the batch (each request has its own
   seeded sampler), but its logprobs move in the last float bits with the batch's padding, and
   which requests share a call depends on environment timing.
-- ``waves=True`` (deterministic): a call starts only when every live trajectory is waiting
-  (``join``/``leave`` count them), i.e. exactly the calls of a lockstep loop, so logprobs
-  repeat bit for bit whatever the environments' timing. Environment steps still overlap.
+- ``waves=True`` (deterministic): a call starts only when every live trajectory of the lane is
+  waiting (``join``/``leave`` count them), i.e. exactly the replica's share of a lockstep
+  loop's call, so logprobs repeat bit for bit whatever the environments' timing. Environment
+  steps still overlap.
 
-Works for any engine behind ``Engine.generate(list)``, a replica router included (it deals the
-call's requests to its replicas by ``group``). vLLM's own async engine (continuous batching per
-token, not per call) could replace this front later without changing the agent loop.
+vLLM's own async engine (continuous batching per token, not per call) could replace this front
+later without changing the agent loop.
 """
 
 from __future__ import annotations
@@ -31,71 +37,93 @@ import concurrent.futures
 from rollout.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams
 
 
+class _Lane:
+    """One lane's state: its engine, waiting requests, live trajectories, call in flight."""
+
+    def __init__(self, engine: Engine, index: int) -> None:
+        self.engine = engine
+        self.pending: list[tuple[int, GenerationRequest, asyncio.Future]] = []
+        self.live = 0  # trajectories of this lane that will still ask for a turn (waves mode)
+        self.busy = False
+        self.flush_scheduled = False
+        self.task: asyncio.Task | None = None  # the call in flight (a strong reference)
+        self.thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"generate-{index}"
+        )
+
+
 class RequestBatcher:
     """Async front of ``engine`` for one rollout (one ``SamplingParams`` for every request).
 
     Use inside a running event loop; ``close()`` when done. ``calls`` records the size
-    (requests) of every ``engine.generate`` call made, in order.
+    (requests) of every engine call made, in the order they started (over all lanes).
     """
 
     def __init__(self, engine: Engine, sampling: SamplingParams, *, waves: bool) -> None:
         self.engine, self.sampling, self.waves = engine, sampling, waves
         self.calls: list[int] = []
-        self._pending: list[tuple[int, GenerationRequest, asyncio.Future]] = []
-        self._live = 0  # trajectories that will still ask for a turn (waves mode)
-        self._busy = False
-        self._flush_scheduled = False
-        self._task: asyncio.Task | None = None  # the call in flight (a strong reference)
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generate")
+        self._lanes = [_Lane(e, i) for i, e in enumerate(engine.lanes())]
 
-    def join(self, count: int = 1) -> None:
-        """``count`` more trajectories will ask for turns (waves mode waits for them)."""
-        self._live += count
+    def _lane(self, group: int) -> _Lane:
+        return self._lanes[self.engine.lane_of(group) if len(self._lanes) > 1 else 0]
 
-    def leave(self) -> None:
-        """A trajectory asks for no more turns (it ended); a wave may now be complete."""
-        self._live -= 1
-        self._schedule_flush()
+    def join(self, groups: list[int]) -> None:
+        """Trajectories of prompts ``groups`` (one entry each) will ask for turns (waves mode
+        waits for them)."""
+        for group in groups:
+            self._lane(group).live += 1
+
+    def leave(self, group: int) -> None:
+        """A trajectory of prompt ``group`` asks for no more turns (it ended); its lane's wave
+        may now be complete."""
+        lane = self._lane(group)
+        lane.live -= 1
+        self._schedule_flush(lane)
 
     async def generate(self, request: GenerationRequest, key: int) -> GenerationResult:
-        """Continue ``request`` in the next engine call; ``key`` orders requests in a call."""
+        """Continue ``request`` in its lane's next engine call; ``key`` orders requests in a
+        call."""
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((key, request, future))
-        self._schedule_flush()
+        lane = self._lane(request.group)
+        lane.pending.append((key, request, future))
+        self._schedule_flush(lane)
         return await future
 
     def close(self) -> None:
-        """Stop the worker thread (a call in flight finishes first)."""
-        self._thread.shutdown(wait=True)
+        """Stop the worker threads (calls in flight finish first)."""
+        for lane in self._lanes:
+            lane.thread.shutdown(wait=True)
 
-    def _schedule_flush(self) -> None:
+    def _schedule_flush(self, lane: _Lane) -> None:
         # Deferred to the next loop iteration: requests submitted in this one join the call.
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._maybe_flush)
+        if not lane.flush_scheduled:
+            lane.flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._maybe_flush, lane)
 
-    def _maybe_flush(self) -> None:
-        self._flush_scheduled = False
-        if self._busy or not self._pending:
+    def _maybe_flush(self, lane: _Lane) -> None:
+        lane.flush_scheduled = False
+        if lane.busy or not lane.pending:
             return
-        if self.waves and len(self._pending) < self._live:
+        if self.waves and len(lane.pending) < lane.live:
             return
-        batch = sorted(self._pending, key=lambda item: item[0])
-        self._pending = []
-        self._busy = True
+        batch = sorted(lane.pending, key=lambda item: item[0])
+        lane.pending = []
+        lane.busy = True
         self.calls.append(len(batch))
-        self._task = asyncio.get_running_loop().create_task(self._run(batch))
+        lane.task = asyncio.get_running_loop().create_task(self._run(lane, batch))
 
-    async def _run(self, batch: list[tuple[int, GenerationRequest, asyncio.Future]]) -> None:
+    async def _run(
+        self, lane: _Lane, batch: list[tuple[int, GenerationRequest, asyncio.Future]]
+    ) -> None:
         loop = asyncio.get_running_loop()
         requests = [request for _, request, _ in batch]
         try:
             results = await loop.run_in_executor(
-                self._thread, self.engine.generate, requests, self.sampling
+                lane.thread, lane.engine.generate, requests, self.sampling
             )
             if len(results) != len(requests):
                 raise RuntimeError(
-                    f"{type(self.engine).__name__}.generate returned {len(results)} results "
+                    f"{type(lane.engine).__name__}.generate returned {len(results)} results "
                     f"for {len(requests)} requests"
                 )
         except asyncio.CancelledError:
@@ -111,5 +139,5 @@ class RequestBatcher:
                 if not future.done():
                     future.set_result(result)
         finally:
-            self._busy = False
-            self._schedule_flush()
+            lane.busy = False
+            self._schedule_flush(lane)

@@ -4,7 +4,9 @@ Every sample and every turn of one prompt (``GenerationRequest.group``, the prom
 the run's prompt stream) goes to replica ``deal_prompt(group, replicas)``: the choice depends
 on the prompt only, never on timing or load, so a run is reproducible, and the samples of a
 group share one replica's prefix cache. Each replica gets its share in one ``generate`` call,
-all replicas at once; results come back in request order.
+all replicas at once; results come back in request order. The agent loop's batcher does not
+wait for that: it sees the replicas as lanes (``lanes``, ``lane_of``) and keeps one call in
+flight on each, so a slow replica delays only its own prompts.
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ class ReplicaRouter(Engine):
             for i, res in zip(share, future.result()):
                 results[i] = res
         return results  # type: ignore[return-value]
+
+    def lanes(self) -> list[Engine]:
+        """One lane per replica: a batching caller serves each replica's share on its own,
+        so the slowest replica does not hold up the others' next turns."""
+        return list(self.replicas)
+
+    def lane_of(self, group: int) -> int:
+        """The replica ``deal_prompt`` gives prompt ``group``."""
+        return deal_prompt(group, len(self.replicas))
 
     def update_weights(self, named_tensors) -> None:
         """Not routed: each replica is synced from its own tp group of training ranks."""
