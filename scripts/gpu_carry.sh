@@ -6,9 +6,12 @@
 #
 # Downloads, for cp312 manylinux x86-64, vllm==0.24.0 and trl==1.16.0 with every dependency,
 # then drops what the GPU image already has (scripts/gpu_image_packages.txt, read from the
-# device tool's package list) and always torch, torchvision, torchaudio, triton and nvidia-*
-# (vLLM 0.24.0 pins the machine's own torch 2.11.0; carrying torch would replace it). Nothing is
-# slimmed inside a wheel: no test shows that a part a dense decoder never loads is safe to drop.
+# device tool's package list: its CUDA libraries among them) and always torch, torchvision,
+# torchaudio and triton (vLLM 0.24.0 pins the machine's own torch 2.11.0; carrying torch would
+# replace it). CUDA packages the image lacks (vLLM's cudnn frontend, cutlass DSL) are carried.
+# Nothing is slimmed inside a wheel: no test shows that a part a dense decoder never loads is
+# safe to drop. Where the index cannot meet every pin at once, scripts/carry.py fetch-relaxed
+# downloads package by package and lists the pins it relaxed in .carry/relaxed.txt.
 # The wheels go into one tar, cut into parts under .carry/parts/ (git-ignored) with a manifest
 # of sha256s (scripts/carry.py). Re-runnable: downloads already present are kept.
 set -euo pipefail
@@ -22,15 +25,19 @@ mkdir -p "$wheels" .carry/dropped
 if ! python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --abi cp312 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d "$wheels" vllm==0.24.0 trl==1.16.0; then
-    echo "gpu_carry: pip download of vllm==0.24.0 trl==1.16.0 failed (network or index); see above" >&2
-    exit 1
+    # The index cannot meet every pin at once (vLLM 0.24.0 wants llguidance >= 1.7, newer than
+    # the index's newest): one package at a time, relaxing such pins; they are listed in
+    # .carry/relaxed.txt, and the set installs with --no-deps there.
+    echo "gpu_carry: the set does not resolve at once; fetching package by package" >&2
+    python3 scripts/carry.py fetch-relaxed "$wheels" scripts/gpu_image_packages.txt \
+        vllm==0.24.0 trl==1.16.0 | tee .carry/relaxed.txt || exit 1
 fi
 norm() { echo "$1" | tr 'A-Z_.' 'a-z--'; }
 declare -A image=()
 while read -r name; do [ -n "$name" ] && image[$(norm "$name")]=1; done < scripts/gpu_image_packages.txt
 for whl in "$wheels"/*.whl; do
     name=$(norm "$(basename "$whl" | cut -d- -f1)")
-    case "$name" in torch | torchvision | torchaudio | triton | nvidia-*) why="the image's CUDA stack" ;;
+    case "$name" in torch | torchvision | torchaudio | triton) why="the image's own torch" ;;
     *) why=${image[$name]:+"in the image"} ;; esac
     if [ -n "${why:-}" ]; then mv "$whl" .carry/dropped/ && echo "dropped $(basename "$whl"): $why"; fi
     why=

@@ -63,3 +63,69 @@ def test_missing_lists_requirements_neither_carried_nor_in_the_image(tmp_path):
     assert carry.missing(wheels, image) == [
         "blake3 (needed by vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl)"
     ]
+
+
+def _wheel(folder, name, version, requires=()):
+    import zipfile
+
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        meta = f"Name: {name}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+        zf.writestr(f"{name}-{version}.dist-info/METADATA", meta)
+    return path
+
+
+def test_requirements_apply_markers_for_the_gpu_machine(tmp_path):
+    wheel = _wheel(
+        tmp_path,
+        "pyzmq",
+        "27.3.0",
+        [
+            'cffi; implementation_name == "pypy"',
+            'importlib-metadata; python_version < "3.10"',
+            'llguidance<1.8,>=1.7; platform_machine == "x86_64"',
+            "pytest; extra == 'test'",
+            "msgspec",
+        ],
+    )
+    assert carry._requirements(wheel) == ["llguidance<1.8,>=1.7", "msgspec"]
+
+
+def test_fetch_relaxed_relaxes_a_pin_the_index_cannot_meet(tmp_path, monkeypatch):
+    import re
+    import subprocess
+
+    # A fake index: vllm needs llguidance>=1.7 (the index has 1.6.1), torch (never carried)
+    # and numpy (in the image); llguidance needs nothing.
+    index = {
+        "vllm": ("0.24.0", ["llguidance<1.8,>=1.7", "torch==2.11.0", "numpy"]),
+        "llguidance": ("1.6.1", []),
+        "trl": ("1.16.0", ["accelerate"]),
+        "accelerate": ("1.0.0", []),
+    }
+    asked = []
+
+    def fake_pip(cmd, **kwargs):
+        spec = cmd[-1]
+        asked.append(spec)
+        name = re.split(r"[<>=!~]", spec, maxsplit=1)[0]
+        version, requires = index[name]
+        if ">=1.7" in spec and name == "llguidance":
+            return subprocess.CompletedProcess(cmd, 1)
+        _wheel(Path(cmd[cmd.index("-d") + 1]), name, version, requires)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_pip)
+    image = tmp_path / "image.txt"
+    image.write_text("numpy\n")
+    wheels = tmp_path / "wheels"
+    relaxed = carry.fetch_relaxed(wheels, ["vllm==0.24.0", "trl==1.16.0"], image)
+    assert relaxed == ["llguidance<1.8,>=1.7 -> the index's newest"]
+    assert sorted(p.name.split("-")[0] for p in wheels.glob("*.whl")) == [
+        "accelerate",
+        "llguidance",
+        "trl",
+        "vllm",
+    ]
+    assert "torch==2.11.0" not in asked and "numpy" not in asked
+    assert carry.missing(wheels, image) == []
