@@ -11,8 +11,9 @@ devices, and the default job's reward curve at both lags.
    subprocess (``bench.e2e.run_job``); the figure is the ratio of the median seconds per step
    over the steps after each run's first (target: at most 0.6).
 2. ``reward``: the CPU default job for 30 steps (10 with --quick) at lag 0 and lag 1, seeds 1
-   and 2: ``reward/mean`` averaged over the last 5 steps, so the lag's effect can be read
-   against the seed-to-seed spread; the run directories are kept for ``crossrl plot``.
+   to 4 (1 and 2 with --quick): ``reward/mean`` averaged over the last 5 steps, so the lag's
+   effect can be read against the seed-to-seed spread; with ``--keep`` the run directories
+   stay for ``crossrl plot``.
 Nothing here asserts a time.
 """
 
@@ -38,6 +39,8 @@ SLOW_TOOL = [
 ]
 #: Steps the reward curves average over, at the end of each run.
 TAIL_STEPS = 5
+#: Seeds of the reward runs (the run-to-run noise is their spread); --quick takes two.
+SEEDS = (1, 2, 3, 4)
 
 
 def _job(overrides: list[str], where: Path) -> dict:
@@ -73,9 +76,9 @@ def _slow_tool(quick: bool, workdir: Path) -> dict:
 
 
 def _reward(quick: bool, workdir: Path, keep: Path | None) -> dict:
-    steps = 10 if quick else 30
-    out: dict = {"steps": steps, "runs": {}}
-    for seed in (1, 2):
+    steps, seeds = (10, (1, 2)) if quick else (30, SEEDS)
+    out: dict = {"steps": steps, "seeds": list(seeds), "runs": {}}
+    for seed in seeds:
         for lag in (0, 1):
             name = f"lag{lag}_seed{seed}"
             where = (keep or workdir) / name
@@ -91,8 +94,11 @@ def _reward(quick: bool, workdir: Path, keep: Path | None) -> dict:
                 "reward_first": rewards[0],
             }
     tail = {name: r["reward_tail"] for name, r in out["runs"].items()}
-    out["seed_spread_lag0"] = abs(tail["lag0_seed1"] - tail["lag0_seed2"])
-    out["lag_gap"] = [abs(tail[f"lag1_seed{s}"] - tail[f"lag0_seed{s}"]) for s in (1, 2)]
+    for lag in (0, 1):
+        values = [tail[f"lag{lag}_seed{s}"] for s in seeds]
+        out[f"lag{lag}_mean"] = statistics.fmean(values)
+        out[f"lag{lag}_std"] = statistics.stdev(values)
+    out["lag_gap"] = [tail[f"lag1_seed{s}"] - tail[f"lag0_seed{s}"] for s in seeds]
     return out
 
 
@@ -128,8 +134,9 @@ def format_table(res: dict) -> str:
     for name, r in rew["runs"].items():
         lines.append(f"  {name:12} {r['reward_tail']:.3f} (step 1: {r['reward_first']:.3f})")
     lines.append(
-        f"  lag1 - lag0 per seed: {', '.join(f'{g:.3f}' for g in rew['lag_gap'])}; "
-        f"seed-to-seed spread at lag 0: {rew['seed_spread_lag0']:.3f}"
+        f"  lag0 {rew['lag0_mean']:.3f} +- {rew['lag0_std']:.3f}, lag1 {rew['lag1_mean']:.3f} "
+        f"+- {rew['lag1_std']:.3f} (mean +- std over seeds {rew['seeds']}); lag1 - lag0 per "
+        f"seed: {', '.join(f'{g:+.3f}' for g in rew['lag_gap'])}"
     )
     return "\n".join(lines)
 

@@ -108,6 +108,13 @@ def test_plot_compares_runs_on_the_same_panels(tmp_path, capsys):
     paths = plot_run(tmp_path / "lag0", tmp_path / "single", keys=["reward/mean"])
     # two runs' lines make a different picture from one run's
     assert (out / "reward_mean.png").read_bytes() != paths[0].read_bytes()
+    # runs whose folders share a name are told apart by their parents'
+    from trainer.commands.plot import _labels
+
+    assert _labels([tmp_path / "lag0" / "run", tmp_path / "lag1" / "run"]) == [
+        "lag0/run",
+        "lag1/run",
+    ]
     # a compared run that is missing is named, as the main one would be
     code = cli(["plot", str(tmp_path / "lag0"), "--compare", str(tmp_path / "nope")])
     assert code == 2

@@ -133,6 +133,15 @@ def _read_run(run_dir: Path) -> list[dict]:
     return sorted(records, key=lambda r: r["step"])
 
 
+def _labels(dirs: list[Path]) -> list[str]:
+    """Legend names of the runs: each directory's name, with its parent's where two names
+    are the same (``lag0/run`` and ``lag1/run``)."""
+    names = [d.name for d in dirs]
+    if len(set(names)) == len(names):
+        return names
+    return [f"{d.parent.name}/{d.name}" for d in dirs]
+
+
 def plot_run(
     run_dir: str | os.PathLike,
     out_dir: str | os.PathLike | None = None,
@@ -141,7 +150,7 @@ def plot_run(
 ) -> list[Path]:
     """Write one PNG per metric in ``keys`` plus ``overview.png`` (all in a grid).
     ``compare``: other runs drawn on the same panels, each in its own colour and labelled by
-    its directory's name (e.g. the same job at another ``train.rollout_lag``).
+    its directory's name (``_labels``; e.g. the same job at another ``train.rollout_lag``).
 
     ``keys`` None: ``DEFAULT_KEYS`` plus the validation curves the run has (``val/reward_mean``,
     ``val/pass@k``, ``val/reward_mean/<data_source>``); validation points are drawn at the steps
@@ -155,7 +164,7 @@ def plot_run(
     """
     run_dir = Path(run_dir)
     records = _read_run(run_dir)
-    others = [(Path(d).name, _read_run(Path(d))) for d in compare]
+    others = [(Path(d), _read_run(Path(d))) for d in compare]
     if keys is None:
         keys = [*DEFAULT_KEYS, *validation_keys(records)]
     if isinstance(keys, str):
@@ -172,7 +181,9 @@ def plot_run(
         ) from None
 
     written: list[Path] = []
-    runs = [(run_dir.name, records), *others]
+    runs = list(
+        zip(_labels([run_dir, *(d for d, _ in others)]), [records, *(r for _, r in others)])
+    )
     series = {key: [(name, *_series(recs, key)) for name, recs in runs] for key in keys}
     for key, drawn in series.items():
         if not any(steps for _, steps, _ in drawn):
