@@ -211,3 +211,12 @@ def test_another_engine_device_needs_engine_devices_of_their_own():
         load_config(None, ["device=cpu", "rollout.device=npu"], check_environment=False)
     text = str(info.value)
     assert "rollout.device" in text and "rollout.engine_devices" in text
+
+
+def test_a_local_ray_has_room_for_the_engines_own_cpus():
+    from trainer.loop.layout import layout_for_cli, local_ray_cpus
+
+    cfg = load_config(None, ["rollout.engine_devices=4", *LAGGED[1:], "train.rollout_lag=1"])
+    assert local_ray_cpus(cfg) >= cfg.train.dp_size + 4
+    layout = layout_for_cli(cfg)  # the CPU default: a local Ray's CPUs
+    assert len(layout.replicas) == 4 and layout.devices_used == 5

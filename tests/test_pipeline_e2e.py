@@ -1,6 +1,6 @@
 """train.rollout_lag=1 with an engine on a device of its own, end to end on the CPU: two runs
 of the same job give identical fingerprints, a run at dp 2 agrees with one at dp 1 under
-``crossrl parity``, a lagged run resumed from a checkpoint trains on the very batches the
+``crossrl parity``, so does one with two engines of their own, a lagged run resumed from a checkpoint trains on the very batches the
 uninterrupted run did, and the off-policy metrics say what the lag did."""
 
 from __future__ import annotations
@@ -39,7 +39,12 @@ def local_ray():
 @pytest.fixture(scope="module")
 def runs(local_ray, tmp_path_factory):
     out = {}
-    for name, extra in (("a", []), ("b", []), ("dp2", ["train.dp_size=2"])):
+    for name, extra in (
+        ("a", []),
+        ("b", []),
+        ("dp2", ["train.dp_size=2"]),
+        ("engines2", ["rollout.engine_devices=2"]),
+    ):
         run_dir = tmp_path_factory.mktemp(name)
         assert run_training(load_config(None, [*LAG1, *extra, f"run.dir={run_dir}"])) == 0
         out[name] = run_dir
@@ -56,6 +61,13 @@ def test_two_lagged_runs_give_identical_fingerprints(runs):
 
 def test_a_lagged_run_at_dp_2_agrees_with_dp_1(runs):
     report = compare_runs(runs["a"], runs["dp2"])
+    assert report.agree, report.first_divergence()
+
+
+def test_two_engines_of_their_own_sample_what_one_does(runs):
+    # Prompts are dealt to replicas by index and every replica loads each snapshot, so the
+    # rows, and everything trained on them, are the ones a single engine gives.
+    report = compare_runs(runs["a"], runs["engines2"])
     assert report.agree, report.first_divergence()
 
 

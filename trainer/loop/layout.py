@@ -303,9 +303,10 @@ def runs_in_process(cfg: Config, device: str | None = None) -> bool:
 
 
 def local_ray_cpus(cfg: Config) -> int:
-    """CPUs a local Ray is started with (``ray.num_cpus``, else 2 per rank + 2, at least 4):
-    on the CPU backend, the devices of the one local node."""
-    return cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2)
+    """CPUs a local Ray is started with (``ray.num_cpus``, else 2 per rank + 2, plus the
+    engines' own ``rollout.engine_devices``, at least 4): on the CPU backend, the devices of
+    the one local node."""
+    return cfg.ray.num_cpus or max(4, 2 * cfg.train.dp_size + 2 + cfg.rollout.engine_devices)
 
 
 def format_layout(layout: Layout) -> str:
