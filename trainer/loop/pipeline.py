@@ -111,6 +111,5 @@ class RolloutPipeline:
         for step, (kept, arrays) in sorted(pending.items()):
             meta = batch_metadata(StepBatch.from_numpy(arrays), kept["metrics"])
             meta.update({k: v for k, v in kept.items() if k != "metrics"})
-            meta["metrics"] = {**kept["metrics"], **meta["metrics"]}
             self.ready[step] = (meta, [ray.put(arrays)])
         return pending[max(pending)][0].get("prompts_consumed") if pending else None

@@ -231,6 +231,8 @@ class RolloutHost(EngineHost):
             val = PromptSource(cfg.data.val_source, seed=cfg.seed, key="data.val_source")
             self.val_items = val.all_records()
         self.generator = self.engine
+        self.peers: list = []  # the other replicas' EngineHost handles (connect)
+        self.weights_version: int | None = 0  # the step whose weights the replicas hold
         self.startup.done("env")
         return info
 
@@ -250,11 +252,11 @@ class RolloutHost(EngineHost):
         every replica unless they hold that version already (a version of None always loads:
         ``Trainer.sync_weights``); None: keep what they hold. Returns the version the replicas
         hold (0: the initial weights; None: weights of no step)."""
-        version = getattr(self, "weights_version", 0)
+        version = self.weights_version
         if weights is None or (weights[0] is not None and weights[0] == version):
             return version
         target, refs, specs = weights
-        calls = [h.load_host_buckets.remote(refs, specs) for h in getattr(self, "peers", [])]
+        calls = [h.load_host_buckets.remote(refs, specs) for h in self.peers]
         self.load_host_buckets(refs, specs)
         for call in calls:
             fetch(call)
