@@ -91,6 +91,9 @@ BAD = [
     # this machine: devices, packages, files
     (["device=npu"], "device", "found: cpu"),
     (["device=cuda"], "device", "found: cpu"),
+    # the engines' own device type, refused here rather than by the layout after start-up
+    (["rollout.device=npu", "rollout.engine_devices=1"], "rollout.device", "no such device"),
+    (["rollout.device=cuda", "rollout.engine_devices=1"], "rollout.device", "rollout.device=auto"),
     (["model.path=/nonexistent/Qwen2.5-7B-Instruct"], "model.path", "download the model"),
     (["data.source=/nonexistent/prompts.jsonl"], "data.source", "not found"),
     (["run.resume=/nonexistent/step_3"], "run.resume", "existing checkpoint"),
@@ -144,6 +147,27 @@ def test_user_environment_class_is_accepted():
 def test_present_device_passes(monkeypatch):
     monkeypatch.setattr(hal, "available_backends", lambda: ["cpu", "npu"], raising=False)
     assert load_config(None, ["device=npu"]).device == "npu"
+
+
+def test_engine_device_present_passes(monkeypatch):
+    monkeypatch.setattr(hal, "available_backends", lambda: ["npu", "cpu"], raising=False)
+    cfg = load_config(None, ["rollout.device=npu", "rollout.engine_devices=1"])
+    assert cfg.rollout.device == "npu"
+
+
+def test_engine_device_on_a_cluster_is_left_to_the_layout():
+    """On a cluster the engines' devices may be on other nodes: this machine has no say."""
+    overrides = ["rollout.device=npu", "rollout.engine_devices=1", "ray.address=10.0.0.1:6379"]
+    assert load_config(None, overrides).rollout.device == "npu"
+
+
+def test_missing_engine_device_says_why_and_what_to_set():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["rollout.device=npu", "rollout.engine_devices=1"])
+    message = str(info.value)
+    assert message.startswith("rollout.device: got 'npu'; no such device on this machine")
+    assert "found: cpu" in message and "rollout.device=null" in message
+    assert "whole replica" not in message
 
 
 def test_environment_checks_can_be_skipped():

@@ -414,27 +414,52 @@ def env_problem(cfg: Config, record: dict | None = None) -> Problem | None:
     return None
 
 
+def _device_problem(key: str, name: str, fix: str) -> Problem | None:
+    """``key=name`` names a device type that this machine has none of (the HAL's
+    ``available_backends``; ``auto`` and ``cpu`` are always there), or None. ``fix``: what to set
+    instead; the message also says what the backend needs (``crossrl devices`` shows it)."""
+    if name in ("auto", "cpu"):
+        return None
+    try:
+        from hal import available_backends
+    except ImportError:  # the HAL is missing: get_backend will fail loudly later
+        log.warning("cannot check %s=%s: hal.available_backends is not importable", key, name)
+        return None
+    found = list(available_backends())
+    if name in found:
+        return None
+    why = ""
+    try:
+        from hal.registry import unavailable_reason
+
+        reason = unavailable_reason(name)
+        why = f": {reason}" if reason else ""
+    except (ImportError, ValueError):  # an unknown name was refused by the schema already
+        pass
+    return problem(
+        key,
+        name,
+        f"no such device on this machine{why} (found: {', '.join(found) or 'none'}); "
+        f"run `crossrl devices`, {fix}, or install that backend and run where it sees a device",
+    )
+
+
 def _environment_problems(cfg: Config) -> list[Problem]:
     """Checks against this machine: devices, packages and files."""
     p: list[Problem] = []
-    if cfg.device not in ("auto", "cpu"):  # a CPU is always there
-        try:
-            from hal import available_backends
-        except ImportError:  # the HAL is missing: get_backend will fail loudly later
-            log.warning(
-                "cannot check device=%s: hal.available_backends is not importable", cfg.device
-            )
-        else:
-            found = list(available_backends())
-            if cfg.device not in found:
-                p.append(
-                    problem(
-                        "device",
-                        cfg.device,
-                        f"no such device on this machine (found: {', '.join(found) or 'none'}); "
-                        "run `crossrl devices`, or set device=auto",
-                    )
-                )
+    bad_device = _device_problem("device", cfg.device, "set device=auto")
+    if bad_device:
+        p.append(bad_device)
+    # The engines' own device type: on a local run their devices are this machine's (on a
+    # cluster they may sit on other nodes, which the layout checks once Ray has joined).
+    if cfg.rollout.device is not None and cfg.ray.address is None:
+        bad_device = _device_problem(
+            "rollout.device",
+            cfg.rollout.device,
+            f"set rollout.device=null (the trainer's device, {cfg.device}) or rollout.device=auto",
+        )
+        if bad_device:
+            p.append(bad_device)
     if cfg.rollout.engine == "vllm" and not _module_available("vllm"):
         p.append(
             problem(
