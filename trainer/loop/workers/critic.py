@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import types
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
@@ -10,6 +13,52 @@ from batching import StepBatch, loss_normalizers
 from trainer.loop.step_stats import StepStats
 from trainer.loop.workers.forward import shift_to_targets
 from trainer.loop.workers.fsdp_worker import FSDPWorker
+
+#: The name under which the value forward is attached to the critic's model (an FSDP2 forward
+#: method, as the actor's lean forward in ``trainer.loop.workers.forward``).
+_VALUES_METHOD = "crossrl_values_forward"
+
+
+def _values_forward(self: torch.nn.Module, **body_kwargs) -> torch.Tensor:
+    """The backbone, then the value head on its last hidden states: ``[T, 1]`` values of one
+    packed row; bound to the critic's model as its method ``_VALUES_METHOD``.
+
+    Not the causal LM's own forward: that calls its head on ``[1, T, H]``, and a ``Linear``
+    with a bias computes a 3-D input as ``addmm`` on ``[T, H]`` and returns a *view* of the
+    result, so the FSDP2 root returned a view and warned on every update that an in-place op
+    on it would skip the pre-backward hook. Here the head runs on ``[T, H]``: the same
+    ``addmm`` on the same numbers (bit-identical values), its own tensor as the output. It also
+    leaves out what some LMs do to their logits after the head (soft-capping, scaling), which
+    a value has no use for."""
+    hidden = self.base_model(**body_kwargs).last_hidden_state[0]
+    return self.lm_head(hidden)
+
+
+def _values_method(model: torch.nn.Module):
+    """``model``'s value forward, attached on first use (and again if sharded since). FSDP2
+    runs the root's pre/post-forward hooks around it as around ``model.forward``, so the head
+    and the rest of the root's parameter group are gathered for it and their gradients reduced;
+    nothing is added to the module tree (parameter names and checkpoints are unchanged)."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    fsdp = isinstance(model, FSDPModule)
+    if model.__dict__.get("_crossrl_values_fsdp") != fsdp:
+        model.__dict__[_VALUES_METHOD] = types.MethodType(_values_forward, model)
+        register_fsdp_forward_method(model, _VALUES_METHOD)
+        model.__dict__["_crossrl_values_fsdp"] = fsdp
+    return getattr(model, _VALUES_METHOD)
+
+
+class _ValuesCall:
+    """What ``hal.packed_forward`` calls in the critic's place: it checks the model's attention
+    and builds the packed-row arguments as for any forward, and gets ``[1, T, 1]`` back."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.config = model.config
+        self._forward = _values_method(model)
+
+    def __call__(self, **kwargs) -> SimpleNamespace:
+        return SimpleNamespace(logits=self._forward(**kwargs)[None])
 
 
 class CriticWorker(FSDPWorker):
@@ -33,7 +82,7 @@ class CriticWorker(FSDPWorker):
 
     def _values(self, mb: StepBatch) -> torch.Tensor:
         out = hal.packed_forward(
-            self.model,
+            _ValuesCall(self.model),
             self.to_device(mb.input_ids),
             self.to_device(mb.position_ids),
             self.to_device(mb.cu_seqlens),
