@@ -395,6 +395,16 @@ def open_shared_buffer(handle: tuple, device_index: int = 0) -> torch.Tensor:
     raise ValueError(f"shared buffer handle of kind {kind!r}: expected 'file' or 'ipc'")
 
 
+def close_shared_buffer(handle: tuple) -> None:
+    """This process is done with a buffer it mapped with ``open_shared_buffer``: drop the
+    mapping it keeps for later buckets (a file's; the memory goes once no tensor views it).
+    IPC handles keep nothing here (torch's own ref-counted cache holds them)."""
+    if handle[0] == "file":
+        from hal.shm import close_shm_file
+
+        close_shm_file(handle[1])
+
+
 # ---- tensor walking for offload/onload (device-free logic, tested on cpu) ----------------------
 
 

@@ -12,7 +12,7 @@ import torch
 
 from hal import RAY_RESOURCES
 from hal.base import DeviceBackend
-from hal.shm import open_shm_file, shm_dir
+from hal.shm import close_shm_file, open_shm_file, shm_dir
 
 
 class CpuBackend(DeviceBackend):
@@ -60,15 +60,17 @@ class CpuBackend(DeviceBackend):
         """A buffer in a shared-memory file (``shm_dir()``) that an engine process on this
         host maps without a copy; the handle is ``("file", path, nbytes)``."""
         path = os.path.join(shm_dir(), f"crossrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        return open_shm_file(path, nbytes), ("file", path, int(nbytes))
+        return open_shm_file(path, nbytes, create=True), ("file", path, int(nbytes))
 
     def release_shared_buffer(self, handle: tuple) -> None:
-        """Unlink the file: the writer's and reader's mappings stay, the name goes, so a
-        crash later leaves nothing in /dev/shm."""
+        """Unlink the file: the name goes, so a crash later leaves nothing in /dev/shm, and
+        this process forgets its own mapping of it (the memory stays while a tensor views it,
+        in this process or a reader's; a reader closes its own, ``hal.close_shared_buffer``)."""
         try:
             os.unlink(handle[1])
         except FileNotFoundError:
             pass
+        close_shm_file(handle[1])
 
     def device_names(self) -> list[str]:
         """One human-readable name for the host processor."""

@@ -185,6 +185,10 @@ class _FutureRef(LocalRef):
     def result(self):
         return self.future.result(timeout=120)
 
+    def done(self) -> bool:
+        """Whether the call has ended (the push watches its engine's reply)."""
+        return self.future.done()
+
 
 def _stream(rank: int, world: int, port: int, queue, bucket_bytes: int, delay_s: float) -> None:
     import rollout.engines.buckets as buckets_mod

@@ -42,7 +42,10 @@ def weight_group(name: str) -> str:
     """The decoder layer a weight belongs to (``model.layers.3``), or the weight's own name:
     a bucket boundary never falls inside a layer, so an engine that rebuilds a layer once
     all its shards arrived (vLLM's layerwise reload: fused q/k/v, gate/up) finishes every
-    layer within one bucket and keeps no view of a bucket that is about to be rewritten."""
+    complete layer within one bucket. A padded parameter (a vocabulary padded to a multiple)
+    is never complete before the update's end, so an engine that defers anything copies it
+    out of the bucket (``rollout.engines.vllm_worker``): a bucket's memory is rewritten
+    once the engine has read it."""
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part == "layers" and parts[i + 1].isdigit():

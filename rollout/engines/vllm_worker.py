@@ -52,6 +52,7 @@ class VLLMWorkerExtension:
         reload; else each bucket goes straight to the model's ``load_weights``, the path
         vllm-ascend's own RL integration takes)."""
         api = self._crossrl_reload_api() if layerwise else None
+        self._crossrl_deferring = api is not None
         if api is not None:
             with self._crossrl_context():
                 api[0](self.model_runner.get_model())
@@ -64,16 +65,34 @@ class VLLMWorkerExtension:
 
     def crossrl_load_shared_bucket(self, handles: list, specs: list) -> int:
         """Load a bucket from shared memory: this worker maps the copy of the training rank on
-        its own device (``handles[tp rank]``) and reads views of it (no copy on the way)."""
+        its own device (``handles[tp rank]``) and reads it; the mapping is kept for the
+        update's later buckets and closed by ``crossrl_finish_weight_update``.
+
+        The bucket's memory is refilled with a later bucket once this returns, so nothing of
+        it may be kept past the call. The model's own loaders copy at once, so they get views
+        (no copy on the way). vLLM's layerwise reload (0.32.0,
+        ``model_loader/reload/layerwise.py``) instead keeps what it is handed, by reference,
+        until the layer's parameters are complete, and a padded one (a vocabulary padded to
+        the embedding's multiple) until ``finalize_layerwise_reload``: so it gets copies, each
+        made as the loader asks for it, which costs one layer plus the held padded tensors."""
         from hal import open_shared_buffer
 
         rank = int(getattr(self, "rank", 0)) % len(handles)
         device = getattr(self, "device", None)
         index = device.index if isinstance(device, torch.device) and device.index else 0
-        flat = open_shared_buffer(handles[rank], index)
-        count = self.crossrl_load_weights(unpack_bucket(flat, [TensorSpec(*s) for s in specs]))
+        handle = tuple(handles[rank])
+        flat = open_shared_buffer(handle, index)
+        opened = getattr(self, "_crossrl_opened", [])
+        if handle not in opened:
+            self._crossrl_opened = [*opened, handle]
+        views = unpack_bucket(flat, [TensorSpec(*s) for s in specs])
+        weights = views
+        if getattr(self, "_crossrl_deferring", False):
+            weights = ((name, view.clone()) for name, view in views)
+        with self._crossrl_context():
+            self.model_runner.get_model().load_weights(weights)
         wait_for_device()  # the copies out of the bucket are done: its writer may reuse it
-        return count
+        return len(views)
 
     def crossrl_load_weights_from_file(self, path: str) -> int:
         """``crossrl_load_weights`` for a bucket saved as a safetensors file."""
@@ -105,3 +124,9 @@ class VLLMWorkerExtension:
             fn = getattr(self.model_runner, reset, None)
             if fn is not None:
                 fn()
+        # The update's buckets are all loaded: this worker's mappings of them can go.
+        from hal.base import close_shared_buffer
+
+        for handle in getattr(self, "_crossrl_opened", ()):
+            close_shared_buffer(handle)
+        self._crossrl_opened = []

@@ -21,7 +21,7 @@ import torch
 
 import hal
 from rollout.engines.buckets import tensor_nbytes
-from trainer.loop.workers.local import LocalHandle, fetch
+from trainer.loop.workers.local import LocalHandle, LocalRef, fetch
 
 #: Bytes per bucket of a host-memory snapshot (``snapshot_weights``): big enough that the
 #: object store's per-object cost vanishes, small enough to stream to another node.
@@ -35,6 +35,21 @@ def full_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         (name, t.full_tensor() if hasattr(t, "full_tensor") else t)
         for name, t in model.state_dict().items()
     ]
+
+
+def _raise_if_ended(reply) -> None:
+    """Raise the engine's error if its call (``reply``: a Ray object ref, or a ``LocalRef``
+    whose call runs elsewhere and says ``done()``) has ended with one; do nothing while it
+    runs. Never waits."""
+    if isinstance(reply, LocalRef):
+        done = getattr(reply, "done", None)
+        ended = done() if callable(done) else reply.error is not None
+    else:
+        import ray
+
+        ended = bool(ray.wait([reply], timeout=0)[0])
+    if ended:
+        fetch(reply)  # raises the engine's own error (returns when it ended well)
 
 
 class WeightPush:
@@ -67,7 +82,7 @@ class WeightPush:
         /dev/shm files, which is how tests drive it). Returns the buckets sent by this rank
         (the tp group's first rank sends them all, the others 0)."""
         from rollout.engines.buckets import pack_tensor, plan_buckets
-        from rollout.engines.stream import STREAM_TIMEOUT_S, Doorbell
+        from rollout.engines.stream import RANK, STREAM_TIMEOUT_S, Doorbell, PushAborted
         from rollout.models import parse_dtype
 
         cfg, rank = self.spec.cfg, self.spec.rank
@@ -95,10 +110,14 @@ class WeightPush:
             specs = [[tuple(s) for s in bucket] for bucket in buckets]
             reply = engine.load_weight_stream.remote(slot_handles, group[0][1], specs)
         buffers = [buf for buf, _ in staging]
+        # tp rank 0 also watches the engine's reply: an engine error ends the push at once.
+        check = None if reply is None else (lambda: _raise_if_ended(reply))
         try:
             for k, specs in enumerate(buckets):
                 if k >= slots:  # the slot's previous bucket must have been read
-                    bell.wait(bell.read, k - slots + 1, "the engine to read", STREAM_TIMEOUT_S)
+                    bell.wait(
+                        bell.read, k - slots + 1, "the engine to read", STREAM_TIMEOUT_S, check
+                    )
                 for spec in specs:
                     tensor = state[spec.name]
                     full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
@@ -109,7 +128,13 @@ class WeightPush:
                 fetch(reply)  # the engine has loaded and finished every bucket
             else:
                 bell.wait(bell.read, len(buckets), "the engine to load", STREAM_TIMEOUT_S)
+        except BaseException as err:
+            bell.abort(RANK)  # the engine and the tp peers stop waiting now
+            if reply is not None and isinstance(err, PushAborted):
+                fetch(reply)  # the engine stopped the push: raise its own error, which ends it
+            raise
         finally:
+            bell.close()
             if tp_rank == 0:
                 Doorbell.release(group[0][1])
             handles = [handle for _, handle in staging]
