@@ -161,12 +161,25 @@ def test_engine_device_on_a_cluster_is_left_to_the_layout():
     assert load_config(None, overrides).rollout.device == "npu"
 
 
-def test_missing_engine_device_says_why_and_what_to_set():
+@pytest.mark.parametrize(
+    ("overrides", "key", "fix"),
+    [
+        (
+            ["rollout.device=npu", "rollout.engine_devices=1"],
+            "rollout.device",
+            "rollout.device=null",
+        ),
+        (["device=npu"], "device", "set device=auto"),
+    ],
+)
+def test_missing_device_says_why_and_what_to_set(overrides, key, fix):
+    """Refused at load, before Ray or a model starts (the engines' device used to pass here
+    and fail in the layout with "nodes of 0 NPU devices hold only 0 whole replica(s)")."""
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["rollout.device=npu", "rollout.engine_devices=1"])
+        load_config(None, overrides)
     message = str(info.value)
-    assert message.startswith("rollout.device: got 'npu'; no such device on this machine")
-    assert "found: cpu" in message and "rollout.device=null" in message
+    assert message.startswith(f"{key}: got 'npu'; no such device on this machine: "), message
+    assert "found: cpu" in message and fix in message and "install" in message
     assert "whole replica" not in message
 
 
