@@ -14,6 +14,13 @@ import torch
 
 from hal import RAY_RESOURCES
 from hal.base import DeviceBackend
+from hal.npu_versions import (
+    INSTALL_HINT,
+    PINNED_VLLM_ASCEND,
+    VllmAscendVersionError,
+    installed_version,
+    vllm_ascend_engine_options,
+)
 
 NPU_CAUSAL_MASK_SIZE = 2048
 """Side of the compressed causal mask `npu_fusion_attention` takes with sparse_mode=3."""
@@ -151,13 +158,19 @@ class NpuBackend(DeviceBackend):
     vllm_layerwise_reload = False
 
     def vllm_engine_options(self) -> dict:
-        """vllm-ascend's RL mode (``additional_config.rl_config``): its sleep frees only its own
-        allocator's memory unless ``sleep_mode_extra_cleanup`` also releases the HCCL process
-        groups' buffers and the ACL graph workspace while the colocated trainer runs; the
-        mode also turns off the FRACTAL_NZ weight layout that a reload cannot rebuild."""
-        return {
-            "additional_config": {"rl_config": {"enabled": True, "sleep_mode_extra_cleanup": True}}
-        }
+        """vllm-ascend's options for a colocated RL engine, spelled for the installed release
+        (``hal.npu_versions``): extra sleep cleanup, which also releases the HCCL process
+        groups' buffers and the ACL graph workspace while the trainer runs (its sleep otherwise
+        frees only its own allocator's memory), and ND weights (no FRACTAL_NZ layout, which a
+        reload cannot rebuild). Raises VllmAscendVersionError naming the fix when vllm-ascend
+        is absent or too old to have the option."""
+        version = installed_version("vllm-ascend")
+        if version is None:
+            raise VllmAscendVersionError(
+                "rollout.engine=vllm on npu needs vllm-ascend, which is not installed: install "
+                f"vllm-ascend {PINNED_VLLM_ASCEND} ({INSTALL_HINT}) or set rollout.engine=hf"
+            )
+        return vllm_ascend_engine_options(version)
 
     def device_names(self) -> list[str]:
         """Chip name of every visible NPU (e.g. Ascend910B3)."""

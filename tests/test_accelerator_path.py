@@ -356,6 +356,9 @@ def test_engine_host_builds_vllm_with_the_devices_options(monkeypatch, backend_n
     monkeypatch.setattr(
         rollout.engines, "make_engine", lambda name, model, tok=None, **kw: built.update(kw)
     )
+    import hal.npu
+
+    monkeypatch.setattr(hal.npu, "installed_version", lambda name: "0.26.0rc1")  # the pinned one
     cfg = load_config(None, [*JOB, "rollout.engine=vllm"], check_environment=False)
     EngineHost(cfg).setup()
     assert built["layerwise_reload"] is layerwise
@@ -364,5 +367,6 @@ def test_engine_host_builds_vllm_with_the_devices_options(monkeypatch, backend_n
     if layerwise:
         assert options == {}
     else:
-        rl = options["additional_config"]["rl_config"]
-        assert rl == {"enabled": True, "sleep_mode_extra_cleanup": True}
+        # 0.26.0rc1 reads the top-level key and ignores rl_config (hal/npu_versions.py)
+        extra = options["additional_config"]
+        assert extra == {"enable_sleep_mode_extra_cleanup": True, "weight_nz_mode": 0}

@@ -14,12 +14,22 @@ ROOT = Path(__file__).resolve().parent.parent
 BOUNDED = {"torch", "transformers", "vllm"}  # their releases have broken us before
 
 
-def _requirements() -> dict[str, Requirement]:
+LANE_EXTRAS = {
+    "constraints-cpu.txt": (),
+    "constraints-gpu.txt": ("gpu", "flash"),
+    "constraints-npu.txt": ("npu",),
+}
+"""The setup.cfg extras each lane installs with its constraints file (README)."""
+
+
+def _requirements(extras=None) -> dict[str, Requirement]:
+    """install_requires plus the named extras (None: every extra)."""
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     lines = cfg["options"]["install_requires"].splitlines()
-    for extra in cfg["options.extras_require"].values():
-        lines += extra.splitlines()
+    for name, extra in cfg["options.extras_require"].items():
+        if extras is None or name in extras:
+            lines += extra.splitlines()
     reqs = [Requirement(line) for line in lines if line.strip() and not line.startswith("#")]
     return {r.name: r for r in reqs}
 
@@ -45,9 +55,29 @@ def test_the_libraries_that_break_us_have_upper_bounds():
     "lane", ["constraints-cpu.txt", "constraints-gpu.txt", "constraints-npu.txt"]
 )
 def test_each_lanes_pins_lie_inside_the_ranges(lane):
-    reqs = _requirements()
+    reqs = _requirements(LANE_EXTRAS[lane])
     pins = _pins(lane)
     assert "torch" in pins  # every lane pins torch: an unpinned one pulls the wrong build
     for package, version in pins.items():
         if package in reqs:
             assert Version(version) in reqs[package].specifier, (lane, package, version)
+
+
+def test_the_npu_lane_pins_the_set_its_vllm_ascend_is_released_with():
+    """vllm-ascend brings no vLLM: the lane pins the vLLM (and torch, torch-npu) of the pinned
+    vllm-ascend's release, and hal's version table (what doctor and the engine options read)
+    names the same release."""
+    from hal.npu_versions import PINNED_VLLM_ASCEND, known_stack
+
+    pins = _pins("constraints-npu.txt")
+    assert pins["vllm-ascend"] == PINNED_VLLM_ASCEND
+    stack = known_stack(pins["vllm-ascend"])
+    assert stack is not None, pins["vllm-ascend"]
+    assert (pins["vllm"], pins["torch"], pins["torch-npu"]) == (
+        stack.vllm,
+        stack.torch,
+        stack.torch_npu,
+    )
+    assert "CANN " + stack.cann in (ROOT / "constraints-npu.txt").read_text()
+    # vLLM stays out of the npu extra: one resolve with vllm-ascend 0.26.0rc1 fails on fastapi
+    assert "vllm" not in _requirements(("npu",))
