@@ -9,8 +9,8 @@ import pytest
 
 from trainer.config import ConfigError, load_config
 from trainer.loop.layout import LayoutError, format_layout, plan_layout, runs_in_process
-from trainer.loop.pipeline import RolloutPipeline, sampled_by
-from trainer.loop.workers.local import LocalHandle
+from trainer.loop.pipeline import RolloutPipeline, read_ahead, sampled_by
+from trainer.loop.workers.local import LocalHandle, LocalRef
 
 LAGGED = ["rollout.engine_devices=1", "algorithm.rollout_correction=token"]
 
@@ -31,20 +31,28 @@ class RecordingHost:
         self.sampled[step] = self.version
         self.order.append(step)
         meta = {"metrics": {}, "prompts_consumed": 8 * step, "policy_version": self.version}
-        return meta, [f"batch {step}"]
+        return meta, [LocalRef(f"batch {step}")]  # the batch by reference, as put() gives
+
+    def validate(self, step, weights=None):
+        if weights is not None:
+            self.version = weights[0]
+        self.order.append(f"val {step}")
+        return {"val/reward_mean": 0.5, "val/version": float(self.version)}
 
 
-def _run_schedule(lag: int, total: int, first: int = 1) -> tuple[RecordingHost, list[dict]]:
+def _run_schedule(
+    lag: int, total: int, first: int = 1, horizon: int | None = None
+) -> tuple[RecordingHost, list[dict], RolloutPipeline]:
     host = RecordingHost()
-    pipe = RolloutPipeline(LocalHandle(host), lag, total, None)
+    pipe = RolloutPipeline(LocalHandle(host), lag, total, None, horizon=horizon)
     pipe.start(first, None if first == 1 else [first - 1, "refs", "specs"])
     taken = []
     for step in range(first, total + 1):
         meta, _ = pipe.take(step)
         taken.append(meta)
         pipe.after_update(step, [f"weights after {step}", "specs"])
-    assert not pipe.queued and not pipe.ready  # nothing sampled beyond the run
-    return host, taken
+    assert not pipe.ready  # every step's rollout was trained on
+    return host, taken, pipe
 
 
 def test_the_step_number_says_which_weights_sample_a_step():
@@ -55,9 +63,12 @@ def test_the_step_number_says_which_weights_sample_a_step():
 
 @pytest.mark.parametrize("lag", [0, 1, 2, 3])
 def test_the_pipeline_samples_every_step_with_the_weights_its_number_names(lag):
-    host, taken = _run_schedule(lag, total=7)
-    assert host.order == list(range(1, 8))  # one rollout per step, in step order
-    assert host.sampled == {t: sampled_by(t, lag) for t in range(1, 8)}
+    host, taken, pipe = _run_schedule(lag, total=7)
+    # One rollout per step, in step order, and the lag's steps past the end for the last
+    # checkpoint (a run resumed from it with more steps trains on them).
+    assert host.order == list(range(1, 8 + lag))
+    assert host.sampled == {t: sampled_by(t, lag) for t in range(1, 8 + lag)}
+    assert sorted(pipe.queued) == list(range(8, 8 + lag))
     for step, meta in enumerate(taken, start=1):
         assert meta["metrics"]["pipeline/rollout_lag"] == lag
         assert meta["metrics"]["pipeline/policy_version"] == sampled_by(step, lag)
@@ -76,8 +87,55 @@ def test_a_resumed_pipeline_keeps_the_schedule():
         meta, batch = pipe.take(step)
         assert meta["policy_version"] == sampled_by(step, 2)
         pipe.after_update(step, ["refs", "specs"])
-    assert host.order == [6, 7, 8]
-    assert host.sampled == {6: 3, 7: 4, 8: 5}
+    assert host.order == [6, 7, 8, 9, 10]  # and the two past the end, for the last checkpoint
+    assert host.sampled == {6: 3, 7: 4, 8: 5, 9: 6, 10: 7}
+
+
+def test_a_replay_samples_nothing_past_the_end():
+    host, _, pipe = _run_schedule(2, total=5, horizon=5)
+    assert host.order == [1, 2, 3, 4, 5] and not pipe.queued
+
+
+def test_a_checkpoint_keeps_the_lags_rollouts_also_past_the_end():
+    # Lag 2, 4 steps: the checkpoint of step 4 keeps steps 5 and 6, sampled by the weights
+    # after steps 2 and 3, as an uninterrupted longer run samples them.
+    host, _, pipe = _run_schedule(2, total=4)
+    ahead = pipe.ahead(4)
+    assert sorted(ahead) == [5, 6]
+    kept = read_ahead(ahead)
+    assert {s: meta["policy_version"] for s, (meta, _) in kept.items()} == {5: 2, 6: 3}
+    assert kept[5][1] == "batch 5"  # the batch itself, read from its reference
+    # Mid-run, a rollout already waited for is kept as well as a queued one.
+    host = RecordingHost()
+    pipe = RolloutPipeline(LocalHandle(host), 2, 8, None)
+    pipe.start(1)
+    pipe.take(1)
+    pipe._wait({2})
+    pipe.after_update(1, ["w1", "specs"])
+    assert sorted(pipe.ahead(1)) == [2, 3]
+    assert {s: m["policy_version"] for s, (m, _) in read_ahead(pipe.ahead(1)).items()} == {
+        2: 0,
+        3: 0,
+    }
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_a_validation_waits_for_no_rollout_sampled_after_its_weights(lag):
+    # Validating the weights after step 2 is queued before the rollout those weights sample
+    # (step 3 + lag): the host loads them once, for both, and the controller reading the
+    # validation waits only for the rollouts queued before it.
+    host = RecordingHost()
+    pipe = RolloutPipeline(LocalHandle(host), lag, 6, None)
+    pipe.start(1, validate=True)
+    for step in (1, 2):
+        pipe.take(step)
+        pipe.after_update(step, [f"weights after {step}", "specs"], validate=step == 2)
+    order = host.order
+    assert order[0] == "val 0"
+    assert order.index("val 2") == order.index(3 + lag) - 1
+    assert order.index("val 2") > order.index(2 + lag)
+    assert pipe.validation(2).result()["val/version"] == 2.0
+    assert pipe.validation(0).result()["val/version"] == 0.0
 
 
 def test_a_lag_needs_engine_devices_of_their_own():

@@ -14,7 +14,7 @@ worker to worker the same way. Each concern lives in its own module: the plan in
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,12 +22,17 @@ from batching import plan_minibatches, plan_stats
 from trainer.config import Config
 from trainer.loop.health import NonfiniteStreak, check_env_faults, check_finite_weights
 from trainer.loop.step_stats import StepStats
+from trainer.loop.validation import validation_due
 from trainer.loop.workers.group import (
     CALL_TIMEOUT_S,
+    Later,
     PendingCalls,
     WorkerGroup,
     wait_all,
 )
+
+if TYPE_CHECKING:
+    from trainer.loop.backlog import PendingCheckpoint
 
 
 class Trainer:
@@ -97,7 +102,8 @@ class Trainer:
         with timer.section("sync"):
             if self.pipeline is not None:
                 records = self._end_of_step(step, plan)
-                self.pipeline.after_update(step, self.snapshot_weights())
+                validate = validation_due(self.cfg, step)
+                self.pipeline.after_update(step, self.snapshot_weights(), validate=validate)
             else:
                 records = self._hand_over(step, plan)
         metrics = self._metrics(step, meta, plan, stats, adv_metrics, timer)
@@ -227,18 +233,20 @@ class Trainer:
         for group in self.training_groups():
             check_finite_weights(group.role, group.call("weights_finite"), step)
 
-    def validate(self, step: int) -> dict[str, Any]:
-        """``val/*`` metrics on ``data.val_source`` with the current weights (see
-        ``trainer.loop.validation``) and ``timing/val_s``; ``step``: the step just finished."""
+    def validate(self, step: int) -> dict[str, Any] | Later:
+        """``val/*`` metrics on ``data.val_source`` with the weights after step ``step`` (see
+        ``trainer.loop.validation``) and ``timing/val_s``; ``step``: the step just finished.
+        Pipelined, the validation was queued with those weights when the step ended (the
+        host's earlier rollouts sample with older ones), and comes as a ``Later``: waiting
+        for it here would wait for every rollout queued before it."""
         from trainer.records.metrics import StepTimer
 
+        if self.pipeline is not None:
+            return Later(self.pipeline.validation(step), "rollout host", "rollout.validate")
         timer = StepTimer()
-        # Pipelined, the host loads the step's weights first (its earlier rollouts sample
-        # with older ones): the validation always sees the weights after ``step``.
-        weights = self.pipeline.snapshot if self.pipeline is not None else None
         with timer.section("val"):
             (metrics,) = wait_all(
-                [self.rollout.validate.remote(step, weights)],
+                [self.rollout.validate.remote(step)],
                 ["rollout host"],
                 timeout_s=CALL_TIMEOUT_S,
                 what="rollout.validate",
@@ -349,16 +357,19 @@ class Trainer:
         }
         return fingerprint_of_step(plan, fields, metrics, records["checksum"], records["counts"])
 
-    def save_checkpoint(self, step: int) -> Path:
-        """Write a whole checkpoint atomically (``trainer.records.checkpoint.save_step``), never of
-        non-finite weights."""
-        from trainer.records.checkpoint.save import save_step
+    def save_checkpoint(self, step: int) -> PendingCheckpoint:
+        """Stage a whole checkpoint of step ``step`` (``trainer.records.checkpoint.save``),
+        never of non-finite weights; ``PendingCheckpoint.commit`` makes it ``latest``. A
+        lagged run's checkpoint keeps the rollouts of the next ``train.rollout_lag`` steps,
+        sampled by older weights, taken as references (``RolloutPipeline.ahead``)."""
+        from trainer.loop.backlog import PendingCheckpoint
+        from trainer.records.checkpoint.save import stage_step
 
         self._check_weights(step)  # never commit non-finite weights over good checkpoints
-        pending = None
+        ahead: dict[int, Any] = {}
         if self.pipeline is not None:  # the host is sampling later steps already
             consumed = self.last_rollout.get("prompts_consumed", step * self.cfg.train.batch_size)
-            pending = self.pipeline.sampled_ahead(step)
+            ahead = self.pipeline.ahead(step)
         else:
             (consumed,) = wait_all(
                 [self.rollout.get_prompts_consumed.remote()],
@@ -366,7 +377,9 @@ class Trainer:
                 timeout_s=CALL_TIMEOUT_S,
                 what="rollout.get_prompts_consumed",
             )
-        return save_step(self.run_dir, step, self.training_groups(), consumed, pending)
+        state = {"rollout_lag": self.cfg.train.rollout_lag}  # a resume checks it
+        staged = stage_step(self.run_dir, step, self.training_groups(), consumed, state)
+        return PendingCheckpoint(staged, ahead)
 
     def shutdown(self) -> None:
         """Stop every worker (best effort: a dead one is already gone)."""

@@ -104,8 +104,14 @@ def _start_pipeline(job) -> None:
     from trainer.loop.pipeline import RolloutPipeline
 
     cfg = job.cfg
+    # A recording has no steps past the run's end to keep in a checkpoint.
+    horizon = cfg.train.total_steps if job.replay_dir is not None else None
     job.pipeline = RolloutPipeline(
-        job.rollout, cfg.train.rollout_lag, cfg.train.total_steps, job.record_dir()
+        job.rollout,
+        cfg.train.rollout_lag,
+        cfg.train.total_steps,
+        job.record_dir(),
+        horizon=horizon,
     )
     weights = None
     if job.start_step:
@@ -123,7 +129,8 @@ def _start_pipeline(job) -> None:
                 timeout_s=CALL_TIMEOUT_S,
                 what="rollout.set_prompts_consumed",
             )
-    job.pipeline.start(job.start_step + 1, weights)
+    validate = cfg.run.val_before_train and job.start_step == 0
+    job.pipeline.start(job.start_step + 1, weights, validate=validate)
 
 
 def _other_engine_device(cfg, trainer_device: str) -> str | None:

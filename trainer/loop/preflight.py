@@ -232,6 +232,41 @@ def _check_resume(cfg: Config) -> None:
         return
     _check_metrics_file(cfg)
     _check_checkpoint_shapes(cfg, ckpt)
+    _check_resumed_lag(cfg, ckpt)
+
+
+def _check_resumed_lag(cfg: Config, ckpt: Path) -> None:
+    """A lagged run's step t is sampled by the weights after step t-1-k (``trainer.loop.
+    pipeline``), and its checkpoint keeps the rollouts of the k steps after it, sampled by
+    weights it does not hold. Resuming exactly needs the same ``train.rollout_lag`` and every
+    kept rollout the resumed steps train on; a checkpoint of a crossrl that kept none past
+    ``train.total_steps`` may lack some, and a run with another lag would sample with other
+    weights than the saved run did."""
+    from trainer.records.checkpoint import LAYOUT, load_json
+    from trainer.records.checkpoint.pending import read_pending_steps
+
+    state = load_json(ckpt / LAYOUT.trainer_state)
+    step, lag = int(state["step"]), cfg.train.rollout_lag
+    kept = read_pending_steps(ckpt)
+    # Checkpoints from before the lag was saved: as many kept rollouts as the lag, else 0.
+    saved_lag = int(state.get("rollout_lag", len(kept)))
+    if saved_lag != lag:
+        raise PreflightError(
+            f"train.rollout_lag={lag}: checkpoint {ckpt} was saved by a run with "
+            f"train.rollout_lag={saved_lag}, whose steps after {step} sample with other weights; "
+            f"resume with train.rollout_lag={saved_lag} (and rollout.engine_devices > 0 when it "
+            "is > 0), or start afresh with run.resume=never"
+        )
+    needed = set(range(step + 1, min(step + lag, cfg.train.total_steps) + 1))
+    missing = sorted(needed - set(kept))
+    if missing:
+        raise PreflightError(
+            f"train.total_steps={cfg.train.total_steps}: checkpoint {ckpt} keeps no rollout of "
+            f"step(s) {missing}, which the lag-{lag} schedule samples with weights before step "
+            f"{step} (a crossrl that stopped sampling at the saved run's end wrote it); resume "
+            f"with train.total_steps={step + len(needed) - len(missing)}, or start afresh with "
+            "run.resume=never"
+        )
 
 
 def _check_metrics_file(cfg: Config) -> None:

@@ -242,6 +242,7 @@ def _train_loop(
 ) -> list[float]:
     """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint.
     Returns each step's ``reward/mean``, in step order."""
+    from trainer.loop.backlog import Backlog
     from trainer.loop.health import checkpoint_veto
     from trainer.loop.startup import CLOCK, log_summary
     from trainer.loop.validation import validation_due
@@ -253,25 +254,26 @@ def _train_loop(
         FingerprintLogger(run_dir, start_step=trainer.start_step) as fp_log,
     ):
         CLOCK.done("loggers")
-        if cfg.run.val_before_train and trainer.start_step == 0:
-            log.log(0, trainer.validate(0))
-            CLOCK.done("validation")
-        if trainer.start_step < total:
-            log_summary()
         rewards: list[float] = []
-        for step in range(trainer.start_step + 1, total + 1):
-            stop.check()  # a signal during start-up or the previous step ends the run here
-            metrics, fingerprint = trainer.train_step(step)
-            rewards.append(float(metrics.get("reward/mean", float("nan"))))
-            metrics.update(CLOCK.metrics())  # the first step of this process only
-            if validation_due(cfg, step):
-                metrics.update(trainer.validate(step))
-            log.log(step, metrics)
-            fp_log.log(step, fingerprint)
-            due = step == total or (cfg.run.save_every and step % cfg.run.save_every == 0)
-            veto = checkpoint_veto(metrics) if save_checkpoints and due else None
-            if veto:
-                print(f"crossrl: {veto}", file=sys.stderr)
-            elif save_checkpoints and due:
-                trainer.save_checkpoint(step)
+        # A lagged run's validations and checkpoints finish while later steps train.
+        with Backlog(log) as backlog:
+            if cfg.run.val_before_train and trainer.start_step == 0:
+                backlog.add_line(0, {}, trainer.validate(0))
+                CLOCK.done("validation")
+            if trainer.start_step < total:
+                log_summary()
+            for step in range(trainer.start_step + 1, total + 1):
+                stop.check()  # a signal during start-up or the previous step ends the run here
+                metrics, fingerprint = trainer.train_step(step)
+                rewards.append(float(metrics.get("reward/mean", float("nan"))))
+                metrics.update(CLOCK.metrics())  # the first step of this process only
+                validation = trainer.validate(step) if validation_due(cfg, step) else None
+                backlog.add_line(step, metrics, validation)
+                fp_log.log(step, fingerprint)
+                due = step == total or (cfg.run.save_every and step % cfg.run.save_every == 0)
+                veto = checkpoint_veto(metrics) if save_checkpoints and due else None
+                if veto:
+                    print(f"crossrl: {veto}", file=sys.stderr)
+                elif save_checkpoints and due:
+                    backlog.add_checkpoint(trainer.save_checkpoint(step))
     return rewards

@@ -309,6 +309,36 @@ def wait_all(
     return results
 
 
+def is_done(ref: Any) -> bool:
+    """Whether the call behind ``ref`` has finished (with a result or an error), without
+    waiting: in-process calls always have; a Ray call when ``ray.wait`` finds it ready."""
+    if isinstance(ref, LocalRef):
+        return True
+    import ray
+
+    done, _ = ray.wait([ref], num_returns=1, timeout=0)
+    return bool(done)
+
+
+class Later:
+    """The result of one call (``ref``, made by worker ``name``; ``what`` names the call),
+    read when it is ready: ``done`` never waits, ``result`` waits and raises
+    ``WorkerFailedError`` as ``wait_all`` does."""
+
+    def __init__(self, ref: Any, name: str, what: str) -> None:
+        self.ref = ref
+        self.name = name
+        self.what = what
+
+    def done(self) -> bool:
+        """Whether the call has finished (``is_done``)."""
+        return is_done(self.ref)
+
+    def result(self, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        """The call's result, waiting at most ``timeout_s`` seconds for it."""
+        return wait_all([self.ref], [self.name], timeout_s=timeout_s, what=self.what)[0]
+
+
 def _local_results(refs: Sequence[LocalRef], names: Sequence[str], whats: list[str]) -> list:
     """``wait_all`` of in-process calls: the first one that raised fails as a Ray task would."""
     for i, ref in enumerate(refs):

@@ -356,16 +356,21 @@ class RolloutHost(EngineHost):
 
     def validate(self, step: int, weights: list | None = None) -> dict[str, float]:
         """``val/*`` metrics of the validation set (``data.val_source``) under the engine's
-        current weights, after loading ``weights`` (``take_weights``); ``step``: the training
-        step just finished (0 before training)."""
+        current weights, after loading ``weights`` (``take_weights``), and ``timing/val_s``
+        (seconds on this host); ``step``: the training step just finished (0 before training)."""
+        import time
+
         from trainer.loop.validation import run_validation
 
+        started = time.perf_counter()
         self.take_weights(weights)
         if not self.val_items:
             raise ValueError("run.val_every / run.val_before_train need data.val_source")
-        return run_validation(
+        metrics = run_validation(
             self.generator, self.tokenizer, self.env_factory, self.val_items, self.cfg, step
         )
+        # The host's own time: a lagged run reads validations queued behind its rollouts.
+        return {**metrics, "timing/val_s": time.perf_counter() - started}
 
     def get_prompts_consumed(self) -> int:
         """Training prompts taken from the stream so far (saved in checkpoints)."""

@@ -36,6 +36,14 @@ def write_pending_rollouts(staging: Path, pending: dict[int, tuple[dict[str, Any
         save_json(kept, staging / PENDING_DIR / f"step_{step}.json")
 
 
+def read_pending_steps(ckpt: Path) -> list[int]:
+    """The steps whose rollouts the checkpoint at ``ckpt`` keeps, in order (none read)."""
+    from rollout.replay import recorded_steps
+
+    folder = Path(ckpt) / PENDING_DIR
+    return list(recorded_steps(folder)) if folder.is_dir() else []
+
+
 def read_pending_rollouts(ckpt: Path) -> dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]]:
     """The pending rollouts of the checkpoint at ``ckpt``, by step: (the kept metadata, the
     batch's arrays); empty when it has none (a run without a lag saved it)."""
