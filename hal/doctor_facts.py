@@ -20,6 +20,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.version import InvalidVersion, Version
+
+from hal.npu_versions import (
+    ASCEND_STACKS,
+    INSTALL_HINT,
+    PINNED_VLLM_ASCEND,
+    AscendStack,
+    VllmAscendVersionError,
+    engine_option_spelling,
+    known_stack,
+)
 from hal.registry import BACKEND_NAMES, unavailable_reason
 
 OK, WARN, FAIL, ABSENT, NOT_PRESENT = "ok", "WARN", "FAIL", "absent", "-"
@@ -93,9 +104,107 @@ def vllm_ascend_pairing(vllm_version: str, vllm_ascend_version: str) -> Check:
         return Check(name, WARN, f"{found}: cannot parse the versions", "reinstall both")
     if want != have:
         minor = ".".join(map(str, want))
-        fix = f"pip install 'vllm=={minor}.*' (or the vllm-ascend release made for vllm {vllm_version})"
+        fix = (
+            f"VLLM_TARGET_DEVICE=empty pip install --no-binary vllm 'vllm=={minor}.*' "
+            f"(or the vllm-ascend release made for vllm {vllm_version})"
+        )
         return Check(name, FAIL, f"{found}: the plugin is made for vllm {minor}.*", fix)
     return Check(name, OK, found)
+
+
+_STACK_FIXES = {
+    "vllm": "VLLM_TARGET_DEVICE=empty pip install --no-binary vllm 'vllm=={want}' (vLLM without "
+    "its CUDA build, as vllm-ascend installs it)",
+    "torch": "pip install torch=={want} --extra-index-url https://download.pytorch.org/whl/cpu",
+    "torch-npu": "pip install torch-npu=={want}",
+    "CANN": "install CANN {want} and NNAL {want} (Huawei's installer), then source set_env.sh",
+}
+
+
+def _stack_row(component: str, have: str | None, want: str, vllm_ascend: str) -> Check:
+    """One member of vllm-ascend's set: `have` (None: not found) against the release's `want`.
+    Another major.minor fails; another patch or post release warns."""
+    name = f"{component} for vllm-ascend"
+    fix = _STACK_FIXES[component].format(want=want)
+    others = [
+        s.vllm_ascend
+        for s in ASCEND_STACKS.values()
+        if have is not None and _same_version(_stack_value(s, component), have)
+    ]
+    if others:
+        fix += f", or vllm-ascend {others[-1]} (made for {component} {have})"
+    needs = f"vllm-ascend {vllm_ascend} is released with {component} {want}"
+    if have is None:
+        status = FAIL if component == "vllm" else WARN
+        return Check(name, status, f"{component} version not found; {needs}", fix)
+    got, need = release(have, 4), release(want, 4)
+    if got is None or got[:2] != need[:2]:
+        return Check(name, FAIL, f"{component} {have} installed; {needs}", fix)
+    if got[:3] != need[:3] or (component == "torch-npu" and _post(have) != _post(want)):
+        return Check(name, WARN, f"{component} {have} installed; {needs}", fix)
+    return Check(name, OK, f"{component} {have} ({needs})")
+
+
+def _stack_value(stack: AscendStack, component: str) -> str:
+    return {"vllm": stack.vllm, "torch": stack.torch, "torch-npu": stack.torch_npu}.get(
+        component, stack.cann
+    )
+
+
+def _same_version(a: str, b: str) -> bool:
+    """Equal public versions (``0.26.0+empty`` is ``0.26.0``); plain text where not PEP 440."""
+    try:
+        return Version(a).public == Version(b).public
+    except InvalidVersion:
+        return a.strip().lower() == b.strip().lower()
+
+
+def _post(version: str) -> str:
+    match = re.search(r"\.post(\d+)", version)
+    return match.group(1) if match else ""
+
+
+def ascend_stack_checks(
+    vllm_ascend_version: str, installed: Mapping[str, str | None]
+) -> list[Check]:
+    """vllm-ascend's release set by name: one row per member (vllm, torch, torch-npu, CANN),
+    `installed[member]` (None: not found) against the set of `vllm_ascend_version`
+    (``hal.npu_versions.ASCEND_STACKS``); a mismatch names both versions and the fix. A release
+    not in the table gets a WARN and the vllm-minor rule of ``vllm_ascend_pairing``."""
+    try:
+        stack = known_stack(vllm_ascend_version)
+    except VllmAscendVersionError as err:
+        return [Check("vllm-ascend set", FAIL, str(err).split(": reinstall")[0], INSTALL_HINT)]
+    if stack is None:
+        rows = [
+            Check(
+                "vllm-ascend set",
+                WARN,
+                f"vllm-ascend {vllm_ascend_version} is not in crossrl's table "
+                f"(hal/npu_versions.py: {', '.join(ASCEND_STACKS)}); only vllm's minor is checked",
+                f"install vllm-ascend {PINNED_VLLM_ASCEND}, the tested set ({INSTALL_HINT})",
+            )
+        ]
+        if installed.get("vllm"):
+            rows.append(vllm_ascend_pairing(installed["vllm"], vllm_ascend_version))
+        return rows
+    return [
+        _stack_row(member, installed.get(member), _stack_value(stack, member), stack.vllm_ascend)
+        for member in ("vllm", "torch", "torch-npu", "CANN")
+    ]
+
+
+def vllm_ascend_options_check(vllm_ascend_version: str) -> Check:
+    """How crossrl spells the engine's sleep cleanup for this vllm-ascend, or FAIL when the
+    release has no such option (``hal.npu_versions.ENGINE_OPTION_SPELLINGS``)."""
+    name = "vllm-ascend options"
+    try:
+        spelling = engine_option_spelling(vllm_ascend_version)
+    except VllmAscendVersionError as err:
+        detail, _, _ = str(err).partition(": install")
+        fix = f"install vllm-ascend {PINNED_VLLM_ASCEND} ({INSTALL_HINT})"
+        return Check(name, FAIL, detail, fix)
+    return Check(name, OK, f"{spelling.summary} (vllm-ascend >= {spelling.since})")
 
 
 # ---- imports in a child process ---------------------------------------------------------------
@@ -136,8 +245,11 @@ def probe_imports(modules: list[str], timeout_s: float = IMPORT_TIMEOUT_S) -> di
     return {name: (False, why) for name in modules}
 
 
-def rollout_engine_checks(device: str, rollout_engine: str) -> list[Check]:
-    """vllm importable (and on npu vllm-ascend, their pairing, and its RL settings)."""
+def rollout_engine_checks(
+    device: str, rollout_engine: str, torch_version: str | None = None
+) -> list[Check]:
+    """vllm importable (and on npu vllm-ascend, the set it is released with: vllm, torch,
+    torch-npu, CANN; the engine options crossrl spells for it; and its RL settings)."""
     if rollout_engine != "vllm":
         return [Check("vllm", NOT_PRESENT, f"not needed (rollout.engine={rollout_engine})")]
     modules = ["vllm", "vllm_ascend"] if device == "npu" else ["vllm"]
@@ -157,8 +269,15 @@ def rollout_engine_checks(device: str, rollout_engine: str) -> list[Check]:
             )
         )
     if device == "npu":
-        if all(found[m][0] for m in modules):
-            rows.append(vllm_ascend_pairing(found["vllm"][1], found["vllm_ascend"][1]))
+        if found["vllm_ascend"][0]:
+            installed = {
+                "vllm": found["vllm"][1] if found["vllm"][0] else None,
+                "torch": torch_version,
+                "torch-npu": dist_version("torch_npu"),
+                "CANN": cann_version(os.environ),
+            }
+            rows += ascend_stack_checks(found["vllm_ascend"][1], installed)
+            rows.append(vllm_ascend_options_check(found["vllm_ascend"][1]))
         rows.append(vllm_ascend_nz_check(os.environ))
     return rows
 
@@ -195,11 +314,26 @@ def cann_check(environ: Mapping[str, str]) -> Check:
 
 
 def _cann_version(home: Path) -> str:
+    version = _cann_version_in(home)
+    return f" (version {version})" if version else ""
+
+
+def _cann_version_in(home: Path) -> str | None:
     for info in sorted(home.glob("*/ascend_toolkit_install.info")):
         for line in info.read_text(errors="replace").splitlines():
             if line.startswith("version="):
-                return f" (version {line.split('=', 1)[1].strip()})"
-    return ""
+                return line.split("=", 1)[1].strip()
+    return None
+
+
+def cann_version(environ: Mapping[str, str]) -> str | None:
+    """The CANN toolkit's version (its ``ascend_toolkit_install.info``), found as `cann_check`
+    finds the toolkit; None when there is none or it names no version."""
+    for var in CANN_HOME_ENVS:
+        if environ.get(var):
+            home = Path(environ[var])
+            return _cann_version_in(home) if home.is_dir() else None
+    return _cann_version_in(CANN_DEFAULT_HOME) if CANN_DEFAULT_HOME.is_dir() else None
 
 
 def torch_npu_check(torch_version: str) -> Check:
@@ -307,4 +441,5 @@ def device_checks(device: str, *, rollout_engine: str, torch_version: str) -> li
             why = unavailable_reason(other)
             detail = f"not present: {why}" if why else "present, not used (device=cpu)"
             rows.append(Check(other, NOT_PRESENT, detail))
-    return rows + rollout_engine_checks(device, rollout_engine) + env_checks(device, environ)
+    engine_rows = rollout_engine_checks(device, rollout_engine, torch_version)
+    return rows + engine_rows + env_checks(device, environ)

@@ -20,12 +20,16 @@ from hal.doctor_facts import (
     OK,
     WARN,
     Check,
+    ascend_stack_checks,
     cann_check,
+    cann_version,
     env_checks,
     flash_attn_check,
     probe_imports,
+    rollout_engine_checks,
     torch_npu_pairing,
     vllm_ascend_nz_check,
+    vllm_ascend_options_check,
     vllm_ascend_pairing,
 )
 from trainer.cli import main
@@ -149,6 +153,110 @@ def test_vllm_ascend_pairs_with_its_vllm_minor(vllm_version, vllm_ascend_version
     assert row.status == status, row
     if status == FAIL:
         assert "vllm==0.9.*" in row.fix
+
+
+PINNED_SET = {
+    "vllm": "0.26.0+empty",
+    "torch": "2.10.0+cpu",
+    "torch-npu": "2.10.0.post4",
+    "CANN": "9.1.0",
+}
+"""vllm-ascend 0.26.0rc1's set as installed: vLLM built with VLLM_TARGET_DEVICE=empty."""
+
+
+@pytest.mark.parametrize(
+    ("member", "found", "status", "in_fix"),
+    [
+        (
+            "vllm",
+            "0.25.1",
+            FAIL,
+            "VLLM_TARGET_DEVICE=empty pip install --no-binary vllm 'vllm==0.26.0'",
+        ),
+        ("vllm", "0.23.0", FAIL, "or vllm-ascend 0.23.0 (made for vllm 0.23.0)"),
+        ("vllm", "0.26.1", WARN, "'vllm==0.26.0'"),
+        ("vllm", None, FAIL, "'vllm==0.26.0'"),
+        ("torch", "2.11.0", FAIL, "pip install torch==2.10.0"),
+        (
+            "torch-npu",
+            "2.10.0.post2",
+            WARN,
+            "or vllm-ascend 0.23.0rc1 (made for torch-npu 2.10.0.post2)",
+        ),
+        ("CANN", "9.0.1", FAIL, "install CANN 9.1.0 and NNAL 9.1.0"),
+        ("CANN", None, WARN, "install CANN 9.1.0"),
+    ],
+)
+def test_the_vllm_ascend_set_is_checked_member_by_member(member, found, status, in_fix):
+    rows = _by_name(ascend_stack_checks("0.26.0rc1", {**PINNED_SET, member: found}))
+    assert [r.status for r in rows.values()].count(OK) == 3, rows
+    row = rows[f"{member} for vllm-ascend"]
+    assert row.status == status, row
+    assert in_fix in row.fix
+    if found is not None:  # both versions named
+        assert f"{member} {found} installed" in row.detail
+    want = {"vllm": "0.26.0", "torch": "2.10.0", "torch-npu": "2.10.0.post4", "CANN": "9.1.0"}
+    assert f"vllm-ascend 0.26.0rc1 is released with {member} {want[member]}" in row.detail
+
+
+def test_the_pinned_set_passes_and_an_unknown_release_falls_back_to_the_minor_rule():
+    assert all(r.status == OK for r in ascend_stack_checks("0.26.0rc1", PINNED_SET))
+    rows = ascend_stack_checks("0.24.0rc1", {"vllm": "0.26.0"})
+    assert rows[0].status == WARN and "not in crossrl's table" in rows[0].detail
+    assert "vllm-ascend 0.26.0rc1" in rows[0].fix
+    assert rows[1].name == "vllm-ascend pair" and rows[1].status == FAIL
+
+
+@pytest.mark.parametrize(
+    ("version", "status", "spelled"),
+    [
+        ("0.26.0rc1", OK, "enable_sleep_mode_extra_cleanup"),
+        ("0.27.1rc1", OK, "rl_config"),
+        ("0.22.1rc1", FAIL, "no sleep extra-cleanup option"),
+    ],
+)
+def test_doctor_names_the_engine_options_spelling(version, status, spelled):
+    row = vllm_ascend_options_check(version)
+    assert row.status == status and spelled in row.detail, row
+    if status == FAIL:
+        assert "vllm-ascend 0.26.0rc1" in row.fix and "VLLM_TARGET_DEVICE=empty" in row.fix
+
+
+def test_npu_vllm_rows_check_the_installed_set(monkeypatch, tmp_path):
+    """The rows ``crossrl doctor`` prints for an npu job with rollout.engine=vllm: the versions
+    come from the import probe, package metadata and CANN's install info (faked here)."""
+    (tmp_path / "aarch64-linux").mkdir()
+    (tmp_path / "aarch64-linux" / "ascend_toolkit_install.info").write_text("version=9.1.0\n")
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path))
+    monkeypatch.setattr(
+        doctor_facts,
+        "probe_imports",
+        lambda modules: {"vllm": (True, "0.25.1"), "vllm_ascend": (True, "0.26.0rc1")},
+    )
+    monkeypatch.setattr(
+        doctor_facts, "dist_version", lambda name: "2.10.0.post4" if name == "torch_npu" else None
+    )
+    rows = _by_name(rollout_engine_checks("npu", "vllm", torch_version="2.10.0"))
+    vllm = rows["vllm for vllm-ascend"]
+    assert vllm.status == FAIL
+    assert (
+        "vllm 0.25.1 installed; vllm-ascend 0.26.0rc1 is released with vllm 0.26.0" in vllm.detail
+    )
+    assert rows["torch for vllm-ascend"].status == OK
+    assert rows["torch-npu for vllm-ascend"].status == OK
+    assert (
+        rows["CANN for vllm-ascend"].status == OK and "9.1.0" in rows["CANN for vllm-ascend"].detail
+    )
+    assert rows["vllm-ascend options"].status == OK
+
+
+def test_cann_version_read_from_its_install_info(monkeypatch, tmp_path):
+    monkeypatch.setattr(doctor_facts, "CANN_DEFAULT_HOME", tmp_path / "absent")
+    (tmp_path / "x86_64-linux").mkdir()
+    (tmp_path / "x86_64-linux" / "ascend_toolkit_install.info").write_text("version=9.1.0\n")
+    assert cann_version({"ASCEND_TOOLKIT_HOME": str(tmp_path)}) == "9.1.0"
+    assert cann_version({"ASCEND_TOOLKIT_HOME": str(tmp_path / "gone")}) is None
+    assert cann_version({}) is None
 
 
 def test_probe_imports_reports_versions_and_errors_from_a_child_process():
