@@ -224,6 +224,38 @@ def test_a_deferring_engine_gets_the_right_weights_from_two_slots(worker, monkey
         assert torch.equal(got, tensor), name
 
 
+def test_a_vllm_worker_closes_a_push_buffer_and_keeps_one_whose_name_is_gone(monkeypatch):
+    """After an update the worker drops its mapping of a buffer that still has its name (a
+    streamed push's slot), and keeps one whose name is gone: the CPU ranks' host buffer,
+    unlinked after its first push and refilled in place, can never be mapped again."""
+    from hal import shm
+    from rollout.engines.buckets import pack_tensor, plan_buckets
+
+    _fake_vllm(monkeypatch)
+    shapes = {"w.weight": (4, 3)}
+    model = FakeVllmModel(shapes)
+    engine, _ = _vllm_engine(model)
+    (specs,), nbytes = plan_buckets(shapes.items(), torch.float32, 1 << 20)
+    # The writer is another process: its mapping is not this process's.
+    path = os.path.join(shm.shm_dir(), f"crossrl-weights-test-{os.getpid()}")
+    buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    handle = ("file", path, nbytes)
+    try:
+        for update in range(3):
+            value = torch.full((4, 3), float(update + 1))
+            pack_tensor(buf, specs[0], value)
+            engine.load_shared_bucket(hal.open_shared_buffer, [handle], specs)
+            if update == 1:
+                os.unlink(path)  # the host-buffer push drops the name after its first push
+            engine.finish_weight_update()
+            assert torch.equal(model.params["w.weight"], value), update
+            assert (path in shm._MAPPED) == (update >= 1), update
+    finally:
+        shm.close_shm_file(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 # ------------------------------------------------------------------ (b) a side that fails
 
 

@@ -124,9 +124,19 @@ class VLLMWorkerExtension:
             fn = getattr(self.model_runner, reset, None)
             if fn is not None:
                 fn()
-        # The update's buckets are all loaded: this worker's mappings of them can go.
+        self._crossrl_close_buckets()
+
+    def _crossrl_close_buckets(self) -> None:
+        """The update's buckets are all loaded: drop this worker's mappings of those whose
+        file still has its name (a streamed push's slots, which their ranks unlink after the
+        push and never refill). A file whose name is already gone cannot be mapped again, so
+        its mapping stays: the CPU ranks' one host buffer, unlinked after its first push and
+        refilled in place every step (``WeightPush._push_weights_host_buffer``)."""
+        import os
+
         from hal.base import close_shared_buffer
 
         for handle in getattr(self, "_crossrl_opened", ()):
-            close_shared_buffer(handle)
+            if handle[0] != "file" or os.path.exists(handle[1]):
+                close_shared_buffer(handle)
         self._crossrl_opened = []
