@@ -89,8 +89,16 @@ def summarise_metrics(records: list[dict]) -> dict:
     return summarise_runs([records])
 
 
-def run_job(overrides: list[str], workdir: Path, timeout_s: float = TIMEOUT_S) -> dict:
-    """Run ``crossrl train <overrides>`` in a fresh run directory under ``workdir``.
+def run_job(
+    overrides: list[str],
+    workdir: Path,
+    timeout_s: float = TIMEOUT_S,
+    *,
+    source: str | None = None,
+) -> dict:
+    """Run ``crossrl train <overrides>`` in a fresh run directory under ``workdir``;
+    ``source``: another checkout whose crossrl runs instead of this one (put first on
+    ``PYTHONPATH``), to time a change against the code before it in one run.
 
     Returns ``records`` (its metrics.jsonl, one dict per step), ``wall_s`` (the whole process:
     start-up, Ray, steps, shutdown) and ``command``. Raises RuntimeError with the log's tail
@@ -101,6 +109,8 @@ def run_job(overrides: list[str], workdir: Path, timeout_s: float = TIMEOUT_S) -
     cmd = [sys.executable, "-m", "trainer.cli", *args]
     log_path = workdir / "train.log"
     env = dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         try:

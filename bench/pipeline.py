@@ -14,6 +14,12 @@ devices, and the default job's reward curve at both lags.
    to 4 (1 and 2 with --quick): ``reward/mean`` averaged over the last 5 steps, so the lag's
    effect can be read against the seed-to-seed spread; with ``--keep`` the run directories
    stay for ``crossrl plot``.
+3. ``validation`` (``--validation``, alone): what a validation costs a lagged run. A
+   single-turn job (``bench.peer``'s prompt file and reward, 16 prompts x n 8, 16 new tokens)
+   at lag 1 for 6 steps, with ``run.val_every=2`` (three validations of 16 prompts x 4)
+   and without, alternating; the figure is the extra wall seconds per validation.
+   ``--before DIR`` runs the same jobs, alternating, from another checkout too (e.g. a
+   ``git worktree`` of the commit before a change), so the two are measured side by side.
 Nothing here asserts a time.
 """
 
@@ -102,6 +108,62 @@ def _reward(quick: bool, workdir: Path, keep: Path | None) -> dict:
     return out
 
 
+#: ``validation``: the job, and the validation keys it runs with and without.
+VAL_STEPS = 6
+VAL_EVERY = 2
+
+
+def _validation_keys(workdir: Path) -> tuple[list[str], list[str]]:
+    from bench.peer_task import write_prompts
+
+    train = write_prompts(workdir / "train.jsonl", seed=1)
+    val = write_prompts(workdir / "val.jsonl", seed=2, rows=16)
+    job = [
+        *LAGGED,
+        "train.rollout_lag=1",
+        f"data.source={train}",
+        "rollout.env=single_turn",
+        "reward.function=bench.peer:recall_reward",
+        "rollout.max_turns=1",
+        "rollout.max_new_tokens=16",
+        "train.batch_size=16",
+        "train.mini_batch_size=8",
+        "rollout.n=8",
+        f"train.total_steps={VAL_STEPS}",
+        "run.save_every=0",
+    ]
+    val_keys = [f"data.val_source={val}", f"run.val_every={VAL_EVERY}", "rollout.val_n=4"]
+    return job, val_keys
+
+
+def validation_cost(workdir: Path, before: str | None = None, rounds: int = 2) -> dict:
+    """Part 3 (module docstring): per code (``after``: this checkout; ``before``: the
+    checkout at ``before``, when given), the median wall seconds of the job with and without
+    validation over ``rounds`` alternating rounds, and the extra seconds per validation."""
+    from bench.e2e import run_job
+
+    job, val_keys = _validation_keys(workdir)
+    sources = {"after": None, **({"before": before} if before else {})}
+    walls: dict[str, dict[str, list[float]]] = {code: {"plain": [], "val": []} for code in sources}
+    for i in range(rounds):
+        for code, source in sources.items():
+            for kind in ("plain", "val") if i % 2 == 0 else ("val", "plain"):
+                keys = [*job, *(val_keys if kind == "val" else [])]
+                where = workdir / f"{code}_{kind}_{i}"
+                where.mkdir(parents=True)
+                walls[code][kind].append(run_job(keys, where, source=source)["wall_s"])
+    validations = VAL_STEPS // VAL_EVERY
+    out: dict = {"rounds": rounds, "validations": validations, "steps": VAL_STEPS}
+    for code, w in walls.items():
+        plain, val = statistics.median(w["plain"]), statistics.median(w["val"])
+        out[code] = {
+            "plain_s": plain,
+            "val_s": val,
+            "per_validation_s": (val - plain) / validations,
+        }
+    return out
+
+
 def run(quick: bool = False, keep: str | None = None) -> dict:
     """Both measurements (module docstring); ``keep``: a folder that keeps the reward runs'
     directories (for ``crossrl plot``), else they go with a temporary folder."""
@@ -148,8 +210,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--keep", help="keep the reward runs' directories here")
+    parser.add_argument(
+        "--validation", action="store_true", help="only part 3: a validation's cost at lag 1"
+    )
+    parser.add_argument("--before", help="part 3 also from this checkout (the code before)")
     args = parser.parse_args()
+    if args.validation:
+        with tempfile.TemporaryDirectory(prefix="crossrl-bench-val-") as tmp:
+            print(format_validation(validation_cost(Path(tmp), args.before)))
+        return
     print(format_table(run(quick=args.quick, keep=args.keep)))
+
+
+def format_validation(res: dict) -> str:
+    """Part 3 as a text table."""
+    lines = [
+        f"lag-1 single-turn job, {res['steps']} steps, {res['validations']} validations, "
+        f"median of {res['rounds']} alternating runs each (wall seconds, whole process):",
+        f"{'code':8} {'no val':>8} {'val':>8} {'per validation':>15}",
+    ]
+    for code in ("before", "after"):
+        if code in res:
+            r = res[code]
+            lines.append(
+                f"{code:8} {r['plain_s']:8.2f} {r['val_s']:8.2f} {r['per_validation_s']:15.2f}"
+            )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -228,3 +228,50 @@ def test_a_lag_2_run_resumed_with_more_steps_equals_an_uninterrupted_one(data, t
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 5, 6]
     assert [m["step"] for m in metrics if "val/reward_mean" in m] == [0, 2, 4, 6]
     assert all(m["timing/val_s"] > 0 for m in metrics if "val/reward_mean" in m)
+
+
+def _first_prompts(run_dir) -> dict[int, list[list[int]]]:
+    """Per recorded step, the prompt tokens of every trajectory's first turn, in row order."""
+    from rollout.replay import load_rollout, recorded_steps
+
+    out = {}
+    for step in recorded_steps(run_dir / "rollouts"):
+        arrays = load_rollout(run_dir / "rollouts" / f"step_{step}.npz")
+        ids, cu = arrays["token/input_ids"], arrays["cu_seqlens"]
+        first = arrays["row/step_index"] == 0
+        lens = arrays["row/prompt_len"]
+        out[step] = [ids[cu[i] : cu[i] + lens[i]].tolist() for i in range(len(lens)) if first[i]]
+    return out
+
+
+@pytest.mark.slow
+def test_the_agent_configs_determinism_settings_keep_the_documented_promise(data, tmp_path):
+    # configs/base/agent-grpo.yaml runs with run.deterministic=false: docs/cluster.md
+    # ("What makes two runs identical") promises the schedule, not the samples: every step
+    # is sampled by the weights its number names and takes the same prompts, whatever the
+    # engine's timing; the tokens sampled (and so the fingerprints) may differ.
+    keys = [
+        "train.rollout_lag=1",
+        "rollout.engine_devices=1",
+        "algorithm.rollout_correction=token",
+        "train.batch_size=4",
+        "train.mini_batch_size=2",
+        "train.total_steps=3",
+        "run.deterministic=false",
+        "run.record_rollouts=true",
+        "run.resume=never",
+        "rollout.env=rollout.envs.sleepy:SleepyEnv",
+        "rollout.env_kwargs={turns: 2, max_delay_s: 0.05}",
+        "rollout.max_turns=2",
+    ]
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run_dir in runs:
+        assert run_training(load_config(None, [*keys, f"run.dir={run_dir}"])) == 0
+    versions = [
+        [m["pipeline/policy_version"] for m in read_jsonl(r / "metrics.jsonl")] for r in runs
+    ]
+    assert versions[0] == versions[1] == [0.0, 0.0, 1.0]
+    prompts = [_first_prompts(r) for r in runs]
+    assert sorted(prompts[0]) == [1, 2, 3, 4]  # and step 4, sampled past the end
+    assert prompts[0] == prompts[1]
+    assert all(len(p) == 4 * 8 for p in prompts[0].values())  # batch_size x rollout.n
