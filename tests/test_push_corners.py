@@ -224,6 +224,18 @@ def test_a_deferring_engine_gets_the_right_weights_from_two_slots(worker, monkey
         assert torch.equal(got, tensor), name
 
 
+def test_the_hf_engine_gets_the_right_weights_from_two_slots(worker):
+    """The HF engine copies each tensor as it loads it, so it needs no copy of its own."""
+    from rollout.engines import make_engine
+    from rollout.tokenizer import load_tokenizer
+
+    engine = make_engine("hf", "builtin:tiny", load_tokenizer("builtin"), seed=1)
+    assert worker.push_weights_streamed(_host(worker, engine), SMALL_BUCKET_BYTES) > 2
+    want = _expected(worker)
+    for name, tensor in engine.model.state_dict().items():
+        assert torch.equal(tensor, want[name].to(tensor.dtype)), name
+
+
 def test_a_vllm_worker_closes_a_push_buffer_and_keeps_one_whose_name_is_gone(monkeypatch):
     """After an update the worker drops its mapping of a buffer that still has its name (a
     streamed push's slot), and keeps one whose name is gone: the CPU ranks' host buffer,

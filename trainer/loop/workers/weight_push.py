@@ -9,9 +9,11 @@ Every rank takes part (gathering a shard is a collective). Three ways, chosen pe
 - otherwise (accelerators): a streamed push (``rollout.engines.stream``). Each rank packs
   gathered tensors, in the engine's dtype, into staging buffers on its own device, shared
   with the engine by IPC handle; the tp group's first rank makes ONE engine call for all
-  buckets, and a doorbell in host shared memory orders the two sides. The bucket is the
-  whole model when the device has room for it once the ranks have offloaded (usually), else
-  two slots sized from the free memory. The staging buffers live for the push only.
+  buckets, and a doorbell (counters in a host file, under a lock) orders the two sides; a
+  side that fails aborts the other at once (tp rank 0 also watches the engine's reply). The
+  bucket is the whole model when the device has room for it once the ranks have offloaded
+  (usually), else two slots sized from the free memory. The staging buffers, and every
+  process's mappings of them, live for the push only.
 """
 
 from __future__ import annotations
