@@ -298,6 +298,36 @@ def test_an_engine_error_fails_the_push_at_once_with_its_message(worker, monkeyp
         worker.push_weights_streamed(_host(worker, FailingEngine()), SMALL_BUCKET_BYTES)
 
 
+def test_a_ray_reply_is_watched_without_waiting():
+    """tp rank 0's check on a Ray reply (``ray.wait`` with a zero timeout): nothing when the
+    call ended well, the call's own error once it failed."""
+    import ray
+
+    from trainer.loop.workers.group import start_ray
+    from trainer.loop.workers.weight_push import _raise_if_ended
+
+    started = start_ray(None, num_cpus=1)
+    try:
+
+        @ray.remote(num_cpus=0)
+        def engine_call(fail: bool) -> int:
+            if fail:
+                raise RuntimeError("engine fell over mid-stream")
+            return 3
+
+        ok = engine_call.remote(False)
+        ray.get(ok)
+        _raise_if_ended(ok)  # ended well: nothing to raise
+        failed = engine_call.remote(True)
+        with pytest.raises(Exception, match="engine fell over mid-stream"):
+            for _ in range(60_000):  # until the call has ended (about 60 s at most)
+                _raise_if_ended(failed)
+                threading.Event().wait(1e-3)
+    finally:
+        if started:
+            ray.shutdown()
+
+
 def test_a_ranks_failure_stops_the_engine_and_the_engine_stops_the_ranks():
     bell, handle = Doorbell.create(2)
     cpu = hal.get_backend("cpu")

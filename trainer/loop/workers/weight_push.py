@@ -49,7 +49,7 @@ def _raise_if_ended(reply) -> None:
     else:
         import ray
 
-        ended = bool(ray.wait([reply], timeout=0)[0])
+        ended = bool(ray.wait([reply], timeout=0, fetch_local=False)[0])
     if ended:
         fetch(reply)  # raises the engine's own error (returns when it ended well)
 
