@@ -24,7 +24,6 @@ from rollout.engines.buckets import TensorSpec
 #: How long a side waits for the other before it gives up, in seconds.
 STREAM_TIMEOUT_S = 600.0
 
-
 #: Who stopped a push (the doorbell's ``abort`` counter): the engine, or a training rank.
 ENGINE, RANK = 1, 2
 _WHO = {ENGINE: "the engine", RANK: "a training rank"}
