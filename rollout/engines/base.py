@@ -100,7 +100,9 @@ class Engine(ABC):
         buckets``): ``handles[k]`` is tp rank k's copy, ``open_bucket(handle)`` maps one as a
         flat uint8 tensor on this process's device. An engine in one process reads tp rank 0's;
         engines with a worker per device (vLLM tp > 1) let each worker read its own.
-        Returns once the bucket's memory has been read (device copies finished included)."""
+        Returns once the bucket's memory has been read (device copies finished included);
+        nothing of it may be kept past the call: the writer refills the slot with a later
+        bucket (an engine that holds tensors until a layer is complete must copy them)."""
         from rollout.engines.buckets import unpack_bucket
 
         self.update_weights(unpack_bucket(open_bucket(handles[0]), specs))
