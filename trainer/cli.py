@@ -53,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
         "machine's device when it has the config's type, else hal.DEFAULT_DEVICE_MEMORY_BYTES)",
     )
     layout.add_argument(
+        "--measure",
+        nargs="?",
+        const=0,
+        type=int,
+        default=None,
+        metavar="LAYERS",
+        help="also run one step of the config under torch's FSDPMemTracker with fake tensors "
+        "(no device, no memory) and print it beside the budget's update phase; LAYERS cuts "
+        "the model to that many decoder layers (default: all, minutes at 7B)",
+    )
+    layout.add_argument(
         "overrides", nargs="*", help="key.path=value overrides, e.g. train.dp_size=4"
     )
     layout.set_defaults(func=entry.layout)

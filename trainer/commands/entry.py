@@ -41,6 +41,22 @@ def layout(args: argparse.Namespace) -> int:
     print(format_layout(layout))
     print(prompt_sharing_rule(cfg, layout.device))
     print(format_budget(budget, cfg))
+    if args.measure is not None:
+        from trainer.loop.memory_tracker import format_comparison, track_step
+
+        if args.measure < 0:
+            print(
+                f"crossrl layout: --measure={args.measure}: must be >= 1 layers, or 0 / "
+                "nothing for all of them",
+                file=sys.stderr,
+            )
+            return EXIT_BAD_INPUT
+        try:
+            step = track_step(cfg, layers=args.measure or None)
+        except ValueError as err:
+            print(f"crossrl layout --measure: {err}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(format_comparison(cfg, step))
     return 0
 
 

@@ -144,13 +144,14 @@ def micro_batch_tokens(cfg: Config) -> int:
 def recompute_bytes(shape: ModelShape, tokens: int, param_bytes: int) -> float:
     """Bytes one activation-checkpointed decoder layer holds at the peak of its backward, for a
     micro-batch of ``tokens`` tokens computed in ``param_bytes``-byte floats: six ``[T, i]`` MLP
-    tensors (gate, up, their activation and product, and their gradients), nine ``[T, h]``
-    (the layer's input and output, q/o projections, attention output, residuals and their
-    gradients) and the RMSNorms' two float32 ``[T, h]`` copies. At bf16 that is
-    ``T x (12 i + 26 h)`` bytes, within a few percent of FSDPMemTracker's count of the same
-    backward at Qwen2.5's 0.5B and 7B shapes (``tests/test_memory_tracker.py``)."""
+    tensors (gate, up, their activation and product, and gradients), seven ``[T, h]`` (the
+    layer's input, attention projections and output, residuals and gradients) and the
+    RMSNorms' two float32 ``[T, h]`` copies. At bf16 that is ``T x (12 i + 22 h)`` bytes,
+    within a few percent of FSDPMemTracker's count of the same backward at Qwen2.5's shapes
+    (``tests/test_memory_tracker.py``); the budget before issue 32 counted
+    ``T x (4 h + 3 i) x 2``, half of it."""
     h, i = shape.hidden_size, shape.intermediate_size
-    return float(tokens * ((6 * i + 9 * h) * param_bytes + 2 * h * 4))
+    return float(tokens * ((6 * i + 7 * h) * param_bytes + 2 * h * 4))
 
 
 def _zero() -> dict[str, float]:
@@ -230,9 +231,9 @@ def estimate_memory(
         kept = tokens * h * pb
         if train.activation_checkpointing:
             # Each layer keeps its input; the one being recomputed holds, in its backward,
-            # what FSDPMemTracker sees there (tests/test_memory_tracker.py): six [T, i] MLP
-            # tensors and nine [T, h] at param_dtype, and two fp32 [T, h] norm copies.
-            activ = (layers + 1) * kept + recompute_bytes(role_shape, tokens, pb)
+            # what FSDPMemTracker sees there (tests/test_memory_tracker.py).
+            recompute = recompute_bytes(role_shape, tokens, pb)
+            activ = (layers + 1) * kept + recompute
         else:
             layer_full = tokens * (4 * h + 3 * role_shape.intermediate_size) * pb
             activ = layers * layer_full + kept
@@ -242,6 +243,11 @@ def estimate_memory(
             if train.lean_logprobs:
                 chunk = min(tokens, max(1, LEAN_CHUNK_BYTES // (4 * vocab)))
                 logits = CHUNK_COPIES * chunk * vocab * 4
+                if train.activation_checkpointing:
+                    # The head's chunk and a layer's recompute are never alive at once (the
+                    # head's backward ends before the last layer's begins): only the part of
+                    # the chunk beyond the recompute raises the peak.
+                    logits = max(0.0, logits - recompute)
             else:  # the full logits stay for backward, chunks of them in fp32 on top
                 chunk = min(tokens, PLAIN_CHUNK_TOKENS)
                 logits = tokens * vocab * pb + CHUNK_COPIES * chunk * vocab * 4
