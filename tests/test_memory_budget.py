@@ -136,7 +136,7 @@ def test_checkpointing_and_a_smaller_micro_batch_lower_the_activations():
     on = _budget("gpu/qwen2.5-7b-grpo.yaml")[1]
     half = _budget("gpu/qwen2.5-7b-grpo.yaml", "train.max_tokens_per_micro_batch=8192")[1]
     activ = [b.phase("update").parts["activ"] for b in (off, on, half)]
-    assert activ[0] > 10 * activ[1] and activ[2] == pytest.approx(activ[1] / 2)
+    assert activ[0] > 5 * activ[1] and activ[2] == pytest.approx(activ[1] / 2)
 
 
 def test_optimizer_offload_takes_the_optimizer_state_out_of_rollout_and_push():
