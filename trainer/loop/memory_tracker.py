@@ -19,7 +19,7 @@ What cannot run under fake mode, and is replaced here (nothing else is):
 
 - loading weights (``FSDPWorker._load_initial_weights`` reads safetensors and broadcasts real
   data): the sharded model is only materialised (``to_empty``) with fake storage;
-- the device's attention kernel: flash-attn is a CUDA extension that fake tensors cannot
+- the device's attention kernel: flash-attn is a compiled GPU extension that fake tensors cannot
   enter, and the CPU reference kernel materialises ``[heads, s, s]`` scores the device never
   holds. ``_FlashMemory`` holds what flash-attn 2's varlen kernel holds: q, k, v, the output
   and the float32 log-sum-exp for backward; dq, key/value gradients expanded to all heads and
@@ -381,7 +381,12 @@ def measured_update(cfg: Config, step: TrackedStep) -> tuple[MemoryBudget, float
     the tracker's update; returns ``(budget, estimate bytes, tracker bytes)``."""
     from hal import DEFAULT_DEVICE_MEMORY_BYTES
 
-    device = cfg.device if cfg.device in DEFAULT_DEVICE_MEMORY_BYTES else "cuda"
+    # A config for the CPU (or auto) is measured as on the first default accelerator.
+    device = (
+        cfg.device
+        if cfg.device in DEFAULT_DEVICE_MEMORY_BYTES
+        else next(iter(DEFAULT_DEVICE_MEMORY_BYTES))
+    )
     budget = estimate_memory(cfg, step.shape, DEFAULT_DEVICE_MEMORY_BYTES[device], device=device)
     update = budget.phase("update")
     return budget, update.total - update.parts["ctx"], step.update
