@@ -15,9 +15,12 @@ devices, and the default job's reward curve at both lags.
    effect can be read against the seed-to-seed spread; with ``--keep`` the run directories
    stay for ``crossrl plot``.
 3. ``validation`` (``--validation``, alone): what a validation costs a lagged run. A
-   single-turn job (``bench.peer``'s prompt file and reward, 16 prompts x n 8, 16 new tokens)
-   at lag 1 for 6 steps, with ``run.val_every=2`` (three validations of 16 prompts x 4)
-   and without, alternating; the figure is the extra wall seconds per validation.
+   single-turn job (``bench.peer``'s prompt file, its reward after a seeded 0-0.5 s wait
+   (``slow_recall_reward``: a slow judge), 16 prompts x n 8, 32 new tokens, 5 epochs of 8
+   optimizer steps per step, so the ranks train longer than the engine samples) at lag 1
+   for 8 steps, with ``run.val_every=2`` (four
+   validations of 32 prompts x 4) and without, 3 alternating rounds; the figure is the extra wall seconds per validation (each run's
+   wall time less its start-up, ``timing/startup_s``).
    ``--before DIR`` runs the same jobs, alternating, from another checkout too (e.g. a
    ``git worktree`` of the commit before a change), so the two are measured side by side.
 Nothing here asserts a time.
@@ -25,8 +28,11 @@ Nothing here asserts a time.
 
 from __future__ import annotations
 
+import random
 import statistics
 import tempfile
+import time
+import zlib
 from pathlib import Path
 
 __all__ = ["LAGGED", "SLOW_TOOL", "format_table", "run"]
@@ -108,8 +114,21 @@ def _reward(quick: bool, workdir: Path, keep: Path | None) -> dict:
     return out
 
 
+def slow_recall_reward(data_source: str, solution_str: str, ground_truth, extra_info=None) -> float:
+    """``bench.peer:recall_reward`` after a wait of 0 to ``SLOW_REWARD_MAX_S`` seconds, seeded
+    by the reply (a judge or a sandbox as slow as ``bench rollout``'s tools), so a rollout and
+    a validation take long enough for the schedule around them to show."""
+    from bench.peer_task import recall_reward
+
+    time.sleep(random.Random(zlib.crc32(solution_str.encode())).uniform(0.0, SLOW_REWARD_MAX_S))
+    return recall_reward(data_source, solution_str, ground_truth, extra_info)
+
+
+#: The longest wait of ``slow_recall_reward``, in seconds.
+SLOW_REWARD_MAX_S = 0.5
+
 #: ``validation``: the job, and the validation keys it runs with and without.
-VAL_STEPS = 6
+VAL_STEPS = 8
 VAL_EVERY = 2
 
 
@@ -117,17 +136,18 @@ def _validation_keys(workdir: Path) -> tuple[list[str], list[str]]:
     from bench.peer_task import write_prompts
 
     train = write_prompts(workdir / "train.jsonl", seed=1)
-    val = write_prompts(workdir / "val.jsonl", seed=2, rows=16)
+    val = write_prompts(workdir / "val.jsonl", seed=2, rows=32)
     job = [
         *LAGGED,
         "train.rollout_lag=1",
         f"data.source={train}",
         "rollout.env=single_turn",
-        "reward.function=bench.peer:recall_reward",
+        "reward.function=bench.pipeline:slow_recall_reward",
         "rollout.max_turns=1",
-        "rollout.max_new_tokens=16",
+        "rollout.max_new_tokens=32",
         "train.batch_size=16",
-        "train.mini_batch_size=8",
+        "train.mini_batch_size=2",
+        "train.ppo_epochs=5",
         "rollout.n=8",
         f"train.total_steps={VAL_STEPS}",
         "run.save_every=0",
@@ -136,10 +156,11 @@ def _validation_keys(workdir: Path) -> tuple[list[str], list[str]]:
     return job, val_keys
 
 
-def validation_cost(workdir: Path, before: str | None = None, rounds: int = 2) -> dict:
+def validation_cost(workdir: Path, before: str | None = None, rounds: int = 3) -> dict:
     """Part 3 (module docstring): per code (``after``: this checkout; ``before``: the
-    checkout at ``before``, when given), the median wall seconds of the job with and without
-    validation over ``rounds`` alternating rounds, and the extra seconds per validation."""
+    checkout at ``before``, when given), the median wall seconds after start-up of the job
+    with and without validation over ``rounds`` alternating rounds, and the extra seconds
+    per validation."""
     from bench.e2e import run_job
 
     job, val_keys = _validation_keys(workdir)
@@ -151,7 +172,10 @@ def validation_cost(workdir: Path, before: str | None = None, rounds: int = 2) -
                 keys = [*job, *(val_keys if kind == "val" else [])]
                 where = workdir / f"{code}_{kind}_{i}"
                 where.mkdir(parents=True)
-                walls[code][kind].append(run_job(keys, where, source=source)["wall_s"])
+                job_run = run_job(keys, where, source=source)
+                # The process's wall time less its start-up (most of it, and the noisiest).
+                startup = job_run["records"][0].get("timing/startup_s", 0.0)
+                walls[code][kind].append(job_run["wall_s"] - startup)
     validations = VAL_STEPS // VAL_EVERY
     out: dict = {"rounds": rounds, "validations": validations, "steps": VAL_STEPS}
     for code, w in walls.items():
@@ -226,7 +250,7 @@ def format_validation(res: dict) -> str:
     """Part 3 as a text table."""
     lines = [
         f"lag-1 single-turn job, {res['steps']} steps, {res['validations']} validations, "
-        f"median of {res['rounds']} alternating runs each (wall seconds, whole process):",
+        f"median of {res['rounds']} alternating runs each (wall seconds after start-up):",
         f"{'code':8} {'no val':>8} {'val':>8} {'per validation':>15}",
     ]
     for code in ("before", "after"):
