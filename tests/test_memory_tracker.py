@@ -93,3 +93,14 @@ def test_crossrl_layout_measure_prints_the_comparison(capsys):
     assert "Unsharded Param" in table and "reference" in table
     ratio = float(table.rsplit("estimate / tracker", 1)[1])
     assert 0.97 <= ratio <= 1.10
+
+
+def test_a_measured_step_leaves_the_process_as_it_found_it(gpu_7b):
+    # The backend is one instance per process: a worker started after the measurement must
+    # create its process group again (the suite's in-process runs follow this module).
+    import torch.distributed as dist
+
+    import hal
+
+    assert "init_process_group" not in vars(hal.get_backend("cpu"))
+    assert not dist.is_initialized()

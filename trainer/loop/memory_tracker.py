@@ -293,10 +293,13 @@ def _fake_world(dp_size: int):
         reset_non_persistent_buffers(model, self.device)
 
     kernel = hal.attention._KERNELS["cpu"]
+    # The backend is one instance per process (``hal.get_backend``): the workers join the
+    # fake group instead of creating one, and every later worker gets the real method back.
     saved = [
         (device_mesh, "init_device_mesh", mesh),
         (fsdp_worker.FSDPWorker, "_load_initial_weights", materialise),
         (kernel, "varlen_attention", _fake_attention),
+        (hal.get_backend("cpu"), "init_process_group", _joined_fake_group),
     ]
     before = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in saved]
     try:
@@ -312,12 +315,16 @@ def _fake_world(dp_size: int):
         dist.destroy_process_group()
 
 
+def _joined_fake_group(*_args, **_kwargs) -> bool:
+    """``DeviceBackend.init_process_group`` inside ``_fake_world``: the fake group is there
+    already (False: this call created none)."""
+    return False
+
+
 def _worker(cls, role: str, cfg: Config):
     from trainer.loop.workers.spec import WorkerSpec
 
-    worker = cls(WorkerSpec(role=role, rank=0, cfg=cfg))
-    worker.backend.init_process_group = lambda *args, **kwargs: False  # the fake group
-    return worker
+    return cls(WorkerSpec(role=role, rank=0, cfg=cfg))
 
 
 def track_step(cfg: Config, layers: int | None = None) -> TrackedStep:
