@@ -12,14 +12,17 @@ Sources, read from the releases themselves (not from vllm-ascend's main branch):
 - 0.26.0rc1: the wheel (``pip download vllm-ascend==0.26.0rc1 --no-deps``):
   ``vllm_ascend/ascend_config.py`` reads ``enable_sleep_mode_extra_cleanup`` and
   ``weight_nz_mode`` at the top of ``additional_config``, ``worker/worker.py`` runs the extra
-  cleanup in ``sleep``/``wake_up`` from it; no ``rl_config`` anywhere. Its ``Requires-Dist``
+  cleanup in ``sleep``/``wake_up`` from it; no ``rl_config`` anywhere. It also reads
+  ``enable_cpu_binding`` there (default true; ``worker/worker.py`` calls ``bind_cpus`` after
+  warm-up when it is set, ``cpu_binding.py`` stops irqbalance). Its ``Requires-Dist``
   pins torch 2.10.0 and torch-npu 2.10.0.post4; its release branch ``releases/v0.26.0rc`` builds
   on vLLM v0.26.0 (``Dockerfile`` ``VLLM_TAG``, ``.github/vllm-release-tag.commit``) and lists
   CANN 9.1.0 (``docs/source/installation.md``).
 - 0.23.0rc1: the tag's ``ascend_config.py`` is the first with the top-level key.
 - 0.27.1rc1: the sdist's ``ascend_config.py`` has ``RlConfig`` (``rl_config.enabled`` also sets
-  ``weight_nz_mode`` to 0) and no top-level key; its ``versioning_policy.md`` matrix gives the
-  0.27.1rc1, 0.23.0 and 0.23.0rc1 rows of ``ASCEND_STACKS``.
+  ``weight_nz_mode`` to 0) and no top-level key; ``enable_cpu_binding`` stays a top-level
+  field (default true, ``worker/worker.py`` binds from it); its ``versioning_policy.md``
+  matrix gives the 0.27.1rc1, 0.23.0 and 0.23.0rc1 rows of ``ASCEND_STACKS``.
 
 Versions are parsed with ``packaging`` (always installed: transformers requires it).
 """
@@ -50,7 +53,11 @@ class VllmAscendVersionError(RuntimeError):
 class EngineOptionSpelling:
     """How vllm-ascend releases from ``since`` on spell the options crossrl needs: extra sleep
     cleanup (free HCCL process-group buffers and the ACL graph workspace while the colocated
-    trainer runs) and ND weights (no FRACTAL_NZ layout, which a weight reload cannot rebuild)."""
+    trainer runs), ND weights (no FRACTAL_NZ layout, which a weight reload cannot rebuild) and
+    no CPU binding: by default (``enable_cpu_binding``, true) each engine worker binds itself
+    to its NPU's slice of the host's cores on ARM hosts and, as root, stops irqbalance; at
+    tp 1 that worker is crossrl's rollout host, whose agent loop, environments and reward
+    workers would share that slice."""
 
     since: str
     """The first vllm-ascend release that reads this spelling."""
@@ -63,13 +70,26 @@ class EngineOptionSpelling:
 ENGINE_OPTION_SPELLINGS: tuple[EngineOptionSpelling, ...] = (
     EngineOptionSpelling(
         since="0.23.0rc1",
-        additional_config={"enable_sleep_mode_extra_cleanup": True, "weight_nz_mode": 0},
-        summary="additional_config.enable_sleep_mode_extra_cleanup=true, weight_nz_mode=0",
+        additional_config={
+            "enable_sleep_mode_extra_cleanup": True,
+            "weight_nz_mode": 0,
+            "enable_cpu_binding": False,
+        },
+        summary=(
+            "additional_config.enable_sleep_mode_extra_cleanup=true, weight_nz_mode=0, "
+            "enable_cpu_binding=false"
+        ),
     ),
     EngineOptionSpelling(
         since="0.27.1rc1",
-        additional_config={"rl_config": {"enabled": True, "sleep_mode_extra_cleanup": True}},
-        summary="additional_config.rl_config={enabled, sleep_mode_extra_cleanup} (ND weights)",
+        additional_config={
+            "rl_config": {"enabled": True, "sleep_mode_extra_cleanup": True},
+            "enable_cpu_binding": False,
+        },
+        summary=(
+            "additional_config.rl_config={enabled, sleep_mode_extra_cleanup} (ND weights), "
+            "enable_cpu_binding=false"
+        ),
     ),
 )
 """Oldest first; a release newer than every row takes the newest spelling."""

@@ -369,4 +369,8 @@ def test_engine_host_builds_vllm_with_the_devices_options(monkeypatch, backend_n
     else:
         # 0.26.0rc1 reads the top-level key and ignores rl_config (hal/npu_versions.py)
         extra = options["additional_config"]
-        assert extra == {"enable_sleep_mode_extra_cleanup": True, "weight_nz_mode": 0}
+        assert extra == {
+            "enable_sleep_mode_extra_cleanup": True,
+            "weight_nz_mode": 0,
+            "enable_cpu_binding": False,
+        }

@@ -24,8 +24,15 @@ from hal.npu_versions import (
     vllm_ascend_engine_options,
 )
 
-TOP_LEVEL = {"enable_sleep_mode_extra_cleanup": True, "weight_nz_mode": 0}
-RL_CONFIG = {"rl_config": {"enabled": True, "sleep_mode_extra_cleanup": True}}
+TOP_LEVEL = {
+    "enable_sleep_mode_extra_cleanup": True,
+    "weight_nz_mode": 0,
+    "enable_cpu_binding": False,
+}
+RL_CONFIG = {
+    "rl_config": {"enabled": True, "sleep_mode_extra_cleanup": True},
+    "enable_cpu_binding": False,
+}
 
 
 @pytest.mark.parametrize(
