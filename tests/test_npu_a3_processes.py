@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+import hal
 from hal.npu_versions import ENGINE_OPTION_SPELLINGS, vllm_ascend_engine_options
 
 # ---- item 6: no CPU binding of the engine worker (the rollout host at tp 1) ----------------
@@ -32,3 +33,118 @@ def test_the_npu_backend_passes_it_to_the_engine(monkeypatch):
     monkeypatch.setattr(hal.npu, "installed_version", lambda name: "0.26.0rc1")
     options = hal.backend_class("npu")().vllm_engine_options()
     assert options["additional_config"]["enable_cpu_binding"] is False
+
+
+# ---- item 3: run.deterministic inside every engine worker ----------------------------------
+
+
+class _RecordingBackend:
+    """Stands for a device backend: records where ``set_deterministic`` ran."""
+
+    name = "npu"
+    is_accelerator = True
+    vllm_layerwise_reload = False
+
+    def __init__(self, calls: list, where: str = "host") -> None:
+        self.calls, self.where = calls, where
+
+    def set_deterministic(self, seed: int) -> dict[str, str]:
+        self.calls.append((self.where, seed))
+        return {"HCCL_DETERMINISTIC": "true", "seed": str(seed)}
+
+    def vllm_engine_options(self) -> dict:
+        return {}
+
+
+class _FakeLLM:
+    """``vllm.LLM`` reduced to ``collective_rpc``: calls the method by name on each of its
+    workers (as vLLM does, one per tp rank) and records the call."""
+
+    def __init__(self, workers: list) -> None:
+        self.workers, self.rpcs = workers, []
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        self.rpcs.append((method, args))
+        return [getattr(w, method)(*args) for w in self.workers]
+
+
+def _engine_with_workers(monkeypatch, tp: int, calls: list):
+    from rollout.engines.vllm_engine import VLLMEngine
+    from rollout.engines.vllm_worker import VLLMWorkerExtension
+
+    class Worker(VLLMWorkerExtension):
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+    workers = [Worker(r) for r in range(tp)]
+    # Each worker asks hal for the backend in its own process: record which worker asked.
+    asking = iter(range(tp))
+    monkeypatch.setattr(
+        hal, "get_backend", lambda name="auto": _RecordingBackend(calls, f"worker {next(asking)}")
+    )
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.llm = _FakeLLM(workers)
+    return engine
+
+
+def test_every_engine_worker_applies_the_deterministic_switches(monkeypatch):
+    calls: list = []
+    engine = _engine_with_workers(monkeypatch, 2, calls)
+    applied = engine.set_worker_deterministic("npu", 7)
+    assert engine.llm.rpcs == [("crossrl_set_deterministic", ("npu", 7))]
+    assert calls == [("worker 0", 7), ("worker 1", 7)]
+    assert applied == [{"HCCL_DETERMINISTIC": "true", "seed": "7"}] * 2
+
+
+def test_a_worker_that_applied_other_settings_is_named():
+    from trainer.loop.workers.group import WorkerFailedError
+    from trainer.loop.workers.rollout_host import agree_with_engine_workers
+
+    host = {"seed": "7", "flag": "True"}
+    assert agree_with_engine_workers(host, [dict(host), dict(host)], 1) == host
+    with pytest.raises(WorkerFailedError, match="engine replica 1 worker 1"):
+        agree_with_engine_workers(host, [dict(host), {"seed": "7"}], 1)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_engine_host_sets_its_workers_deterministic(monkeypatch, deterministic):
+    """run.deterministic reaches the engine's workers through ``collective_rpc`` after the
+    engine is built; without it nothing is asked of them."""
+    import rollout.engines
+    from trainer.config import load_config
+    from trainer.loop.workers.rollout_host import EngineHost
+
+    calls: list = []
+    engine = _engine_with_workers(monkeypatch, 2, calls)
+    host_backend = _RecordingBackend(calls)
+    monkeypatch.setattr(hal, "get_backend", lambda name="auto": host_backend)
+    monkeypatch.setattr(rollout.engines, "make_engine", lambda name, model, tok=None, **kw: engine)
+
+    # the workers' own hal look-ups, as they would happen in their processes
+    workers_backend = iter(_RecordingBackend(calls, f"worker {r}") for r in range(2))
+    real_rpc = engine.llm.collective_rpc
+
+    def rpc(method, args=()):
+        monkeypatch.setattr(hal, "get_backend", lambda name="auto": next(workers_backend))
+        try:
+            return real_rpc(method, args)
+        finally:
+            monkeypatch.setattr(hal, "get_backend", lambda name="auto": host_backend)
+
+    engine.llm.collective_rpc = rpc
+    overrides = [
+        "device=cpu",
+        "model.path=builtin:tiny",
+        "seed=3",
+        f"run.deterministic={str(deterministic).lower()}",
+        "rollout.engine=vllm",
+    ]
+    cfg = load_config(None, overrides, check_environment=False)
+    info = EngineHost(cfg).setup()
+    if deterministic:
+        assert calls == [("host", 3), ("worker 0", 3), ("worker 1", 3)]
+        assert engine.llm.rpcs == [("crossrl_set_deterministic", ("npu", 3))]
+        assert info["deterministic"] == {"HCCL_DETERMINISTIC": "true", "seed": "3"}
+    else:
+        assert calls == [] and engine.llm.rpcs == []
+        assert info["deterministic"] == {}

@@ -310,6 +310,13 @@ class VLLMEngine(Engine):
 
     # ---------------------------------------------------------------- weights and memory
 
+    def set_worker_deterministic(self, device: str, seed: int) -> list[dict[str, str]]:
+        """Apply run.deterministic's switches of backend ``device`` inside every vLLM worker
+        (``VLLMWorkerExtension.crossrl_set_deterministic``, one worker per tp rank, in their
+        own processes at tp > 1); returns each worker's applied settings, in rank order, for
+        the caller to check they agree with its own."""
+        return list(self.llm.collective_rpc("crossrl_set_deterministic", args=(device, seed)))
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights by HF parameter name: a full state dict or one bucket of it.
 

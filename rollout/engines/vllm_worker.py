@@ -47,6 +47,18 @@ class VLLMWorkerExtension:
             stack.enter_context(device)
         return stack
 
+    def crossrl_set_deterministic(self, device: str, seed: int) -> dict[str, str]:
+        """Apply run.deterministic's switches of backend ``device`` (``hal.get_backend``) in
+        this worker's process and return what it applied (``DeviceBackend.set_deterministic``).
+
+        The environment variables reach a worker of its own from the engine's process, which
+        set them before the engine started; the deterministic-algorithms flag lives in the
+        process (a device library turns it into its own option there), so each worker sets it
+        itself. A worker in the engine's own process sets the same values again."""
+        import hal
+
+        return hal.get_backend(device).set_deterministic(int(seed))
+
     def crossrl_begin_weight_update(self, layerwise: bool = True) -> None:
         """Prepare every layer to collect new weights (``layerwise``: through vLLM's layerwise
         reload; else each bucket goes straight to the model's ``load_weights``, the path

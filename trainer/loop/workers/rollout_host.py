@@ -21,8 +21,20 @@ from rollout.agent_loop import RolloutOutput
 from rollout.engines.base import Engine
 from trainer.config.schema import Config
 from trainer.loop.startup import Phases, process_start_time
+from trainer.loop.workers.group import agree_on_settings
 from trainer.loop.workers.local import fetch, put
 from trainer.loop.workers.sampling import run_config_rollouts
+
+
+def agree_with_engine_workers(
+    host: dict[str, str], workers: list[dict[str, str]], replica: int = 0
+) -> dict[str, str]:
+    """The deterministic settings of engine replica ``replica``: those its process applied
+    (``host``) and each of its engine's workers (``workers``, in tp rank order) must be the
+    same (``agree_on_settings`` raises naming the odd one)."""
+    applied = [(f"engine replica {replica} process", host)]
+    applied += [(f"engine replica {replica} worker {rank}", s) for rank, s in enumerate(workers)]
+    return agree_on_settings(applied)
 
 
 class EngineHost:
@@ -81,6 +93,11 @@ class EngineHost:
                 layerwise_reload=backend.vllm_layerwise_reload,
                 engine_kwargs=backend.vllm_engine_options(),
             )
+            if cfg.run.deterministic:
+                # At tp > 1 each device has a worker process of its own, and the
+                # deterministic-algorithms flag does not travel with the environment.
+                workers = self.engine.set_worker_deterministic(backend.name, cfg.seed)
+                deterministic = agree_with_engine_workers(deterministic, workers, self.replica)
         self.startup.done("engine")
         return {
             "engine": roll.engine,
