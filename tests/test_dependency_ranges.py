@@ -81,3 +81,31 @@ def test_the_npu_lane_pins_the_set_its_vllm_ascend_is_released_with():
     assert "CANN " + stack.cann in (ROOT / "constraints-npu.txt").read_text()
     # vLLM stays out of the npu extra: one resolve with vllm-ascend 0.26.0rc1 fails on fastapi
     assert "vllm" not in _requirements(("npu",))
+
+
+#: The transformers each lane's engine release asks for, from the wheels' METADATA
+#: (Requires-Dist): vLLM 0.24.0 (the GPU lane) and 0.26.0 (the NPU lane, built without CUDA)
+#: want >=5.5.3; vllm-ascend 0.26.0rc1 pins ==5.14.1.
+ENGINE_TRANSFORMERS = {
+    ("vllm", "0.24.0"): ">=5.5.3",
+    ("vllm", "0.26.0"): ">=5.5.3",
+    ("vllm-ascend", "0.26.0rc1"): "==5.14.1",
+}
+
+
+def test_every_lane_trains_with_one_transformers():
+    """The training path runs transformers' Qwen2 code (crossrl swaps only its attention): a
+    lane with another transformers would train with other model code than the one its
+    fingerprints are compared against (docs/parity.md, "One transformers on every lane")."""
+    from packaging.specifiers import SpecifierSet
+
+    lanes = ("constraints-cpu.txt", "constraints-gpu.txt", "constraints-npu.txt")
+    pins = {lane: _pins(lane).get("transformers") for lane in lanes}
+    assert len(set(pins.values())) == 1 and None not in pins.values(), pins
+    version = Version(pins["constraints-npu.txt"])
+    for lane in lanes:  # and each lane's engine release accepts it
+        for package, pinned in _pins(lane).items():
+            wants = ENGINE_TRANSFORMERS.get((package, pinned))
+            if package in ("vllm", "vllm-ascend"):
+                assert wants is not None, f"{lane}: add {package} {pinned}'s transformers here"
+                assert version in SpecifierSet(wants), (lane, package, pinned, wants)
