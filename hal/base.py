@@ -299,6 +299,14 @@ class DeviceBackend:
             env[self.ray_noset_env_var] = "1"
         return env
 
+    def process_port_env(self, slot: int, environ: Mapping[str, str] | None = None) -> dict:
+        """Environment a job's process of kind ``slot`` starts with so that its collective
+        library's ports stay apart from those of the other kinds sharing its device (slot 0,
+        1, ...: one per training role, then the engine; every rank of a kind takes the same).
+        A variable already set in ``environ`` (this process's environment by default) is left
+        to it. None here: this device's collectives need no ports of their own per process."""
+        return {}
+
     # ---- attention --------------------------------------------------------------------------
 
     @property

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 
 import torch
 
@@ -27,6 +28,30 @@ NPU_CAUSAL_MASK_SIZE = 2048
 NPU_MAX_SEGMENTS_PER_CALL = 1024
 """torch_npu documents at most 1K entries in `actual_seq_qlen` for TND; longer rows are split."""
 NPU_SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
+
+HCCL_PORT_RANGE_BASES = {"HCCL_HOST_SOCKET_PORT_RANGE": 61000, "HCCL_NPU_SOCKET_PORT_RANGE": 62000}
+"""First port of slot 0's range per variable. CANN 9 (HCCL environment variables) reads
+``start-end`` (also ``auto`` and comma lists); unset, each process takes the one default port
+(16666 on the NPU side), and several HCCL processes on one NPU must each set a range of
+their own, on every card of the communicator, or may fail on port conflicts. 61000 on lies
+above Linux's default ephemeral ports (32768-60999) and below 65536 for every slot."""
+HCCL_PORTS_PER_SLOT = 64
+"""Ports per process kind: at least the processes of a kind on one host (16 dies on an A3
+node; CANN asks for no fewer than the HCCL processes per NPU)."""
+HCCL_PORT_SLOTS = 8
+"""Process kinds a job may start on one die (training roles, then the engine)."""
+
+
+def hccl_port_ranges(slot: int) -> dict[str, str]:
+    """``HCCL_HOST_SOCKET_PORT_RANGE`` and ``HCCL_NPU_SOCKET_PORT_RANGE`` for process kind
+    ``slot``: ``HCCL_PORTS_PER_SLOT`` ports each, disjoint from every other slot's."""
+    if not 0 <= slot < HCCL_PORT_SLOTS:
+        raise ValueError(
+            f"HCCL port slot {slot}: a job has at most {HCCL_PORT_SLOTS} process kinds per "
+            f"device, slots 0..{HCCL_PORT_SLOTS - 1}"
+        )
+    first = {key: base + slot * HCCL_PORTS_PER_SLOT for key, base in HCCL_PORT_RANGE_BASES.items()}
+    return {key: f"{start}-{start + HCCL_PORTS_PER_SLOT - 1}" for key, start in first.items()}
 
 
 def torch_npu_installed() -> bool:
@@ -152,6 +177,14 @@ class NpuBackend(DeviceBackend):
         """Plus what vllm-ascend needs to sleep and reload weights in place: no NZ (fractal)
         weight format, which its reload path cannot rebuild from HF-layout tensors."""
         return {**super().engine_env(device_ids), "VLLM_ASCEND_ENABLE_NZ": "0"}
+
+    def process_port_env(self, slot: int, environ=None) -> dict[str, str]:
+        """HCCL's host and NPU port ranges of process kind ``slot`` (``hccl_port_ranges``):
+        the trainer's ranks and the engine share each die and both build HCCL communicators.
+        A range already exported (``environ``, this process's environment by default) wins:
+        that variable is left out, so the user's value reaches the process instead."""
+        environ = os.environ if environ is None else environ
+        return {k: v for k, v in hccl_port_ranges(slot).items() if k not in environ}
 
     #: vllm-ascend's own RL path loads new weights with the model's ``load_weights``;
     #: vLLM's layerwise reload is not verified on Ascend's layer implementations.

@@ -148,3 +148,114 @@ def test_the_engine_host_sets_its_workers_deterministic(monkeypatch, determinist
     else:
         assert calls == [] and engine.llm.rpcs == []
         assert info["deterministic"] == {}
+
+
+# ---- item 2: HCCL port ranges, one per process kind on a die --------------------------------
+
+PORT_VARS = ("HCCL_HOST_SOCKET_PORT_RANGE", "HCCL_NPU_SOCKET_PORT_RANGE")
+
+
+def _ports(value: str) -> set[int]:
+    start, end = (int(x) for x in value.split("-"))  # CANN's "start-end" form
+    assert 1024 <= start <= end <= 65535
+    return set(range(start, end + 1))
+
+
+def test_every_slot_has_its_own_ranges():
+    from hal.npu import HCCL_PORT_SLOTS, hccl_port_ranges
+
+    for var in PORT_VARS:
+        seen: set[int] = set()
+        for slot in range(HCCL_PORT_SLOTS):
+            ports = _ports(hccl_port_ranges(slot)[var])
+            assert not ports & seen, (var, slot)
+            seen |= ports
+    with pytest.raises(ValueError, match="HCCL port slot 8"):
+        hccl_port_ranges(HCCL_PORT_SLOTS)
+
+
+def test_a_users_own_export_wins():
+    backend = hal.backend_class("npu")()
+    assert set(backend.process_port_env(0, environ={})) == set(PORT_VARS)
+    mine = {"HCCL_NPU_SOCKET_PORT_RANGE": "auto"}
+    assert set(backend.process_port_env(0, environ=mine)) == {"HCCL_HOST_SOCKET_PORT_RANGE"}
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda"])
+def test_other_devices_set_no_ports(name):
+    assert hal.backend_class(name)().process_port_env(0, environ={}) == {}
+
+
+def _spawner(monkeypatch, backend_name: str):
+    """A Spawner over a colocated layout (actor, reference, critic; one tp-2 engine replica)
+    whose ``spawn`` records each process's class and environment instead of starting it."""
+    from types import SimpleNamespace
+
+    from trainer.config import load_config
+    from trainer.loop.workers.spawn import Spawner
+
+    for var in PORT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    cfg = load_config(
+        None,
+        ["device=cpu", "model.path=builtin:tiny", "train.dp_size=2"],
+        check_environment=False,
+    )
+    roles = ("actor", "reference", "critic")
+    layout = SimpleNamespace(
+        roles=roles,
+        shares={**dict.fromkeys(roles, 0.25), "rollout": 0.25},
+        replicas=[SimpleNamespace(index=0, tp=2, ranks=(0, 1))],
+        separate=False,
+        other_engine_device=False,
+    )
+    backend = hal.backend_class(backend_name)()
+    spawner = Spawner(cfg, layout, None, backend, in_process=False)
+    started: list = []
+
+    def spawn(cls, rank, share, *args, env=None, engine=None):
+        started.append((cls.__name__, rank, env))
+        return object()
+
+    monkeypatch.setattr(spawner, "spawn", spawn)
+    monkeypatch.setattr(spawner, "_device_ids", lambda rep, bundle: [str(bundle)])
+    return spawner, started, roles
+
+
+def test_each_process_on_a_die_gets_disjoint_hccl_ports(monkeypatch):
+    """Every rank of a role, and the engine replica (whose tp workers inherit its
+    environment), start with their own kind's ranges; kinds on one die never overlap."""
+    spawner, started, roles = _spawner(monkeypatch, "npu")
+    for role in roles:
+        spawner.group(role)
+    spawner.replicas()
+    by_kind: dict[str, dict] = {}
+    for role, (name, rank, env) in zip(
+        [r for r in roles for _ in range(2)] + ["engine"], started, strict=True
+    ):
+        assert env is not None and set(PORT_VARS) <= set(env), (name, rank, env)
+        ranges = {var: env[var] for var in PORT_VARS}
+        assert by_kind.setdefault(role, ranges) == ranges  # every rank of a kind alike
+    engine_env = started[-1][2]
+    assert engine_env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1"
+    for var in PORT_VARS:
+        seen: set[int] = set()
+        for kind, ranges in by_kind.items():
+            ports = _ports(ranges[var])
+            assert not ports & seen, (var, kind)
+            seen |= ports
+
+
+def test_an_exported_range_is_not_overridden(monkeypatch):
+    spawner, started, _ = _spawner(monkeypatch, "npu")
+    monkeypatch.setenv("HCCL_HOST_SOCKET_PORT_RANGE", "auto")
+    spawner.group("actor")
+    env = started[0][2]
+    assert "HCCL_HOST_SOCKET_PORT_RANGE" not in env and "HCCL_NPU_SOCKET_PORT_RANGE" in env
+
+
+def test_cpu_processes_start_with_nothing_extra(monkeypatch):
+    spawner, started, _ = _spawner(monkeypatch, "cpu")
+    spawner.group("actor")
+    spawner.replicas()
+    assert [env for _, _, env in started] == [None, None, None]

@@ -57,12 +57,14 @@ class Spawner:
         # CPU: the ranks split the cores, less the engines' own when they have some.
         cores = max(1, (os.cpu_count() or 1) - self.cfg.rollout.engine_devices)
         threads = max(1, cores // dp) if self.backend.name == "cpu" else 4
+        env = self.port_env(self.backend, role) or None
         handles = [
             self.spawn(
                 cls,
                 rank,
                 self.layout.shares[role],
                 WorkerSpec(role=role, rank=rank, cfg=cfg, threads=threads),
+                env=env,
             )
             for rank in range(dp)
         ]
@@ -90,7 +92,7 @@ class Spawner:
                 # The replica's process sees exactly its tp group's devices (Ray would
                 # show it only its own bundle's) plus what the device's engine needs.
                 ids = [i for b in range(rep.tp) for i in self._device_ids(rep, b)]
-                env = backend.engine_env(ids)
+                env = {**backend.engine_env(ids), **self.port_env(backend, "engine")}
             cls = RolloutHost if rep.index == 0 else EngineHost
             first = rep.ranks[0] if rep.ranks else 0
             engine = rep.index if layout.separate else None
@@ -98,6 +100,14 @@ class Spawner:
                 self.spawn(cls, first, share, cfg, threads, rep.index, env=env, engine=engine)
             )
         return replicas
+
+    def port_env(self, backend, kind: str) -> dict[str, str]:
+        """What the processes of ``kind`` (a training role, or ``engine``) start with so that
+        their collectives' ports stay apart from the other kinds' on a shared device: one slot
+        per kind, the roles in ``layout.roles`` order, then the engine
+        (``DeviceBackend.process_port_env``; empty where the device needs none)."""
+        kinds = (*self.layout.roles, "engine")
+        return backend.process_port_env(kinds.index(kind))
 
     def engine_backend(self):
         """The engine replicas' backend: the trainer's, or, with ``rollout.device`` naming
