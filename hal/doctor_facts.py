@@ -382,8 +382,13 @@ class EnvRule:
     high: int | None = None
     choices: tuple[str, ...] = ()
     meaning: str = ""
+    clamp: int | None = None
+    """Values above this are cut to it when ``clamp_when`` holds (a WARN, not a FAIL)."""
+    clamp_when: tuple[str, str] = ("", "")
+    """(env var, value, compared upper-case) under which ``clamp`` applies."""
 
     def check(self, environ: Mapping[str, str]) -> Check:
+        """The row for this variable in `environ`: OK, WARN (clamped) or FAIL (not legal)."""
         value = environ.get(self.var)
         if value is None:
             return Check(self.var, OK, f"unset (library default; {self.meaning})")
@@ -396,6 +401,15 @@ class EnvRule:
             except ValueError:
                 good = False
             allowed = f"an integer in [{self.low}, {self.high}]"
+        if good and self.clamp is not None and int(value) > self.clamp:
+            mode_var, mode = self.clamp_when
+            if environ.get(mode_var, "").strip().upper() == mode:
+                return Check(
+                    self.var,
+                    WARN,
+                    f"{value}: {mode_var}={mode} clamps it to {self.clamp} ({self.meaning})",
+                    f"use at most {self.clamp}, or unset {mode_var}",
+                )
         if good:
             return Check(self.var, OK, f"{value} ({self.meaning})")
         return Check(
@@ -411,7 +425,16 @@ ENV_RULES: dict[str, tuple[EnvRule, ...]] = {
     ),
     "npu": (
         EnvRule("HCCL_CONNECT_TIMEOUT", 120, 7200, meaning="seconds to build a group"),
-        EnvRule("HCCL_EXEC_TIMEOUT", 68, 17340, meaning="seconds one collective may run"),
+        # CANN 9.1.0 on Atlas A2/A3: [0, 2^31-1], 0 = never time out; the [68, 17340] range
+        # was an older training series'. AIV mode (HCCL_OP_EXPANSION_MODE=AIV) caps it at 1091.
+        EnvRule(
+            "HCCL_EXEC_TIMEOUT",
+            0,
+            2**31 - 1,
+            meaning="seconds one collective may run; 0: never time out",
+            clamp=1091,
+            clamp_when=("HCCL_OP_EXPANSION_MODE", "AIV"),
+        ),
     ),
 }
 """Per device type, the env vars its collective library reads, with their documented ranges."""

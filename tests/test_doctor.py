@@ -278,8 +278,17 @@ def test_probe_imports_reports_versions_and_errors_from_a_child_process():
         ("npu", "HCCL_CONNECT_TIMEOUT", "7200", OK),
         ("npu", "HCCL_CONNECT_TIMEOUT", "119", FAIL),
         ("npu", "HCCL_CONNECT_TIMEOUT", "2h", FAIL),
-        ("npu", "HCCL_EXEC_TIMEOUT", "67", FAIL),
-        ("npu", "HCCL_EXEC_TIMEOUT", "17340", OK),
+        # CANN 9.1.0 on A2/A3: [0, 2^31-1], 0 = never (the old [68, 17340] refused 0 and 67)
+        ("npu", "HCCL_EXEC_TIMEOUT", "0", OK),
+        ("npu", "HCCL_EXEC_TIMEOUT", "67", OK),
+        ("npu", "HCCL_EXEC_TIMEOUT", "1091", OK),
+        ("npu", "HCCL_EXEC_TIMEOUT", "1092", OK),
+        ("npu", "HCCL_EXEC_TIMEOUT", "17341", OK),
+        ("npu", "HCCL_EXEC_TIMEOUT", str(2**31 - 1), OK),
+        ("npu", "HCCL_EXEC_TIMEOUT", str(2**31), FAIL),
+        ("npu", "HCCL_EXEC_TIMEOUT", "-1", FAIL),
+        ("npu", "HCCL_EXEC_TIMEOUT", "1.5", FAIL),
+        ("npu", "HCCL_EXEC_TIMEOUT", "ten", FAIL),
         ("npu", "HCCL_EXEC_TIMEOUT", None, OK),
         ("cuda", "NCCL_DEBUG", "warn", OK),
         ("cuda", "NCCL_DEBUG", "LOUD", FAIL),
@@ -296,6 +305,19 @@ def test_collective_env_settings_in_range(monkeypatch, device, var, value, statu
     assert row.status == status, row
     if status == FAIL:
         assert var in row.fix
+
+
+@pytest.mark.parametrize(
+    ("value", "mode", "status"),
+    [("1091", "AIV", OK), ("1092", "AIV", WARN), ("1092", "aiv", WARN), ("1092", "AI_CPU", OK)],
+)
+def test_aiv_mode_clamps_the_exec_timeout_to_1091(monkeypatch, value, mode, status):
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", value)
+    monkeypatch.setenv("HCCL_OP_EXPANSION_MODE", mode)
+    row = _by_name(env_checks("npu", os.environ))["HCCL_EXEC_TIMEOUT"]
+    assert row.status == status, row
+    if status == WARN:
+        assert "1091" in row.detail and "HCCL_OP_EXPANSION_MODE" in row.fix
 
 
 @pytest.mark.parametrize(("value", "status"), [("0", OK), ("1", WARN), (None, WARN)])
