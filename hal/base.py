@@ -346,6 +346,10 @@ class DeviceBackend:
         on vLLM's own platforms)."""
         return {}
 
+    def check_engine_build(self) -> None:
+        """Raise a one-line error naming the fix when the installed vLLM platform plugin was
+        built for another chip than this node's (nothing to check on vLLM's own platforms)."""
+
     # ---- shared prompts ---------------------------------------------------------------------
 
     def shared_prompt_kernel(

@@ -30,6 +30,7 @@ from hal.npu_versions import (
     VllmAscendVersionError,
     engine_option_spelling,
     known_stack,
+    vllm_ascend_engine_options,
 )
 from hal.registry import BACKEND_NAMES, unavailable_reason
 
@@ -278,13 +279,31 @@ def rollout_engine_checks(
             }
             rows += ascend_stack_checks(found["vllm_ascend"][1], installed)
             rows.append(vllm_ascend_options_check(found["vllm_ascend"][1]))
-        rows.append(vllm_ascend_nz_check(os.environ))
+        rows.append(vllm_ascend_nz_check(os.environ, _engine_options(found["vllm_ascend"])))
     return rows
 
 
-def vllm_ascend_nz_check(environ: Mapping[str, str]) -> Check:
-    """vllm-ascend's NZ weight layout converts weights once at load; RL reloads them every step."""
+def _engine_options(found: tuple) -> dict | None:
+    """The options crossrl's engine passes the importable vllm-ascend (None: none known)."""
+    if not found[0]:
+        return None
+    try:
+        return vllm_ascend_engine_options(found[1])
+    except VllmAscendVersionError:
+        return None
+
+
+def vllm_ascend_nz_check(
+    environ: Mapping[str, str], engine_options: Mapping | None = None
+) -> Check:
+    """vllm-ascend's NZ weight layout converts weights once at load; RL reloads them every step.
+    No warning when crossrl's engine options (`engine_options`, ``vllm.LLM`` keyword arguments)
+    turn NZ off: ``weight_nz_mode=0``, or ``rl_config.enabled`` (which sets it to 0)."""
     value = environ.get("VLLM_ASCEND_ENABLE_NZ")
+    extra = dict((engine_options or {}).get("additional_config", {}))
+    if extra.get("weight_nz_mode") == 0 or dict(extra.get("rl_config", {})).get("enabled"):
+        shown = "unset" if value is None else repr(value)
+        return Check("VLLM_ASCEND_ENABLE_NZ", OK, f"{shown}; crossrl's engine turns NZ off")
     if value == "0":
         return Check("VLLM_ASCEND_ENABLE_NZ", OK, "0 (ND weights: in-place weight reload works)")
     return Check(
@@ -448,12 +467,26 @@ def env_checks(device: str, environ: Mapping[str, str]) -> list[Check]:
 # ---- everything for one device type -----------------------------------------------------------
 
 
-def device_checks(device: str, *, rollout_engine: str, torch_version: str) -> list[Check]:
+def device_checks(
+    device: str, *, rollout_engine: str, torch_version: str, device_probes: bool = True
+) -> list[Check]:
     """The rows specific to device type `device` (cpu, cuda, npu) for a job using
-    `rollout_engine`. On cpu the accelerator stacks are reported as not present, status `-`."""
+    `rollout_engine`. On cpu the accelerator stacks are reported as not present, status `-`,
+    and the NPU's device probes as skipped with the reason. `device_probes` False (the doctor's
+    --no-smoke): the npu probes that start processes on the devices are skipped."""
+    from hal.npu_checks import a3_checks, skipped_probe_rows
+
     environ = os.environ
     if device == "npu":
         rows = [torch_npu_check(torch_version), cann_check(environ)]
+        why = unavailable_reason("npu")
+        rows += a3_checks(
+            environ,
+            no_npu_reason=why,
+            device_count=None if why else _npu_count(),
+            device_probes=device_probes,
+            rollout_engine=rollout_engine,
+        )
     elif device == "cuda":
         rows = [flash_attn_check()]
     else:
@@ -464,5 +497,17 @@ def device_checks(device: str, *, rollout_engine: str, torch_version: str) -> li
             why = unavailable_reason(other)
             detail = f"not present: {why}" if why else "present, not used (device=cpu)"
             rows.append(Check(other, NOT_PRESENT, detail))
+            if other == "npu":
+                rows += skipped_probe_rows(f"device=cpu; {why or 'npu not used'}")
     engine_rows = rollout_engine_checks(device, rollout_engine, torch_version)
     return rows + engine_rows + env_checks(device, environ)
+
+
+def _npu_count() -> int | None:
+    """Visible NPUs, from the HAL (None when it cannot say)."""
+    try:
+        from hal.registry import get_backend
+
+        return get_backend("npu").device_count()
+    except Exception:  # a half-configured driver: the probe rows say so
+        return None

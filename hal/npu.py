@@ -205,6 +205,14 @@ class NpuBackend(DeviceBackend):
             )
         return vllm_ascend_engine_options(version)
 
+    def check_engine_build(self) -> None:
+        """Raise ``hal.npu_checks.EngineBuildMismatchError`` (one line: both chip types and the
+        build command) when the installed vllm-ascend was built for another chip, before vLLM
+        starts: its worker would assert in every replica (an A2 wheel on an A3 node)."""
+        from hal.npu_checks import require_engine_build
+
+        require_engine_build(lambda: import_torch_npu().npu.get_soc_version())
+
     def device_names(self) -> list[str]:
         """Chip name of every visible NPU (e.g. Ascend910B3)."""
         mod = self.device_module()

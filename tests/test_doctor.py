@@ -320,6 +320,28 @@ def test_aiv_mode_clamps_the_exec_timeout_to_1091(monkeypatch, value, mode, stat
         assert "1091" in row.detail and "HCCL_OP_EXPANSION_MODE" in row.fix
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"additional_config": {"enable_sleep_mode_extra_cleanup": True, "weight_nz_mode": 0}},
+        {"additional_config": {"rl_config": {"enabled": True, "sleep_mode_extra_cleanup": True}}},
+    ],
+)
+def test_no_nz_warning_when_the_engine_options_turn_nz_off(options):
+    row = vllm_ascend_nz_check({}, options)
+    assert row.status == OK, row
+    assert vllm_ascend_nz_check({}, {"additional_config": {}}).status == WARN
+
+
+def test_the_npu_rows_read_the_nz_setting_from_crossrls_engine_options(monkeypatch):
+    """rollout_engine_checks on npu: vllm-ascend 0.26.0rc1 importable, NZ unset -> no WARN."""
+    monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ", raising=False)
+    found = {"vllm": (True, "0.26.0"), "vllm_ascend": (True, "0.26.0rc1")}
+    monkeypatch.setattr(doctor_facts, "probe_imports", lambda modules: found)
+    row = _by_name(rollout_engine_checks("npu", "vllm", "2.10.0"))["VLLM_ASCEND_ENABLE_NZ"]
+    assert row.status == OK, row
+
+
 @pytest.mark.parametrize(("value", "status"), [("0", OK), ("1", WARN), (None, WARN)])
 def test_vllm_ascend_nz_must_be_off_for_weight_reload(value, status):
     row = vllm_ascend_nz_check({} if value is None else {"VLLM_ASCEND_ENABLE_NZ": value})

@@ -173,7 +173,10 @@ def run_doctor(cfg_path, overrides, smoke: bool = True) -> tuple[list[Check], in
     backend, device, row = device_check(cfg.device)
     rows.append(row)
     rows += device_checks(
-        device, rollout_engine=cfg.rollout.engine, torch_version=torch.__version__
+        device,
+        rollout_engine=cfg.rollout.engine,
+        torch_version=torch.__version__,
+        device_probes=smoke,
     )
     rows.append(visible_devices_check(backend, device, cfg.train.dp_size))
     resource = backend_class(device).ray_resource

@@ -79,6 +79,8 @@ class EngineHost:
             self.engine = make_engine("hf", model, self.tokenizer)
         else:
             directory = builtin_weights_dir(model_path, cfg.seed) if is_builtin else model_path
+            # fail fast, in one line, when the engine's platform plugin targets another chip
+            backend.check_engine_build()
             self.engine = make_engine(
                 "vllm",
                 str(directory),
