@@ -15,7 +15,9 @@ step holds:
 - **weight push**: the ranks' state after offload, the engine's woken weights, the staging
   buffer the ranks pack the weights into and one gathered fp32 tensor.
 
-Every process on an accelerator adds a device context (``CONTEXT_BYTES``). ``crossrl layout``
+Every process on an accelerator adds a device context (``CONTEXT_BYTES``), and the buffers
+of each collective communicator it builds (``hal.communicator_buffer_bytes``: one per training
+process, its role's group; one per engine process whose tensor parallelism is above 1). ``crossrl layout``
 prints the table and ``trainer.loop.preflight`` refuses a job whose phase does not fit, naming
 the key to change (both in ``trainer.loop.memory_report``). docs/cluster.md ("Memory budget")
 explains each term and shows the shipped configs' tables.
@@ -35,6 +37,7 @@ import math
 from dataclasses import dataclass
 
 from hal import DEFAULT_DEVICE_MEMORY_BYTES, DEFAULT_DEVICE_NAMES  # noqa: F401 - re-exported
+from hal.device_memory import communicator_buffer_bytes
 from trainer.config.schema import Config
 from trainer.loop.model_shape import ModelShape, model_shape
 
@@ -49,7 +52,8 @@ __all__ = [
 ]
 
 GB = 1e9
-#: A process's device context (CUDA/CANN runtime, kernels, communicator buffers), bytes.
+#: A process's device context (the device runtime and its kernels), bytes; communicator
+#: buffers come on top (``hal.communicator_buffer_bytes``).
 CONTEXT_BYTES = 0.5e9
 #: Float32 logits of one lean log-prob chunk, bytes (``trainer.loop.workers.forward``'s
 #: ``LEAN_CHUNK_BYTES``, which a test holds equal; that module imports torch).
@@ -75,7 +79,7 @@ COMPONENTS: dict[str, str] = {
     "activ": "activations of one micro-batch",
     "logits": "one log-prob chunk of fp32 logits and its softmax work",
     "engine": "rollout engine: awake (rollout.memory_fraction of the device) or its weights",
-    "ctx": "device context of every process on the device",
+    "ctx": "device context of every process on the device and its communicators' buffers",
 }
 
 
@@ -176,12 +180,15 @@ def estimate_memory(
     critic_shape: ModelShape | None = None,
     ranks_per_memory: int = 1,
     before_fixes: bool = False,
+    communicator_bytes: float | None = None,
 ) -> MemoryBudget:
     """The phases of one step of ``cfg`` on one device of ``device_memory_bytes`` bytes
     (see the module docstring). ``device``: a HAL backend name; on the CPU the memory is the
     host's, shared by ``ranks_per_memory`` ranks and their engine replicas, and offloading
     moves nothing off it. ``critic_shape``: the critic's (default ``shape``).
-    ``before_fixes``: the model of the trainer before issue 24's fixes."""
+    ``before_fixes``: the model of the trainer before issue 24's fixes.
+    ``communicator_bytes``: device bytes of one communicator's buffers (default
+    ``hal.communicator_buffer_bytes(device)``, which reads the environment)."""
     train, roll = cfg.train, cfg.rollout
     host = device == "cpu"
     dp, tp = train.dp_size, roll.tensor_parallel_size
@@ -296,7 +303,12 @@ def estimate_memory(
     engine_weights = asleep if host else model_bytes / tp
 
     processes = (1 + (n_ref > 0) + (n_critic > 0) + 1) * ranks_per_memory
-    ctx = {"ctx": 0.0 if host else processes * CONTEXT_BYTES}
+    # Each training process joins its role's group (one communicator); an engine builds one
+    # for its tensor-parallel group when it has one.
+    comm = communicator_buffer_bytes(device) if communicator_bytes is None else communicator_bytes
+    training_comms = (processes - ranks_per_memory) * comm
+    engine_comms = ranks_per_memory * comm if tp > 1 else 0.0
+    ctx = {"ctx": 0.0 if host else processes * CONTEXT_BYTES + training_comms + engine_comms}
 
     def per_memory(parts: dict[str, float]) -> dict[str, float]:
         """A rank's parts times the ranks that share this memory."""
@@ -334,7 +346,8 @@ def estimate_memory(
             engine=awake,
             # the snapshot: one gathered tensor on the device, the whole model on the host
             snapshot=model_bytes if host else shape.largest_tensor_params * 4,
-            ctx=0.0 if host else (processes - ranks_per_memory) * CONTEXT_BYTES,
+            ctx=0.0 if host else (processes - ranks_per_memory) * CONTEXT_BYTES + training_comms,
+            engine_ctx=CONTEXT_BYTES + (comm if tp > 1 else 0.0),
             host=host,
             # engines of another device type (rollout.device) are not on this device's budget
             own_phase=roll.device in (None, device),
@@ -361,12 +374,14 @@ def _separate_phases(
     ctx: float,
     host: bool,
     own_phase: bool = True,
+    engine_ctx: float = CONTEXT_BYTES,
 ) -> list[Phase]:
     """The phases of a step whose engines have devices of their own (``rollout.engine_devices``):
     on a rank's device the update (``training``: the roles at their peak) and the snapshot of
     the new weights (``between``: the state after the update, plus ``snapshot`` bytes); no
     engine there, and no sleep. On an accelerator the engine's own device is a phase of its
-    own, ``engines`` (``engine`` bytes awake and one context; not with ``own_phase`` False, engines
+    own, ``engines`` (``engine`` bytes awake and ``engine_ctx``, its context and communicator
+    buffers; not with ``own_phase`` False, engines
     of another device type); on the host, where every process shares the
     memory and the engines generate while the ranks train, the engines come on top of both."""
     here = {"engine": engine} if host else {}
@@ -375,7 +390,7 @@ def _separate_phases(
         Phase("weight push", _add(between, {"gather": snapshot}, here, {"ctx": ctx})),
     ]
     if not host and own_phase:
-        phases.append(Phase("engines", {"engine": engine, "ctx": CONTEXT_BYTES}))
+        phases.append(Phase("engines", {"engine": engine, "ctx": engine_ctx}))
     return phases
 
 

@@ -24,9 +24,10 @@ __all__ = ["budget_for_cli", "device_memory", "format_budget", "memory_problem"]
 def device_memory(name: str, override_gb: float | None = None) -> tuple[float, str]:
     """Bytes of one device of type ``name`` (cpu: the host's RAM) for the memory budget, and
     where the number comes from: ``override_gb`` (``crossrl layout --device-memory-gb``),
-    else this machine's device 0 when that device type is here, else the type's default
-    (``trainer.loop.memory_budget.DEFAULT_DEVICE_MEMORY_BYTES``). Imports torch only for an
-    accelerator type, as ``layout_for_cli`` does."""
+    else this machine's device 0 when that device type is here (asked in a child process,
+    ``hal.device_total_memory``: this process makes no device context), else the type's
+    default (``trainer.loop.memory_budget.DEFAULT_DEVICE_MEMORY_BYTES``). Imports torch only
+    for an accelerator type, as ``layout_for_cli`` does."""
     from hal import DEFAULT_DEVICE_MEMORY_BYTES, DEFAULT_DEVICE_NAMES
 
     if override_gb is not None:
@@ -41,11 +42,11 @@ def device_memory(name: str, override_gb: float | None = None) -> tuple[float, s
     import hal
 
     if name in hal.available_backends():
-        try:  # the device's properties: no context is created, no memory taken
-            props = hal.get_backend(name).device_module().get_device_properties(0)
-            return float(props.total_memory), f"this machine's {name} device 0"
-        except Exception:  # noqa: BLE001 - a driver that cannot say falls back to the default
-            pass
+        # asked in a child process: the first call into a device runtime makes a context on
+        # device 0, which this process would keep for the whole run
+        total = hal.device_total_memory(name)
+        if total is not None:
+            return total, f"this machine's {name} device 0"
     return (
         DEFAULT_DEVICE_MEMORY_BYTES[name],
         f"{DEFAULT_DEVICE_NAMES[name]}, the default without one here",

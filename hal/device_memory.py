@@ -1,0 +1,85 @@
+"""Device memory facts the memory budget needs before anything starts, known without making a
+device context in the asking process.
+
+- ``device_total_memory(name)``: bytes of device 0 of a backend, asked in a short child process:
+  torch_npu's ``get_device_properties`` (like any first call into the device runtime) sets the
+  device and creates a context on it, which the driver would then keep for the whole run on a
+  die the ranks and engines share.
+- ``communicator_buffer_bytes(name)``: device memory one collective communicator of a backend
+  takes for its buffers: HCCL gives every communicator ``2 x HCCL_BUFFSIZE`` MB (send and
+  receive; CANN's HCCL_BUFFSIZE reference: default 200, in MB, exclusive to HCCL); on cuda none
+  beyond the device context the budget counts (NCCL's buffers, NCCL_BUFFSIZE 4 MiB per channel
+  and peer, depend on the topology); none on the cpu.
+
+Imports no torch: the budget's process reads these before any worker starts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+
+__all__ = ["HCCL_BUFFSIZE_DEFAULT_MB", "communicator_buffer_bytes", "device_total_memory"]
+
+#: CANN's default HCCL_BUFFSIZE, in MB (2**20 bytes), for each communicator's two buffers.
+HCCL_BUFFSIZE_DEFAULT_MB = 200
+
+_QUERY = (
+    "import sys, hal\n"
+    "props = hal.get_backend(sys.argv[1]).device_module().get_device_properties(0)\n"
+    "print(int(props.total_memory))\n"
+)
+
+
+def communicator_buffer_bytes(name: str, environ: Mapping[str, str] | None = None) -> float:
+    """Device bytes one collective communicator of backend ``name`` holds for its buffers:
+    on npu ``2 x HCCL_BUFFSIZE`` MB (``environ``'s HCCL_BUFFSIZE, default os.environ, else
+    ``HCCL_BUFFSIZE_DEFAULT_MB``; a value that is not a whole number >= 1 raises ValueError
+    naming it); 0 on cuda (inside the device context) and on the cpu."""
+    if name != "npu":
+        return 0.0
+    env = os.environ if environ is None else environ
+    raw = env.get("HCCL_BUFFSIZE", "").strip()
+    if not raw:
+        return 2.0 * HCCL_BUFFSIZE_DEFAULT_MB * 2**20
+    try:
+        mb = int(raw)
+    except ValueError:
+        mb = 0
+    if mb < 1:
+        raise ValueError(
+            f"HCCL_BUFFSIZE={raw!r}: must be a whole number of MB >= 1 (CANN's default is "
+            f"{HCCL_BUFFSIZE_DEFAULT_MB}); set it so or unset it"
+        )
+    return 2.0 * mb * 2**20
+
+
+def device_total_memory(
+    name: str,
+    *,
+    timeout_s: float = 120.0,
+    run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+) -> float | None:
+    """Bytes of device 0 of backend ``name`` as its runtime reports them, asked in a child
+    process so that this one makes no device context; None when the child cannot say (no
+    driver, a timeout, an error). ``run``: ``subprocess.run`` (tests pass a fake)."""
+    try:
+        done = run(
+            [sys.executable, "-c", _QUERY, name],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = (done.stdout or "").strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return None
+    try:
+        total = float(int(lines[-1]))
+    except ValueError:
+        return None
+    return total if total > 0 else None
