@@ -20,6 +20,7 @@ from hal.npu_versions import (
     PINNED_VLLM_ASCEND,
     VllmAscendVersionError,
     installed_version,
+    uses_layerwise_reload,
     vllm_ascend_engine_options,
 )
 
@@ -186,9 +187,12 @@ class NpuBackend(DeviceBackend):
         environ = os.environ if environ is None else environ
         return {k: v for k, v in hccl_port_ranges(slot).items() if k not in environ}
 
-    #: vllm-ascend's own RL path loads new weights with the model's ``load_weights``;
-    #: vLLM's layerwise reload is not verified on Ascend's layer implementations.
-    vllm_layerwise_reload = False
+    @property
+    def vllm_layerwise_reload(self) -> bool:
+        """vLLM's layerwise reload from vllm-ascend 0.26.0rc1 on, as its own RL path does (its
+        fused-MoE layers transpose their weights after loading: a straight ``load_weights``
+        would corrupt them); ``load_weights`` before (``hal.npu_versions``)."""
+        return uses_layerwise_reload(installed_version("vllm-ascend"))
 
     def vllm_engine_options(self) -> dict:
         """vllm-ascend's options for a colocated RL engine, spelled for the installed release

@@ -170,6 +170,26 @@ def vllm_ascend_engine_options(vllm_ascend_version: str) -> dict:
     return {"additional_config": copy.deepcopy(dict(spelling.additional_config))}
 
 
+LAYERWISE_RELOAD_SINCE = "0.26.0rc1"
+"""The first vllm-ascend release whose own RL weight update runs vLLM's layerwise reload
+(0.26.0rc1's wheel: ``worker/worker.py``'s ``start_weight_update`` calls
+``initialize_layerwise_reload`` and ``finish_weight_update`` ``finalize_layerwise_reload``). Its
+fused-MoE layers transpose ``w13_weight``/``w2_weight`` in ``process_weights_after_loading``
+(``ops/fused_moe/fused_moe.py``): new weights loaded straight with ``load_weights`` land in the
+HF layout in transposed parameters, so crossrl reloads layerwise there too. 0.27.1rc1's sdist
+does the same (``distributed/weight_transfer/hccl_engine.py`` runs the reload,
+``ops/fused_moe/routed_experts.py`` transposes). Older releases keep ``load_weights`` (their RL
+path, not checked against MoE models)."""
+
+
+def uses_layerwise_reload(vllm_ascend_version: str | None) -> bool:
+    """Whether the engine on vllm-ascend ``vllm_ascend_version`` reloads weights through vLLM's
+    layerwise reload (``LAYERWISE_RELOAD_SINCE`` and later; None, vllm-ascend not installed:
+    the pinned release's choice) or straight into the model's ``load_weights``."""
+    version = PINNED_VLLM_ASCEND if vllm_ascend_version is None else vllm_ascend_version
+    return parse_version(version) >= Version(LAYERWISE_RELOAD_SINCE)
+
+
 def known_stack(vllm_ascend_version: str) -> AscendStack | None:
     """The compatibility set of vllm-ascend ``vllm_ascend_version`` (local labels such as
     ``+gf2f74a16c`` ignored), or None when the release is not in ``ASCEND_STACKS``."""
