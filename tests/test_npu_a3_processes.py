@@ -55,6 +55,9 @@ class _RecordingBackend:
     def vllm_engine_options(self) -> dict:
         return {}
 
+    def check_engine_build(self) -> None:
+        """The installed engine build matches the chip (nothing to check in this stand-in)."""
+
 
 class _FakeLLM:
     """``vllm.LLM`` reduced to ``collective_rpc``: calls the method by name on each of its
