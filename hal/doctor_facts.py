@@ -37,8 +37,18 @@ from hal.registry import BACKEND_NAMES, unavailable_reason
 OK, WARN, FAIL, ABSENT, NOT_PRESENT = "ok", "WARN", "FAIL", "absent", "-"
 """Statuses of a check row; only FAIL makes `crossrl doctor` exit 1."""
 
-CANN_DEFAULT_HOME = Path("/usr/local/Ascend/ascend-toolkit/latest")
+CANN_DEFAULT_HOMES = (
+    Path("/usr/local/Ascend/cann"),
+    Path("/usr/local/Ascend/ascend-toolkit/latest"),
+)
+"""Where CANN installs without ``--install-path``, newest layout first: ``/usr/local/Ascend/cann``
+since CANN 8.5 (its ``<arch>-linux/ascend_toolkit_install.info``), ``ascend-toolkit/latest``
+before (CANN 8.5's and 8.0's "File Paths" pages)."""
 CANN_HOME_ENVS = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
+CANN_SET_ENV_FIX = (
+    "source its set_env.sh (/usr/local/Ascend/cann/set_env.sh since CANN 8.5, "
+    "/usr/local/Ascend/ascend-toolkit/set_env.sh before)"
+)
 IMPORT_TIMEOUT_S = 180.0
 """Seconds a child process may take to import vllm (and its plugin) before it counts as hung."""
 
@@ -318,23 +328,50 @@ def vllm_ascend_nz_check(
 
 
 def cann_check(environ: Mapping[str, str]) -> Check:
-    """CANN, the Ascend toolkit torch_npu links against: found through its env or default path."""
-    fix = "install CANN, then `source /usr/local/Ascend/ascend-toolkit/set_env.sh`"
+    """CANN, the Ascend toolkit torch_npu links against: found through its env or a default
+    path (``CANN_DEFAULT_HOMES``), and its version against the tested set's (the CANN of
+    vllm-ascend ``PINNED_VLLM_ASCEND``, ``constraints-npu.txt``): another version WARNs."""
+    fix = f"install CANN {_tested_cann()}, then {CANN_SET_ENV_FIX}"
     for var in CANN_HOME_ENVS:
         if environ.get(var):
             home = Path(environ[var])
             if not home.is_dir():
                 return Check("CANN", FAIL, f"{var}={home} is not a directory", fix)
-            return Check("CANN", OK, f"{var}={home}{_cann_version(home)}")
-    if CANN_DEFAULT_HOME.is_dir():
-        detail = f"{CANN_DEFAULT_HOME}{_cann_version(CANN_DEFAULT_HOME)}, but its env is not set"
-        return Check("CANN", WARN, detail, "source /usr/local/Ascend/ascend-toolkit/set_env.sh")
+            return _cann_version_row(f"{var}={home}", home)
+    home = _cann_default_home()
+    if home is not None:
+        row = _cann_version_row(f"{home}", home)
+        return Check("CANN", WARN, f"{row.detail}, but its env is not set", CANN_SET_ENV_FIX)
     return Check("CANN", FAIL, f"not found ({', '.join(CANN_HOME_ENVS)} unset)", fix)
 
 
-def _cann_version(home: Path) -> str:
-    version = _cann_version_in(home)
-    return f" (version {version})" if version else ""
+def _tested_cann() -> str:
+    return ASCEND_STACKS[PINNED_VLLM_ASCEND].cann
+
+
+def _cann_default_home() -> Path | None:
+    return next((home for home in CANN_DEFAULT_HOMES if home.is_dir()), None)
+
+
+def _cann_version_row(where: str, home: Path) -> Check:
+    """The CANN row for the toolkit at ``home`` (``where`` says how it was found): OK at the
+    tested version, WARN at another or when its version cannot be read."""
+    version, tested = _cann_version_in(home), _tested_cann()
+    if version is None:
+        return Check(
+            "CANN",
+            WARN,
+            f"{where} (no version in */ascend_toolkit_install.info)",
+            f"use CANN {tested}",
+        )
+    if version != tested:
+        return Check(
+            "CANN",
+            WARN,
+            f"{where} (version {version}; the tested set has {tested})",
+            f"install CANN {tested} and NNAL {tested}, the set constraints-npu.txt pins",
+        )
+    return Check("CANN", OK, f"{where} (version {version})")
 
 
 def _cann_version_in(home: Path) -> str | None:
@@ -352,7 +389,8 @@ def cann_version(environ: Mapping[str, str]) -> str | None:
         if environ.get(var):
             home = Path(environ[var])
             return _cann_version_in(home) if home.is_dir() else None
-    return _cann_version_in(CANN_DEFAULT_HOME) if CANN_DEFAULT_HOME.is_dir() else None
+    home = _cann_default_home()
+    return None if home is None else _cann_version_in(home)
 
 
 def torch_npu_check(torch_version: str) -> Check:

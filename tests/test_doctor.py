@@ -251,7 +251,7 @@ def test_npu_vllm_rows_check_the_installed_set(monkeypatch, tmp_path):
 
 
 def test_cann_version_read_from_its_install_info(monkeypatch, tmp_path):
-    monkeypatch.setattr(doctor_facts, "CANN_DEFAULT_HOME", tmp_path / "absent")
+    monkeypatch.setattr(doctor_facts, "CANN_DEFAULT_HOMES", (tmp_path / "absent",))
     (tmp_path / "x86_64-linux").mkdir()
     (tmp_path / "x86_64-linux" / "ascend_toolkit_install.info").write_text("version=9.1.0\n")
     assert cann_version({"ASCEND_TOOLKIT_HOME": str(tmp_path)}) == "9.1.0"
@@ -350,14 +350,35 @@ def test_vllm_ascend_nz_must_be_off_for_weight_reload(value, status):
 
 
 def test_cann_found_through_env_or_reported_missing(monkeypatch, tmp_path):
-    monkeypatch.setattr(doctor_facts, "CANN_DEFAULT_HOME", tmp_path / "absent")
+    monkeypatch.setattr(doctor_facts, "CANN_DEFAULT_HOMES", (tmp_path / "absent",))
     (tmp_path / "aarch64-linux").mkdir()
-    (tmp_path / "aarch64-linux" / "ascend_toolkit_install.info").write_text("version=8.1.RC1\n")
+    info = tmp_path / "aarch64-linux" / "ascend_toolkit_install.info"
+    info.write_text("version=9.1.0\n")
     row = cann_check({"ASCEND_HOME_PATH": str(tmp_path)})
-    assert row.status == OK and "8.1.RC1" in row.detail
+    assert row.status == OK and "9.1.0" in row.detail
+    # Another CANN than the tested set's: a warning naming both and the fix.
+    info.write_text("version=8.1.RC1\n")
+    row = cann_check({"ASCEND_HOME_PATH": str(tmp_path)})
+    assert row.status == WARN and "8.1.RC1" in row.detail and "9.1.0" in row.detail
+    assert "CANN 9.1.0" in row.fix
     assert cann_check({"ASCEND_TOOLKIT_HOME": str(tmp_path / "gone")}).status == FAIL
     missing = cann_check({})
-    assert missing.status == FAIL and "set_env.sh" in missing.fix
+    assert missing.status == FAIL and "/usr/local/Ascend/cann/set_env.sh" in missing.fix
+
+
+def test_cann_found_at_the_default_path_of_8_5_and_of_before(monkeypatch, tmp_path):
+    new, old = tmp_path / "cann", tmp_path / "ascend-toolkit" / "latest"
+    monkeypatch.setattr(doctor_facts, "CANN_DEFAULT_HOMES", (new, old))
+    (old / "x86_64-linux").mkdir(parents=True)
+    (old / "x86_64-linux" / "ascend_toolkit_install.info").write_text("version=8.0.0\n")
+    row = cann_check({})
+    assert row.status == WARN and str(old) in row.detail and "env is not set" in row.detail
+    assert doctor_facts.cann_version({}) == "8.0.0"
+    (new / "aarch64-linux").mkdir(parents=True)
+    (new / "aarch64-linux" / "ascend_toolkit_install.info").write_text("version=9.1.0\n")
+    row = cann_check({})  # CANN 8.5's layout wins where both are present
+    assert str(new) in row.detail and "9.1.0" in row.detail
+    assert doctor_facts.cann_version({}) == "9.1.0"
 
 
 # ---- flash-attn -------------------------------------------------------------------------------
