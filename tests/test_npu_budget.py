@@ -131,3 +131,14 @@ def test_device_total_memory_reads_the_childs_answer():
 def test_a_real_child_without_the_device_says_nothing():
     # the CPU backend's module has no device properties: the child fails, the answer is None
     assert device_total_memory("cpu", timeout_s=120) is None
+
+
+def test_a_bad_buffer_size_is_one_line_before_start_up(monkeypatch):
+    from trainer.loop.preflight import PreflightError, _check_memory
+
+    monkeypatch.setenv("HCCL_BUFFSIZE", "lots")
+    cfg = load_config("configs/npu/qwen2.5-7b-grpo.yaml", [], check_environment=False)
+    with pytest.raises(PreflightError) as info:
+        _check_memory(cfg)
+    text = str(info.value)
+    assert "HCCL_BUFFSIZE='lots'" in text and "\n" not in text

@@ -75,7 +75,10 @@ def _check_memory(cfg: Config, *, replay: bool = False) -> None:
         return
     from trainer.loop.memory_report import budget_for_cli, memory_problem
 
-    budget = budget_for_cli(cfg)
+    try:
+        budget = budget_for_cli(cfg)
+    except ValueError as err:  # an environment setting the budget reads, e.g. a buffer size
+        raise PreflightError(" ".join(str(err).split())) from None
     phases = ("update",) if replay else None
     problem = memory_problem(budget, cfg, phases) if budget is not None else None
     if problem:
