@@ -340,11 +340,12 @@ def test_step_boundary_hands_over_one_stage_at_a_time(tmp_path, monkeypatch):
 # ------------------------------------------------------------------ 7. NPU engine options
 
 
-@pytest.mark.parametrize(("backend_name", "layerwise"), [("cuda", True), ("npu", False)])
-def test_engine_host_builds_vllm_with_the_devices_options(monkeypatch, backend_name, layerwise):
-    """On Ascend the engine asks vllm-ascend's RL mode with the extra sleep cleanup (its sleep
-    otherwise frees only its own allocator's memory) and loads weights through the model's
-    ``load_weights`` as vllm-ascend's RL path does; on CUDA neither (vLLM's layerwise reload)."""
+@pytest.mark.parametrize("backend_name", ["cuda", "npu"])
+def test_engine_host_builds_vllm_with_the_devices_options(monkeypatch, backend_name):
+    """On Ascend the engine asks vllm-ascend for the extra sleep cleanup (its sleep otherwise
+    frees only its own allocator's memory), ND weights and no CPU binding, spelled for the
+    installed release; both reload weights layer by layer (vLLM's layerwise reload, which
+    vllm-ascend's own RL path also runs from 0.26.0rc1: ``hal.npu_versions``)."""
     import hal
     import rollout.engines
     from trainer.config import load_config
@@ -361,10 +362,10 @@ def test_engine_host_builds_vllm_with_the_devices_options(monkeypatch, backend_n
     monkeypatch.setattr(hal.npu, "installed_version", lambda name: "0.26.0rc1")  # the pinned one
     cfg = load_config(None, [*JOB, "rollout.engine=vllm"], check_environment=False)
     EngineHost(cfg).setup()
-    assert built["layerwise_reload"] is layerwise
+    assert built["layerwise_reload"] is True
     assert built["enable_sleep_mode"] is True
     options = built["engine_kwargs"]
-    if layerwise:
+    if backend_name == "cuda":
         assert options == {}
     else:
         # 0.26.0rc1 reads the top-level key and ignores rl_config (hal/npu_versions.py)
