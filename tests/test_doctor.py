@@ -12,7 +12,8 @@ import pytest
 from packaging.requirements import Requirement
 
 import hal
-from hal import doctor_facts
+from hal import cann, doctor_facts
+from hal.cann import cann_check, cann_version
 from hal.doctor_facts import (
     ABSENT,
     FAIL,
@@ -21,8 +22,6 @@ from hal.doctor_facts import (
     WARN,
     Check,
     ascend_stack_checks,
-    cann_check,
-    cann_version,
     env_checks,
     flash_attn_check,
     probe_imports,
@@ -251,7 +250,7 @@ def test_npu_vllm_rows_check_the_installed_set(monkeypatch, tmp_path):
 
 
 def test_cann_version_read_from_its_install_info(monkeypatch, tmp_path):
-    monkeypatch.setattr(doctor_facts, "CANN_DEFAULT_HOMES", (tmp_path / "absent",))
+    monkeypatch.setattr(cann, "CANN_DEFAULT_HOMES", (tmp_path / "absent",))
     (tmp_path / "x86_64-linux").mkdir()
     (tmp_path / "x86_64-linux" / "ascend_toolkit_install.info").write_text("version=9.1.0\n")
     assert cann_version({"ASCEND_TOOLKIT_HOME": str(tmp_path)}) == "9.1.0"
@@ -350,7 +349,7 @@ def test_vllm_ascend_nz_must_be_off_for_weight_reload(value, status):
 
 
 def test_cann_found_through_env_or_reported_missing(monkeypatch, tmp_path):
-    monkeypatch.setattr(doctor_facts, "CANN_DEFAULT_HOMES", (tmp_path / "absent",))
+    monkeypatch.setattr(cann, "CANN_DEFAULT_HOMES", (tmp_path / "absent",))
     (tmp_path / "aarch64-linux").mkdir()
     info = tmp_path / "aarch64-linux" / "ascend_toolkit_install.info"
     info.write_text("version=9.1.0\n")
@@ -368,17 +367,17 @@ def test_cann_found_through_env_or_reported_missing(monkeypatch, tmp_path):
 
 def test_cann_found_at_the_default_path_of_8_5_and_of_before(monkeypatch, tmp_path):
     new, old = tmp_path / "cann", tmp_path / "ascend-toolkit" / "latest"
-    monkeypatch.setattr(doctor_facts, "CANN_DEFAULT_HOMES", (new, old))
+    monkeypatch.setattr(cann, "CANN_DEFAULT_HOMES", (new, old))
     (old / "x86_64-linux").mkdir(parents=True)
     (old / "x86_64-linux" / "ascend_toolkit_install.info").write_text("version=8.0.0\n")
     row = cann_check({})
     assert row.status == WARN and str(old) in row.detail and "env is not set" in row.detail
-    assert doctor_facts.cann_version({}) == "8.0.0"
+    assert cann_version({}) == "8.0.0"
     (new / "aarch64-linux").mkdir(parents=True)
     (new / "aarch64-linux" / "ascend_toolkit_install.info").write_text("version=9.1.0\n")
     row = cann_check({})  # CANN 8.5's layout wins where both are present
     assert str(new) in row.detail and "9.1.0" in row.detail
-    assert doctor_facts.cann_version({}) == "9.1.0"
+    assert cann_version({}) == "9.1.0"
 
 
 # ---- flash-attn -------------------------------------------------------------------------------

