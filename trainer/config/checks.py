@@ -418,11 +418,13 @@ def _device_problem(key: str, name: str, fix: str) -> Problem | None:
     """``key=name`` names a device type that this machine has none of (the HAL's
     ``available_backends``; ``auto`` and ``cpu`` are always there), or None. ``fix``: what to set
     instead; the message also says why the type is missing (``hal.registry.unavailable_reason``)."""
+    if name in ("auto", "cpu"):  # before importing hal: the config check imports no torch
+        return None
     from hal import available_backends
     from hal.registry import unavailable_reason
 
     found = list(available_backends())
-    if name in ("auto", "cpu") or name in found:
+    if name in found:
         return None
     reason = unavailable_reason(name)  # a name the schema refused never gets here
     return problem(
