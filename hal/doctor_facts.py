@@ -435,7 +435,7 @@ def device_checks(
     `rollout_engine`. On cpu the accelerator stacks are reported as not present, status `-`,
     and the NPU's device probes as skipped with the reason. `device_probes` False (the doctor's
     --no-smoke): the npu probes that start processes on the devices are skipped."""
-    from hal.cann import cann_check
+    from hal.cann import cann_check, ops_package_check
     from hal.npu_checks import a3_checks, skipped_probe_rows
 
     environ = os.environ
@@ -460,7 +460,9 @@ def device_checks(
             detail = f"not present: {why}" if why else "present, not used (device=cpu)"
             rows.append(Check(other, NOT_PRESENT, detail))
             if other == "npu":
-                rows += skipped_probe_rows(f"device=cpu; {why or 'npu not used'}")
+                reason = f"device=cpu; {why or 'npu not used'}"
+                rows.append(ops_package_check(environ, None, reason))
+                rows += skipped_probe_rows(reason)
     engine_rows = rollout_engine_checks(device, rollout_engine, torch_version)
     return rows + engine_rows + env_checks(device, environ)
 

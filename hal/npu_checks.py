@@ -1,5 +1,5 @@
 """Ascend checks an Atlas A3 node needs beyond versions: the chip the installed vllm-ascend was
-built for, the driver (HDK), NNAL/ATB, triton-ascend, HCCL's port ranges, and two device checks
+built for, the driver (HDK), the chip's ops package (``hal.cann``), NNAL/ATB, triton-ascend, HCCL's port ranges, and two device checks
 (an HCCL collective across two dies, an IPC transfer between two processes on one die).
 
 Sources, read from the pinned releases (not from a main branch):
@@ -30,6 +30,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from hal.cann import ops_package_check
 from hal.doctor_facts import FAIL, NOT_PRESENT, OK, WARN, Check, dist_version
 from hal.npu_versions import PINNED_VLLM_ASCEND
 
@@ -368,17 +369,18 @@ def a3_checks(
     device_probes: bool = True,
     rollout_engine: str = "vllm",
 ) -> list[Check]:
-    """The rows an A3 node needs beyond versions: driver, NNAL/ATB, triton-ascend, the
-    vllm-ascend build against the chip, HCCL port ranges, then the two device probes (skipped
+    """The rows an A3 node needs beyond versions: driver, the chip's ops package, NNAL/ATB,
+    triton-ascend, the vllm-ascend build against the chip, HCCL port ranges, then the two device probes (skipped
     with the reason where no NPU exists, or when ``device_probes`` is False)."""
-    rows = [hdk_check()]
+    chip, soc_name = (None, "") if no_npu_reason else _probed_chip()
+    rows = [hdk_check(), ops_package_check(environ, chip, no_npu_reason)]
     if rollout_engine != "vllm":
         why = f"not needed (rollout.engine={rollout_engine})"
         rows += [Check(n, NOT_PRESENT, why) for n in ("NNAL/ATB", "triton-ascend")]
         rows.append(Check("vllm-ascend build", NOT_PRESENT, why))
     else:
         rows += [nnal_check(environ), triton_ascend_check(dist_version("triton-ascend"))]
-        rows.append(_build_row(no_npu_reason))
+        rows.append(_build_row(no_npu_reason, chip, soc_name))
     rows += port_range_checks(environ)
     if no_npu_reason:
         rows += skipped_probe_rows(no_npu_reason)
@@ -390,15 +392,20 @@ def a3_checks(
     return rows
 
 
-def _build_row(no_npu_reason: str | None) -> Check:
-    """The vllm-ascend build's device type against this node's chip (read in a child)."""
+def _probed_chip() -> tuple[str | None, str]:
+    """This node's device type and chip name, read once in a child (torch_npu's SoC number)."""
+    soc, soc_name = probe_soc()
+    return (chip_type(soc) if soc is not None else None), soc_name
+
+
+def _build_row(no_npu_reason: str | None, chip: str | None, soc_name: str) -> Check:
+    """The vllm-ascend build's device type against this node's chip."""
     build = vllm_ascend_build_type()
     if no_npu_reason:
         return engine_build_check(build, None, f"no NPU: {no_npu_reason}", npu=False)
     if build is None:
         return engine_build_check(None, None)
-    soc, soc_name = probe_soc()
-    return engine_build_check(build, chip_type(soc) if soc is not None else None, soc_name)
+    return engine_build_check(build, chip, soc_name)
 
 
 __all__ = [

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 import hal
-from hal import doctor_facts, npu_checks
+from hal import cann, doctor_facts, npu_checks
 from hal.doctor_facts import FAIL, NOT_PRESENT, OK, WARN
 from hal.npu_checks import (
     A3_SOC_VERSION,
@@ -296,3 +296,89 @@ def test_cli_doctor_lists_the_npu_probes_with_their_reason():
     for name in npu_checks.PROBE_NAMES:
         line = next(ln for ln in done.stdout.splitlines() if ln.startswith(name))
         assert "skipped:" in line
+
+
+# ---- the chip's ops package -------------------------------------------------------------------
+
+
+def fake_toolkit(root, *kernel_dirs: str, version: str = "9.1.0"):
+    """A CANN toolkit in `root`: its install info, and under ``opp`` the kernel directories
+    named (each holding one operator's folder; ``ops_oam`` alone is what the toolkit ships)."""
+    (root / "x86_64-linux").mkdir(parents=True)
+    (root / "x86_64-linux" / "ascend_toolkit_install.info").write_text(f"version={version}\n")
+    kernels = root / "opp" / cann.OPP_KERNELS
+    for name in kernel_dirs:
+        (kernels / name / ("ops_oam" if name == "toolkit-only" else "add")).mkdir(parents=True)
+    if not kernel_dirs:
+        (kernels / "ascend910_93" / "ops_oam").mkdir(parents=True)
+    return root
+
+
+@pytest.fixture
+def no_default_cann(monkeypatch, tmp_path):
+    monkeypatch.setattr(cann, "CANN_DEFAULT_HOMES", (tmp_path / "absent",))
+
+
+def test_ops_package_missing_on_an_a3_names_the_package_for_the_toolkits_version(
+    tmp_path, no_default_cann
+):
+    home = fake_toolkit(tmp_path / "cann", version="9.0.0")  # the toolkit's ops_oam alone
+    row = cann.ops_package_check({"ASCEND_TOOLKIT_HOME": str(home)}, "A3")
+    assert row.status == FAIL
+    assert "no A3 kernels" in row.detail and "ascend910_93" in row.detail
+    assert "pip install ascend-cann-a3-ops==9.0.0" in row.fix
+
+
+def test_ops_package_of_the_other_chip_is_named(tmp_path, no_default_cann):
+    home = fake_toolkit(tmp_path / "cann", "ascend910b")
+    row = cann.ops_package_check({"ASCEND_HOME_PATH": str(home)}, "A3")
+    assert row.status == FAIL and "only A2's" in row.detail
+    assert cann.ops_package_check({"ASCEND_HOME_PATH": str(home)}, "A2").status == OK
+
+
+def test_ops_package_found_through_the_operator_root_env(tmp_path, no_default_cann):
+    """``ASCEND_OPP_PATH`` (set by CANN's set_env.sh) wins over ``<toolkit>/opp``."""
+    home = fake_toolkit(tmp_path / "cann")  # toolkit only
+    elsewhere = fake_toolkit(tmp_path / "pip-installed", "ascend910_93") / "opp"
+    env = {"ASCEND_TOOLKIT_HOME": str(home)}
+    assert cann.ops_package_check(env, "A3").status == FAIL
+    row = cann.ops_package_check({**env, "ASCEND_OPP_PATH": str(elsewhere)}, "A3")
+    assert row.status == OK and str(elsewhere) in row.detail
+
+
+def test_ops_package_without_a_toolkit_or_a_chip(tmp_path, no_default_cann):
+    assert cann.ops_package_check({}, "A3").status == FAIL
+    home = fake_toolkit(tmp_path / "cann", "ascend910b", "ascend910_93")
+    row = cann.ops_package_check({"ASCEND_TOOLKIT_HOME": str(home)}, None)
+    assert row.status == WARN and "kernels for: A2, A3" in row.detail
+    skipped = cann.ops_package_check({}, None, "no NPU here")
+    assert skipped.status == NOT_PRESENT and skipped.detail == "skipped: no NPU here"
+
+
+def test_a3_checks_read_the_chip_once_for_the_ops_package_and_the_build(
+    site, tmp_path, no_default_cann, monkeypatch
+):
+    fake_vllm_ascend(site, "A2")
+    home = fake_toolkit(tmp_path / "cann", "ascend910b")
+    probes = []
+    monkeypatch.setattr(
+        npu_checks, "probe_soc", lambda: probes.append(1) or (250, "Ascend910_9391")
+    )
+    rows = {
+        r.name: r
+        for r in npu_checks.a3_checks(
+            {"ASCEND_TOOLKIT_HOME": str(home)},
+            no_npu_reason=None,
+            device_count=2,
+            device_probes=False,
+        )
+    }
+    assert probes == [1]
+    assert rows["CANN ops package"].status == FAIL  # A2's kernels on an A3 chip
+    assert rows["vllm-ascend build"].status == FAIL  # an A2 build on an A3 chip
+
+
+def test_doctor_on_the_cpu_lists_the_ops_package_as_skipped():
+    rows = doctor_facts.device_checks("cpu", rollout_engine="hf", torch_version="2.10.0")
+    row = next(r for r in rows if r.name == "CANN ops package")
+    assert row.status == NOT_PRESENT and row.detail.startswith("skipped: device=cpu")
