@@ -7,14 +7,30 @@ group share one replica's prefix cache. Each replica gets its share in one ``gen
 all replicas at once; results come back in request order. The agent loop's batcher does not
 wait for that: it sees the replicas as lanes (``lanes``, ``lane_of``) and keeps one call in
 flight on each, so a slow replica delays only its own prompts.
+
+Failover. A replica whose ``generate`` raises ``ReplicaLostError`` (its process is gone) is
+marked lost for the rest of the router's life: that call's requests, and every later request
+dealt to it, are dealt again over the surviving replicas by the same rule
+(``survivors[deal_prompt(group, len(survivors))]``), so nothing is answered twice and the
+rollout finishes. A lane keeps its place in the batcher and forwards its calls. Requests carry
+their own sampling seeds, so a re-dealt request samples the same tokens; with one survivor a
+lost lane's call reaches it whole, the same batch the lost replica had, so its log-probs repeat
+bit for bit too (with several survivors the call is split, and log-probs may move in the last
+float bits with the batch's shape). ``take_lost`` tells the rollout which replicas were lost.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from rollout.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams
+
+
+class ReplicaLostError(RuntimeError):
+    """An engine replica's process is gone (raised by the replica's ``Engine`` stand-in, e.g.
+    the rollout host's handle on a dead peer); the router deals its requests to the others."""
 
 
 def deal_prompt(prompt_index: int, num_replicas: int) -> int:
@@ -26,13 +42,21 @@ def deal_prompt(prompt_index: int, num_replicas: int) -> int:
 class ReplicaRouter(Engine):
     """``replicas[i].generate`` serves the requests dealt to replica i (see the module
     docstring). Weights and memory are each replica's own business (the trainer syncs every
-    replica directly), so those methods are not routed."""
+    replica directly), so those methods are not routed. ``waiting``: replica indices not dealt
+    to yet (they join when their owner says, ``serve``), e.g. a replacement that has not
+    loaded the current weights."""
 
-    def __init__(self, replicas: Sequence[Engine]) -> None:
+    def __init__(self, replicas: Sequence[Engine], waiting: Sequence[int] = ()) -> None:
         if not replicas:
             raise ValueError("ReplicaRouter needs at least one engine replica")
         self.replicas = list(replicas)
         self._pool = ThreadPoolExecutor(max_workers=len(self.replicas))
+        # One call at a time per replica: a survivor serves its own lane and forwarded calls.
+        self._locks = [threading.Lock() for _ in self.replicas]
+        self._state = threading.Lock()
+        self._out: set[int] = set(waiting)  # not dealt to: lost, or waiting to join
+        self._lost: list[int] = []  # lost since the last take_lost, in order
+        self._gone: set[int] = set()  # every replica ever lost: none comes back
 
     def generate(
         self, requests: list[GenerationRequest], sampling: SamplingParams
@@ -43,8 +67,8 @@ class ReplicaRouter(Engine):
         for i, req in enumerate(requests):
             shares[deal_prompt(req.group, count)].append(i)
         futures = [
-            self._pool.submit(engine.generate, [requests[i] for i in share], sampling)
-            for engine, share in zip(self.replicas, shares)
+            self._pool.submit(self.serve_lane, r, [requests[i] for i in share], sampling)
+            for r, share in enumerate(shares)
             if share
         ]
         results: list[GenerationResult | None] = [None] * len(requests)
@@ -53,10 +77,60 @@ class ReplicaRouter(Engine):
                 results[i] = res
         return results  # type: ignore[return-value]
 
+    def serve_lane(
+        self, lane: int, requests: list[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        """The requests dealt to replica ``lane``: served by it, or, once it is lost (or while
+        it waits to join), dealt again over the surviving replicas."""
+        if lane not in self._out:
+            try:
+                with self._locks[lane]:
+                    return self.replicas[lane].generate(requests, sampling)
+            except ReplicaLostError:
+                with self._state:
+                    if lane not in self._gone:
+                        self._out.add(lane)
+                        self._gone.add(lane)
+                        self._lost.append(lane)
+        return self._redeal(requests, sampling)
+
+    def _redeal(
+        self, requests: list[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        survivors = [i for i in range(len(self.replicas)) if i not in self._out]
+        if not survivors:
+            raise ReplicaLostError("every engine replica is lost; none is left to generate")
+        shares: dict[int, list[int]] = {}
+        for i, req in enumerate(requests):
+            shares.setdefault(survivors[deal_prompt(req.group, len(survivors))], []).append(i)
+        results: list[GenerationResult | None] = [None] * len(requests)
+        # A pool of its own: the calls may nest (a survivor lost while serving a re-deal).
+        with ThreadPoolExecutor(max_workers=len(shares)) as pool:
+            futures = {
+                r: pool.submit(self.serve_lane, r, [requests[i] for i in share], sampling)
+                for r, share in shares.items()
+            }
+            for r, future in futures.items():
+                for i, res in zip(shares[r], future.result()):
+                    results[i] = res
+        return results  # type: ignore[return-value]
+
+    def take_lost(self) -> list[int]:
+        """The replicas lost since the last call (indices, in the order they were lost)."""
+        with self._state:
+            lost, self._lost = self._lost, []
+        return lost
+
+    def serve(self, replicas: Sequence[int]) -> None:
+        """Deal to waiting ``replicas`` from now on (they hold the current weights)."""
+        with self._state:
+            self._out -= set(replicas) - self._gone
+
     def lanes(self) -> list[Engine]:
         """One lane per replica: a batching caller serves each replica's share on its own,
-        so the slowest replica does not hold up the others' next turns."""
-        return list(self.replicas)
+        so the slowest replica does not hold up the others' next turns; a lost replica's lane
+        forwards to the survivors."""
+        return [_Lane(self, i) for i in range(len(self.replicas))]
 
     def lane_of(self, group: int) -> int:
         """The replica ``deal_prompt`` gives prompt ``group``."""
@@ -69,3 +143,18 @@ class ReplicaRouter(Engine):
     def shutdown(self) -> None:
         """Stop the dispatch threads (the replicas are shut down by their owners)."""
         self._pool.shutdown(wait=False)
+
+
+class _Lane(Engine):
+    """Replica ``index`` of ``router`` as an engine of its own, with the router's failover."""
+
+    def __init__(self, router: ReplicaRouter, index: int) -> None:
+        self.router, self.index = router, index
+
+    def generate(self, requests, sampling):
+        """The router's ``serve_lane`` for this lane."""
+        return self.router.serve_lane(self.index, requests, sampling)
+
+    def update_weights(self, named_tensors) -> None:
+        """Not routed (see ``ReplicaRouter.update_weights``)."""
+        raise NotImplementedError("sync each engine replica directly, not through the router")

@@ -35,13 +35,8 @@ def _first_nonfinite(tree: Any, where: str = "") -> tuple[str, float] | None:
     """``(path, value)`` of the first inf/nan float in nested dicts/lists, else None."""
     if isinstance(tree, float) and not math.isfinite(tree):
         return where or "value", tree
-    items = (
-        tree.items()
-        if isinstance(tree, dict)
-        else enumerate(tree)
-        if isinstance(tree, list)
-        else ()
-    )
+    items: Any = tree.items() if isinstance(tree, dict) else ()
+    items = enumerate(tree) if isinstance(tree, list) else items
     for key, child in items:
         found = _first_nonfinite(child, f"{where}.{key}" if where else str(key))
         if found is not None:
@@ -193,6 +188,12 @@ class RolloutConfig(BaseModel):
         ge=1,
         description="environment calls (reset/step) running at once, at most; synchronous "
         "environments run on this many threads",
+    )
+    max_replica_failures: int = Field(
+        3,
+        ge=0,
+        description="engine replicas lost (process died) in one run that are replaced, their "
+        "unfinished requests dealt to the others; one more stops the run; 0 = the first does",
     )
     val_n: int = Field(1, ge=1, description="validation samples per prompt (k of val/pass@k)")
     val_temperature: float = Field(

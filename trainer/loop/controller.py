@@ -21,6 +21,7 @@ import numpy as np
 from batching import plan_minibatches, plan_stats
 from trainer.config import Config
 from trainer.loop.health import NonfiniteStreak, check_env_faults, check_finite_weights
+from trainer.loop.replicas import ReplicaReplacer
 from trainer.loop.step_stats import StepStats
 from trainer.loop.validation import validation_due
 from trainer.loop.workers.group import (
@@ -48,6 +49,8 @@ class Trainer:
         self.layout = None
         self.rollout = None  # replica 0, the rollout host
         self.replicas: list = []  # every engine replica's actor, replica order
+        self.spawner = None  # makes the workers (set by start); replaces lost replicas
+        self.replacer = ReplicaReplacer(self)
         self.rollout_info: dict[str, Any] = {}
         self.replica_info: list[dict[str, Any]] = []
         self.actor: WorkerGroup | None = None
@@ -85,8 +88,10 @@ class Trainer:
         with timer.section("rollout"):
             if self.pipeline is not None:  # generated ahead, while earlier steps trained
                 meta, batch_ref = self.pipeline.take(step)
+                self.replacer.start(meta)  # a replica lost mid-rollout: start its successor
             else:
                 meta, batch_ref = self._rollout(step)
+                self.replacer.start(meta)
                 # The training ranks get the devices; the push overwrites every engine
                 # weight, so the engines drop theirs instead of copying them to the host
                 # and back.
@@ -100,6 +105,7 @@ class Trainer:
             stats, mismatch = self._update(plan, step)
         adv_metrics.update(mismatch)
         with timer.section("sync"):
+            self.replacer.rejoin()  # successors join before the weights go to the engines
             if self.pipeline is not None:
                 records = self._end_of_step(step, plan)
                 validate = validation_due(self.cfg, step)
@@ -255,9 +261,10 @@ class Trainer:
 
     def _engines(self, method: str, *args) -> list:
         """Call ``method`` on every engine replica and wait."""
+        live = [(i, h) for i, h in enumerate(self.replicas) if h is not None]  # None: replacing
         return wait_all(
-            [getattr(h, method).remote(*args) for h in self.replicas],
-            [f"engine replica {i}" for i in range(len(self.replicas))],
+            [getattr(h, method).remote(*args) for _, h in live],
+            [f"engine replica {i}" for i, _ in live],
             timeout_s=CALL_TIMEOUT_S,
             what=f"rollout.{method}",
         )
@@ -392,7 +399,8 @@ class Trainer:
         for group in self.all_groups():
             for h in group.handles:
                 ray.kill(h, no_restart=True)
-        for handle in self.replicas:
-            ray.kill(handle, no_restart=True)
+        for handle in self.replicas + [h for h, _ in self.replacer.pending.values()]:
+            if handle is not None:
+                ray.kill(handle, no_restart=True)
         if self.placement is not None:
             self.placement.remove()

@@ -61,6 +61,7 @@ def start(job) -> None:
     job.use_critic = "critic" in job.layout.roles
     CLOCK.done("placement")
     spawner = Spawner(cfg, job.layout, job.placement, backend, job.in_process)
+    job.spawner = spawner  # kept: a lost engine replica is started again (trainer/loop/replicas.py)
     job.replicas = spawner.replicas(job.replay_dir)
     job.rollout = job.replicas[0]
     job.actor = spawner.group("actor")

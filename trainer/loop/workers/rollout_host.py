@@ -18,7 +18,6 @@ import torch
 import hal
 from batching import StepBatch, response_length_mean, trajectory_score_mean
 from rollout.agent_loop import RolloutOutput
-from rollout.engines.base import Engine
 from trainer.config.schema import Config
 from trainer.loop.startup import Phases, process_start_time
 from trainer.loop.workers.group import agree_on_settings
@@ -206,21 +205,6 @@ def engine_memory_fraction(cfg: Config, on_accelerator: bool) -> float:
     return cfg.rollout.memory_fraction / replicas
 
 
-class RemoteEngine(Engine):
-    """An ``EngineHost`` actor seen as an ``Engine`` by the rollout host's router."""
-
-    def __init__(self, handle) -> None:
-        self.handle = handle
-
-    def generate(self, requests, sampling):
-        """Generate on the remote replica and wait for it."""
-        return fetch(self.handle.generate.remote(requests, sampling))
-
-    def update_weights(self, named_tensors) -> None:
-        """Not here: the replica's own training ranks sync it."""
-        raise NotImplementedError("engine replicas are synced by their own training ranks")
-
-
 class RolloutHost(EngineHost):
     """Replica 0, which also owns the environment, the prompt stream and the agent loop:
     ``rollout(step) -> (metadata, [batch_ref])``. With several replicas its agent loop deals
@@ -251,34 +235,48 @@ class RolloutHost(EngineHost):
             self.val_items = val.all_records()
         self.generator = self.engine
         self.peers: list = []  # the other replicas' EngineHost handles (connect)
+        self.waiting: list[int] = []  # replicas that serve once they load weights (connect)
         self.weights_version: int | None = 0  # the step whose weights the replicas hold
         self.startup.done("env")
         return info
 
-    def connect(self, peers: list) -> int:
+    def connect(self, peers: list, waiting: list[int] | None = None) -> int:
         """Generate on this replica and on ``peers`` (the other replicas' ``EngineHost``
-        handles, in replica order); returns the replica count."""
+        handles, in replica order); returns the replica count. ``waiting``: replica indices
+        that do not hold the weights this host holds (a replacement, whose engines load
+        snapshots: ``take_weights``); they serve once the next snapshot is loaded into them."""
         from rollout.engines.router import ReplicaRouter
+        from trainer.loop.workers.remote_engine import RemoteEngine
 
         self.peers = list(peers)
+        self.waiting = sorted(waiting or [])
         if peers:
-            self.generator = ReplicaRouter([self.engine, *(RemoteEngine(h) for h in peers)])
+            remotes = [RemoteEngine(h, i) for i, h in enumerate(peers, start=1)]
+            self.generator = ReplicaRouter([self.engine, *remotes], self.waiting)
         return 1 + len(peers)
 
     def take_weights(self, weights: list | None) -> int:
         """Load ``weights``, ``[version, bucket refs, bucket specs]`` (a host-memory snapshot,
         ``WeightPush.snapshot_weights``, of the policy after training step ``version``), into
         every replica unless they hold that version already (a version of None always loads:
-        ``Trainer.sync_weights``); None: keep what they hold. Returns the version the replicas
-        hold (0: the initial weights; None: weights of no step)."""
-        version = self.weights_version
-        if weights is None or (weights[0] is not None and weights[0] == version):
+        ``Trainer.sync_weights``), and into waiting replicas (``connect``) whatever they hold;
+        None: keep what they hold. Returns the version the replicas hold (0: the initial
+        weights; None: weights of no step)."""
+        version, waiting = self.weights_version, self.waiting
+        held = weights is not None and weights[0] is not None and weights[0] == version
+        if weights is None or (held and not waiting):
             return version
         target, refs, specs = weights
-        calls = [h.load_host_buckets.remote(refs, specs) for h in self.peers]
-        self.load_host_buckets(refs, specs)
+        # Replicas that hold the version already skip it; a waiting replacement never does.
+        peers = [w - 1 for w in waiting] if held else range(len(self.peers))
+        calls = [self.peers[p].load_host_buckets.remote(refs, specs) for p in peers]
+        if not held:
+            self.load_host_buckets(refs, specs)
         for call in calls:
             fetch(call)
+        if waiting:
+            self.generator.serve(waiting)
+            self.waiting = []
         self.weights_version = None if target is None else int(target)
         return self.weights_version
 
@@ -338,6 +336,10 @@ class RolloutHost(EngineHost):
         meta["prompts_consumed"] = self.prompts_consumed
         meta["policy_version"] = version
         meta["env_faults"] = out.faults  # the health gate shows them (trainer/loop/health.py)
+        # Peers lost mid-rollout, their requests dealt to others: trainer/loop/replicas.py
+        lost = self.generator.take_lost() if self.peers else []
+        meta["lost_replicas"] = lost
+        meta["metrics"]["rollout/replicas_lost"] = float(len(lost))
         return meta, [put(arrays)]
 
     def _sample(self, step: int, items: list) -> RolloutOutput:

@@ -57,7 +57,7 @@ class Spawner:
         # CPU: the ranks split the cores, less the engines' own when they have some.
         cores = max(1, (os.cpu_count() or 1) - self.cfg.rollout.engine_devices)
         threads = max(1, cores // dp) if self.backend.name == "cpu" else 4
-        env = self.port_env(self.backend, role) or None
+        env = self.process_env(self.backend, role) or None
         handles = [
             self.spawn(
                 cls,
@@ -74,32 +74,43 @@ class Spawner:
         """One engine replica per tp group, on the group's first rank's bundle; replica 0 is
         the rollout host (agent loop, prompts) and deals requests to the others. With
         ``replay_dir``, one host that replays recorded rollouts instead."""
-        from trainer.loop.workers.rollout_host import EngineHost, ReplayHost, RolloutHost
+        from trainer.loop.workers.rollout_host import ReplayHost
 
-        cfg, layout, backend = self.cfg, self.layout, self.engine_backend()
-        share = layout.shares["rollout"]
+        layout = self.layout
         own = 0 if layout.separate else None  # the engines' own bundles, when they have them
         if replay_dir is not None:
-            return [self.spawn(ReplayHost, 0, share, replay_dir, engine=own)]
+            return [self.spawn(ReplayHost, 0, layout.shares["rollout"], replay_dir, engine=own)]
+        return [self.replica(rep.index) for rep in layout.replicas]
+
+    def replica(self, index: int):
+        """Engine replica ``index`` of the layout, on its tp group's first rank's bundle (its
+        own bundle when separate): the rollout host for 0, else an ``EngineHost``. Also how a
+        lost replica is started again in its place (``trainer.loop.replicas``)."""
+        from trainer.loop.workers.rollout_host import EngineHost, RolloutHost
+
+        cfg, layout, backend = self.cfg, self.layout, self.engine_backend()
+        rep = layout.replicas[index]
+        share = layout.shares["rollout"]
         # CPU: the replicas split the cores (their own ones, when separate); an
         # accelerator's engine uses few of them.
         cpus = cfg.rollout.engine_devices or os.cpu_count() or 1
         threads = max(1, cpus // len(layout.replicas)) if backend.name == "cpu" else 4
-        replicas = []
-        for rep in layout.replicas:
-            env = None
-            if backend.is_accelerator:
-                # The replica's process sees exactly its tp group's devices (Ray would
-                # show it only its own bundle's) plus what the device's engine needs.
-                ids = [i for b in range(rep.tp) for i in self._device_ids(rep, b)]
-                env = {**backend.engine_env(ids), **self.port_env(backend, "engine")}
-            cls = RolloutHost if rep.index == 0 else EngineHost
-            first = rep.ranks[0] if rep.ranks else 0
-            engine = rep.index if layout.separate else None
-            replicas.append(
-                self.spawn(cls, first, share, cfg, threads, rep.index, env=env, engine=engine)
-            )
-        return replicas
+        env = None
+        if backend.is_accelerator:
+            # The replica's process sees exactly its tp group's devices (Ray would
+            # show it only its own bundle's) plus what the device's engine needs.
+            ids = [i for b in range(rep.tp) for i in self._device_ids(rep, b)]
+            env = {**backend.engine_env(ids), **self.process_env(backend, "engine")}
+        cls = RolloutHost if rep.index == 0 else EngineHost
+        first = rep.ranks[0] if rep.ranks else 0
+        engine = rep.index if layout.separate else None
+        return self.spawn(cls, first, share, cfg, threads, rep.index, env=env, engine=engine)
+
+    def process_env(self, backend, kind: str) -> dict[str, str]:
+        """What every process of ``kind`` starts with: its collectives' ports (``port_env``)
+        and the device library's watchdog at ``run.collective_timeout_s``."""
+        timeout_s = self.cfg.run.collective_timeout_s
+        return {**self.port_env(backend, kind), **backend.collective_timeout_env(timeout_s)}
 
     def port_env(self, backend, kind: str) -> dict[str, str]:
         """What the processes of ``kind`` (a training role, or ``engine``) start with so that

@@ -1,0 +1,152 @@
+"""An engine replica lost mid-rollout: its requests are dealt to the survivors, the rollout
+finishes, and the controller starts a replacement that the next weight sync fills.
+
+Router failover with fake engines (fast); then, on Ray, a dp=2 run whose replica 1 is killed
+during step 2's rollout finishes with the fingerprints of an uninterrupted run, and
+``rollout.max_replica_failures=0`` stops at the first loss, naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.engines import GenerationRequest, GenerationResult, SamplingParams
+from rollout.engines.router import ReplicaLostError, ReplicaRouter, deal_prompt
+
+
+class _Replica:
+    """A fake replica: answers each request with its own seed; ``dies_after`` calls, it
+    raises ``ReplicaLostError`` for that call and every later one."""
+
+    def __init__(self, dies_after: int | None = None) -> None:
+        self.seen: list[int] = []  # the groups it answered
+        self.calls = 0
+        self.dies_after = dies_after
+
+    def generate(self, requests, sampling):
+        self.calls += 1
+        if self.dies_after is not None and self.calls > self.dies_after:
+            raise ReplicaLostError("engine replica is lost: its process died")
+        self.seen += [r.group for r in requests]
+        return [GenerationResult([r.seed], [0.0], "length") for r in requests]
+
+
+def _requests(groups, samples: int = 2) -> list[GenerationRequest]:
+    return [
+        GenerationRequest([1], seed=100 * g + k, group=g) for g in groups for k in range(samples)
+    ]
+
+
+def test_a_lost_replica_s_requests_are_dealt_over_the_survivors():
+    replicas = [_Replica(), _Replica(dies_after=1), _Replica()]
+    router = ReplicaRouter(replicas)
+    requests = _requests(range(12))
+    try:
+        for _turn in range(3):  # replica 1 answers turn 0, then dies
+            results = router.generate(requests, SamplingParams())
+            assert [r.token_ids[0] for r in results] == [r.seed for r in requests]
+        assert router.take_lost() == [1]
+        assert router.take_lost() == []  # reported once
+    finally:
+        router.shutdown()
+    own = {i: [g for g in range(12) if deal_prompt(g, 3) == i] for i in range(3)}
+    assert sorted(set(replicas[1].seen)) == own[1]
+    # replica 1's prompts went to the survivors by deal_prompt over the two of them
+    survivors = [0, 2]
+    for i in survivors:
+        moved = [g for g in own[1] if survivors[deal_prompt(g, 2)] == i]
+        assert sorted(set(replicas[i].seen)) == sorted(own[i] + moved)
+        assert len(replicas[i].seen) == 2 * (3 * len(own[i]) + 2 * len(moved))
+
+
+def test_every_lane_fails_over_to_the_survivors():
+    replicas = [_Replica(), _Replica(dies_after=0)]
+    router = ReplicaRouter(replicas)
+    lanes = router.lanes()
+    requests = _requests([1, 3])  # both dealt to replica 1
+    assert {router.lane_of(r.group) for r in requests} == {1}
+    for _turn in range(2):
+        results = lanes[1].generate(requests, SamplingParams())
+        assert [r.token_ids[0] for r in results] == [r.seed for r in requests]
+    assert replicas[1].calls == 1  # tried once, then known lost: never called again
+    assert replicas[0].seen == [1, 1, 3, 3] * 2  # the lost lane's call, whole, on replica 0
+    assert router.take_lost() == [1]
+    router.shutdown()
+
+
+def test_a_survivor_lost_during_a_redeal_is_dealt_around_too():
+    replicas = [_Replica(), _Replica(dies_after=0), _Replica(dies_after=0)]
+    router = ReplicaRouter(replicas)
+    requests = _requests(range(9))
+    results = router.generate(requests, SamplingParams())
+    assert [r.token_ids[0] for r in results] == [r.seed for r in requests]
+    assert sorted(router.take_lost()) == [1, 2]
+    assert sorted(set(replicas[0].seen)) == list(range(9))
+    router.shutdown()
+
+
+def test_no_survivor_left_raises():
+    router = ReplicaRouter([_Replica(dies_after=0)])
+    with pytest.raises(ReplicaLostError, match="every engine replica is lost"):
+        router.generate(_requests([0]), SamplingParams())
+    router.shutdown()
+
+
+def test_a_waiting_replica_serves_only_once_told():
+    replicas = [_Replica(), _Replica()]
+    router = ReplicaRouter(replicas, waiting=[1])
+    requests = _requests([0, 1])
+    router.generate(requests, SamplingParams())
+    assert replicas[1].seen == [] and replicas[0].seen == [0, 0, 1, 1]
+    router.serve([1])
+    router.generate(requests, SamplingParams())
+    assert replicas[1].seen == [1, 1]
+    assert router.take_lost() == []  # waiting is not lost
+    router.shutdown()
+
+
+def test_the_agent_loop_finishes_a_rollout_whose_replica_is_lost(tmp_path):
+    """The batcher's lanes (waves and continuous) over a real tokenizer and environment."""
+    from rollout.agent_loop import run_rollouts
+    from rollout.envs import bind_env
+    from rollout.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("builtin")
+    for deterministic in (True, False):
+        replicas = [_TokenReplica(tok), _TokenReplica(tok, dies_after=1)]
+        router = ReplicaRouter(replicas)
+        try:
+            out = run_rollouts(
+                router,
+                tok,
+                bind_env("recall", {}),
+                [0, 1, 2, 3],
+                n=2,
+                max_turns=3,
+                step_wise=True,
+                merge_stepwise=False,
+                max_input_len=200,
+                max_new_tokens=4,
+                sampling=SamplingParams(max_new_tokens=4),
+                seed=1,
+                step=1,
+                deterministic=deterministic,
+            )
+        finally:
+            router.shutdown()
+        assert out.rows and not out.faults
+        assert router.take_lost() == [1]
+
+
+class _TokenReplica(_Replica):
+    """A fake replica that answers with real token ids (the request's seed picks them)."""
+
+    def __init__(self, tok, dies_after: int | None = None) -> None:
+        super().__init__(dies_after)
+        self.eos = tok.eos_token_id
+
+    def generate(self, requests, sampling):
+        out = super().generate(requests, sampling)
+        return [
+            GenerationResult([5 + r.seed % 7, self.eos], [-1.0, -1.0], "stop")
+            for r, _ in zip(requests, out)
+        ]
