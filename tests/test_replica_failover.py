@@ -7,6 +7,11 @@ during step 2's rollout finishes with the fingerprints of an uninterrupted run, 
 
 from __future__ import annotations
 
+import random
+import threading
+import time
+from pathlib import Path
+
 import pytest
 
 from rollout.engines import GenerationRequest, GenerationResult, SamplingParams
@@ -150,3 +155,110 @@ class _TokenReplica(_Replica):
             GenerationResult([5 + r.seed % 7, self.eos], [-1.0, -1.0], "stop")
             for r, _ in zip(requests, out)
         ]
+
+
+# ---------------------------------------------------------------------------- on Ray
+
+SHORT = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4"]
+#: dp=2 with the hf engine at tp 1: two colocated replicas; replica 1 is the one killed. The
+#: environment waits up to 0.4 s per step (seeded), so a rollout lasts about a second.
+DP2 = [
+    *SHORT,
+    "train.dp_size=2",
+    "run.deterministic=true",
+    "run.resume=never",
+    "rollout.env=rollout.envs.sleepy:SleepyEnv",
+    "rollout.env_kwargs.max_delay_s=0.4",
+    "rollout.env_kwargs.turns=3",
+]
+FAULT_STEP = 2
+#: seconds after step 2's rollout starts that replica 1 is killed: seeded, and before its
+#: last turn (the first two environment steps alone take about 0.6 s or more)
+FAULT_DELAY_S = random.Random(37).uniform(0.05, 0.5)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    from trainer.loop.workers.group import start_ray
+
+    started = start_ray(None, num_cpus=8)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _cfg(run_dir: Path, *overrides: str):
+    from trainer.config import load_config
+
+    return load_config(None, [*DP2, f"run.dir={run_dir}", *overrides])
+
+
+def _kill_replica_during_rollout(monkeypatch, step: int, delay_s: float) -> list[float]:
+    """Make the controller's rollout of ``step`` kill engine replica 1 ``delay_s`` seconds
+    after it starts (from a thread, as a crash would come); returns the kill times."""
+    import ray
+
+    from trainer.loop.controller import Trainer
+
+    rollout, killed = Trainer._rollout, []
+
+    def faulty(self, at):
+        if at == step:
+
+            def kill():
+                time.sleep(delay_s)
+                ray.kill(self.replicas[1], no_restart=True)
+                killed.append(time.monotonic())
+
+            threading.Thread(target=kill, daemon=True).start()
+        return rollout(self, at)
+
+    monkeypatch.setattr(Trainer, "_rollout", faulty)
+    return killed
+
+
+@pytest.mark.slow
+def test_a_replica_killed_mid_rollout_is_replaced_and_the_run_repeats(
+    local_ray, tmp_path, monkeypatch
+):
+    from trainer.loop.run import run_training
+    from trainer.records.metrics import read_jsonl
+
+    straight, faulted = tmp_path / "straight", tmp_path / "faulted"
+    assert run_training(_cfg(straight, "train.total_steps=4")) == 0
+    killed = _kill_replica_during_rollout(monkeypatch, FAULT_STEP, FAULT_DELAY_S)
+    assert run_training(_cfg(faulted, "train.total_steps=4")) == 0
+    assert len(killed) == 1
+
+    metrics = read_jsonl(faulted / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    lost = {m["step"]: m["rollout/replicas_lost"] for m in metrics}
+    assert lost == {1: 0.0, 2: 1.0, 3: 0.0, 4: 0.0}
+    # The replacement took the current weights: every later step trains as the straight run.
+    assert read_jsonl(faulted / "fingerprint.jsonl") == read_jsonl(straight / "fingerprint.jsonl")
+    # Seconds the fault cost (not asserted: speed lives in bench/).
+    times = [m["timing/step_s"] for m in metrics[1:]]  # step 1 also starts up
+    others = sorted(t for m, t in zip(metrics[1:], times) if m["step"] != FAULT_STEP)
+    lost_s = times[FAULT_STEP - 2] - others[len(others) // 2]
+    print(
+        f"\nreplica killed {FAULT_DELAY_S:.2f} s into step {FAULT_STEP}'s rollout: step times "
+        f"{[round(t, 2) for t in times]} s (steps 2..4), seconds lost {lost_s:.2f}"
+    )
+
+
+@pytest.mark.slow
+def test_no_replica_failures_allowed_stops_naming_the_key(local_ray, tmp_path, monkeypatch):
+    from trainer.loop.controller import Trainer
+    from trainer.loop.workers.group import WorkerFailedError
+
+    _kill_replica_during_rollout(monkeypatch, 1, FAULT_DELAY_S)
+    cfg = _cfg(tmp_path / "run", "train.total_steps=1", "rollout.max_replica_failures=0")
+    trainer = Trainer(cfg, Path(cfg.run.dir))
+    try:
+        trainer.start()
+        with pytest.raises(WorkerFailedError, match=r"rollout\.max_replica_failures=0"):
+            trainer.train_step(1)
+    finally:
+        trainer.shutdown()

@@ -14,7 +14,9 @@ to the surviving replicas (``rollout.engines.router``) and names it in the rollo
   the current weights into it as into every replica.
 
 Colocated engines: the sync pushes to every replica in ``Trainer.replicas``, the replacement
-included; it is put to sleep first, as the others are, so the sync's wake-ups apply to it.
+included; it is put to sleep first, as the others are, so the sync's wake-ups apply to it, and
+the ranks drop the CPU sync's shared buffer, whose name is gone, so the push makes one it can
+map (``WeightPush.drop_host_buffer``).
 Engines on devices of their own: the rollout host is busy with queued rollouts, so
 ``connect`` is queued behind them (not waited for) and names the replacement ``waiting``: it
 serves only after the host has loaded the next snapshot into it (``take_weights``), which the
@@ -95,6 +97,7 @@ class ReplicaReplacer:
             # Queued behind the host's rollouts: the replacement serves from its next snapshot.
             job.rollout.connect.remote(job.replicas[1:], indices)
             return
+        job.actor.call("drop_host_buffer")  # the CPU sync's buffer: a fresh one it can map
         fresh = [job.replicas[i] for i in indices]
         # Asleep as the other replicas are now; the sync wakes its weights, then its KV cache.
         calls = [h.sleep.remote(True) for h in fresh]

@@ -184,6 +184,12 @@ class WeightPush:
             known = self._one_host = len(set(names)) == 1
         return known
 
+    def drop_host_buffer(self) -> None:
+        """Forget the CPU sync's shared buffer (``_push_weights_host_buffer``): the next push
+        makes a fresh one that every replica maps. For a replaced engine replica: the held
+        buffer's name is gone once the first replicas mapped it, so a new process cannot."""
+        self._host_buffer = None
+
     def _push_weights_host_buffer(self, engine) -> int:
         """The CPU sync when all ranks share one host: the whole model, in the engine's
         dtype, lives in one shared-memory buffer that every rank maps; each rank writes its
