@@ -307,6 +307,16 @@ class DeviceBackend:
         to it. None here: this device's collectives need no ports of their own per process."""
         return {}
 
+    def collective_timeout_env(
+        self, timeout_s: float, environ: Mapping[str, str] | None = None
+    ) -> dict[str, str]:
+        """Environment a job's processes start with so that a collective stuck for
+        ``timeout_s`` seconds (``run.collective_timeout_s``) fails instead of hanging, beyond
+        the process group's own timeout (``init_process_group``): the device library's
+        watchdog. A variable already set in ``environ`` (this process's environment by
+        default) is left to it. None here: gloo has only the process group's timeout."""
+        return {}
+
     # ---- attention --------------------------------------------------------------------------
 
     @property

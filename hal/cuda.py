@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import os
 import warnings
 from collections.abc import Callable
 
@@ -127,6 +128,15 @@ class CudaBackend(DeviceBackend):
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     ray_resource = RAY_RESOURCES["cuda"]
     ray_noset_env_var = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+    def collective_timeout_env(self, timeout_s: float, environ=None) -> dict[str, str]:
+        """NCCL's watchdog tears the process down when a collective passes the process
+        group's timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, torch's default, set here so a
+        user's shell cannot turn it off unseen): a hung rank becomes a dead one, which
+        ``run.max_restarts`` restarts. A value already exported is left to the user."""
+        environ = os.environ if environ is None else environ
+        wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+        return {k: v for k, v in wanted.items() if k not in environ}
 
     def device_names(self) -> list[str]:
         """Marketing name of every visible GPU."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 
 import torch
@@ -186,6 +187,18 @@ class NpuBackend(DeviceBackend):
         that variable is left out, so the user's value reaches the process instead."""
         environ = os.environ if environ is None else environ
         return {k: v for k, v in hccl_port_ranges(slot).items() if k not in environ}
+
+    def collective_timeout_env(self, timeout_s: float, environ=None) -> dict[str, str]:
+        """HCCL's device-side execution timeout (``HCCL_EXEC_TIMEOUT``, seconds, 0 to 2^31-1
+        on A2/A3) follows ``run.collective_timeout_s``, so an HCCL operator waiting for a dead
+        peer fails with the process group's timeout instead of its own default; and torch_npu
+        tears the process down on a failed collective (``HCCL_ASYNC_ERROR_HANDLING=1``). A
+        value already exported is left to the user (the doctor checks it: under
+        ``HCCL_OP_EXPANSION_MODE=AIV`` HCCL clamps it to 1091 s)."""
+        environ = os.environ if environ is None else environ
+        seconds = min(max(int(math.ceil(timeout_s)), 1), 2**31 - 1)
+        wanted = {"HCCL_EXEC_TIMEOUT": str(seconds), "HCCL_ASYNC_ERROR_HANDLING": "1"}
+        return {k: v for k, v in wanted.items() if k not in environ}
 
     @property
     def vllm_layerwise_reload(self) -> bool:

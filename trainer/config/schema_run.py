@@ -50,6 +50,20 @@ class RunConfig(BaseModel):
         description="optimizer steps in a row skipped for a non-finite loss or grad norm that "
         "stop the run (exit 1)",
     )
+    max_restarts: int = Field(
+        2,
+        ge=0,
+        description="times a run starts its workers again and resumes from its last checkpoint "
+        "(or its start) after a worker process died, hung or broke a collective; 0 = stop at "
+        "the first such fault (exit 1)",
+    )
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="seconds a collective may wait for a peer before it fails (the process "
+        "group's timeout, and the device library's watchdog through the HAL); a worker call's "
+        "own limit is this plus what the call's budgets allow",
+    )
     overwrite: bool = Field(
         False,
         description="allow run.resume=never (and crossrl probe --out) on a directory that holds "

@@ -56,8 +56,10 @@ class RolloutPipeline:
         record_dir: str | None,
         *,
         horizon: int | None = None,
+        timeout_s: float = CALL_TIMEOUT_S,
     ) -> None:
         self.host = host
+        self.timeout_s = timeout_s  # seconds to wait for a queued rollout
         self.lag = lag
         self.total_steps = total_steps
         self.horizon = total_steps + lag if horizon is None else horizon
@@ -121,7 +123,7 @@ class RolloutPipeline:
         results = wait_all(
             [self.queued.pop(s) for s in steps],
             ["rollout host"] * len(steps),
-            timeout_s=CALL_TIMEOUT_S,
+            timeout_s=self.timeout_s,
             what="rollout",
         )
         self.ready.update(zip(steps, results))

@@ -16,6 +16,7 @@ from trainer.config import Config
 
 if TYPE_CHECKING:
     from trainer.loop.controller import Trainer
+    from trainer.loop.restarts import Restarts
 
 #: What the driver imports once Ray is up: the controller and the worker classes Ray pickles
 #: (torch, FSDP, transformers). Imported in the background while Ray starts; the checks
@@ -144,8 +145,7 @@ def _run(
     """Start Ray and the trainer, train, and shut everything down again."""
     from trainer.loop.layout import LayoutError, local_ray_cpus, runs_in_process
     from trainer.loop.startup import CLOCK, import_in_background
-    from trainer.loop.workers.group import WorkerFailedError, start_ray
-    from trainer.records.checkpoint import CheckpointError
+    from trainer.loop.workers.group import start_ray
 
     try:
         in_process = runs_in_process(cfg)
@@ -165,16 +165,47 @@ def _run(
             CLOCK.done("ray_init")
         imports.join()
         CLOCK.done("driver_imports")
-        from trainer.loop.controller import Trainer
-        from trainer.loop.health import HealthError
+        try:
+            return _attempts(cfg, run_dir, replay_dir, save_checkpoints, command, stop, in_process)
+        finally:
+            if started_ray:
+                import ray
 
-        trainer = Trainer(cfg, run_dir, replay_dir=replay_dir)
+                ray.shutdown()
+
+
+def _attempts(
+    cfg: Config,
+    run_dir: Path,
+    replay_dir: str | None,
+    save_checkpoints: bool,
+    command: str,
+    stop: StopRequests,
+    in_process: bool,
+) -> int:
+    """Start the trainer and train; after a lost or hung worker, start again and resume
+    (``trainer.loop.restarts``), at most ``run.max_restarts`` times. Returns the exit status."""
+    from trainer.loop.controller import Trainer
+    from trainer.loop.health import HealthError
+    from trainer.loop.layout import LayoutError
+    from trainer.loop.restarts import Restarts
+    from trainer.loop.startup import CLOCK
+    from trainer.loop.workers.group import WorkerFailedError
+    from trainer.records.checkpoint import CheckpointError
+
+    restarts = Restarts(cfg.run.max_restarts, run_dir)
+    attempt = cfg  # a restart resumes from this run's last checkpoint
+    while True:
+        trainer = Trainer(attempt, run_dir, replay_dir=replay_dir)
         try:
             trainer.start()
-            write_run_config(cfg, run_dir, trainer.deterministic_settings)
-            CLOCK.done("config_yaml")
+            if not restarts.done:
+                write_run_config(cfg, run_dir, trainer.deterministic_settings)
+                CLOCK.done("config_yaml")
             started = time.monotonic()
-            rewards = _train_loop(cfg, trainer, run_dir, stop, save_checkpoints=save_checkpoints)
+            rewards = _train_loop(
+                cfg, trainer, run_dir, stop, restarts, save_checkpoints=save_checkpoints
+            )
             print(
                 closing_summary(
                     command,
@@ -183,11 +214,22 @@ def _run(
                     total_steps=cfg.train.total_steps,
                     rewards=rewards,
                     wall_s=time.monotonic() - started,
+                    restarts=[r.summary() for r in restarts.done],
                 ),
                 file=sys.stderr,
             )
             return 0
-        except (WorkerFailedError, HealthError, CheckpointError) as err:
+        except WorkerFailedError as err:
+            if in_process or restarts.take(err) is None:
+                print(f"crossrl {command}: {restarts.refused(err)}", file=sys.stderr)
+                return 1
+            print(
+                f"crossrl {command}: {err}\n  restarting the workers "
+                f"({len(restarts.done)} of run.max_restarts={cfg.run.max_restarts})",
+                file=sys.stderr,
+            )
+            attempt = restarts.config(cfg)
+        except (HealthError, CheckpointError) as err:
             print(f"crossrl {command}: {err}", file=sys.stderr)
             return 1
         except LayoutError as err:  # the cluster joined cannot hold the job
@@ -200,13 +242,7 @@ def _run(
             )
             return stop.exit_status
         finally:
-            try:
-                trainer.shutdown()
-            finally:
-                if started_ray:
-                    import ray
-
-                    ray.shutdown()
+            trainer.shutdown()
 
 
 def closing_summary(
@@ -217,10 +253,12 @@ def closing_summary(
     total_steps: int,
     rewards: list[float],
     wall_s: float,
+    restarts: list[str] | None = None,
 ) -> str:
     """The lines ``crossrl train`` ends with: what this process ran (steps ``first_step`` to
-    ``total_steps``; ``rewards``: each step's ``reward/mean``), the wall time in seconds, where
-    the run directory is, and what to run next."""
+    ``total_steps``; ``rewards``: each step's ``reward/mean``), the wall time in seconds, the
+    restarts on the way (``restarts``: a line each), where the run directory is, and what to
+    run next."""
     ran = len(rewards)
     if ran:
         what = (
@@ -234,14 +272,24 @@ def closing_summary(
         nxt = f"compare it with another run: crossrl parity RUN_A {run_dir}"
     else:
         nxt = f"crossrl plot {run_dir}    crossrl export {run_dir} OUT_DIR"
-    return f"crossrl {command}: done, {what}\n  run directory: {run_dir}\n  next: {nxt}"
+    lines = [f"crossrl {command}: done, {what}"]
+    lines += [f"  {line}" for line in restarts or []]
+    lines += [f"  run directory: {run_dir}", f"  next: {nxt}"]
+    return "\n".join(lines)
 
 
 def _train_loop(
-    cfg: Config, trainer: Trainer, run_dir: Path, stop: StopRequests, *, save_checkpoints: bool
+    cfg: Config,
+    trainer: Trainer,
+    run_dir: Path,
+    stop: StopRequests,
+    restarts: Restarts,
+    *,
+    save_checkpoints: bool,
 ) -> list[float]:
-    """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint.
-    Returns each step's ``reward/mean``, in step order."""
+    """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint;
+    ``restarts`` is told which step runs, and after a restart its record goes on the first
+    line. Returns each step's ``reward/mean``, in step order."""
     from trainer.loop.backlog import Backlog
     from trainer.loop.health import checkpoint_veto
     from trainer.loop.startup import CLOCK, log_summary
@@ -260,11 +308,16 @@ def _train_loop(
             if cfg.run.val_before_train and trainer.start_step == 0:
                 backlog.add_line(0, {}, trainer.validate(0))
                 CLOCK.done("validation")
-            if trainer.start_step < total:
+            if trainer.start_step < total and not restarts.done:
                 log_summary()
+            restart = restarts.resumed(trainer.start_step)
             for step in range(trainer.start_step + 1, total + 1):
                 stop.check()  # a signal during start-up or the previous step ends the run here
+                restarts.current_step = step
                 metrics, fingerprint = trainer.train_step(step)
+                if restart is not None:  # the first line after a restart records it
+                    metrics.update(restart.metrics())
+                    restart = None
                 rewards.append(float(metrics.get("reward/mean", float("nan"))))
                 metrics.update(CLOCK.metrics())  # the first step of this process only
                 validation = trainer.validate(step) if validation_due(cfg, step) else None

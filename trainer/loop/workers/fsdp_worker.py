@@ -160,7 +160,7 @@ class FSDPWorker(BatchStore, CheckpointPieces):
             spec.world_size,
             master_addr=master_addr,
             master_port=master_port,
-            timeout_s=600,
+            timeout_s=cfg.run.collective_timeout_s,
             local_rank=local_rank,
             # FSDP2's CPU offload reduces the gradient norm of host-resident shards.
             host_collectives=cfg.train.param_offload,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import socket
 import time
 from collections.abc import Sequence
@@ -27,7 +28,43 @@ CALL_TIMEOUT_S = 1800.0
 
 
 class WorkerFailedError(RuntimeError):
-    """A Ray worker died or raised; the message names the worker."""
+    """A Ray worker died, hung or raised; the message names the worker. ``kind`` says which:
+    ``died`` (its process is gone), ``hung`` (no answer within the call's limit),
+    ``collective`` (it raised from a collective: a peer died or timed out), ``raised``
+    (anything else it raised)."""
+
+    def __init__(self, message: str, kind: str = "raised") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+    @property
+    def restartable(self) -> bool:
+        """Whether starting the workers again may get past it (``run.max_restarts``): a lost
+        or hung process, or a collective it broke, yes; an error the worker's own code raised
+        would only repeat."""
+        return self.kind in RESTARTABLE_KINDS
+
+
+RESTARTABLE_KINDS = ("died", "hung", "collective")
+#: What torch.distributed raises when a collective breaks (a peer died, the group timed out).
+COLLECTIVE_ERRORS = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+
+
+#: How gloo words a collective that passed the process group's timeout (a plain RuntimeError:
+#: "[.../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 20000ms for send ...").
+GLOO_TIMEOUT = re.compile(r"gloo/.*Timed out waiting \d+ms for (send|recv)", re.S)
+
+
+def raised_kind(err: BaseException) -> str:
+    """``collective`` when the error a worker raised (``err``, or the error it wraps) comes
+    from a broken collective (a torch.distributed error, or gloo's timeout), else ``raised``.
+    The accelerators' collective libraries tear a timed-out process down instead (their
+    watchdogs, ``DeviceBackend.collective_timeout_env``): that one is ``died``."""
+    cause = getattr(err, "cause", None) or err
+    names = {cls.__name__ for cls in type(cause).__mro__}
+    if names & set(COLLECTIVE_ERRORS) or GLOO_TIMEOUT.search(str(cause)):
+        return "collective"
+    return "raised"
 
 
 class RayConnectError(ValueError):
@@ -292,7 +329,9 @@ def wait_all(
         if left <= 0:
             late = ", ".join(names[index[r]] for r in pending)
             calls = ", ".join(dict.fromkeys(whats[index[r]] for r in pending))
-            raise WorkerFailedError(f"{calls}: no answer from {late} within {timeout_s:.0f} s")
+            raise WorkerFailedError(
+                f"{calls}: no answer from {late} within {timeout_s:.0f} s", kind="hung"
+            )
         done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
         for ref in done:
             i = index[ref]
@@ -300,11 +339,12 @@ def wait_all(
                 results[i] = ray.get(ref)
             except ray.exceptions.RayActorError as err:
                 raise WorkerFailedError(
-                    f"{whats[i]}: worker {names[i]} died ({_first_line(err)})"
+                    f"{whats[i]}: worker {names[i]} died ({_first_line(err)})", kind="died"
                 ) from err
             except ray.exceptions.RayTaskError as err:
                 raise WorkerFailedError(
-                    f"{whats[i]}: worker {names[i]} raised {_first_line(err)}"
+                    f"{whats[i]}: worker {names[i]} raised {_first_line(err)}",
+                    kind=raised_kind(err),
                 ) from err
     return results
 
@@ -346,7 +386,9 @@ def _local_results(refs: Sequence[LocalRef], names: Sequence[str], whats: list[s
             err = ref.error
             text = str(err).strip().splitlines()
             message = f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
-            raise WorkerFailedError(f"{whats[i]}: worker {names[i]} raised {message}") from err
+            raise WorkerFailedError(
+                f"{whats[i]}: worker {names[i]} raised {message}", kind=raised_kind(err)
+            ) from err
     return [ref.result() for ref in refs]
 
 
