@@ -262,3 +262,60 @@ def test_no_replica_failures_allowed_stops_naming_the_key(local_ray, tmp_path, m
             trainer.train_step(1)
     finally:
         trainer.shutdown()
+
+
+#: Engines on devices of their own, a step behind (the fixed-lag pipeline): two replicas.
+OWN_LAG1 = [
+    "rollout.engine_devices=2",
+    "train.rollout_lag=1",
+    "algorithm.rollout_correction=token",
+]
+
+
+@pytest.mark.slow
+def test_a_lost_replica_of_the_lagged_pipeline_serves_again_with_current_weights(
+    local_ray, tmp_path, monkeypatch
+):
+    """The replacement joins the rollout host's queue and serves only once the next snapshot
+    is loaded into it: the run still repeats the uninterrupted one."""
+    import ray
+
+    from trainer.loop.controller import Trainer
+    from trainer.loop.pipeline import RolloutPipeline
+    from trainer.loop.run import run_training
+    from trainer.records.metrics import read_jsonl
+
+    straight, faulted = tmp_path / "straight", tmp_path / "faulted"
+    assert run_training(_cfg(straight, *OWN_LAG1, "train.total_steps=4")) == 0
+
+    trainers, killed = [], []
+    start, take = Trainer.start, RolloutPipeline.take
+
+    def keep(self):
+        trainers.append(self)
+        return start(self)
+
+    def take_then_kill(self, step):
+        out = take(self, step)
+        if step == FAULT_STEP - 1:  # step 2's rollout starts now, behind step 1's
+
+            def kill():
+                time.sleep(FAULT_DELAY_S)
+                ray.kill(trainers[-1].replicas[1], no_restart=True)
+                killed.append(step)
+
+            threading.Thread(target=kill, daemon=True).start()
+        return out
+
+    monkeypatch.setattr(Trainer, "start", keep)
+    monkeypatch.setattr(RolloutPipeline, "take", take_then_kill)
+    assert run_training(_cfg(faulted, *OWN_LAG1, "train.total_steps=4")) == 0
+    assert killed == [FAULT_STEP - 1]
+    metrics = read_jsonl(faulted / "metrics.jsonl")
+    assert {m["step"]: m["rollout/replicas_lost"] for m in metrics} == {
+        1: 0.0,
+        2: 1.0,
+        3: 0.0,
+        4: 0.0,
+    }
+    assert read_jsonl(faulted / "fingerprint.jsonl") == read_jsonl(straight / "fingerprint.jsonl")

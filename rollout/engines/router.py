@@ -87,12 +87,21 @@ class ReplicaRouter(Engine):
                 with self._locks[lane]:
                     return self.replicas[lane].generate(requests, sampling)
             except ReplicaLostError:
-                with self._state:
-                    if lane not in self._gone:
-                        self._out.add(lane)
-                        self._gone.add(lane)
-                        self._lost.append(lane)
+                self.mark_lost(lane)
         return self._redeal(requests, sampling)
+
+    def mark_lost(self, replica: int) -> None:
+        """Replica ``replica`` is gone (found by its ``generate``, or by its owner, e.g. while
+        loading weights): deal its prompts to the others from now on."""
+        with self._state:
+            if replica not in self._gone:
+                self._out.add(replica)
+                self._gone.add(replica)
+                self._lost.append(replica)
+
+    def is_lost(self, replica: int) -> bool:
+        """Whether replica ``replica`` is lost (it never serves again)."""
+        return replica in self._gone
 
     def _redeal(
         self, requests: list[GenerationRequest], sampling: SamplingParams

@@ -1,6 +1,8 @@
 """A peer engine replica's actor handle seen as an ``Engine`` by the rollout host's router
 (``rollout.engines.router``): its ``generate`` waits for the peer, and a peer whose process is
-gone raises ``ReplicaLostError``, so the router deals its requests to the others."""
+gone raises ``ReplicaLostError``, so the router deals its requests to the others. Loading a
+weight snapshot into the peers (engines on devices of their own) skips lost ones the same way.
+"""
 
 from __future__ import annotations
 
@@ -30,3 +32,24 @@ class RemoteEngine(Engine):
     def update_weights(self, named_tensors) -> None:
         """Not here: the replica's own training ranks sync it."""
         raise NotImplementedError("engine replicas are synced by their own training ranks")
+
+
+def load_snapshot_into_peers(
+    peers: list, router, replicas, refs: list, specs: list, meanwhile=None
+) -> None:
+    """Load a host-memory snapshot (``refs``, ``specs``: ``EngineHost.load_host_buckets``) into
+    peer replicas ``replicas`` (indices; ``peers[i - 1]`` is replica i's handle) at once, run
+    ``meanwhile()`` (the host's own load), and wait. A replica the router (``ReplicaRouter``)
+    has lost is skipped; one whose process dies while loading is marked lost there, so its
+    prompts go to the others."""
+    import ray
+
+    live = [i for i in replicas if not router.is_lost(i)]
+    calls = [(i, peers[i - 1].load_host_buckets.remote(refs, specs)) for i in live]
+    if meanwhile is not None:
+        meanwhile()
+    for i, call in calls:
+        try:
+            fetch(call)
+        except ray.exceptions.RayActorError:
+            router.mark_lost(i)

@@ -21,7 +21,7 @@ from rollout.agent_loop import RolloutOutput
 from trainer.config.schema import Config
 from trainer.loop.startup import Phases, process_start_time
 from trainer.loop.workers.group import agree_on_settings
-from trainer.loop.workers.local import fetch, put
+from trainer.loop.workers.local import put
 from trainer.loop.workers.sampling import run_config_rollouts
 
 
@@ -267,13 +267,12 @@ class RolloutHost(EngineHost):
         if weights is None or (held and not waiting):
             return version
         target, refs, specs = weights
+        from trainer.loop.workers.remote_engine import load_snapshot_into_peers
+
         # Replicas that hold the version already skip it; a waiting replacement never does.
-        peers = [w - 1 for w in waiting] if held else range(len(self.peers))
-        calls = [self.peers[p].load_host_buckets.remote(refs, specs) for p in peers]
-        if not held:
-            self.load_host_buckets(refs, specs)
-        for call in calls:
-            fetch(call)
+        replicas = waiting if held else range(1, 1 + len(self.peers))
+        mine = None if held else (lambda: self.load_host_buckets(refs, specs))
+        load_snapshot_into_peers(self.peers, self.generator, replicas, refs, specs, mine)
         if waiting:
             self.generator.serve(waiting)
             self.waiting = []
