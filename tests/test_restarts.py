@@ -6,17 +6,14 @@ faults."""
 
 from __future__ import annotations
 
-import os
-import random
 import re
-import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 import hal
+from bench.faults import FAULT_JOB, FAULTS, Fault
 from trainer.config import load_config
 from trainer.loop import call_limits
 from trainer.loop.call_limits import CallLimits
@@ -51,6 +48,11 @@ def test_kinds_of_worker_failure_and_which_restart():
     assert raised_kind(Wrapped(DistBackendError("gloo timed out"))) == "collective"
     gloo = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out "
     assert raised_kind(Wrapped(RuntimeError(gloo + "waiting 20000ms for send"))) == "collective"
+    peer_gone = (
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:44466: Connection reset by peer"
+    )
+    assert raised_kind(RuntimeError(peer_gone)) == "collective"
     assert raised_kind(RuntimeError("Timed out waiting for my env")) == "raised"
     assert WorkerFailedError("x", kind="died").restartable
     assert WorkerFailedError("x", kind="hung").restartable
@@ -130,13 +132,7 @@ def test_collective_timeout_reaches_each_device_librarys_watchdog():
 
 # ---- faults in a real run (dp 2, deterministic) ---------------------------------------------
 
-FAULT_RUN = [
-    "train.dp_size=2",
-    "train.total_steps=4",
-    "run.save_every=2",
-    "run.deterministic=true",
-    "run.resume=never",
-]
+FAULT_RUN = [*FAULT_JOB, "train.total_steps=4", "run.save_every=2"]
 
 
 @pytest.fixture(scope="module")
@@ -162,59 +158,6 @@ def straight(local_ray, tmp_path_factory):
     return run_dir, time.monotonic() - started
 
 
-class Fault:
-    """Kills (SIGKILL) a worker process of the first trainer at a seeded random moment of
-    ``phase`` (``_rollout`` or ``_update``) of step ``step``, or, with ``hang``, makes
-    training rank 1 sleep before that step so rank 0 waits for it inside a collective."""
-
-    def __init__(self, monkeypatch, *, step: int, phase: str, target: str, seed: int) -> None:
-        from trainer.loop.controller import Trainer
-
-        self.step, self.target = step, target
-        self.delay_s = random.Random(seed).uniform(0.0, 0.5)
-        self.fired = threading.Event()
-        self.pids: dict[str, int] = {}
-        fault = self
-        original_start, original_phase = Trainer.start, getattr(Trainer, phase)
-        original_step = Trainer.train_step
-
-        def start(trainer) -> None:
-            original_start(trainer)
-            if not fault.pids:  # the first trainer only: its processes' ids
-                fault.pids = fault._pids(trainer)
-
-        def train_step(trainer, step: int):
-            if target == "hang" and step == fault.step and not fault.fired.is_set():
-                fault.fired.set()
-                trainer.actor.handles[1].__ray_call__.remote(lambda self: time.sleep(3600))
-            return original_step(trainer, step)
-
-        def in_phase(trainer, *args, **kwargs):
-            step = args[-1] if phase == "_update" else args[0]
-            if step == fault.step and not fault.fired.is_set() and target != "hang":
-                fault.fired.set()
-                threading.Thread(target=fault._kill, daemon=True).start()
-            return original_phase(trainer, *args, **kwargs)
-
-        monkeypatch.setattr(Trainer, "start", start)
-        monkeypatch.setattr(Trainer, "train_step", train_step)
-        monkeypatch.setattr(Trainer, phase, in_phase)
-
-    @staticmethod
-    def _pids(trainer) -> dict[str, int]:
-        import ray
-
-        def pid(self) -> int:
-            return os.getpid()
-
-        handles = {"actor rank 1": trainer.actor.handles[1], "rollout host": trainer.rollout}
-        return {name: ray.get(h.__ray_call__.remote(pid)) for name, h in handles.items()}
-
-    def _kill(self) -> None:
-        time.sleep(self.delay_s)
-        os.kill(self.pids[self.target], signal.SIGKILL)
-
-
 def _fingerprints(run_dir: Path) -> list[dict]:
     from trainer.records.metrics import read_jsonl
 
@@ -222,22 +165,17 @@ def _fingerprints(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("target", "phase", "step", "extra"),
-    [
-        ("actor rank 1", "_update", 3, []),  # (b) a training rank mid-update
-        ("rollout host", "_rollout", 3, []),  # (c) the rollout host mid-rollout
-        ("hang", "_update", 3, ["run.collective_timeout_s=20"]),  # a rank hung
-    ],
-    ids=["rank-killed", "rollout-host-killed", "rank-hung"],
-)
+@pytest.mark.parametrize("name", list(FAULTS))
 def test_a_lost_or_hung_worker_is_restarted_and_the_run_is_exact(
-    straight, monkeypatch, tmp_path, capsys, target, phase, step, extra
+    straight, monkeypatch, tmp_path, capsys, name
 ):
+    """A training rank killed mid-update, the rollout host killed mid-rollout, a rank hung
+    (``bench.faults.FAULTS``), each in step 3."""
     from trainer.loop.run import run_training
     from trainer.records.metrics import read_jsonl
 
-    fault = Fault(monkeypatch, step=step, phase=phase, target=target, seed=step)
+    target, phase, extra = FAULTS[name]
+    fault = Fault(monkeypatch.setattr, step=3, phase=phase, target=target, seed=3)
     run_dir = tmp_path / "run"
     started = time.monotonic()
     assert run_training(_cfg(run_dir, *FAULT_RUN, *extra)) == 0
@@ -253,14 +191,14 @@ def test_a_lost_or_hung_worker_is_restarted_and_the_run_is_exact(
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert metrics[2]["restart/count"] == 1 and metrics[2]["restart/steps_redone"] in (0, 1)
-    print(f"{target}: {wall_s - straight[1]:.1f} s lost ({metrics[2]['restart/down_s']:.1f} s down)")
+    print(f"{name}: {wall_s - straight[1]:.1f} s lost ({metrics[2]['restart/down_s']:.1f} s down)")
 
 
 @pytest.mark.slow
 def test_max_restarts_0_stops_at_the_first_lost_worker(local_ray, monkeypatch, tmp_path, capsys):
     from trainer.loop.run import run_training
 
-    Fault(monkeypatch, step=1, phase="_update", target="actor rank 1", seed=0)
+    Fault(monkeypatch.setattr, step=1, phase="_update", target="actor rank 1", seed=0)
     cfg = _cfg(tmp_path / "run", *FAULT_RUN, "run.max_restarts=0")
     assert run_training(cfg) == 1
     err = capsys.readouterr().err

@@ -20,12 +20,12 @@ import numpy as np
 
 from batching import plan_minibatches, plan_stats
 from trainer.config import Config
+from trainer.loop.call_limits import CallLimits
 from trainer.loop.health import NonfiniteStreak, check_env_faults, check_finite_weights
 from trainer.loop.replicas import ReplicaReplacer
 from trainer.loop.step_stats import StepStats
 from trainer.loop.validation import validation_due
 from trainer.loop.workers.group import (
-    CALL_TIMEOUT_S,
     Later,
     PendingCalls,
     WorkerGroup,
@@ -58,6 +58,7 @@ class Trainer:
         self.critic: WorkerGroup | None = None
         self.deterministic_settings: dict[str, str] = {}
         self.nonfinite = NonfiniteStreak(cfg.run.max_nonfinite_steps)
+        self.limits = CallLimits.for_config(cfg)  # seconds each kind of call may take
         # Engines on devices of their own: the fixed-lag pipeline (set up by start).
         self.pipeline = None
         self.last_rollout: dict[str, Any] = {}  # the metadata of the step's rollout
@@ -126,7 +127,7 @@ class Trainer:
         return wait_all(
             [self.rollout.rollout.remote(step, self.record_dir())],
             ["rollout host"],
-            timeout_s=CALL_TIMEOUT_S,
+            timeout_s=self.limits.rollout_s,
             what="rollout",
         )[0]
 
@@ -156,6 +157,12 @@ class Trainer:
             and algo.rollout_correction == "none"
             and not kl_penalty
         )
+
+    def _busiest_rank_tokens(self, plan) -> int:
+        """Tokens of the step's rows on the rank that holds the most (an update's limit)."""
+        lens = self.last_rollout["seq_lens"]
+        ranks = self._rank_micro_batches(plan.mini_batches)
+        return max(sum(int(lens[i]) for mb in mbs for i in mb) for mbs in ranks)
 
     def _rank_micro_batches(self, minis) -> list[list[list[int]]]:
         """Per rank, its micro-batches of the mini-batches ``minis``, in order."""
@@ -187,7 +194,7 @@ class Trainer:
         advantages = [
             calls.submit(g, "compute_advantages", not from_update) for g in self.training_groups()
         ]
-        results = calls.wait()
+        results = calls.wait(self.limits.update_s(self._busiest_rank_tokens(plan)))
         return results[advantages[0][0]]
 
     def _update(self, plan, step: int) -> tuple[dict[str, StepStats], dict[str, float]]:
@@ -212,7 +219,7 @@ class Trainer:
         if from_update:
             rank_mbs = self._rank_micro_batches(plan.mini_batches)
             mismatch = calls.submit(self.actor, "rollout_mismatch_sums", per_rank=rank_mbs)
-        results = calls.wait()
+        results = calls.wait(self.limits.update_s(self._busiest_rank_tokens(plan)))
         totals = {g.role: StepStats(g.role) for g in groups}
         for role, refs in steps:
             reports = [results[r] for r in refs]
@@ -254,7 +261,7 @@ class Trainer:
             (metrics,) = wait_all(
                 [self.rollout.validate.remote(step)],
                 ["rollout host"],
-                timeout_s=CALL_TIMEOUT_S,
+                timeout_s=self.limits.setup_s,
                 what="rollout.validate",
             )
         return {**metrics, "timing/val_s": timer.sections["val"]}
@@ -265,7 +272,7 @@ class Trainer:
         return wait_all(
             [getattr(h, method).remote(*args) for _, h in live],
             [f"engine replica {i}" for i, _ in live],
-            timeout_s=CALL_TIMEOUT_S,
+            timeout_s=self.limits.setup_s,
             what=f"rollout.{method}",
         )
 
@@ -293,7 +300,7 @@ class Trainer:
             wait_all(
                 [self.rollout.take_weights.remote([None, *self.snapshot_weights()])],
                 ["rollout host"],
-                timeout_s=CALL_TIMEOUT_S,
+                timeout_s=self.limits.setup_s,
                 what="rollout.take_weights",
             )
             return
@@ -381,7 +388,7 @@ class Trainer:
             (consumed,) = wait_all(
                 [self.rollout.get_prompts_consumed.remote()],
                 ["rollout host"],
-                timeout_s=CALL_TIMEOUT_S,
+                timeout_s=self.limits.setup_s,
                 what="rollout.get_prompts_consumed",
             )
         state = {"rollout_lag": self.cfg.train.rollout_lag}  # a resume checks it

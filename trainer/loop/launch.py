@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from trainer.loop.workers.group import CALL_TIMEOUT_S, WorkerGroup, agree_on_settings, wait_all
+from trainer.loop.workers.group import WorkerGroup, agree_on_settings, wait_all
 
 
 def start(job) -> None:
@@ -22,41 +22,14 @@ def start(job) -> None:
     engine sizes its cache from the memory it finds free).
     """
     import hal
-    from trainer.loop.layout import plan_layout, runs_in_process
+    from trainer.loop.layout import runs_in_process
     from trainer.loop.startup import CLOCK
-    from trainer.loop.workers.group import (
-        cluster_node_ids,
-        cluster_node_table,
-        cluster_nodes,
-        make_placement,
-    )
     from trainer.loop.workers.spawn import Spawner
 
     cfg = job.cfg
     backend = hal.get_backend(cfg.device)
-    resource = backend.ray_resource
     job.in_process = runs_in_process(cfg, backend.name)
-    # Fails here, naming the key, when the cluster cannot hold the job (trainer/loop/layout.py).
-    engine = _other_engine_device(cfg, backend.name)
-    if engine is not None:  # rollout.device: the engines' devices are of another type
-        node_ids, counts = cluster_node_table([resource, hal.RAY_RESOURCES[engine]])
-        job.layout = plan_layout(
-            cfg,
-            counts[resource],
-            resource,
-            device=backend.name,
-            engine_nodes=counts[hal.RAY_RESOURCES[engine]],
-            engine_resource=hal.RAY_RESOURCES[engine],
-            engine_device=engine,
-        )
-    else:
-        nodes = [1] if job.in_process else cluster_nodes(resource)
-        job.layout = plan_layout(cfg, nodes, resource, device=backend.name)
-        node_ids = [] if job.in_process else cluster_node_ids(resource)
-    if not job.in_process:
-        job.placement = make_placement(
-            resource, job.layout, timeout_s=cfg.ray.placement_timeout_s, node_ids=node_ids
-        )
+    _reserve(job, backend)
     job.use_ref = "reference" in job.layout.roles
     job.use_critic = "critic" in job.layout.roles
     CLOCK.done("placement")
@@ -73,7 +46,9 @@ def start(job) -> None:
     if backend.is_accelerator:
         _setup_replicas(
             job,
-            wait_all(replica_refs, replica_names, timeout_s=CALL_TIMEOUT_S, what="rollout.setup"),
+            wait_all(
+                replica_refs, replica_names, timeout_s=job.limits.setup_s, what="rollout.setup"
+            ),
         )
         replica_refs, replica_names = [], []
     groups = job.all_groups()
@@ -81,7 +56,7 @@ def start(job) -> None:
     answers = wait_all(
         replica_refs + [r for g in groups for r in refs[g.role]],
         replica_names + [n for g in groups for n in g.names],
-        timeout_s=CALL_TIMEOUT_S,
+        timeout_s=job.limits.setup_s,
         what="setup",
     )
     if replica_refs:
@@ -96,6 +71,67 @@ def start(job) -> None:
     CLOCK.done("resume")
     if job.layout.separate:
         _start_pipeline(job)
+
+
+PLACEMENT_TRY_S = 20.0
+"""Seconds one reservation may wait before the layout is planned again from the nodes Ray
+then reports alive (a node lost a moment ago is still listed for a while)."""
+
+
+def _reserve(job, backend) -> None:
+    """Plan the layout on the cluster's live nodes and reserve its devices. Fails naming the
+    key when the cluster cannot hold the job (``trainer/loop/layout.py``). A reservation not
+    granted within ``PLACEMENT_TRY_S`` is planned again from the nodes alive then, until
+    ``ray.placement_timeout_s``: after a lost node (``trainer.loop.restarts``) the run goes on
+    with the nodes that are left."""
+    import time
+
+    import hal
+    from trainer.loop.layout import plan_layout
+    from trainer.loop.workers.group import (
+        WorkerFailedError,
+        cluster_node_ids,
+        cluster_node_table,
+        cluster_nodes,
+        make_placement,
+    )
+
+    cfg, resource = job.cfg, backend.ray_resource
+    deadline = time.monotonic() + cfg.ray.placement_timeout_s
+    while True:
+        engine = _other_engine_device(cfg, backend.name)
+        if engine is not None:  # rollout.device: the engines' devices are of another type
+            node_ids, counts = cluster_node_table([resource, hal.RAY_RESOURCES[engine]])
+            job.layout = plan_layout(
+                cfg,
+                counts[resource],
+                resource,
+                device=backend.name,
+                engine_nodes=counts[hal.RAY_RESOURCES[engine]],
+                engine_resource=hal.RAY_RESOURCES[engine],
+                engine_device=engine,
+            )
+        else:
+            nodes = [1] if job.in_process else cluster_nodes(resource)
+            job.layout = plan_layout(cfg, nodes, resource, device=backend.name)
+            node_ids = [] if job.in_process else cluster_node_ids(resource)
+        if job.in_process:
+            return
+        left = deadline - time.monotonic()
+        try:
+            job.placement = make_placement(
+                resource, job.layout, timeout_s=min(PLACEMENT_TRY_S, left), node_ids=node_ids
+            )
+            return
+        except WorkerFailedError as err:
+            if left <= PLACEMENT_TRY_S:
+                raise WorkerFailedError(
+                    str(err).replace(
+                        f"within {min(PLACEMENT_TRY_S, left):.0f} s",
+                        f"within ray.placement_timeout_s={cfg.ray.placement_timeout_s:g} s",
+                    ),
+                    kind="raised",
+                ) from err
 
 
 def _start_pipeline(job) -> None:
@@ -113,6 +149,8 @@ def _start_pipeline(job) -> None:
         cfg.train.total_steps,
         job.record_dir(),
         horizon=horizon,
+        # a rollout waits behind those queued before it (the lag) and a validation
+        timeout_s=(cfg.train.rollout_lag + 1) * job.limits.rollout_s + job.limits.setup_s,
     )
     weights = None
     if job.start_step:
@@ -127,7 +165,7 @@ def _start_pipeline(job) -> None:
             wait_all(
                 [job.rollout.set_prompts_consumed.remote(consumed)],
                 ["rollout host"],
-                timeout_s=CALL_TIMEOUT_S,
+                timeout_s=job.limits.setup_s,
                 what="rollout.set_prompts_consumed",
             )
     validate = cfg.run.val_before_train and job.start_step == 0
@@ -162,7 +200,7 @@ def _setup_replicas(job, infos: list[dict[str, Any]]) -> None:
         wait_all(
             [job.rollout.connect.remote(job.replicas[1:])],
             ["engine replica 0"],
-            timeout_s=CALL_TIMEOUT_S,
+            timeout_s=job.limits.setup_s,
             what="rollout.connect",
         )
 
@@ -183,7 +221,7 @@ def resume(job) -> None:
     wait_all(
         [job.rollout.set_prompts_consumed.remote(consumed)],
         ["rollout host"],
-        timeout_s=CALL_TIMEOUT_S,
+        timeout_s=job.limits.setup_s,
         what="rollout.set_prompts_consumed",
     )
     if not job.layout.separate:  # else the pipeline's first rollouts take a snapshot

@@ -14,6 +14,7 @@ resume test), so its fingerprints equal an uninterrupted run's.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +89,7 @@ class Restarts:
             return None
         self._failed_at = time.monotonic()
         # the call and the worker; Ray's explanation after them stays in the error's own line
-        what = str(err).splitlines()[0].split(" (", 1)[0]
+        what = re.split(r" \(|: \[", str(err).splitlines()[0], maxsplit=1)[0]
         restart = Restart(len(self.done) + 1, self.current_step, what)
         self.done.append(restart)
         return restart

@@ -50,19 +50,22 @@ RESTARTABLE_KINDS = ("died", "hung", "collective")
 COLLECTIVE_ERRORS = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
 
 
-#: How gloo words a collective that passed the process group's timeout (a plain RuntimeError:
-#: "[.../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 20000ms for send ...").
-GLOO_TIMEOUT = re.compile(r"gloo/.*Timed out waiting \d+ms for (send|recv)", re.S)
+#: How gloo words a collective that broke, as a plain RuntimeError from its transport: past
+#: the process group's timeout ("[.../gloo/transport/tcp/unbound_buffer.cc:129] Timed out
+#: waiting 20000ms for send ..."), or a peer gone ("[.../gloo/transport/tcp/pair.cc:537] Read
+#: error [127.0.0.1]:44466: Connection reset by peer").
+GLOO_TRANSPORT = re.compile(r"gloo/transport/\S+\] (Timed out|Read error|Write error|Connection)")
 
 
 def raised_kind(err: BaseException) -> str:
     """``collective`` when the error a worker raised (``err``, or the error it wraps) comes
-    from a broken collective (a torch.distributed error, or gloo's timeout), else ``raised``.
+    from a broken collective (a torch.distributed error, or gloo's transport: a timeout, a peer
+    gone), else ``raised``.
     The accelerators' collective libraries tear a timed-out process down instead (their
     watchdogs, ``DeviceBackend.collective_timeout_env``): that one is ``died``."""
     cause = getattr(err, "cause", None) or err
     names = {cls.__name__ for cls in type(cause).__mro__}
-    if names & set(COLLECTIVE_ERRORS) or GLOO_TIMEOUT.search(str(cause)):
+    if names & set(COLLECTIVE_ERRORS) or GLOO_TRANSPORT.search(str(cause)):
         return "collective"
     return "raised"
 

@@ -1,0 +1,195 @@
+"""What a lost or hung worker costs a run: seconds lost per fault, and whether the run still
+ends with the fingerprints of an uninterrupted one.
+
+    python -m bench faults [--quick]
+
+A deterministic dp-2 run of the CPU default job (``FAULT_JOB``, 12 steps, a checkpoint every 4;
+6 and 2 with --quick) runs once uninterrupted, then once per fault, each at a seeded random
+moment (the step and the delay into its phase drawn from ``random.Random(seed)``):
+
+- ``rank-killed``: training rank 1's process killed (SIGKILL) during an update;
+- ``rollout-host-killed``: the rollout host's process killed during a rollout;
+- ``rank-hung``: training rank 1 made to sleep before a step, so rank 0 waits for it inside a
+  collective until ``run.collective_timeout_s`` (20 s here) breaks it.
+
+Each faulted run restarts its workers (``trainer.loop.restarts``) and resumes from its last
+checkpoint. The figures: the extra wall seconds against the uninterrupted run (start-up
+excluded from neither, so the restart's own start-up counts), the run's ``restart/down_s``
+(failure to the first step after it) and ``restart/steps_redone``, and whether
+``fingerprint.jsonl`` is identical. Runs happen in this process (the fault needs the
+trainer's workers); nothing here asserts a time.
+
+``Fault`` is also what tests/test_restarts.py injects faults with.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["FAULTS", "FAULT_JOB", "Fault", "format_table", "run"]
+
+#: The job every fault hits: the CPU default job at dp 2, deterministic.
+FAULT_JOB = [
+    "train.batch_size=4",
+    "train.mini_batch_size=2",
+    "rollout.n=4",
+    "train.dp_size=2",
+    "run.deterministic=true",
+    "run.resume=never",
+]
+#: name -> (target, the Trainer method the fault waits for, extra overrides)
+FAULTS = {
+    "rank-killed": ("actor rank 1", "_update", []),
+    "rollout-host-killed": ("rollout host", "_rollout", []),
+    "rank-hung": ("hang", "_update", ["run.collective_timeout_s=20"]),
+}
+
+
+class Fault:
+    """Kills (SIGKILL) a worker process of the first trainer a run starts, a seeded random
+    0-0.5 s into ``phase`` (``_rollout`` or ``_update``) of step ``step``; or, with ``target``
+    ``hang``, makes training rank 1 sleep before that step, so rank 0 waits for it inside a
+    collective. Installs itself on ``Trainer`` through ``patch`` (pytest's
+    ``monkeypatch.setattr``, or ``setattr`` for the bench, undone by ``undo``)."""
+
+    def __init__(self, patch, *, step: int, phase: str, target: str, seed: int) -> None:
+        from trainer.loop.controller import Trainer
+
+        self.step, self.target = step, target
+        self.delay_s = random.Random(seed).uniform(0.0, 0.5)
+        self.fired = threading.Event()
+        self.pids: dict[str, int] = {}
+        fault = self
+        self.originals = {name: getattr(Trainer, name) for name in ("start", "train_step", phase)}
+        original_start, original_step = self.originals["start"], self.originals["train_step"]
+        original_phase = self.originals[phase]
+
+        def start(trainer) -> None:
+            original_start(trainer)
+            if not fault.pids:  # the first trainer only: its processes' ids
+                fault.pids = fault._pids(trainer)
+
+        def train_step(trainer, step: int):
+            if target == "hang" and step == fault.step and not fault.fired.is_set():
+                fault.fired.set()
+                trainer.actor.handles[1].__ray_call__.remote(_sleep_an_hour)
+            return original_step(trainer, step)
+
+        def in_phase(trainer, *args, **kwargs):
+            step = args[-1] if phase == "_update" else args[0]
+            if step == fault.step and not fault.fired.is_set() and target != "hang":
+                fault.fired.set()
+                threading.Thread(target=fault._kill, daemon=True).start()
+            return original_phase(trainer, *args, **kwargs)
+
+        patch(Trainer, "start", start)
+        patch(Trainer, "train_step", train_step)
+        patch(Trainer, phase, in_phase)
+
+    def undo(self) -> None:
+        """Put ``Trainer``'s own methods back (when installed with plain ``setattr``)."""
+        from trainer.loop.controller import Trainer
+
+        for name, method in self.originals.items():
+            setattr(Trainer, name, method)
+
+    @staticmethod
+    def _pids(trainer) -> dict[str, int]:
+        import ray
+
+        handles = {"actor rank 1": trainer.actor.handles[1], "rollout host": trainer.rollout}
+        return {name: ray.get(h.__ray_call__.remote(_pid)) for name, h in handles.items()}
+
+    def _kill(self) -> None:
+        time.sleep(self.delay_s)
+        os.kill(self.pids[self.target], signal.SIGKILL)
+
+
+def _pid(worker) -> int:  # noqa: ARG001 - Ray passes the actor itself
+    return os.getpid()
+
+
+def _sleep_an_hour(worker) -> None:  # noqa: ARG001 - Ray passes the actor itself
+    time.sleep(3600)
+
+
+def _train(run_dir: Path, overrides: list[str]) -> dict:
+    """One run in this process: its wall seconds, fingerprints and metrics."""
+    from trainer.config import load_config
+    from trainer.loop.run import run_training
+    from trainer.records.metrics import read_jsonl
+
+    cfg = load_config(None, [*overrides, f"run.dir={run_dir}"])
+    started = time.monotonic()
+    status = run_training(cfg)
+    wall_s = time.monotonic() - started
+    return {
+        "status": status,
+        "wall_s": wall_s,
+        "fingerprints": read_jsonl(run_dir / "fingerprint.jsonl"),
+        "metrics": read_jsonl(run_dir / "metrics.jsonl"),
+    }
+
+
+def run(quick: bool = False) -> dict:
+    """The uninterrupted run, then each fault of ``FAULTS``; see the module docstring."""
+    from trainer.loop.workers.group import start_ray
+
+    steps, save_every = (6, 2) if quick else (12, 4)
+    job = [*FAULT_JOB, f"train.total_steps={steps}", f"run.save_every={save_every}"]
+    started_ray = start_ray(None, num_cpus=8)
+    try:
+        with tempfile.TemporaryDirectory(prefix="crossrl-faults-") as tmp:
+            base = _train(Path(tmp) / "straight", job)
+            rows = []
+            for seed, (name, (target, phase, extra)) in enumerate(FAULTS.items(), start=1):
+                step = random.Random(seed).randint(save_every + 1, steps - 1)
+                fault = Fault(setattr, step=step, phase=phase, target=target, seed=seed)
+                try:
+                    out = _train(Path(tmp) / name, [*job, *extra])
+                finally:
+                    fault.undo()
+                line = next((m for m in out["metrics"] if "restart/count" in m), {})
+                rows.append(
+                    {
+                        "fault": name,
+                        "step": step,
+                        "status": out["status"],
+                        "lost_s": out["wall_s"] - base["wall_s"],
+                        "down_s": line.get("restart/down_s"),
+                        "steps_redone": line.get("restart/steps_redone"),
+                        "identical": out["fingerprints"] == base["fingerprints"],
+                    }
+                )
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+    return {"steps": steps, "save_every": save_every, "base_wall_s": base["wall_s"], "rows": rows}
+
+
+def format_table(result: dict) -> str:
+    """The faults as a markdown table."""
+    lines = [
+        f"dp 2, {result['steps']} steps, a checkpoint every {result['save_every']}; "
+        f"uninterrupted: {result['base_wall_s']:.1f} s",
+        "",
+        "| fault | at step | exit | seconds lost | down (s) | steps redone | fingerprints |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        down = "-" if row["down_s"] is None else f"{row['down_s']:.1f}"
+        redone = "-" if row["steps_redone"] is None else f"{row['steps_redone']:.0f}"
+        same = "identical" if row["identical"] else "DIFFER"
+        lines.append(
+            f"| {row['fault']} | {row['step']} | {row['status']} | {row['lost_s']:.1f} | "
+            f"{down} | {redone} | {same} |"
+        )
+    return "\n".join(lines)
