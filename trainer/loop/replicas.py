@@ -28,12 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.loop.workers.group import (
-    CALL_TIMEOUT_S,
-    WorkerFailedError,
-    agree_on_settings,
-    wait_all,
-)
+from trainer.loop.workers.group import WorkerFailedError, agree_on_settings, wait_all
 
 
 class ReplicaReplacer:
@@ -77,7 +72,7 @@ class ReplicaReplacer:
         infos = wait_all(
             [self.pending[i][1] for i in indices],
             [f"engine replica {i} (replacement)" for i in indices],
-            timeout_s=CALL_TIMEOUT_S,
+            timeout_s=job.limits.setup_s,
             what="rollout.setup",
         )
         reference = job.replica_info[0].get("deterministic", {})
@@ -97,7 +92,8 @@ class ReplicaReplacer:
             # Queued behind the host's rollouts: the replacement serves from its next snapshot.
             job.rollout.connect.remote(job.replicas[1:], indices)
             return
-        job.actor.call("drop_host_buffer")  # the CPU sync's buffer: a fresh one it can map
+        # the CPU sync's buffer: a fresh one it can map
+        job.actor.call("drop_host_buffer", timeout_s=job.limits.setup_s)
         fresh = [job.replicas[i] for i in indices]
         # Asleep as the other replicas are now; the sync wakes its weights, then its KV cache.
         calls = [h.sleep.remote(True) for h in fresh]
@@ -105,6 +101,6 @@ class ReplicaReplacer:
         wait_all(
             calls,
             [f"engine replica {i}" for i in indices] + ["engine replica 0"],
-            timeout_s=CALL_TIMEOUT_S,
+            timeout_s=job.limits.setup_s,
             what=["rollout.sleep"] * len(fresh) + ["rollout.connect"],
         )
