@@ -73,15 +73,18 @@ def start(job) -> None:
         _start_pipeline(job)
 
 
-PLACEMENT_TRY_S = 20.0
-"""Seconds one reservation may wait before the layout is planned again from the nodes Ray
-then reports alive (a node lost a moment ago is still listed for a while)."""
+PLACEMENT_TRY_S = 5.0
+"""Seconds one reservation may wait before the layout is planned again without the nodes
+that do not answer (a node lost a moment ago is still listed alive for a while)."""
+NODE_PROBE_S = 3.0
+"""Seconds a node has to run a tiny task before it counts as lost (``unresponsive_nodes``)."""
 
 
 def _reserve(job, backend) -> None:
     """Plan the layout on the cluster's live nodes and reserve its devices. Fails naming the
     key when the cluster cannot hold the job (``trainer/loop/layout.py``). A reservation not
-    granted within ``PLACEMENT_TRY_S`` is planned again from the nodes alive then, until
+    granted within ``PLACEMENT_TRY_S`` is planned again without the nodes that do not answer
+    a probe (``unresponsive_nodes``), until
     ``ray.placement_timeout_s``: after a lost node (``trainer.loop.restarts``) the run goes on
     with the nodes that are left."""
     import time
@@ -94,14 +97,16 @@ def _reserve(job, backend) -> None:
         cluster_node_table,
         cluster_nodes,
         make_placement,
+        unresponsive_nodes,
     )
 
     cfg, resource = job.cfg, backend.ray_resource
     deadline = time.monotonic() + cfg.ray.placement_timeout_s
+    down: set[str] = set()  # nodes listed alive that did not answer
     while True:
         engine = _other_engine_device(cfg, backend.name)
         if engine is not None:  # rollout.device: the engines' devices are of another type
-            node_ids, counts = cluster_node_table([resource, hal.RAY_RESOURCES[engine]])
+            node_ids, counts = cluster_node_table([resource, hal.RAY_RESOURCES[engine]], down)
             job.layout = plan_layout(
                 cfg,
                 counts[resource],
@@ -112,9 +117,9 @@ def _reserve(job, backend) -> None:
                 engine_device=engine,
             )
         else:
-            nodes = [1] if job.in_process else cluster_nodes(resource)
+            nodes = [1] if job.in_process else cluster_nodes(resource, down)
             job.layout = plan_layout(cfg, nodes, resource, device=backend.name)
-            node_ids = [] if job.in_process else cluster_node_ids(resource)
+            node_ids = [] if job.in_process else cluster_node_ids(resource, down)
         if job.in_process:
             return
         left = deadline - time.monotonic()
@@ -124,6 +129,7 @@ def _reserve(job, backend) -> None:
             )
             return
         except WorkerFailedError as err:
+            down |= unresponsive_nodes(NODE_PROBE_S)
             if left <= PLACEMENT_TRY_S:
                 raise WorkerFailedError(
                     str(err).replace(

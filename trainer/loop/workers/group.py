@@ -13,7 +13,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -187,29 +187,61 @@ def _bundle_strategy(group, bundle: int) -> PlacementGroupSchedulingStrategy:
     )
 
 
-def _live_nodes(resource: str) -> list[dict]:
-    """Ray's records of the live nodes with at least one ``resource`` device, in Ray's order."""
+def _live_nodes(resource: str, down: Collection[str] = ()) -> list[dict]:
+    """Ray's records of the live nodes with at least one ``resource`` device, in Ray's order,
+    less those in ``down`` (ids of nodes found not answering, ``unresponsive_nodes``)."""
     import ray
 
     return [
         n
         for n in ray.nodes()
-        if n.get("Alive") and int(n.get("Resources", {}).get(resource, 0)) >= 1
+        if n.get("Alive")
+        and n["NodeID"] not in down
+        and int(n.get("Resources", {}).get(resource, 0)) >= 1
     ]
 
 
-def cluster_nodes(resource: str) -> list[int]:
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def unresponsive_nodes(timeout_s: float) -> set[str]:
+    """Ids of the nodes Ray lists alive that do not run a tiny task pinned to them within
+    ``timeout_s`` seconds: a node lost a moment ago stays listed until Ray's health checks
+    give up on it (tens of seconds), and a layout planned on it would never be placed."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    probe = ray.remote(_node_id)
+    ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    refs = {
+        probe.options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+        ).remote(): node
+        for node in ids
+    }
+    ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    for ref in late:
+        ray.cancel(ref, force=True)
+    return {refs[ref] for ref in late}
+
+
+def cluster_nodes(resource: str, down: Collection[str] = ()) -> list[int]:
     """Devices of Ray resource ``resource`` on each live node of the cluster Ray is joined to
     (nodes without any left out): the ``nodes`` of ``trainer.loop.layout.plan_layout``."""
-    return [int(n["Resources"][resource]) for n in _live_nodes(resource)]
+    return [int(n["Resources"][resource]) for n in _live_nodes(resource, down)]
 
 
-def cluster_node_ids(resource: str) -> list[str]:
+def cluster_node_ids(resource: str, down: Collection[str] = ()) -> list[str]:
     """Ray's node ids of ``cluster_nodes``' nodes, in the same order."""
-    return [n["NodeID"] for n in _live_nodes(resource)]
+    return [n["NodeID"] for n in _live_nodes(resource, down)]
 
 
-def cluster_node_table(resources: Sequence[str]) -> tuple[list[str], dict[str, list[int]]]:
+def cluster_node_table(
+    resources: Sequence[str], down: Collection[str] = ()
+) -> tuple[list[str], dict[str, list[int]]]:
     """The live nodes that have any of ``resources`` (e.g. the trainer's GPUs and the engines'
     NPUs, ``rollout.device``), in Ray's order: their ids, and per resource its count on each
     (0 where a node has none): the ``nodes`` and ``engine_nodes`` of ``plan_layout``."""
@@ -218,7 +250,9 @@ def cluster_node_table(resources: Sequence[str]) -> tuple[list[str], dict[str, l
     live = [
         n
         for n in ray.nodes()
-        if n.get("Alive") and any(int(n.get("Resources", {}).get(r, 0)) >= 1 for r in resources)
+        if n.get("Alive")
+        and n["NodeID"] not in down
+        and any(int(n.get("Resources", {}).get(r, 0)) >= 1 for r in resources)
     ]
     counts = {r: [int(n["Resources"].get(r, 0)) for n in live] for r in resources}
     return [n["NodeID"] for n in live], counts
