@@ -107,6 +107,15 @@ class RayConfig(BaseModel):
     connect_timeout_s: float = Field(
         60.0, gt=0, description="seconds to wait for the cluster at ray.address before failing"
     )
+    object_store_gb: float | None = Field(
+        None,
+        ge=0.08,
+        description="GB (1e9 bytes, at least 0.08: Ray's minimum) of a local Ray's object "
+        "store, which holds the weight snapshots of engines on devices of their own "
+        "(train.rollout_lag + 1 of them); null = Ray's default: 30 % of the memory available at "
+        "start-up, at most 200 GB (and at most /dev/shm's free space when that is over 10 GB); "
+        "ignored when joining (ray.address)",
+    )
     in_process: bool | Literal["auto"] = Field(
         "auto",
         description="run the workers in the driver's process, without Ray: auto = when the job "

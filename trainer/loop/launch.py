@@ -122,6 +122,8 @@ def _reserve(job, backend) -> None:
             node_ids = [] if job.in_process else cluster_node_ids(resource, down)
         if job.in_process:
             return
+        if cfg.ray.address is not None:
+            _check_snapshots(cfg, node_ids[job.layout.rank_slots[0][0]])
         left = deadline - time.monotonic()
         try:
             job.placement = make_placement(
@@ -138,6 +140,24 @@ def _reserve(job, backend) -> None:
                     ),
                     kind="raised",
                 ) from err
+
+
+def _check_snapshots(cfg, node_id: str) -> None:
+    """The live weight snapshots fit the object store of training rank 0's node ``node_id``
+    in the cluster joined (``trainer.loop.snapshot_budget``); ``LayoutError`` when not."""
+    from trainer.loop.layout import LayoutError
+    from trainer.loop.model_shape import model_shape
+    from trainer.loop.snapshot_budget import node_object_store_bytes, snapshot_problem
+
+    if not cfg.rollout.engine_devices:
+        return
+    store = node_object_store_bytes(node_id)
+    if store is None:
+        return
+    where = f"Ray node {node_id[:8]}'s object_store_memory"
+    problem = snapshot_problem(cfg, model_shape(cfg.model.path), store, where)
+    if problem:
+        raise LayoutError(problem)
 
 
 def _start_pipeline(job) -> None:

@@ -1,7 +1,8 @@
 """The memory budget put to use: sized for a config's device (``device_memory``,
 ``budget_for_cli``), the verdict that refuses a job whose phase does not fit and names the key
 that lowers it most (``memory_problem``, run by ``trainer.loop.preflight``), and the table
-``crossrl layout`` prints (``format_budget``). The estimate itself is
+``crossrl layout`` prints (``format_budget``, with the weight snapshots of engines on devices
+of their own against Ray's object store: ``trainer.loop.snapshot_budget``). The estimate itself is
 ``trainer.loop.memory_budget``."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from trainer.loop.memory_budget import (
     micro_batch_tokens,
 )
 from trainer.loop.model_shape import PUBLISHED_SHAPES
+from trainer.loop.snapshot_budget import format_snapshots
 
 __all__ = ["budget_for_cli", "device_memory", "format_budget", "memory_problem"]
 
@@ -239,4 +241,7 @@ def format_budget(budget: MemoryBudget | None, cfg: Config) -> str:
         lines.append(
             textwrap.fill(problem, width=96, initial_indent="  ", subsequent_indent="    ")
         )
+    snapshots = format_snapshots(cfg, shape)
+    if snapshots:
+        lines.append(snapshots)
     return "\n".join(lines)

@@ -22,6 +22,10 @@ of step t keeps the rollouts of steps t+1 .. t+k, sampled by weights it does not
 run resumed from it, with the same or a larger ``train.total_steps``, trains on the batches an
 uninterrupted run would. The engines would idle through the last k steps anyway.
 
+A snapshot lives while a queued call holds it: Ray keeps a call's arguments until the call
+finishes, so ``train.rollout_lag + 1`` snapshots are alive at once (``trainer.loop.
+snapshot_budget`` counts them and refuses a job whose object store cannot hold them).
+
 Nothing here waits for a rollout it does not train on: a validation after step t is queued
 before the rollout that loads the same weights (it waits for no later rollout), and a
 checkpoint takes the rollouts it keeps as references (``ahead``), read when they are done.
@@ -67,7 +71,10 @@ class RolloutPipeline:
         self.queued: dict[int, Any] = {}  # step -> the rollout's reference
         self.ready: dict[int, tuple[dict[str, Any], list]] = {}  # step -> waited-for rollout
         self.validations: dict[int, Any] = {}  # step -> the reference of its val/* metrics
-        self.snapshot: list | None = None  # the last weights handed to the host
+        # The step whose weights the host was handed last. Only the version: a reference to
+        # the snapshot itself here would keep it alive past the last call that reads it (one
+        # snapshot more than ``trainer.loop.snapshot_budget`` counts at train.rollout_lag=0).
+        self.snapshot_version: int | None = None
 
     def start(
         self, first_step: int, weights: list | None = None, *, validate: bool = False
@@ -102,12 +109,13 @@ class RolloutPipeline:
         ``WeightPush.snapshot_weights``; None when replaying, where no engine runs).
         ``validate``: queue a validation of the same weights just before it (``validation``
         reads it), so it waits only for the rollouts already queued, never for that one."""
-        self.snapshot = None if snapshot is None else [step, *snapshot]
+        weights = None if snapshot is None else [step, *snapshot]
+        self.snapshot_version = step
         if validate:
-            self.validations[step] = self.host.validate.remote(step, self.snapshot)
+            self.validations[step] = self.host.validate.remote(step, weights)
         target = step + 1 + self.lag
         if target <= self.horizon:
-            self._queue(target, self.snapshot)
+            self._queue(target, weights)
 
     def validation(self, step: int) -> Any:
         """The reference of the ``val/*`` metrics queued for the weights after step ``step``

@@ -10,7 +10,9 @@ checkpoint fails in seconds with one line (exit 2) instead of after every worker
 - model directories (``model.path``, and ``model.critic_path`` with a critic): config.json
   readable, weights present, safetensors headers whole, tokenizer loadable; ``builtin:`` skip;
 - the resume target, resolved and verified against its manifest (``trainer.records.checkpoint``);
-- the memory budget: every phase of a step fits its device (``trainer.loop.memory_budget``);
+- the memory budget: every phase of a step fits its device (``trainer.loop.memory_budget``),
+  and a local Ray's object store holds the live weight snapshots of engines on devices of
+  their own (``trainer.loop.snapshot_budget``; a joined cluster's, once joined: ``launch``);
 - ``run.dir``: a directory we can create and write (``trainer.records.run_dir``; that a fresh start
   may not overwrite a run there is checked once the directory's lock is held).
 
@@ -47,6 +49,8 @@ def preflight(cfg: Config, *, command: str = "train", replay: bool = False) -> N
         _check_prompts(cfg)
     _check_layout(cfg)
     _check_memory(cfg, replay=replay)
+    if not replay:
+        _check_snapshots(cfg)
     _check_model(cfg)
     if not replay:
         _check_resume(cfg)
@@ -81,6 +85,20 @@ def _check_memory(cfg: Config, *, replay: bool = False) -> None:
         raise PreflightError(" ".join(str(err).split())) from None
     phases = ("update",) if replay else None
     problem = memory_problem(budget, cfg, phases) if budget is not None else None
+    if problem:
+        raise PreflightError(problem)
+
+
+def _check_snapshots(cfg: Config) -> None:
+    """The weight snapshots of engines on devices of their own fit the object store of a local
+    Ray (``ray.object_store_gb`` or Ray's default here); a cluster's is read once joined."""
+    if cfg.ray.address is not None or not cfg.rollout.engine_devices:
+        return
+    from trainer.loop.model_shape import model_shape
+    from trainer.loop.snapshot_budget import host_object_store_bytes, snapshot_problem
+
+    store, source = host_object_store_bytes(cfg)
+    problem = snapshot_problem(cfg, model_shape(cfg.model.path), store, source)
     if problem:
         raise PreflightError(problem)
 

@@ -160,6 +160,9 @@ def _run(
                 cfg.ray.address,
                 num_cpus=local_ray_cpus(cfg),
                 connect_timeout_s=cfg.ray.connect_timeout_s,
+                object_store_bytes=(
+                    None if cfg.ray.object_store_gb is None else int(cfg.ray.object_store_gb * 1e9)
+                ),
             )
             stop.install()  # ray.init replaced the SIGTERM handler
             CLOCK.done("ray_init")

@@ -109,11 +109,15 @@ def check_reachable(address: str, timeout_s: float) -> None:
 
 
 def start_ray(
-    address: str | None, *, num_cpus: int | None = None, connect_timeout_s: float = 60.0
+    address: str | None,
+    *,
+    num_cpus: int | None = None,
+    connect_timeout_s: float = 60.0,
+    object_store_bytes: int | None = None,
 ) -> bool:
-    """Start a local Ray (``address=None``) or join a cluster (``auto`` or ``host:port``),
-    failing with ``RayConnectError`` when the cluster does not answer within
-    ``connect_timeout_s`` seconds.
+    """Start a local Ray (``address=None``; its object store ``object_store_bytes`` bytes,
+    None: Ray's default) or join a cluster (``auto`` or ``host:port``), failing with
+    ``RayConnectError`` when the cluster does not answer within ``connect_timeout_s`` seconds.
 
     Returns False when Ray was already running in this process (the caller then leaves it
     running), True when this call started or joined it.
@@ -135,7 +139,7 @@ def start_ray(
         "log_to_driver": True,
     }
     if address is None:
-        ray.init(num_cpus=num_cpus, **kwargs)
+        ray.init(num_cpus=num_cpus, object_store_memory=object_store_bytes, **kwargs)
     else:
         ray.init(address=address, **kwargs)
     return True
