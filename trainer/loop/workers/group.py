@@ -139,7 +139,13 @@ def start_ray(
         "log_to_driver": True,
     }
     if address is None:
-        ray.init(num_cpus=num_cpus, object_store_memory=object_store_bytes, **kwargs)
+        # "local": a new Ray even when another runs on this host (ray.init() would join it)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            object_store_memory=object_store_bytes,
+            **kwargs,
+        )
     else:
         ray.init(address=address, **kwargs)
     return True
