@@ -3,10 +3,13 @@ ends with the fingerprints of an uninterrupted one.
 
     python -m bench faults [--quick]
 
-A deterministic dp-2 run of the CPU default job (``FAULT_JOB``, 12 steps, a checkpoint every 4;
-6 and 2 with --quick) runs once uninterrupted, then once per fault, each at a seeded random
+A deterministic dp-2 run of the CPU default job (``FAULT_JOB``, two colocated engine replicas)
+in an agent-like environment (``SLOW_ENV``: each step a seeded 0-0.4 s wait, so a rollout
+lasts about a second), 12 steps, a checkpoint every 4 (6 and 2 with --quick), runs once uninterrupted, then once per fault, each at a seeded random
 moment (the step and the delay into its phase drawn from ``random.Random(seed)``):
 
+- ``replica-killed``: engine replica 1's process killed (SIGKILL) during a rollout: its
+  requests are dealt to replica 0 and a successor replaces it (no restart);
 - ``rank-killed``: training rank 1's process killed (SIGKILL) during an update;
 - ``rollout-host-killed``: the rollout host's process killed during a rollout;
 - ``rank-hung``: training rank 1 made to sleep before a step, so rank 0 waits for it inside a
@@ -32,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["FAULTS", "FAULT_JOB", "Fault", "format_table", "run"]
+__all__ = ["FAULTS", "FAULT_JOB", "SLOW_ENV", "Fault", "format_table", "run"]
 
 #: The job every fault hits: the CPU default job at dp 2, deterministic.
 FAULT_JOB = [
@@ -43,8 +46,16 @@ FAULT_JOB = [
     "run.deterministic=true",
     "run.resume=never",
 ]
+#: What the bench adds: an agent-like environment (each step a seeded 0-0.4 s wait, 3 turns),
+#: so a rollout lasts about a second and a kill lands inside it.
+SLOW_ENV = [
+    "rollout.env=rollout.envs.sleepy:SleepyEnv",
+    "rollout.env_kwargs.max_delay_s=0.4",
+    "rollout.env_kwargs.turns=3",
+]
 #: name -> (target, the Trainer method the fault waits for, extra overrides)
 FAULTS = {
+    "replica-killed": ("engine replica 1", "_rollout", []),
     "rank-killed": ("actor rank 1", "_update", []),
     "rollout-host-killed": ("rollout host", "_rollout", []),
     "rank-hung": ("hang", "_update", ["run.collective_timeout_s=20"]),
@@ -103,7 +114,11 @@ class Fault:
     def _pids(trainer) -> dict[str, int]:
         import ray
 
-        handles = {"actor rank 1": trainer.actor.handles[1], "rollout host": trainer.rollout}
+        handles = {
+            "actor rank 1": trainer.actor.handles[1],
+            "rollout host": trainer.rollout,
+            "engine replica 1": trainer.replicas[1],
+        }
         return {name: ray.get(h.__ray_call__.remote(_pid)) for name, h in handles.items()}
 
     def _kill(self) -> None:
@@ -142,7 +157,7 @@ def run(quick: bool = False) -> dict:
     from trainer.loop.workers.group import start_ray
 
     steps, save_every = (6, 2) if quick else (12, 4)
-    job = [*FAULT_JOB, f"train.total_steps={steps}", f"run.save_every={save_every}"]
+    job = [*FAULT_JOB, *SLOW_ENV, f"train.total_steps={steps}", f"run.save_every={save_every}"]
     started_ray = start_ray(None, num_cpus=8)
     try:
         with tempfile.TemporaryDirectory(prefix="crossrl-faults-") as tmp:
@@ -156,6 +171,7 @@ def run(quick: bool = False) -> dict:
                 finally:
                     fault.undo()
                 line = next((m for m in out["metrics"] if "restart/count" in m), {})
+                replaced = sum(m.get("rollout/replicas_lost", 0) for m in out["metrics"])
                 rows.append(
                     {
                         "fault": name,
@@ -164,6 +180,7 @@ def run(quick: bool = False) -> dict:
                         "lost_s": out["wall_s"] - base["wall_s"],
                         "down_s": line.get("restart/down_s"),
                         "steps_redone": line.get("restart/steps_redone"),
+                        "replicas_lost": replaced,
                         "identical": out["fingerprints"] == base["fingerprints"],
                     }
                 )
@@ -181,8 +198,9 @@ def format_table(result: dict) -> str:
         f"dp 2, {result['steps']} steps, a checkpoint every {result['save_every']}; "
         f"uninterrupted: {result['base_wall_s']:.1f} s",
         "",
-        "| fault | at step | exit | seconds lost | down (s) | steps redone | fingerprints |",
-        "|---|---|---|---|---|---|---|",
+        "| fault | at step | exit | seconds lost | restart down (s) | steps redone | replicas "
+        "replaced | fingerprints |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         down = "-" if row["down_s"] is None else f"{row['down_s']:.1f}"
@@ -190,6 +208,6 @@ def format_table(result: dict) -> str:
         same = "identical" if row["identical"] else "DIFFER"
         lines.append(
             f"| {row['fault']} | {row['step']} | {row['status']} | {row['lost_s']:.1f} | "
-            f"{down} | {redone} | {same} |"
+            f"{down} | {redone} | {row['replicas_lost']:.0f} | {same} |"
         )
     return "\n".join(lines)

@@ -164,13 +164,17 @@ def _fingerprints(run_dir: Path) -> list[dict]:
     return read_jsonl(run_dir / "fingerprint.jsonl")
 
 
+#: A lost engine replica restarts nothing: tests/test_replica_failover.py covers it.
+RESTARTED = [name for name in FAULTS if name != "replica-killed"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(FAULTS))
+@pytest.mark.parametrize("name", RESTARTED)
 def test_a_lost_or_hung_worker_is_restarted_and_the_run_is_exact(
     straight, monkeypatch, tmp_path, capsys, name
 ):
     """A training rank killed mid-update, the rollout host killed mid-rollout, a rank hung
-    (``bench.faults.FAULTS``), each in step 3."""
+    (``bench.faults.FAULTS`` less the lost replica), each in step 3."""
     from trainer.loop.run import run_training
     from trainer.records.metrics import read_jsonl
 
