@@ -117,3 +117,41 @@ def unpack_bucket(
 ) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` views of a bucket's tensors in ``flat`` (a uint8 tensor): no copy."""
     return [(spec.name, tensor_view(flat, spec)) for spec in specs]
+
+
+def pack_pieces(
+    pieces: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> tuple[torch.Tensor, list[TensorSpec]]:
+    """One flat uint8 bucket holding ``pieces`` (``(name, tensor)``, any dtype; converted to
+    ``dtype``) one after another, and their specs: what one training rank publishes of a
+    snapshot bucket, its own rows of each tensor (``assemble_pieces`` joins the ranks')."""
+    specs, used = [], 0
+    dtype_name = str(dtype).removeprefix("torch.")
+    for name, tensor in pieces:
+        specs.append(TensorSpec(name, dtype_name, tuple(tensor.shape), used))
+        used += _aligned(tensor_nbytes(tensor.shape, dtype))
+    flat = torch.empty(used, dtype=torch.uint8)
+    for spec, (_, tensor) in zip(specs, pieces):
+        pack_tensor(flat, spec, tensor.detach())
+    return flat, specs
+
+
+def assemble_pieces(
+    per_rank: Sequence[Sequence[tuple[str, torch.Tensor]]],
+) -> list[tuple[str, torch.Tensor]]:
+    """Whole tensors from the ranks' pieces of one bucket (``per_rank[r]``: rank r's
+    ``(name, rows)``, in the bucket's order): the pieces of a name joined along dim 0 in rank
+    order (FSDP2 shards dim 0, rank r holding the r-th chunk), a name only one rank sent
+    taken as it is. Names come out in the order they first appear."""
+    order: list[str] = []
+    parts: dict[str, list[torch.Tensor]] = {}
+    for pieces in per_rank:
+        for name, tensor in pieces:
+            if name not in parts:
+                order.append(name)
+                parts[name] = []
+            parts[name].append(tensor)
+    return [
+        (name, parts[name][0] if len(parts[name]) == 1 else torch.cat(parts[name], dim=0))
+        for name in order
+    ]

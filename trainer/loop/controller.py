@@ -235,11 +235,13 @@ class Trainer:
         return totals, mismatch_from_sums([results[r] for r in mismatch])
 
     def snapshot_weights(self) -> list | None:
-        """The actor's new weights in host memory for engines of their own (rank 0's
-        ``snapshot_weights``; every rank gathers), or None when replaying (no engine)."""
+        """The actor's new weights in host memory for engines of their own: ``[bucket refs,
+        bucket specs]``, each indexed by rank, then bucket (every rank publishes its own rows,
+        ``WeightPush.snapshot_weights``), or None when replaying (no engine)."""
         if self.replay_dir is not None:
             return None
-        return self.actor.call("snapshot_weights")[0]
+        parts = self.actor.call("snapshot_weights")
+        return [[refs for refs, _ in parts], [specs for _, specs in parts]]
 
     def _check_weights(self, step: int) -> None:
         """Stop before non-finite weights reach the rollout engine or a checkpoint."""

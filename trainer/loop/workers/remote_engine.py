@@ -53,3 +53,26 @@ def load_snapshot_into_peers(
             fetch(call)
         except ray.exceptions.RayActorError:
             router.mark_lost(i)
+
+
+def read_snapshot_bucket(refs: list, specs: list, bucket: int) -> list:
+    """Bucket ``bucket`` of a host-memory snapshot (``Trainer.snapshot_weights``: ``refs[r]``
+    and ``specs[r]``, training rank r's buckets and their tensor specs) as whole named tensors:
+    every rank's piece read from this node's copy, joined (``assemble_pieces``)."""
+    import warnings
+
+    import ray
+    import torch
+
+    from rollout.engines.buckets import TensorSpec, assemble_pieces, unpack_bucket
+
+    arrays = ray.get([rank_refs[bucket] for rank_refs in refs])
+    with warnings.catch_warnings():  # Ray's arrays are read-only; the engine copies
+        warnings.simplefilter("ignore", UserWarning)
+        flats = [torch.from_numpy(array) for array in arrays]
+    return assemble_pieces(
+        [
+            unpack_bucket(flat, [TensorSpec(*s) for s in rank_specs[bucket]])
+            for flat, rank_specs in zip(flats, specs)
+        ]
+    )

@@ -148,23 +148,17 @@ class EngineHost:
         return receive_weight_stream(self.engine, hal.open_shared_buffer, slots, doorbell, buckets)
 
     def load_host_buckets(self, refs: list, specs: list) -> int:
-        """Load a host-memory snapshot of the weights (``WeightPush.snapshot_weights``:
-        ``refs`` to flat byte buckets in Ray's object store, read here from this node's copy,
-        and each bucket's tensor specs); returns the tensor count."""
-        import warnings
-
-        import ray
-
-        from rollout.engines.buckets import TensorSpec, unpack_bucket
+        """Load a host-memory snapshot of the weights (``Trainer.snapshot_weights``: per
+        training rank, ``refs`` to its flat byte buckets in Ray's object store and each
+        bucket's tensor specs), one bucket at a time: every rank's bucket b, read here from
+        this node's copy, joined into whole tensors (``assemble_pieces``). Returns the tensor
+        count."""
+        from trainer.loop.workers.remote_engine import read_snapshot_bucket
 
         self.engine.wake_up(["weights"])
         count = 0
-        for ref, bucket in zip(refs, specs):
-            array = ray.get(ref)
-            with warnings.catch_warnings():  # Ray's arrays are read-only; the engine copies
-                warnings.simplefilter("ignore", UserWarning)
-                flat = torch.from_numpy(array)
-            named = unpack_bucket(flat, [TensorSpec(*s) for s in bucket])
+        for bucket in range(len(refs[0])):
+            named = read_snapshot_bucket(refs, specs, bucket)
             self.engine.update_weights(named)
             count += len(named)
         self.engine.finish_weight_update()

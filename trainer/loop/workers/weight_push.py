@@ -151,7 +151,7 @@ class WeightPush:
         """``(bucket_bytes, slots)`` for this push (``rollout.engines.buckets.stream_buckets``)
         from the least free device memory over all ranks (a collective), so every rank plans
         the same buckets."""
-        from rollout.engines.buckets import plan_buckets, stream_buckets, tensor_nbytes
+        from rollout.engines.buckets import plan_buckets, stream_buckets
 
         _, model_bytes = plan_buckets(shapes, dtype, 1 << 62)
         layers, _ = plan_buckets(shapes, dtype, 0)  # one bucket per layer or tensor
@@ -234,37 +234,56 @@ class WeightPush:
         return 1 if leader else 0
 
     # ---------------------------------------------------------------- engines of their own
-    def snapshot_weights(self, bucket_bytes: int = SNAPSHOT_BUCKET_BYTES) -> list | None:
-        """The new weights in host memory, for engines on devices of their own
-        (``rollout.engine_devices``): every rank takes part in the gather; rank 0 packs the
-        full tensors, in the engine's dtype, into flat byte buckets of about ``bucket_bytes``
-        bytes (never splitting a layer) and puts each in Ray's object store, which is shared
-        memory on its node and is copied to an engine on another node when that engine reads
-        it. The snapshot outlives the ranks' next update, so an engine loads it whenever its
-        queue of rollouts reaches it (``EngineHost.load_host_buckets``). Returns ``[bucket
-        refs, bucket specs]`` on rank 0, None on the others."""
+    def snapshot_weights(self, bucket_bytes: int = SNAPSHOT_BUCKET_BYTES) -> list:
+        """This rank's part of a host-memory snapshot of the new weights, for engines on
+        devices of their own (``rollout.engine_devices``). No rank gathers the model: each
+        publishes only the rows it holds (its FSDP2 shard of every tensor; a tensor that is
+        not sharded, by rank 0 alone), in the engine's dtype, in Ray's object store on its
+        own node, one object per bucket. The buckets are planned on the whole tensors, so
+        every rank's bucket b holds its rows of the same tensors (never splitting a layer),
+        and an engine joins the ranks' bucket b into whole tensors (``assemble_pieces``)
+        one bucket at a time (``EngineHost.load_host_buckets``). A rank holds at most its
+        shard plus one bucket's rows beyond its model. The snapshot outlives the ranks' next
+        update, so an engine loads it whenever its queue of rollouts reaches it. Returns
+        ``[bucket refs, bucket specs]`` of this rank: ``Trainer.snapshot_weights`` collects
+        every rank's."""
         import ray
 
-        from rollout.engines.buckets import pack_tensor, plan_buckets
+        from rollout.engines.buckets import pack_pieces, plan_buckets
         from rollout.models import parse_dtype
 
         state = self.model.state_dict()
         dtype = parse_dtype(self.spec.cfg.model.dtype)
         buckets, _ = plan_buckets(((n, t.shape) for n, t in state.items()), dtype, bucket_bytes)
-        refs = []
-        for specs in buckets:
-            end = specs[-1].offset + tensor_nbytes(specs[-1].shape, dtype)
-            flat = torch.empty(end, dtype=torch.uint8) if self.spec.rank == 0 else None
-            for spec in specs:
-                tensor = state[spec.name]
-                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-                if flat is not None:
-                    pack_tensor(flat, spec, full.detach())
-            if flat is not None:
-                refs.append(ray.put(flat.numpy()))
-        if self.spec.rank != 0:
-            return None
-        return [refs, [[tuple(s) for s in specs] for specs in buckets]]
+        refs, specs = [], []
+        for planned in buckets:
+            pieces = []
+            for spec in planned:
+                rows = self._own_rows(state[spec.name])
+                if rows is not None:
+                    pieces.append((spec.name, rows))
+            flat, local = pack_pieces(pieces, dtype)
+            refs.append(ray.put(flat.numpy()))
+            specs.append([tuple(s) for s in local])
+        return [refs, specs]
+
+    def _own_rows(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The rows of ``tensor`` this rank publishes: its dim-0 shard of an FSDP2 DTensor
+        (possibly empty), the whole tensor on rank 0 when it is not sharded (a plain tensor,
+        a replicated DTensor), None on the other ranks. Another placement is gathered (a
+        collective every rank joins) and published by rank 0."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        first = self.spec.rank == 0
+        if not isinstance(tensor, DTensor):
+            return tensor if first else None
+        placements = tuple(tensor.placements)
+        if placements == (Shard(0),):
+            return tensor.to_local()
+        if all(isinstance(p, Replicate) for p in placements):
+            return tensor.to_local() if first else None
+        full = tensor.full_tensor()
+        return full if first else None
 
     # ---------------------------------------------------------------- object store (bench)
     def _push_weights_object_store(self, engine, bucket_bytes: int) -> int:
