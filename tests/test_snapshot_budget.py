@@ -6,6 +6,7 @@ really alive in the object store while a lagged run trains."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,7 @@ from trainer.loop.model_shape import model_shape
 from trainer.loop.snapshot_budget import (
     default_object_store_bytes,
     live_snapshots,
+    node_snapshot_bytes,
     snapshot_bytes,
     snapshot_problem,
 )
@@ -51,6 +53,34 @@ def test_a_snapshot_holds_every_state_dict_entry_in_the_engine_dtype(dtype):
     assert snapshot_bytes(model_shape("builtin:tiny"), dtype) == expected
 
 
+@pytest.mark.parametrize("dp", [2, 3, 5])
+def test_a_node_holds_its_ranks_fsdp2_rows_of_each_snapshot(dp):
+    import torch
+
+    from rollout.models import build_empty_model
+
+    # FSDP2 shards dim 0 as torch.chunk does; every rank puts its rows on its own node
+    model = build_empty_model("builtin:tiny", dtype=torch.float32, seed=1)
+    shape = model_shape("builtin:tiny")
+    for ranks in ([0], [dp - 1], list(range(1, dp)), list(range(dp))):
+        rows = 0
+        for tensor in model.state_dict().values():
+            chunks = torch.chunk(tensor, dp, dim=0)
+            rows += sum(chunks[r].numel() for r in ranks if r < len(chunks))
+        assert node_snapshot_bytes(shape, "bfloat16", ranks, dp) == rows * 2
+    assert node_snapshot_bytes(shape, "float32", range(dp), dp) == snapshot_bytes(shape, "float32")
+
+
+def test_a_cluster_node_is_held_to_its_own_ranks_rows():
+    cfg = _cfg(*LAGGED, "train.rollout_lag=1", "train.dp_size=4", "ray.address=auto")
+    shape = model_shape("builtin:small")
+    whole = snapshot_bytes(shape, "float32")
+    # two of four ranks on a node: about half of each of the 2 snapshots, so one whole fits
+    assert snapshot_problem(cfg, shape, 1.01 * whole, "a node", [0, 1]) is None
+    text = snapshot_problem(cfg, shape, 0.9 * whole, "a node", [0, 1])
+    assert "(the rows of its 2 of 4 training ranks)" in text
+
+
 def test_the_default_object_store_is_rays():
     utils = pytest.importorskip("ray._private.utils")
     for available, shm in [(16e9, 8e9), (64e9, 64e9), (2e12, 1e12), (100e9, 5e9)]:
@@ -79,7 +109,7 @@ def test_snapshots_beyond_the_object_store_are_refused_in_one_line(tmp_path):
     text = str(err.value)
     assert "\n" not in text
     assert text.startswith("train.rollout_lag=2: ")
-    assert "3 weight snapshots" in text and "ray.object_store_gb=0.1" in text
+    assert "3 weight snapshots alive" in text and "ray.object_store_gb=0.1" in text
     assert "raise ray.object_store_gb to at least 0.23" in text
     assert text.endswith("or lower train.rollout_lag to 0")
 
@@ -95,7 +125,7 @@ def test_the_layout_prints_the_snapshots_and_their_object_store(capsys):
 
     assert main(["layout", *LAGGED, "train.rollout_lag=2", "ray.object_store_gb=0.5"]) == 0
     out = capsys.readouterr().out
-    assert "weight snapshots in Ray's object store of training rank 0's node: 3" in out
+    assert "weight snapshots in Ray's object store: 3 (train.rollout_lag + 1)" in out
     assert "object store: 0.5 GB (ray.object_store_gb=0.5): fits" in out
 
 
@@ -120,9 +150,9 @@ class _StoreWatch(threading.Thread):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lag", [0, 2])
-def test_a_lagged_run_never_holds_more_snapshots_than_the_budget(tmp_path, lag):
-    """Lag 0 and 2, an engine of its own, a slowed environment (the rollouts lag behind the ranks,
+@pytest.mark.parametrize(("lag", "dp"), [(0, 1), (2, 1), (2, 2)])
+def test_a_lagged_run_never_holds_more_snapshots_than_the_budget(tmp_path, lag, dp):
+    """Lag 0 and 2, one or two ranks (each puts its own rows), an engine of its own, a slowed environment (the rollouts lag behind the ranks,
     so the queue stays full) and a small object store: the bytes in the store, polled all
     along, never exceed the budget's (lag + 1) snapshots, plus the rollouts' own batches (far
     below one snapshot). Ray frees a snapshot when the last call holding it finishes, not when
@@ -136,6 +166,7 @@ def test_a_lagged_run_never_holds_more_snapshots_than_the_budget(tmp_path, lag):
     keys = [
         *LAGGED,
         f"train.rollout_lag={lag}",
+        f"train.dp_size={dp}",
         "train.batch_size=2",
         "train.mini_batch_size=2",
         "train.total_steps=6",
@@ -154,7 +185,7 @@ def test_a_lagged_run_never_holds_more_snapshots_than_the_budget(tmp_path, lag):
     try:
         assert ray.cluster_resources()["object_store_memory"] == pytest.approx(0.1e9)
         node = ray.get_runtime_context().get_node_id()
-        _check_snapshots(cfg, node)  # fits: no error
+        _check_snapshots(cfg, SimpleNamespace(rank_slots=((0, 0),)), [node])  # fits
         watch = _StoreWatch()
         watch.start()
         assert run_training(cfg) == 0
@@ -166,7 +197,7 @@ def test_a_lagged_run_never_holds_more_snapshots_than_the_budget(tmp_path, lag):
     budget = live_snapshots(cfg) * one
     counts = sorted({int(s // one) for s in watch.samples})
     print(
-        f"lag {lag}: snapshot {one} bytes; store use peak {max(watch.samples):.0f} bytes; whole "
+        f"lag {lag}, dp {dp}: snapshot {one} bytes; store use peak {max(watch.samples):.0f} bytes; whole "
         f"snapshots' worth seen: {counts}"
     )
     assert max(watch.samples) < budget + one  # i.e. at most lag + 1 whole snapshots

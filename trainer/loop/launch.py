@@ -123,7 +123,7 @@ def _reserve(job, backend) -> None:
         if job.in_process:
             return
         if cfg.ray.address is not None:
-            _check_snapshots(cfg, node_ids[job.layout.rank_slots[0][0]])
+            _check_snapshots(cfg, job.layout, node_ids)
         left = deadline - time.monotonic()
         try:
             job.placement = make_placement(
@@ -142,22 +142,26 @@ def _reserve(job, backend) -> None:
                 ) from err
 
 
-def _check_snapshots(cfg, node_id: str) -> None:
-    """The live weight snapshots fit the object store of training rank 0's node ``node_id``
-    in the cluster joined (``trainer.loop.snapshot_budget``); ``LayoutError`` when not."""
+def _check_snapshots(cfg, layout, node_ids: list[str]) -> None:
+    """The live weight snapshots fit the object store of every node of the cluster joined
+    that holds training ranks (each holds its ranks' rows, ``trainer.loop.snapshot_budget``;
+    ``node_ids[n]``: Ray's id of ``layout``'s node n); ``LayoutError`` when not."""
     from trainer.loop.layout import LayoutError
     from trainer.loop.model_shape import model_shape
     from trainer.loop.snapshot_budget import node_object_store_bytes, snapshot_problem
 
     if not cfg.rollout.engine_devices:
         return
-    store = node_object_store_bytes(node_id)
-    if store is None:
-        return
-    where = f"Ray node {node_id[:8]}'s object_store_memory"
-    problem = snapshot_problem(cfg, model_shape(cfg.model.path), store, where)
-    if problem:
-        raise LayoutError(problem)
+    shape = model_shape(cfg.model.path)
+    for node in sorted({n for n, _ in layout.rank_slots}):
+        store = node_object_store_bytes(node_ids[node])
+        if store is None:
+            continue
+        ranks = [r for r, (n, _) in enumerate(layout.rank_slots) if n == node]
+        where = f"Ray node {node_ids[node][:8]}'s object_store_memory"
+        problem = snapshot_problem(cfg, shape, store, where, ranks)
+        if problem:
+            raise LayoutError(problem)
 
 
 def _start_pipeline(job) -> None:

@@ -1,31 +1,36 @@
 """The weight snapshots of engines on devices of their own, held against Ray's object store.
 
 With ``rollout.engine_devices > 0`` the ranks put a snapshot of the new weights into Ray's
-object store after every update (``WeightPush.snapshot_weights``: rank 0's ``ray.put``, so the
-primary copies live in the object store of training rank 0's node), and the fixed-lag pipeline
-(``trainer.loop.pipeline``, ``train.rollout_lag`` = k) queues the rollout of step t+1+k with
-the snapshot of step t. A snapshot lives as long as a queued call holds it: Ray keeps a task's
-arguments until that task finishes, not until it has loaded them. So while the ranks put the
-snapshot of step t+1, the live ones are:
+object store after every update (``WeightPush.snapshot_weights``: every training rank puts
+its own rows of each tensor, its FSDP2 dim-0 shard, in the object store of its own node; a
+tensor that is not sharded, rank 0), and the fixed-lag pipeline (``trainer.loop.pipeline``,
+``train.rollout_lag`` = k) queues the rollout of step t+1+k with the snapshot of step t. A
+snapshot lives as long as a queued call holds it: Ray keeps a task's arguments until that task
+finishes, not once it has loaded them. So while the ranks put the snapshot of step t+1, the
+live ones are:
 
 - those of steps t+1-k .. t, held by the queued rollouts of steps t+2 .. t+1+k (the rollout
   of step t+1, which held the snapshot of step t-k, has finished: step t+1 trained on it);
 - a validation after step s (``run.val_every``) is queued with the snapshot of step s, which
   the rollout of step s+1+k holds anyway: no extra copy;
-- the new one of step t+1.
+- the new one of step t+1 (the pipeline keeps only the version of the last one it handed on).
 
-That is k + 1 whole-model copies (``live_snapshots``); colocated engines take none. Each
-holds every state-dict entry of the policy in the engine's dtype (``model.dtype``): the
-parameters, and the LM head again when it is tied to the embedding (the state dict names
-both), ``snapshot_bytes``. ``snapshot_problem`` refuses a job whose snapshots exceed the object
-store (``ray.object_store_gb``, else Ray's default: ``default_object_store_bytes``). Pure but
-for ``host_object_store_bytes`` / ``node_object_store_bytes``, which read this host or Ray.
+That is k + 1 snapshots (``live_snapshots``); colocated engines take none. A snapshot holds
+every state-dict entry of the policy in the engine's dtype (``model.dtype``): the parameters,
+and the LM head again when it is tied to the embedding (the state dict names both),
+``snapshot_bytes``; a node holds its ranks' rows of it (``node_snapshot_bytes``: all of it
+when every rank is on one node). An engine on another node reads a copy, which Ray may evict
+once read; the primary copies are what must fit. ``snapshot_problem`` refuses a job whose
+snapshots exceed a node's object store (``ray.object_store_gb``, else Ray's default:
+``default_object_store_bytes``). Pure but for ``host_object_store_bytes`` /
+``node_object_store_bytes``, which read this host or Ray.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable, Sequence
 
 from trainer.config.schema import Config
 from trainer.loop.model_shape import ModelShape
@@ -36,6 +41,7 @@ __all__ = [
     "host_object_store_bytes",
     "live_snapshots",
     "node_object_store_bytes",
+    "node_snapshot_bytes",
     "snapshot_bytes",
     "snapshot_problem",
 ]
@@ -56,21 +62,53 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def live_snapshots(cfg: Config) -> int:
-    """Whole-model weight snapshots alive at once in the object store of training rank 0's
-    node: ``train.rollout_lag + 1`` with engines on devices of their own (the schedule in this
-    module's docstring), 0 with colocated engines (they take the weights from their own
-    ranks, never through the object store)."""
+    """Weight snapshots alive at once in Ray's object store: ``train.rollout_lag + 1`` with
+    engines on devices of their own (the schedule in this module's docstring), 0 with
+    colocated engines (they take the weights from their own ranks, never through the object
+    store)."""
     if not cfg.rollout.engine_devices:
         return 0
     return cfg.train.rollout_lag + 1
 
 
+def _tensors(shape: ModelShape) -> list[tuple[int, int]]:
+    """``(rows, elements per row)`` of every state-dict entry of a policy of ``shape``: each
+    decoder layer's q, k, v (and their biases), o, gate, up, down and two norms, the
+    embedding, the final norm and the LM head (an entry of its own even when tied)."""
+    h, inter = shape.hidden_size, shape.intermediate_size
+    q = shape.num_attention_heads * shape.head_dim
+    kv = shape.num_key_value_heads * shape.head_dim
+    layer = [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter), (h, 1), (h, 1)]
+    if shape.attention_bias:
+        layer += [(q, 1), (kv, 1), (kv, 1)]
+    vocab = (shape.vocab_size, h)
+    return layer * shape.num_hidden_layers + [vocab, (h, 1), vocab]
+
+
+def _rows(total: int, rank: int, ranks: int) -> int:
+    """Rows of a ``total``-row tensor that rank ``rank`` of ``ranks`` holds: FSDP2 shards dim 0
+    as ``torch.chunk`` does, ``ceil(total / ranks)`` rows each, the last ranks fewer or none."""
+    chunk = -(-total // ranks)
+    return max(0, min(chunk, total - rank * chunk))
+
+
+def node_snapshot_bytes(shape: ModelShape, dtype: str, ranks: Iterable[int], dp_size: int) -> int:
+    """Bytes of one snapshot that the training ranks ``ranks`` (of ``dp_size``) put in their
+    node's object store: their rows of every state-dict entry in ``dtype`` (``model.dtype``);
+    all of it when ``ranks`` are all of them (alignment of a few hundred bytes per tensor and
+    rank aside)."""
+    ranks = list(ranks)
+    size = _DTYPE_BYTES[dtype]
+    return sum(
+        sum(_rows(total, r, dp_size) for r in ranks) * per_row * size
+        for total, per_row in _tensors(shape)
+    )
+
+
 def snapshot_bytes(shape: ModelShape, dtype: str) -> int:
-    """Bytes of one snapshot of a policy of ``shape`` in the engine dtype ``dtype``
-    (``model.dtype``): every state-dict entry, so a tied LM head counts again (alignment of a
-    few hundred bytes per tensor aside)."""
-    tied = shape.embedding_params if shape.tie_word_embeddings else 0
-    return (shape.num_params + tied) * _DTYPE_BYTES[dtype]
+    """Bytes of one whole snapshot of a policy of ``shape`` in the engine dtype ``dtype``
+    (``model.dtype``): every state-dict entry, so a tied LM head counts again."""
+    return node_snapshot_bytes(shape, dtype, [0], 1)
 
 
 def default_object_store_bytes(available_bytes: float, shm_free_bytes: float) -> int:
@@ -109,17 +147,24 @@ def node_object_store_bytes(node_id: str) -> float | None:
 
 
 def snapshot_problem(
-    cfg: Config, shape: ModelShape | None, store_bytes: float, where: str
+    cfg: Config,
+    shape: ModelShape | None,
+    store_bytes: float,
+    where: str,
+    ranks: Sequence[int] | None = None,
 ) -> str | None:
-    """One line when the live snapshots (``live_snapshots`` x ``snapshot_bytes``) need more
-    than ``store_bytes``, the object store of rank 0's node (``where`` says where the number
-    comes from), naming the keys and the fix; None when they fit, when no snapshot is taken,
-    or when the model's shape is unknown. A joined cluster (``ray.address``) sizes its store
-    with ``ray start --object-store-memory``, a local Ray with ``ray.object_store_gb``."""
+    """One line when the live snapshots' rows of training ranks ``ranks`` (None: all of
+    ``train.dp_size``, one node) need more than ``store_bytes``, their node's object store
+    (``where`` says which and where the number comes from), naming the keys, the GB and the
+    fix; None when they fit, when no snapshot is taken, or when the model's shape is unknown.
+    A joined cluster (``ray.address``) sizes a node's store with ``ray start
+    --object-store-memory``, a local Ray with ``ray.object_store_gb``."""
     count = live_snapshots(cfg)
     if not count or shape is None:
         return None
-    one = snapshot_bytes(shape, cfg.model.dtype)
+    dp = cfg.train.dp_size
+    ranks = list(range(dp)) if ranks is None else list(ranks)
+    one = node_snapshot_bytes(shape, cfg.model.dtype, ranks, dp)
     if count * one <= store_bytes:
         return None
     lag = cfg.train.rollout_lag
@@ -135,11 +180,11 @@ def snapshot_problem(
         if cfg.ray.address is not None
         else f"raise ray.object_store_gb to at least {need_gb:g} (host memory allowing)"
     )
+    share = "" if len(ranks) == dp else f" (the rows of its {len(ranks)} of {dp} training ranks)"
     return (
-        f"train.rollout_lag={lag}: the fixed-lag pipeline keeps {count} weight snapshots of "
-        f"{_gb(one)} ({cfg.model.dtype}) alive, {_gb(count * one)}, more than the "
-        f"{_gb(store_bytes)} object store of training rank 0's node ({where}); "
-        f"{raise_it}{lower}"
+        f"train.rollout_lag={lag}: the fixed-lag pipeline keeps {count} weight snapshots alive, "
+        f"{_gb(one)} each ({cfg.model.dtype}){share}, {_gb(count * one)} in all, more than "
+        f"the {_gb(store_bytes)} object store of their node ({where}); {raise_it}{lower}"
     )
 
 
@@ -164,8 +209,9 @@ def format_snapshots(cfg: Config, shape: ModelShape | None) -> str | None:
         return None
     one = snapshot_bytes(shape, cfg.model.dtype)
     head = (
-        f"weight snapshots in Ray's object store of training rank 0's node: {count} "
-        f"(train.rollout_lag + 1) x {_gb(one)} ({cfg.model.dtype}) = {_gb(count * one)}"
+        f"weight snapshots in Ray's object store: {count} (train.rollout_lag + 1) x "
+        f"{_gb(one)} ({cfg.model.dtype}) = {_gb(count * one)}, on the node of the training "
+        "ranks (each node holds its ranks' rows)"
     )
     if cfg.ray.address is not None:
         return f"{head}\n  object store: read from the cluster at ray.address once joined"
