@@ -160,6 +160,7 @@ def test_a_lagged_run_never_holds_more_snapshots_than_the_budget(tmp_path, lag, 
     import ray
 
     from trainer.loop.launch import _check_snapshots
+    from trainer.loop.layout import LayoutError
     from trainer.loop.run import run_training
     from trainer.loop.workers.group import start_ray
 
@@ -185,7 +186,15 @@ def test_a_lagged_run_never_holds_more_snapshots_than_the_budget(tmp_path, lag, 
     try:
         assert ray.cluster_resources()["object_store_memory"] == pytest.approx(0.1e9)
         node = ray.get_runtime_context().get_node_id()
-        _check_snapshots(cfg, SimpleNamespace(rank_slots=((0, 0),)), [node])  # fits
+        one_node = SimpleNamespace(rank_slots=tuple((0, r) for r in range(dp)))
+        _check_snapshots(cfg, one_node, [node])  # fits: no error
+        big = cfg.model_copy(deep=True)
+        big.model.path = "builtin:small"  # (lag + 1) x 0.076 GB against this 0.1 GB store
+        if lag:
+            with pytest.raises(LayoutError, match=r"^train\.rollout_lag=2: .*of their node \(Ray"):
+                _check_snapshots(big, one_node, [node])
+        else:
+            _check_snapshots(big, one_node, [node])
         watch = _StoreWatch()
         watch.start()
         assert run_training(cfg) == 0
