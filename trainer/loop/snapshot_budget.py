@@ -210,8 +210,8 @@ def format_snapshots(cfg: Config, shape: ModelShape | None) -> str | None:
     one = snapshot_bytes(shape, cfg.model.dtype)
     head = (
         f"weight snapshots in Ray's object store: {count} (train.rollout_lag + 1) x "
-        f"{_gb(one)} ({cfg.model.dtype}) = {_gb(count * one)}, on the node of the training "
-        "ranks (each node holds its ranks' rows)"
+        f"{_gb(one)} ({cfg.model.dtype}) = {_gb(count * one)}\n  on the training ranks' "
+        "nodes, each its own ranks' rows (all of it when they share one node)"
     )
     if cfg.ray.address is not None:
         return f"{head}\n  object store: read from the cluster at ray.address once joined"
