@@ -125,7 +125,12 @@ def host_object_store_bytes(cfg: Config) -> tuple[float, str]:
     comes from: ``ray.object_store_gb``, else Ray's default for this host now."""
     if cfg.ray.object_store_gb is not None:
         return cfg.ray.object_store_gb * GB, f"ray.object_store_gb={cfg.ray.object_store_gb:g}"
-    available = _meminfo_bytes("MemAvailable")
+    try:  # what Ray itself will read (a container's cgroup limit included)
+        from ray._private.utils import estimate_available_memory
+
+        available = float(estimate_available_memory())
+    except Exception:  # noqa: BLE001 - another Ray release: the kernel's estimate
+        available = _meminfo_bytes("MemAvailable")
     try:
         stat = os.statvfs("/dev/shm")
         shm = stat.f_bsize * stat.f_bavail
