@@ -1,7 +1,7 @@
 """The weight push to engines of their own: seconds and peak host memory per step, this
 checkout against another (the code before a change), measured side by side.
 
-    python -m bench snapshot --before DIR [--rounds N]
+    python -m bench.snapshot --before DIR [--rounds N]
 
 A lagged job (``rollout.engine_devices=1``, ``train.rollout_lag=1``) on ``builtin:small``
 at ``train.dp_size=2``: each step ends with the push of the new weights into Ray's object
