@@ -7,3 +7,19 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402 - after the environment every test process inherits
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray for one test module's runs (8 CPUs), shut down after the module; a module
+    whose Ray needs other settings defines its own."""
+    import ray
+
+    from trainer.loop.workers.group import start_ray
+
+    started = start_ray(None, num_cpus=8)
+    yield
+    if started:
+        ray.shutdown()

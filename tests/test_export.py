@@ -9,14 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 import yaml
 
 from trainer.cli import main
 from trainer.config import load_config
 from trainer.loop.run import run_training
-from trainer.loop.workers.group import start_ray
 from trainer.records.checkpoint import find_latest, read_model_weights
 from trainer.records.metrics import read_jsonl
 
@@ -30,14 +28,6 @@ CHAT = [
     {"role": "assistant", "content": "ok: 20, 3, 7"},
     {"role": "user", "content": "what came second?\n\n(one number)"},
 ]
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    started = start_ray(None, num_cpus=8)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -177,18 +177,6 @@ FAULT_STEP = 2
 FAULT_DELAY_S = random.Random(37).uniform(0.05, 0.5)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    from trainer.loop.workers.group import start_ray
-
-    started = start_ray(None, num_cpus=8)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def _cfg(run_dir: Path, *overrides: str):
     from trainer.config import load_config
 

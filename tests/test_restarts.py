@@ -136,18 +136,6 @@ FAULT_RUN = [*FAULT_JOB, "train.total_steps=4", "run.save_every=2"]
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    from trainer.loop.workers.group import start_ray
-
-    started = start_ray(None, num_cpus=8)
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def straight(local_ray, tmp_path_factory):
     """The uninterrupted run the faulted ones must equal."""
     from trainer.loop.run import run_training

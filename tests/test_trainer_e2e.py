@@ -17,21 +17,13 @@ import ray
 from trainer.config import load_config
 from trainer.loop.controller import Trainer
 from trainer.loop.run import run_training
-from trainer.loop.workers.group import WorkerFailedError, start_ray
+from trainer.loop.workers.group import WorkerFailedError
 from trainer.records.checkpoint import LAYOUT, find_latest, read_model_weights, verify_checkpoint
 from trainer.records.metrics import REQUIRED_KEYS, read_jsonl
 
 pytestmark = pytest.mark.slow
 
 SHORT = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4"]
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    started = start_ray(None, num_cpus=8)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def _cfg(run_dir: Path, *overrides: str):

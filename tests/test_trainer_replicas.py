@@ -8,13 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 
 from rollout.replay import load_rollout
 from trainer.config import load_config
 from trainer.loop.controller import Trainer
 from trainer.loop.run import run_training
-from trainer.loop.workers.group import start_ray
 from trainer.records.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -27,14 +25,6 @@ SHORT = [
     "run.resume=never",
     "run.record_rollouts=true",
 ]
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    started = start_ray(None, num_cpus=8)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -11,21 +11,12 @@ import ray
 
 from trainer.config import load_config
 from trainer.loop.run import run_training
-from trainer.loop.workers.group import start_ray
 from trainer.records.checkpoint import find_latest
 from trainer.records.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    started = start_ray(None, num_cpus=8)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def _rows(n: int, split: str) -> list[dict]:
