@@ -1,7 +1,7 @@
 """The weight push to engines of their own: seconds and peak host memory per step, this
 checkout against another (the code before a change), measured side by side.
 
-    python -m bench.snapshot --before DIR [--rounds N]
+    python -m bench.snapshot --before DIR [--rounds N] [--shape qwen2.5-0.5b] [--steps N]
 
 A lagged job (``rollout.engine_devices=1``, ``train.rollout_lag=1``) on ``builtin:small``
 at ``train.dp_size=2``: each step ends with the push of the new weights into Ray's object
@@ -32,17 +32,24 @@ SNAPSHOT_JOB = [
     "train.batch_size=4",
     "train.mini_batch_size=2",
     "rollout.n=4",
-    "train.total_steps=6",
     "run.resume=never",
 ]
 KEYS = ("timing/sync_s", "timing/step_s", "memory/actor_peak_gb")
 
 
-def measure(workdir: Path, before: str | None, rounds: int = 2) -> dict:
+def measure(
+    workdir: Path, before: str | None, rounds: int = 2, shape: str | None = None, steps: int = 6
+) -> dict:
     """Per checkout (``after``: this one; ``before``: the one at ``before``), the medians of
-    ``KEYS`` (module docstring)."""
+    ``KEYS`` (module docstring). ``shape``: a ``rollout.models.SHAPES`` name (e.g.
+    ``qwen2.5-0.5b``) whose random weights replace ``builtin:small``; ``steps``: per run."""
     from bench.e2e import run_job
 
+    job = [*SNAPSHOT_JOB, f"train.total_steps={steps}"]
+    if shape is not None:
+        from rollout.models import write_random_model
+
+        job.append(f"model.path={write_random_model(workdir / 'model', shape)}")
     sources = {"after": None, **({"before": before} if before else {})}
     order = []
     for i in range(rounds):
@@ -52,9 +59,8 @@ def measure(workdir: Path, before: str | None, rounds: int = 2) -> dict:
     for i, name in enumerate(order):
         where = workdir / f"{name}_{i}"
         where.mkdir(parents=True)
-        job = run_job(SNAPSHOT_JOB, where, source=sources[name])
-        steps = job["records"][1:]
-        per_run[name].append({k: statistics.median(r[k] for r in steps) for k in KEYS})
+        records = run_job(job, where, source=sources[name])["records"][1:]
+        per_run[name].append({k: statistics.median(r[k] for r in records) for k in KEYS})
     return {
         name: {k: statistics.median(run[k] for run in runs) for k in KEYS}
         for name, runs in per_run.items()
@@ -80,9 +86,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", help="another checkout to measure beside this one")
     parser.add_argument("--rounds", type=int, default=2, help="alternations (A B, B A, ...)")
+    parser.add_argument("--shape", help="random weights of this shape (e.g. qwen2.5-0.5b)")
+    parser.add_argument("--steps", type=int, default=6, help="steps per run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="crossrl-snapshot-") as tmp:
-        print(format_table(measure(Path(tmp), args.before, args.rounds)))
+        result = measure(Path(tmp), args.before, args.rounds, args.shape, args.steps)
+        print(format_table(result))
 
 
 if __name__ == "__main__":
