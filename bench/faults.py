@@ -114,11 +114,9 @@ class Fault:
     def _pids(trainer) -> dict[str, int]:
         import ray
 
-        handles = {
-            "actor rank 1": trainer.actor.handles[1],
-            "rollout host": trainer.rollout,
-            "engine replica 1": trainer.replicas[1],
-        }
+        handles = {"actor rank 1": trainer.actor.handles[1], "rollout host": trainer.rollout}
+        if len(trainer.replicas) > 1:
+            handles["engine replica 1"] = trainer.replicas[1]
         return {name: ray.get(h.__ray_call__.remote(_pid)) for name, h in handles.items()}
 
     def _kill(self) -> None:

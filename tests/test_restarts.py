@@ -195,3 +195,24 @@ def test_max_restarts_0_stops_at_the_first_lost_worker(local_ray, monkeypatch, t
     assert run_training(cfg) == 1
     err = capsys.readouterr().err
     assert "worker actor rank 1 died" in err and "run.max_restarts=0" in err
+
+
+LAGGED = ["rollout.engine_devices=1", "train.rollout_lag=1", "algorithm.rollout_correction=token"]
+
+
+@pytest.mark.slow
+def test_a_lagged_run_restarts_with_the_rollouts_its_checkpoint_kept(
+    local_ray, monkeypatch, tmp_path, capsys
+):
+    """Engines of their own at lag 1: the restart resumes the checkpoint's pending rollout
+    (sampled before it with older weights) and the run repeats the uninterrupted one."""
+    from trainer.loop.run import run_training
+
+    straight, faulted = tmp_path / "straight", tmp_path / "faulted"
+    assert run_training(_cfg(straight, *FAULT_RUN, *LAGGED)) == 0
+    Fault(monkeypatch.setattr, step=3, phase="_update", target="actor rank 1", seed=3)
+    assert run_training(_cfg(faulted, *FAULT_RUN, *LAGGED)) == 0
+    err = capsys.readouterr().err
+    assert "restarting the workers (1 of run.max_restarts=2)" in err
+    assert re.search(r"restart 1: at step [34] \(.*\); resumed from step 2", err), err
+    assert _fingerprints(faulted) == _fingerprints(straight)
