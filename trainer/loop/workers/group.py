@@ -156,9 +156,12 @@ def unresponsive_nodes(timeout_s: float) -> set[str]:
         ).remote(): node
         for node in ids
     }
-    ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    _, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     for ref in late:
-        ray.cancel(ref, force=True)
+        try:
+            ray.cancel(ref, force=True)
+        except Exception:  # noqa: BLE001 - its node is gone: nothing left to cancel
+            pass
     return {refs[ref] for ref in late}
 
 
