@@ -216,3 +216,36 @@ def test_a_lagged_run_restarts_with_the_rollouts_its_checkpoint_kept(
     assert "restarting the workers (1 of run.max_restarts=2)" in err
     assert re.search(r"restart 1: at step [34] \(.*\); resumed from step 2", err), err
     assert _fingerprints(faulted) == _fingerprints(straight)
+
+
+def test_a_reservation_on_a_lost_node_is_planned_again_without_it(monkeypatch, tmp_path):
+    """``launch._reserve``: the first reservation names a node Ray still lists but that no
+    longer answers; it fails after its try, the probe finds the node gone, and the layout is
+    planned again on the nodes left (no Ray: the cluster's answers are faked)."""
+    from types import SimpleNamespace
+
+    from trainer.loop import launch
+    from trainer.loop.workers import group
+
+    nodes = {"a": 1, "lost": 1, "c": 1}
+    tries: list[list[str]] = []
+
+    def live(down):
+        return [n for n in nodes if n not in down]
+
+    def make_placement(resource, layout, *, timeout_s, node_ids):
+        tries.append(list(node_ids))
+        if "lost" in node_ids[: layout.devices_used]:
+            raise WorkerFailedError(f"could not reserve ... within {timeout_s:.0f} s")
+        return "placement"
+
+    monkeypatch.setattr(group, "cluster_nodes", lambda r, down=(): [nodes[n] for n in live(down)])
+    monkeypatch.setattr(group, "cluster_node_ids", lambda r, down=(): live(down))
+    monkeypatch.setattr(group, "make_placement", make_placement)
+    monkeypatch.setattr(group, "unresponsive_nodes", lambda timeout_s: {"lost"})
+    job = SimpleNamespace(cfg=_cfg(tmp_path, "train.dp_size=2"), in_process=False)
+    backend = hal.backend_class("cpu")()
+    launch._reserve(job, backend)
+    assert job.placement == "placement"
+    assert tries == [["a", "lost", "c"], ["a", "c"]]
+    assert tuple(job.layout.nodes) == (1, 1)
