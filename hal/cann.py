@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from hal.doctor_facts import FAIL, NOT_PRESENT, OK, WARN, Check
+from hal.check_row import FAIL, NOT_PRESENT, OK, WARN, Check
 from hal.npu_versions import ASCEND_STACKS, PINNED_VLLM_ASCEND
 
 CANN_DEFAULT_HOMES = (

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
+from hal.check_row import ABSENT, FAIL, NOT_PRESENT, OK, WARN, Check, dist_version
 from hal.npu_versions import (
     ASCEND_STACKS,
     INSTALL_HINT,
@@ -33,30 +34,8 @@ from hal.npu_versions import (
 )
 from hal.registry import BACKEND_NAMES, unavailable_reason
 
-OK, WARN, FAIL, ABSENT, NOT_PRESENT = "ok", "WARN", "FAIL", "absent", "-"
-"""Statuses of a check row; only FAIL makes `crossrl doctor` exit 1."""
-
 IMPORT_TIMEOUT_S = 180.0
 """Seconds a child process may take to import vllm (and its plugin) before it counts as hung."""
-
-
-@dataclass(frozen=True)
-class Check:
-    """One row of the doctor's table: what was checked, ok/WARN/FAIL/absent/-, what was found,
-    and on a WARN or FAIL the command or setting that fixes it."""
-
-    name: str
-    status: str
-    detail: str
-    fix: str = ""
-
-
-def dist_version(name: str) -> str | None:
-    """Installed version of a distribution (`torch_npu`, `flash_attn`, ...) or None; no import."""
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def release(version: str, parts: int = 3) -> tuple[int, ...] | None:

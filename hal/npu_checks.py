@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from hal.cann import ops_package_check
-from hal.doctor_facts import FAIL, NOT_PRESENT, OK, WARN, Check, dist_version
+from hal.check_row import FAIL, NOT_PRESENT, OK, WARN, Check, dist_version
 from hal.npu_versions import PINNED_VLLM_ASCEND
 
 BUILD_INFO_FILE = "vllm_ascend/_build_info.py"
