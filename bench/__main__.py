@@ -1,6 +1,6 @@
 """crossrl benchmarks: one table per benchmark, every result in one JSON file.
 
-    python -m bench [planner|stepwise|rollout|train|e2e|pipeline|faults|gpu|memory|peer|all ...] [--quick] [--out FILE]
+    python -m bench [planner|stepwise|rollout|train|e2e|pipeline|faults|longtail|gpu|memory|peer|all ...] [--quick] [--out FILE]
     crossrl bench [which ...] [--quick]
 
 ``peer`` (crossrl vs TRL's GRPOTrainer) needs the optional ``bench`` extra and is not part of
@@ -54,6 +54,12 @@ def _train():
     return train.run, train.format_table
 
 
+def _longtail():
+    from bench import longtail
+
+    return longtail.run, longtail.format_table
+
+
 def _faults():
     from bench import faults
 
@@ -99,6 +105,7 @@ BENCHMARKS: dict[str, tuple[str, Callable]] = {
     "e2e": ("seconds per step of the default job, dp 1 and dp 2", _e2e),
     "pipeline": ("fixed-lag pipeline: lag 1 vs lag 0 seconds per step, reward curves", _pipeline),
     "faults": ("a worker killed or hung mid-run: seconds lost per fault, fingerprints", _faults),
+    "longtail": ("long-tail agent workload: seconds per step at lag 0 and lag 1", _longtail),
     "gpu": ("accelerator: MFU of the actor update, HF rollout tokens/s", _gpu),
     "memory": (
         "actor update memory: activation checkpointing and lean log-probs, alone and together",
