@@ -249,3 +249,13 @@ def test_a_reservation_on_a_lost_node_is_planned_again_without_it(monkeypatch, t
     assert job.placement == "placement"
     assert tries == [["a", "lost", "c"], ["a", "c"]]
     assert tuple(job.layout.nodes) == (1, 1)
+
+
+def test_rendezvous_ports_stay_out_of_the_ephemeral_range():
+    """A restart starts every process group again: its rank 0's port is picked where no
+    ``bind(0)`` of another process can take it before the rendezvous binds it."""
+    from trainer.loop.workers.group import RENDEZVOUS_PORTS, free_port
+
+    ports = {free_port() for _ in range(20)}
+    assert all(port in RENDEZVOUS_PORTS for port in ports)
+    assert RENDEZVOUS_PORTS.stop <= 32768 and RENDEZVOUS_PORTS.start >= 20000

@@ -129,12 +129,11 @@ class FSDPWorker(BatchStore, CheckpointPieces):
     @staticmethod
     def rendezvous_address() -> tuple[str, int]:
         """This node's IP and a port free on it: where the other ranks meet rank 0."""
-        import socket
         import sys
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port = int(sock.getsockname()[1])
+        from trainer.loop.workers.group import free_port
+
+        port = free_port("")
         ray = sys.modules.get("ray")
         if ray is None or not ray.is_initialized():  # in-process workers (ray.in_process)
             return "127.0.0.1", port

@@ -10,6 +10,7 @@ after a timeout.
 from __future__ import annotations
 
 import inspect
+import random
 import re
 import socket
 import time
@@ -75,10 +76,28 @@ def raised_kind(err: BaseException) -> str:
     return "raised"
 
 
-def free_port() -> int:
-    """A TCP port free on this host right now (for the process-group rendezvous)."""
+#: Where ``free_port`` looks: below Linux's ephemeral range (32768-60999, where every
+#: ``bind(0)`` of Ray's and gRPC's many sockets lands) and above Ray's worker ports
+#: (10002-19999), so a port found free stays free until the rendezvous binds it.
+RENDEZVOUS_PORTS = range(20000, 32768)
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 64) -> int:
+    """A TCP port free on ``host`` right now, for a process-group rendezvous: a random one of
+    ``RENDEZVOUS_PORTS`` that binds (an ephemeral port, picked by the OS, could be handed to
+    another process's socket before the rendezvous binds it), else, after ``tries``, one the
+    OS picks."""
+    pick = random.SystemRandom()
+    for _ in range(tries):
+        port = pick.randrange(RENDEZVOUS_PORTS.start, RENDEZVOUS_PORTS.stop)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
