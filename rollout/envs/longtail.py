@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import time
 import zlib
 
 from rollout.envs.recall import RecallEnv
+from rollout.envs.sleepy import SleepyEnv
 
 
 def pareto_count(rng: random.Random, alpha: float, cap: int) -> int:
@@ -33,11 +33,10 @@ def pareto_count(rng: random.Random, alpha: float, cap: int) -> int:
     return min(cap, 1 + int(rng.paretovariate(alpha) - 1.0))
 
 
-class LongTailEnv(RecallEnv):
+class LongTailEnv(SleepyEnv):
     """``recall`` with heavy-tailed turn counts, answer lengths and tool latencies (see the
-    module docstring); every draw comes from the episode seed."""
-
-    inline = False  # its steps sleep: they run on worker threads
+    module docstring); every draw comes from the episode seed. ``SleepyEnv``'s step: wait
+    ``delay_s``, then answer as ``recall``."""
 
     def __init__(
         self,
@@ -49,7 +48,6 @@ class LongTailEnv(RecallEnv):
         delay_sigma: float = 1.5,
         max_delay_s: float = 2.0,
     ) -> None:
-        super().__init__(turns=1, length=1)
         checks = {
             "max_turns": (max_turns, 1, 64),
             "max_length": (max_length, 1, 9),
@@ -69,16 +67,14 @@ class LongTailEnv(RecallEnv):
             )
         if not 0 <= delay_sigma <= 10:
             raise ValueError(f"longtail env delay_sigma={delay_sigma!r}: must be in 0..10")
+        super().__init__(turns=1, length=1, max_delay_s=max_delay_s)
         self.max_turns, self.turn_alpha = int(max_turns), float(turn_alpha)
         self.max_length, self.length_alpha = int(max_length), float(length_alpha)
         self.median_delay_s, self.delay_sigma = float(median_delay_s), float(delay_sigma)
-        self.max_delay_s = float(max_delay_s)
-        self._seed = 0
 
     def reset(self, seed: int) -> str:
         """Draw this episode's turns and answer length, then start it as ``recall`` does."""
-        self._seed = int(seed)
-        rng = random.Random(f"longtail/{self._seed}")
+        rng = random.Random(f"longtail/{int(seed)}")
         self.turns = pareto_count(rng, self.turn_alpha, self.max_turns)
         self.length = pareto_count(rng, self.length_alpha, self.max_length)
         return super().reset(seed)
@@ -88,11 +84,6 @@ class LongTailEnv(RecallEnv):
         key = f"{self._seed}/{len(self._credits)}/{zlib.crc32(action_text.encode())}"
         draw = random.Random(key).lognormvariate(0.0, self.delay_sigma)
         return min(self.max_delay_s, self.median_delay_s * draw) if math.isfinite(draw) else 0.0
-
-    def step(self, action_text: str) -> tuple[str, float, bool, dict]:
-        """Wait the tool's latency, then answer as ``recall``."""
-        time.sleep(self.delay_s(action_text))
-        return super().step(action_text)
 
 
 class AsyncLongTailEnv(LongTailEnv):
