@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import socket
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hal
+from trainer.loop.workers.group import free_port
 
 WORLD = 2
 LR = 0.05
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tiny_model() -> torch.nn.Module:
@@ -78,9 +71,12 @@ def _worker(rank: int, port: int) -> None:
             full = p_fsdp.full_tensor()
             assert torch.allclose(full, p_ref, atol=1e-6, rtol=0), name
             assert not torch.equal(full, _tiny_model().state_dict()[name]), name  # it did step
+        # Both ranks are done with every collective before either tears gloo down: a rank
+        # that destroys its group while its peer still reads from it aborts that peer.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def test_gloo_all_reduce_and_fsdp2_step_match_single_process():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
