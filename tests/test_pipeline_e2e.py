@@ -1,7 +1,11 @@
 """train.rollout_lag=1 with an engine on a device of its own, end to end on the CPU: two runs
 of the same job give identical fingerprints, a run at dp 2 agrees with one at dp 1 under
-``crossrl parity``, so does one with two engines of their own, a lagged run resumed from a checkpoint trains on the very batches the
-uninterrupted run did, and the off-policy metrics say what the lag did."""
+``crossrl parity``, so does one with two engines of their own (and both at once), a lagged run
+resumed from a checkpoint trains on the very batches the uninterrupted run did, and the
+off-policy metrics say what the lag did. The weights reach the engines through the collective
+push (``rollout.weight_transport``'s default here); a run through host-memory snapshots gives
+the very same fingerprints, and at lag 2 with a slow environment an engine never holds more
+pushes than the lag."""
 
 from __future__ import annotations
 
@@ -44,6 +48,8 @@ def runs(local_ray, tmp_path_factory):
         ("b", []),
         ("dp2", ["train.dp_size=2"]),
         ("engines2", ["rollout.engine_devices=2"]),
+        ("dp2engines2", ["train.dp_size=2", "rollout.engine_devices=2"]),
+        ("host", ["rollout.weight_transport=host"]),
     ):
         run_dir = tmp_path_factory.mktemp(name)
         assert run_training(load_config(None, [*LAG1, *extra, f"run.dir={run_dir}"])) == 0
@@ -69,6 +75,40 @@ def test_two_engines_of_their_own_sample_what_one_does(runs):
     # rows, and everything trained on them, are the ones a single engine gives.
     report = compare_runs(runs["a"], runs["engines2"])
     assert report.agree, report.first_divergence()
+
+
+def test_two_ranks_push_to_two_engines_what_one_pushes_to_one(runs):
+    report = compare_runs(runs["a"], runs["dp2engines2"])
+    assert report.agree, report.first_divergence()
+
+
+def test_the_collective_push_and_the_host_snapshot_give_the_same_run(runs):
+    # Same weights, same dtype, whichever way they travel: bit for bit the same run.
+    assert _lines(runs["a"], "fingerprint.jsonl") == _lines(runs["host"], "fingerprint.jsonl")
+    report = compare_runs(runs["host"], runs["dp2engines2"])
+    assert report.agree, report.first_divergence()
+    # Only the engines that took pushes say how many they held (after each load).
+    collective = read_jsonl(runs["dp2engines2"] / "metrics.jsonl")
+    assert all("rollout/pushes_held" in m for m in collective)
+    assert not any("rollout/pushes_held" in m for m in read_jsonl(runs["host"] / "metrics.jsonl"))
+
+
+def test_at_lag_2_an_engine_never_holds_more_pushes_than_the_lag(local_ray, tmp_path):
+    slow = [
+        *LAG1,
+        "train.rollout_lag=2",
+        "train.total_steps=6",
+        "rollout.env=rollout.envs.sleepy:SleepyEnv",
+        # Tool waits make each rollout slower than an update: pushes arrive while the
+        # engine is still busy with the rollouts queued before the one that loads them.
+        "rollout.env_kwargs={turns: 2, max_delay_s: 0.5}",
+        f"run.dir={tmp_path}",
+    ]
+    assert run_training(load_config(None, slow)) == 0
+    held = [m["rollout/pushes_held"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
+    # Steps 1-3 sample with the initial weights (no push loaded yet); later ones load push
+    # t-3 while pushes t-2 and t-1 may be arriving or waiting: never more than the lag.
+    assert held[:3] == [0.0] * 3 and len(held) == 6 and max(held) <= 2, held
 
 
 def test_the_lag_shows_in_the_metrics(runs):

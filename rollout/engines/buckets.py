@@ -119,18 +119,30 @@ def unpack_bucket(
     return [(spec.name, tensor_view(flat, spec)) for spec in specs]
 
 
-def pack_pieces(
+def piece_specs(
     pieces: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype
-) -> tuple[torch.Tensor, list[TensorSpec]]:
-    """One flat uint8 bucket holding ``pieces`` (``(name, tensor)``, any dtype; converted to
-    ``dtype``) one after another, and their specs: what one training rank publishes of a
-    snapshot bucket, its own rows of each tensor (``assemble_pieces`` joins the ranks')."""
+) -> tuple[list[TensorSpec], int]:
+    """Where ``pack_pieces`` puts each of ``pieces`` in ``dtype``, and the bucket's bytes;
+    reads only the tensors' shapes."""
     specs, used = [], 0
     dtype_name = str(dtype).removeprefix("torch.")
     for name, tensor in pieces:
         specs.append(TensorSpec(name, dtype_name, tuple(tensor.shape), used))
         used += _aligned(tensor_nbytes(tensor.shape, dtype))
-    flat = torch.empty(used, dtype=torch.uint8)
+    return specs, used
+
+
+def pack_pieces(
+    pieces: Sequence[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, list[TensorSpec]]:
+    """One flat uint8 bucket (on ``device``; None: the CPU) holding ``pieces`` (``(name,
+    tensor)``, any dtype; converted to ``dtype``) one after another, and their specs: what one
+    training rank publishes of a snapshot bucket, its own rows of each tensor
+    (``assemble_pieces`` joins the ranks')."""
+    specs, used = piece_specs(pieces, dtype)
+    flat = torch.empty(used, dtype=torch.uint8, device=device)
     for spec, (_, tensor) in zip(specs, pieces):
         pack_tensor(flat, spec, tensor.detach())
     return flat, specs

@@ -212,6 +212,27 @@ def _lag_problems(cfg: Config) -> list[Problem]:
                 "their own: set rollout.engine_devices, or rollout.device=null",
             )
         )
+    transport = cfg.rollout.weight_transport
+    if transport == "collective" and not cfg.rollout.engine_devices:
+        p.append(
+            problem(
+                "rollout.weight_transport",
+                transport,
+                "only engines of their own take weights through a collective (colocated "
+                "engines take them through their devices' shared memory): set "
+                "rollout.engine_devices, or rollout.weight_transport=auto",
+            )
+        )
+    elif transport == "collective" and cfg.rollout.device not in (None, cfg.device):
+        p.append(
+            problem(
+                "rollout.weight_transport",
+                transport,
+                f"no collective joins the trainer's {cfg.device} devices and the engines' "
+                f"{cfg.rollout.device} ones (rollout.device): set rollout.weight_transport="
+                "host (or auto), or rollout.device=null",
+            )
+        )
     lag = cfg.train.rollout_lag
     if not lag:
         return p

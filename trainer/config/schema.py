@@ -11,7 +11,6 @@ configs, the docs and every reader.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Literal
 
@@ -20,6 +19,7 @@ from pydantic import BaseModel, Field, field_validator
 from hal import BACKEND_NAMES
 from rollout.assets import BUILTIN_MODELS
 from trainer.config.schema_base import SECTION as _SECTION
+from trainer.config.schema_base import first_nonfinite as _first_nonfinite
 from trainer.config.schema_run import RayConfig, RunConfig
 
 # Exactly the names hal.get_backend accepts: one name per device, owned by the HAL.
@@ -29,19 +29,6 @@ TrainDtype = Literal["float32", "bfloat16"]
 
 _ENV_SPEC = re.compile(r"^(?:[A-Za-z_][\w-]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 _FUNCTION_SPEC = re.compile(r"^(?:builtin:[a-z0-9_]+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
-
-
-def _first_nonfinite(tree: Any, where: str = "") -> tuple[str, float] | None:
-    """``(path, value)`` of the first inf/nan float in nested dicts/lists, else None."""
-    if isinstance(tree, float) and not math.isfinite(tree):
-        return where or "value", tree
-    items: Any = tree.items() if isinstance(tree, dict) else ()
-    items = enumerate(tree) if isinstance(tree, list) else items
-    for key, child in items:
-        found = _first_nonfinite(child, f"{where}.{key}" if where else str(key))
-        if found is not None:
-            return found
-    return None
 
 
 class ModelConfig(BaseModel):
@@ -169,6 +156,13 @@ class RolloutConfig(BaseModel):
         "own (rollout.engine_devices), e.g. generation on a pool of one accelerator type while "
         "the ranks train on another (the weights go through host memory); null = the "
         "trainer's device",
+    )
+    weight_transport: Literal["auto", "host", "collective"] = Field(
+        "auto",
+        description="how new weights reach engines of their own (rollout.engine_devices): "
+        "collective = each training rank broadcasts its rows straight to every engine (gloo, "
+        "NCCL or HCCL); host = a snapshot in Ray's object store (the only way across device "
+        "types, rollout.device); auto = collective unless rollout.device differs",
     )
     max_sample_batches: int = Field(
         1,

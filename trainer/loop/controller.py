@@ -51,6 +51,7 @@ class Trainer:
         self.replicas: list = []  # every engine replica's actor, replica order
         self.spawner = None  # makes the workers (set by start); replaces lost replicas
         self.replacer = ReplicaReplacer(self)
+        self.pushes = 0  # weight pushes through the weight group since the workers started
         self.rollout_info: dict[str, Any] = {}
         self.replica_info: list[dict[str, Any]] = []
         self.actor: WorkerGroup | None = None
@@ -235,11 +236,20 @@ class Trainer:
         return totals, mismatch_from_sums([results[r] for r in mismatch])
 
     def snapshot_weights(self) -> list | None:
-        """The actor's new weights in host memory for engines of their own: ``[bucket refs,
-        bucket specs]``, each indexed by rank, then bucket (every rank publishes its own rows,
-        ``WeightPush.snapshot_weights``), or None when replaying (no engine)."""
+        """The actor's new weights for engines of their own, as ``RolloutHost.take_weights``
+        finds them: pushed through the weight group (``rollout.weight_transport``: every
+        rank broadcasts its own rows to every engine, which queues them until a rollout
+        loads them), ``[PUSHED, push number]``; else in host memory, ``[bucket refs, bucket
+        specs]``, each indexed by rank, then bucket (every rank publishes its own rows,
+        ``WeightPush.snapshot_weights``); None when replaying (no engine)."""
         if self.replay_dir is not None:
             return None
+        if self.layout.weight_transport == "collective":
+            from trainer.loop.workers.rollout_host import PUSHED
+
+            seq, self.pushes = self.pushes, self.pushes + 1
+            self.actor.call("broadcast_weights", seq, timeout_s=self.limits.setup_s)
+            return [PUSHED, seq]
         parts = self.actor.call("snapshot_weights")
         return [[refs for refs, _ in parts], [specs for _, specs in parts]]
 

@@ -70,7 +70,32 @@ def start(job) -> None:
     resume(job)
     CLOCK.done("resume")
     if job.layout.separate:
+        _join_weight_group(job)
         _start_pipeline(job)
+
+
+def _join_weight_group(job) -> None:
+    """With the collective push (``Layout.weight_transport``): every training rank and every
+    engine replica join the weight group at once, training rank 0 serving its store
+    (``trainer.loop.workers.weight_group``); pushes are numbered from 0 again."""
+    job.pushes = 0
+    if job.layout.weight_transport != "collective" or job.replay_dir is not None:
+        return
+    cfg, limits = job.cfg, job.limits
+    (address,) = wait_all(
+        [
+            job.actor.handles[0].weight_group_address.remote(
+                len(job.replicas), cfg.run.collective_timeout_s
+            )
+        ],
+        ["actor rank 0"],
+        timeout_s=limits.setup_s,
+        what="actor.weight_group_address",
+    )
+    refs = job.actor.submit("join_weight_group", address)
+    refs += [h.join_weight_group.remote(address) for h in job.replicas]
+    names = job.actor.names + [f"engine replica {i}" for i in range(len(job.replicas))]
+    wait_all(refs, names, timeout_s=limits.setup_s, what="join_weight_group")
 
 
 PLACEMENT_TRY_S = 5.0
@@ -150,7 +175,7 @@ def _check_snapshots(cfg, layout, node_ids: list[str]) -> None:
     from trainer.loop.model_shape import model_shape
     from trainer.loop.snapshot_budget import node_object_store_bytes, snapshot_problem
 
-    if not cfg.rollout.engine_devices:
+    if layout.weight_transport != "host":  # colocated, or pushed through a collective
         return
     shape = model_shape(cfg.model.path)
     for node in sorted({n for n, _ in layout.rank_slots}):

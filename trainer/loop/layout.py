@@ -75,6 +75,9 @@ class Layout:
     engine_resource: str = ""
     engine_device: str = ""
     engine_nodes: tuple[int, ...] = ()
+    # How new weights reach engines of their own (``weight_transport_rule``): "collective"
+    # or "host"; "" when colocated (through the devices' shared memory).
+    weight_transport: str = ""
 
     @property
     def dp_size(self) -> int:
@@ -167,7 +170,24 @@ def _separate_layout(
         engine_resource=engine[1] if engine else "",
         engine_device=engine[2] if engine else "",
         engine_nodes=engine[0] if engine else (),
+        weight_transport=weight_transport_rule(cfg, other_device=engine is not None),
     )
+
+
+def weight_transport_rule(cfg: Config, *, other_device: bool | None = None) -> str:
+    """How new weights reach engines of their own: ``collective`` (each training rank
+    broadcasts its own rows to every engine through a process group of the device's library,
+    ``trainer.loop.workers.weight_group``) unless ``rollout.weight_transport=host`` or the
+    engines run on another device type (``other_device``, None: ``rollout.device`` names
+    one other than ``device``; no collective joins two vendors), where a host-memory
+    snapshot in Ray's object store carries them; "" for colocated engines."""
+    if not cfg.rollout.engine_devices:
+        return ""
+    if other_device is None:
+        other_device = cfg.rollout.device not in (None, cfg.device)
+    if other_device or cfg.rollout.weight_transport == "host":
+        return "host"
+    return "collective"
 
 
 def training_roles(cfg: Config) -> tuple[str, ...]:
@@ -344,8 +364,8 @@ def format_layout(layout: Layout) -> str:
         f"memory: an engine takes {layout.engine_memory_fraction:g} of each of its devices "
         "(rollout.memory_fraction)"
         + (
-            "; it stays awake, generating while the ranks train; new weights reach it through "
-            "host memory"
+            "; it stays awake, generating while the ranks train; new weights reach it "
+            + _transport_words(layout)
             if layout.separate
             else " while awake and sleeps while the ranks train"
         ),
@@ -371,6 +391,17 @@ def format_layout(layout: Layout) -> str:
         ):
             lines.append(f"  {kind}device {dev:2d}: {what}")
     return "\n".join(lines)
+
+
+def _transport_words(layout: Layout) -> str:
+    """How new weights reach engines of their own, for ``format_layout``."""
+    if layout.weight_transport == "collective":
+        return (
+            "through a collective: each rank broadcasts its own rows to every engine "
+            "(rollout.weight_transport=collective; host = through Ray's object store)"
+        )
+    why = "rollout.device" if layout.other_engine_device else "rollout.weight_transport=host"
+    return f"through a host-memory snapshot in Ray's object store ({why})"
 
 
 def _rank_line(layout: Layout, rank: int) -> str:

@@ -156,7 +156,7 @@ class RolloutPipeline:
         import ray
 
         from batching import StepBatch
-        from trainer.loop.workers.rollout_host import batch_metadata
+        from trainer.loop.workers.rollout_meta import batch_metadata
 
         for step, (kept, arrays) in sorted(pending.items()):
             meta = batch_metadata(StepBatch.from_numpy(arrays), kept["metrics"])

@@ -93,7 +93,7 @@ def _check_snapshots(cfg: Config) -> None:
     """The weight snapshots of engines on devices of their own fit the object store of a local
     Ray (``ray.object_store_gb`` or Ray's default here); a cluster's is read once joined."""
     if cfg.ray.address is not None or not cfg.rollout.engine_devices:
-        return
+        return  # (snapshot_problem finds none with the collective push)
     from trainer.loop.model_shape import model_shape
     from trainer.loop.snapshot_budget import host_object_store_bytes, snapshot_problem
 

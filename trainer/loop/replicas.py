@@ -21,7 +21,9 @@ Engines on devices of their own: the rollout host is busy with queued rollouts, 
 ``connect`` is queued behind them (not waited for) and names the replacement ``waiting``: it
 serves only after the host has loaded the next snapshot into it (``take_weights``), which the
 rollout queued right after it carries; until then the others serve its prompts. In one
-process (``ray.in_process``) there is one replica and nothing to replace.
+process (``ray.in_process``) there is one replica and nothing to replace. With the collective
+weight push (``rollout.weight_transport``) a lost replica broke the weight group, whose members
+are fixed: the run restarts its workers instead (``trainer.loop.restarts``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,15 @@ class ReplicaReplacer:
             raise WorkerFailedError(
                 f"engine replica(s) {lost} lost; {self.lost_total} lost in this run, more than "
                 f"rollout.max_replica_failures={bound}; raise it to replace more"
+            )
+        if self.job.layout.weight_transport == "collective":
+            # The weight group's members are fixed when it forms: a new process cannot join.
+            raise WorkerFailedError(
+                f"engine replica(s) {lost} lost, and with them members of the weight group "
+                "(rollout.weight_transport=collective); the workers start again "
+                "(run.max_restarts), or set rollout.weight_transport=host to replace "
+                "replicas without a restart",
+                kind="died",
             )
         import ray
 

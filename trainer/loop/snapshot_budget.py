@@ -65,8 +65,11 @@ def live_snapshots(cfg: Config) -> int:
     """Weight snapshots alive at once in Ray's object store: ``train.rollout_lag + 1`` with
     engines on devices of their own (the schedule in this module's docstring), 0 with
     colocated engines (they take the weights from their own ranks, never through the object
-    store)."""
-    if not cfg.rollout.engine_devices:
+    store), nor with the collective push (``rollout.weight_transport``: the engines receive
+    the weights straight from the ranks, ``trainer.loop.workers.weight_group``)."""
+    from trainer.loop.layout import weight_transport_rule
+
+    if weight_transport_rule(cfg) != "host":
         return 0
     return cfg.train.rollout_lag + 1
 
@@ -210,6 +213,15 @@ def format_snapshots(cfg: Config, shape: ModelShape | None) -> str | None:
     GB, and the object store they must fit (a local Ray's, or a joined cluster's, read then);
     None when no snapshot is taken or the model's shape is unknown."""
     count = live_snapshots(cfg)
+    if shape is not None and cfg.rollout.engine_devices and not count:
+        held = cfg.train.rollout_lag
+        one = snapshot_bytes(shape, cfg.model.dtype)
+        return (
+            "weights pushed through a collective (rollout.weight_transport): no snapshot in "
+            f"Ray's object store; each engine replica holds, beside its weights, up to {held} "
+            f"(train.rollout_lag) pushes not yet loaded, {_gb(one)} each ({cfg.model.dtype}), "
+            "in its host memory, plus the bucket it loads"
+        )
     if not count or shape is None:
         return None
     one = snapshot_bytes(shape, cfg.model.dtype)

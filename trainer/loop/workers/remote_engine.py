@@ -1,7 +1,8 @@
 """A peer engine replica's actor handle seen as an ``Engine`` by the rollout host's router
 (``rollout.engines.router``): its ``generate`` waits for the peer, and a peer whose process is
 gone raises ``ReplicaLostError``, so the router deals its requests to the others. Loading a
-weight snapshot into the peers (engines on devices of their own) skips lost ones the same way.
+weight snapshot or push into the peers (engines on devices of their own) skips lost ones the
+same way.
 """
 
 from __future__ import annotations
@@ -34,18 +35,19 @@ class RemoteEngine(Engine):
         raise NotImplementedError("engine replicas are synced by their own training ranks")
 
 
-def load_snapshot_into_peers(
-    peers: list, router, replicas, refs: list, specs: list, meanwhile=None
+def load_into_peers(
+    peers: list, router, replicas, method: str, args: tuple, meanwhile=None
 ) -> None:
-    """Load a host-memory snapshot (``refs``, ``specs``: ``EngineHost.load_host_buckets``) into
-    peer replicas ``replicas`` (indices; ``peers[i - 1]`` is replica i's handle) at once, run
+    """Call ``method(*args)`` (a load of new weights: ``EngineHost.load_host_buckets`` for a
+    host-memory snapshot, ``EngineHost.load_pushed`` for a collective push) on peer replicas
+    ``replicas`` (indices; ``peers[i - 1]`` is replica i's handle) at once, run
     ``meanwhile()`` (the host's own load), and wait. A replica the router (``ReplicaRouter``)
     has lost is skipped; one whose process dies while loading is marked lost there, so its
     prompts go to the others."""
     import ray
 
     live = [i for i in replicas if not router.is_lost(i)]
-    calls = [(i, peers[i - 1].load_host_buckets.remote(refs, specs)) for i in live]
+    calls = [(i, getattr(peers[i - 1], method).remote(*args)) for i in live]
     if meanwhile is not None:
         meanwhile()
     for i, call in calls:

@@ -16,13 +16,18 @@ import numpy as np
 import torch
 
 import hal
-from batching import StepBatch, response_length_mean, trajectory_score_mean
+from batching import StepBatch
 from rollout.agent_loop import RolloutOutput
 from trainer.config.schema import Config
 from trainer.loop.startup import Phases, process_start_time
 from trainer.loop.workers.group import agree_on_settings
 from trainer.loop.workers.local import put
+from trainer.loop.workers.rollout_meta import batch_metadata, combine_rollout_metrics
 from trainer.loop.workers.sampling import run_config_rollouts
+
+#: Where ``take_weights`` finds weights that came through the weight group (``rollout.
+#: weight_transport``), in place of a snapshot's bucket refs.
+PUSHED = "pushed"
 
 
 def agree_with_engine_workers(
@@ -164,6 +169,29 @@ class EngineHost:
         self.engine.finish_weight_update()
         return count
 
+    def join_weight_group(self, address) -> None:
+        """Join the weight group at ``address`` as this replica and start receiving pushes
+        beside generation (``trainer.loop.workers.weight_group``)."""
+        from trainer.loop.workers.weight_group import WeightReceiver, join
+
+        backend = hal.get_backend(self.cfg.engine_device())
+        membership = join(backend, address, replica=self.replica)
+        self.receiver = WeightReceiver(membership, backend.device(0))
+        self.pushes_held = 0  # pushes received and not loaded, after the last load
+
+    def load_pushed(self, seq: int) -> int:
+        """Load push ``seq`` of the weight group into the engine, bucket by bucket as it
+        arrives (a push not yet here is waited for, at most ``run.collective_timeout_s`` per
+        bucket). Returns the tensor count."""
+        self.engine.wake_up(["weights"])
+        count = 0
+        for named in self.receiver.take(seq, self.cfg.run.collective_timeout_s):
+            self.engine.update_weights(named)
+            count += len(named)
+        self.engine.finish_weight_update()
+        self.pushes_held = self.receiver.held_pushes()
+        return count
+
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load new weights handed over in this process (``ray.in_process``: the training
         rank's own tensors, copied once into the engine); wakes them first, as
@@ -183,7 +211,10 @@ class EngineHost:
         return len(bucket)
 
     def shutdown(self) -> None:
-        """Release the engine."""
+        """Release the engine (and stop receiving pushes)."""
+        receiver = getattr(self, "receiver", None)
+        if receiver is not None:
+            receiver.stop()
         if self.engine is not None:
             self.engine.shutdown()
 
@@ -250,8 +281,9 @@ class RolloutHost(EngineHost):
         return 1 + len(peers)
 
     def take_weights(self, weights: list | None) -> int:
-        """Load ``weights``, ``[version, bucket refs, bucket specs]`` (a host-memory snapshot,
-        ``WeightPush.snapshot_weights``, of the policy after training step ``version``), into
+        """Load ``weights``: ``[version, bucket refs, bucket specs]`` (a host-memory snapshot,
+        ``WeightPush.snapshot_weights``, of the policy after training step ``version``) or
+        ``[version, PUSHED, seq]`` (push ``seq`` of the weight group: ``load_pushed``), into
         every replica unless they hold that version already (a version of None always loads:
         ``Trainer.sync_weights``), and into waiting replicas (``connect``) whatever they hold;
         None: keep what they hold. Returns the version the replicas hold (0: the initial
@@ -260,13 +292,17 @@ class RolloutHost(EngineHost):
         held = weights is not None and weights[0] is not None and weights[0] == version
         if weights is None or (held and not waiting):
             return version
-        target, refs, specs = weights
-        from trainer.loop.workers.remote_engine import load_snapshot_into_peers
+        from trainer.loop.workers.remote_engine import load_into_peers
 
+        target, source, detail = weights
+        if source == PUSHED:  # through the weight group: push number ``detail``
+            method, args = "load_pushed", (detail,)
+        else:  # a host-memory snapshot: bucket refs and specs by rank
+            method, args = "load_host_buckets", (source, detail)
         # Replicas that hold the version already skip it; a waiting replacement never does.
         replicas = waiting if held else range(1, 1 + len(self.peers))
-        mine = None if held else (lambda: self.load_host_buckets(refs, specs))
-        load_snapshot_into_peers(self.peers, self.generator, replicas, refs, specs, mine)
+        mine = None if held else (lambda: getattr(self, method)(*args))
+        load_into_peers(self.peers, self.generator, replicas, method, args, mine)
         if waiting:
             self.generator.serve(waiting)
             self.waiting = []
@@ -333,6 +369,9 @@ class RolloutHost(EngineHost):
         lost = self.generator.take_lost() if self.peers else []
         meta["lost_replicas"] = lost
         meta["metrics"]["rollout/replicas_lost"] = float(len(lost))
+        receiver = getattr(self, "receiver", None)
+        if receiver is not None:  # pushed weights held here beside the engine's, not loaded
+            meta["metrics"]["rollout/pushes_held"] = float(self.pushes_held)
         return meta, [put(arrays)]
 
     def _sample(self, step: int, items: list) -> RolloutOutput:
@@ -393,100 +432,3 @@ class RolloutHost(EngineHost):
     def set_prompts_consumed(self, count: int) -> None:
         """Resume the prompt stream after ``count`` prompts (from a checkpoint)."""
         self.prompts_consumed = int(count)
-
-
-#: rollout metrics that count things: summed over a step's sampled batches (the rest are
-#: means, weighted by each batch's trajectories).
-_COUNTS = ("num_trajectories", "num_rows", "_trajectories", "errors")
-
-
-def combine_rollout_metrics(per_batch: list[dict[str, float]]) -> dict[str, float]:
-    """One step's rollout metrics from those of its sampled batches (dynamic sampling)."""
-    if len(per_batch) == 1:
-        return dict(per_batch[0])
-    weights = [m.get("rollout/num_trajectories", 1.0) for m in per_batch]
-    out: dict[str, float] = {}
-    for key in dict.fromkeys(k for m in per_batch for k in m):
-        present = [(m[key], w) for m, w in zip(per_batch, weights) if key in m]
-        if key.endswith(_COUNTS):
-            out[key] = sum(v for v, _ in present)
-        else:
-            out[key] = sum(v * w for v, w in present) / max(sum(w for _, w in present), 1e-12)
-    return out
-
-
-def batch_metadata(batch: StepBatch, rollout_metrics: dict[str, float]) -> dict[str, Any]:
-    """What the controller needs of a batch: lengths and ids for planning, metrics."""
-    return {
-        "seq_lens": batch.seq_lens.astype(np.int64),
-        "trajectory_ids": batch.row_fields["trajectory_id"].numpy().copy(),
-        "group_ids": batch.row_fields["uid"].numpy().copy(),
-        "num_tokens": int(batch.num_tokens),
-        "metrics": {
-            **rollout_metrics,
-            "reward/mean": float(trajectory_score_mean(batch)),
-            "response_length/mean": float(response_length_mean(batch)),
-        },
-    }
-
-
-class ReplayHost:
-    """Stands in for ``RolloutHost`` when replaying recorded rollouts (``crossrl probe``):
-    step N's batch is ``<rollouts_dir>/step_<N>.npz``; there is no engine, so weight
-    updates are accepted and dropped. Sampling is gone, so two devices train on the same rows.
-    """
-
-    def __init__(self, rollouts_dir: str) -> None:
-        self.rollouts_dir = rollouts_dir
-
-    def setup(self) -> dict[str, Any]:
-        """Check the recording exists."""
-        from pathlib import Path
-
-        if not sorted(Path(self.rollouts_dir).glob("step_*.npz")):
-            raise ValueError(
-                f"--rollouts {self.rollouts_dir!r}: no step_<N>.npz files; record some with "
-                f"run.record_rollouts=true (they land in RUN_DIR/rollouts)"
-            )
-        return {"engine": "replay"}
-
-    def rollout(
-        self, step: int, record_dir: str | None = None, weights: list | None = None
-    ) -> tuple[dict[str, Any], list]:
-        """The recorded batch of ``step`` and its metadata."""
-        from pathlib import Path
-
-        from rollout.replay import load_rollout
-
-        path = Path(self.rollouts_dir) / f"step_{step}.npz"
-        if not path.is_file():
-            raise ValueError(
-                f"--rollouts: {path} is missing; record at least as many steps as --steps asks for"
-            )
-        arrays = load_rollout(path)
-        batch = StepBatch.from_numpy(arrays)
-        return batch_metadata(batch, {}), [put(arrays)]
-
-    def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
-        """No engine to update."""
-        return len(bucket)
-
-    def get_prompts_consumed(self) -> int:
-        """A replay samples no prompts."""
-        return 0
-
-    def set_prompts_consumed(self, count: int) -> None:
-        """A replay samples no prompts."""
-
-    def sleep(self, discard_weights: bool = False) -> None:
-        """No engine to put to sleep."""
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """No engine to wake."""
-
-    def awake_tags(self) -> list[str]:
-        """No engine: nothing awake."""
-        return []
-
-    def shutdown(self) -> None:
-        """Nothing to release."""

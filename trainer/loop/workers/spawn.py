@@ -74,7 +74,7 @@ class Spawner:
         """One engine replica per tp group, on the group's first rank's bundle; replica 0 is
         the rollout host (agent loop, prompts) and deals requests to the others. With
         ``replay_dir``, one host that replays recorded rollouts instead."""
-        from trainer.loop.workers.rollout_host import ReplayHost
+        from trainer.loop.workers.replay_host import ReplayHost
 
         layout = self.layout
         own = 0 if layout.separate else None  # the engines' own bundles, when they have them

@@ -285,6 +285,49 @@ class WeightPush:
         full = tensor.full_tensor()
         return full if first else None
 
+    # ---------------------------------------------------------------- the weight group
+    def weight_group_address(self, replicas: int, timeout_s: float):
+        """Serve the weight group's store (training rank 0 only) for ``replicas`` engine
+        replicas, collectives failing past ``timeout_s`` seconds; returns its
+        ``WeightGroupAddress`` for every member's ``join_weight_group``."""
+        from trainer.loop.workers.weight_group import WeightGroupAddress, serve_store
+
+        host, port = self.rendezvous_address()
+        world = self.spec.world_size
+        self._weight_store = serve_store(host, port, world + replicas, timeout_s)
+        return WeightGroupAddress(host, port, world, replicas, timeout_s)
+
+    def join_weight_group(self, address) -> None:
+        """Join the weight group at ``address`` (``trainer.loop.workers.weight_group``); every
+        rank and every engine replica at once."""
+        from trainer.loop.workers.weight_group import join
+
+        store = getattr(self, "_weight_store", None)
+        self._weight_group = join(self.backend, address, rank=self.spec.rank, store=store)
+
+    def broadcast_weights(self, seq: int) -> int:
+        """Push ``seq`` of the new weights through the weight group: this rank's own rows of
+        every tensor (``_own_rows``), in the engine's dtype, bucket by bucket straight to every
+        engine replica (``weight_group.send_weights``). Returns the buckets sent."""
+        from rollout.models import parse_dtype
+        from trainer.loop.workers.weight_group import send_weights
+
+        state = self.model.state_dict()
+
+        def pieces_of(planned) -> list:
+            rows = ((spec.name, self._own_rows(state[spec.name])) for spec in planned)
+            return [(name, held) for name, held in rows if held is not None]
+
+        return send_weights(
+            self._weight_group,
+            self.spec.rank,
+            pieces_of,
+            [(name, tuple(t.shape)) for name, t in state.items()],
+            parse_dtype(self.spec.cfg.model.dtype),
+            seq,
+            self.device,
+        )
+
     # ---------------------------------------------------------------- object store (bench)
     def _push_weights_object_store(self, engine, bucket_bytes: int) -> int:
         """The weight sync before in-node handoff: float32 numpy buckets through Ray's object
