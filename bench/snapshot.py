@@ -1,15 +1,20 @@
-"""The weight push to engines of their own: seconds and peak host memory per step, this
-checkout against another (the code before a change), measured side by side.
+"""The weight push to engines of their own: seconds and peak host memory per step, by
+transport (``rollout.weight_transport``: the collective push, the host-memory snapshot) and
+against another checkout (the code before a change), measured side by side.
 
-    python -m bench.snapshot --before DIR [--rounds N] [--shape qwen2.5-0.5b] [--steps N]
+    python -m bench.snapshot [--before DIR] [--rounds N] [--shape qwen2.5-0.5b] [--steps N]
+                             [--nodes 2]
 
 A lagged job (``rollout.engine_devices=1``, ``train.rollout_lag=1``) on ``builtin:small``
-at ``train.dp_size=2``: each step ends with the push of the new weights into Ray's object
-store (``Trainer.snapshot_weights``), which is the ``sync`` phase of a lagged step
-(``timing/sync_s``). Runs alternate between the two checkouts (A B B A ...), each a
-``crossrl train`` subprocess (``bench.e2e.run_job``); the figures are, per checkout, the median
-over runs of the median ``timing/sync_s`` over each run's steps after its first, the median
-step, and the ranks' peak memory (``memory/actor_peak_gb``, the largest rank's). Nothing here
+at ``train.dp_size=2``: each step ends with the push of the new weights to the engine
+(``Trainer.snapshot_weights``), which is the ``sync`` phase of a lagged step
+(``timing/sync_s``). ``--nodes 2``: on a local two-node Ray cluster (``ray.cluster_utils``),
+the two ranks on one node, the engine on the other. Runs alternate between the variants (A B C,
+C B A, ...), each a ``crossrl train`` subprocess (``bench.e2e.run_job``); the figures are, per
+variant, the median over runs of the median over each run's steps after its first of the sync
+seconds, the step seconds, and the peak host memory of each process (rank 0, the other rank,
+the engine: ``memory/actor_rank0_peak_gb``, ``memory/actor_others_peak_gb``,
+``memory/engine_peak_gb``; a checkout without them reports the largest rank's). Nothing here
 asserts a time.
 """
 
@@ -34,32 +39,56 @@ SNAPSHOT_JOB = [
     "rollout.n=4",
     "run.resume=never",
 ]
-KEYS = ("timing/sync_s", "timing/step_s", "memory/actor_peak_gb")
+KEYS = (
+    "timing/sync_s",
+    "timing/step_s",
+    "memory/actor_rank0_peak_gb",
+    "memory/actor_others_peak_gb",
+    "memory/engine_peak_gb",
+)
+#: This checkout's variants: the transport each runs with.
+TRANSPORTS = {"collective": "collective", "host": "host"}
 
 
 def measure(
-    workdir: Path, before: str | None, rounds: int = 2, shape: str | None = None, steps: int = 6
+    workdir: Path,
+    before: str | None,
+    rounds: int = 2,
+    shape: str | None = None,
+    steps: int = 6,
+    ray_address: str | None = None,
 ) -> dict:
-    """Per checkout (``after``: this one; ``before``: the one at ``before``), the medians of
-    ``KEYS`` (module docstring). ``shape``: a ``rollout.models.SHAPES`` name (e.g.
-    ``qwen2.5-0.5b``) whose random weights replace ``builtin:small``; ``steps``: per run."""
+    """Per variant (``collective`` and ``host``: this checkout with that transport;
+    ``before``: the checkout at ``before``, as it pushes), the medians of ``KEYS`` (module
+    docstring). ``shape``: a ``rollout.models.SHAPES`` name (e.g. ``qwen2.5-0.5b``) whose
+    random weights replace ``builtin:small``; ``steps``: per run; ``ray_address``: a cluster
+    to run on."""
     from bench.e2e import run_job
 
     job = [*SNAPSHOT_JOB, f"train.total_steps={steps}"]
+    if ray_address is not None:
+        job.append(f"ray.address={ray_address}")
     if shape is not None:
         from rollout.models import write_random_model
 
         job.append(f"model.path={write_random_model(workdir / 'model', shape)}")
-    sources = {"after": None, **({"before": before} if before else {})}
+    variants = {name: ([f"rollout.weight_transport={t}"], None) for name, t in TRANSPORTS.items()}
+    if before:
+        variants["before"] = ([], before)
     order = []
     for i in range(rounds):
-        names = list(sources)
+        names = list(variants)
         order += names if i % 2 == 0 else names[::-1]
-    per_run: dict[str, list[dict[str, float]]] = {name: [] for name in sources}
+    per_run: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     for i, name in enumerate(order):
         where = workdir / f"{name}_{i}"
         where.mkdir(parents=True)
-        records = run_job(job, where, source=sources[name])["records"][1:]
+        extra, source = variants[name]
+        records = run_job([*job, *extra], where, source=source)["records"][1:]
+        for record in records:  # a checkout that reports only the largest rank's peak
+            record.setdefault("memory/actor_rank0_peak_gb", record["memory/actor_peak_gb"])
+            record.setdefault("memory/actor_others_peak_gb", record["memory/actor_peak_gb"])
+            record.setdefault("memory/engine_peak_gb", float("nan"))
         per_run[name].append({k: statistics.median(r[k] for r in records) for k in KEYS})
     return {
         name: {k: statistics.median(run[k] for run in runs) for k in KEYS}
@@ -68,17 +97,35 @@ def measure(
 
 
 def format_table(result: dict) -> str:
-    """The medians as a markdown table, with after / before where both ran."""
-    lines = ["| code | sync s/step | step s | ranks' peak GB |", "|---|---|---|---|"]
+    """The medians as a markdown table, then each variant's sync seconds over the host
+    snapshot's."""
+    lines = [
+        "| variant | sync s/step | step s | rank 0 peak GB | other rank peak GB | engine peak GB |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, row in result.items():
         lines.append(
             f"| {name} | {row['timing/sync_s']:.3f} | {row['timing/step_s']:.3f} | "
-            f"{row['memory/actor_peak_gb']:.2f} |"
+            f"{row['memory/actor_rank0_peak_gb']:.2f} | {row['memory/actor_others_peak_gb']:.2f} "
+            f"| {row['memory/engine_peak_gb']:.2f} |"
         )
-    if "before" in result:
-        ratio = result["after"]["timing/sync_s"] / result["before"]["timing/sync_s"]
-        lines.append(f"\nsync after / before: {ratio:.2f}")
+    base = result["host"]["timing/sync_s"]
+    for name in result:
+        if name != "host":
+            lines.append(f"\nsync {name} / host: {result[name]['timing/sync_s'] / base:.2f}")
     return "\n".join(lines)
+
+
+def two_node_cluster():
+    """A local Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``): 2
+    CPUs on the head for the two ranks, 1 on the other node for the engine. Returns it (call
+    ``shutdown()``)."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    return cluster
 
 
 def main() -> None:
@@ -88,10 +135,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternations (A B, B A, ...)")
     parser.add_argument("--shape", help="random weights of this shape (e.g. qwen2.5-0.5b)")
     parser.add_argument("--steps", type=int, default=6, help="steps per run")
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="local Ray nodes")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="crossrl-snapshot-") as tmp:
-        result = measure(Path(tmp), args.before, args.rounds, args.shape, args.steps)
-        print(format_table(result))
+    cluster = two_node_cluster() if args.nodes == 2 else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="crossrl-snapshot-") as tmp:
+            address = cluster.address if cluster is not None else None
+            result = measure(Path(tmp), args.before, args.rounds, args.shape, args.steps, address)
+            print(format_table(result))
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
 
 
 if __name__ == "__main__":

@@ -261,11 +261,14 @@ OWN_LAG1 = [
 
 
 @pytest.mark.slow
-def test_a_lost_replica_of_the_lagged_pipeline_serves_again_with_current_weights(
-    local_ray, tmp_path, monkeypatch
+@pytest.mark.parametrize("transport", ["host", "collective"])
+def test_a_lost_replica_of_the_lagged_pipeline_comes_back_with_current_weights(
+    local_ray, tmp_path, monkeypatch, transport
 ):
-    """The replacement joins the rollout host's queue and serves only once the next snapshot
-    is loaded into it: the run still repeats the uninterrupted one."""
+    """Host snapshots (``rollout.weight_transport=host``): the replacement joins the rollout
+    host's queue and serves only once the next snapshot is loaded into it. The collective
+    push: the lost replica was a member of the weight group, so the workers restart (from the
+    run's start: no checkpoint yet). Either way the run repeats the uninterrupted one."""
     import ray
 
     from trainer.loop.controller import Trainer
@@ -273,10 +276,11 @@ def test_a_lost_replica_of_the_lagged_pipeline_serves_again_with_current_weights
     from trainer.loop.run import run_training
     from trainer.records.metrics import read_jsonl
 
+    job = [*OWN_LAG1, f"rollout.weight_transport={transport}", "train.total_steps=4"]
     straight, faulted = tmp_path / "straight", tmp_path / "faulted"
-    assert run_training(_cfg(straight, *OWN_LAG1, "train.total_steps=4")) == 0
+    assert run_training(_cfg(straight, *job)) == 0
 
-    trainers, killed = [], []
+    trainers, fired = [], []
     start, take = Trainer.start, RolloutPipeline.take
 
     def keep(self):
@@ -285,25 +289,31 @@ def test_a_lost_replica_of_the_lagged_pipeline_serves_again_with_current_weights
 
     def take_then_kill(self, step):
         out = take(self, step)
-        if step == FAULT_STEP - 1:  # step 2's rollout starts now, behind step 1's
+        if step == FAULT_STEP - 1 and not fired:  # step 2's rollout starts now, behind step 1's
+            fired.append(step)
+            victim = trainers[-1].replicas[1]
 
             def kill():
                 time.sleep(FAULT_DELAY_S)
-                ray.kill(trainers[-1].replicas[1], no_restart=True)
-                killed.append(step)
+                ray.kill(victim, no_restart=True)
 
             threading.Thread(target=kill, daemon=True).start()
         return out
 
     monkeypatch.setattr(Trainer, "start", keep)
     monkeypatch.setattr(RolloutPipeline, "take", take_then_kill)
-    assert run_training(_cfg(faulted, *OWN_LAG1, "train.total_steps=4")) == 0
-    assert killed == [FAULT_STEP - 1]
+    assert run_training(_cfg(faulted, *job)) == 0
+    assert fired == [FAULT_STEP - 1]
     metrics = read_jsonl(faulted / "metrics.jsonl")
-    assert {m["step"]: m["rollout/replicas_lost"] for m in metrics} == {
-        1: 0.0,
-        2: 1.0,
-        3: 0.0,
-        4: 0.0,
-    }
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    if transport == "host":
+        assert {m["step"]: m["rollout/replicas_lost"] for m in metrics} == {
+            1: 0.0,
+            2: 1.0,
+            3: 0.0,
+            4: 0.0,
+        }
+    else:
+        assert len(trainers) == 2  # the workers started again, once
+        assert sum(m.get("restart/count", 0) > 0 for m in metrics) == 1
     assert read_jsonl(faulted / "fingerprint.jsonl") == read_jsonl(straight / "fingerprint.jsonl")

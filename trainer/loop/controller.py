@@ -347,11 +347,15 @@ class Trainer:
         results = calls.wait()
         ends = {role: [results[r] for r in refs] for role, refs in ends.items()}
         actor = ends[self.actor.role]
+        memory = {
+            f"memory/{role}_peak_gb": max(rank[0] for rank in answers)
+            for role, answers in ends.items()
+        }
+        if len(actor) > 1:  # rank 0 holds what no other rank does (unsharded tensors, stores)
+            memory["memory/actor_rank0_peak_gb"] = actor[0][0]
+            memory["memory/actor_others_peak_gb"] = max(rank[0] for rank in actor[1:])
         return {
-            "memory": {
-                f"memory/{role}_peak_gb": max(rank[0] for rank in answers)
-                for role, answers in ends.items()
-            },
+            "memory": memory,
             "counts": actor[0][1],
             # Each rank sums its own shards (no collective); the ranks' shares add up here.
             "checksum": combine_param_stats([rank[-1] for rank in actor]) if checksum else None,

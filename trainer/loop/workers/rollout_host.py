@@ -372,6 +372,8 @@ class RolloutHost(EngineHost):
         receiver = getattr(self, "receiver", None)
         if receiver is not None:  # pushed weights held here beside the engine's, not loaded
             meta["metrics"]["rollout/pushes_held"] = float(self.pushes_held)
+        peak = hal.get_backend(self.cfg.engine_device()).peak_memory_bytes()
+        meta["metrics"]["memory/engine_peak_gb"] = peak / 1e9  # this replica's process
         return meta, [put(arrays)]
 
     def _sample(self, step: int, items: list) -> RolloutOutput:
