@@ -23,6 +23,7 @@ from trainer.loop.snapshot_budget import (
 LAGGED = [
     "rollout.engine_devices=1",
     "algorithm.rollout_correction=token",
+    "rollout.weight_transport=host",  # snapshots in the object store (the collective takes none)
 ]
 
 
@@ -186,7 +187,9 @@ def test_a_lagged_run_never_holds_more_snapshots_than_the_budget(tmp_path, lag, 
     try:
         assert ray.cluster_resources()["object_store_memory"] == pytest.approx(0.1e9)
         node = ray.get_runtime_context().get_node_id()
-        one_node = SimpleNamespace(rank_slots=tuple((0, r) for r in range(dp)))
+        one_node = SimpleNamespace(
+            rank_slots=tuple((0, r) for r in range(dp)), weight_transport="host"
+        )
         _check_snapshots(cfg, one_node, [node])  # fits: no error
         big = cfg.model_copy(deep=True)
         big.model.path = "builtin:small"  # (lag + 1) x 0.076 GB against this 0.1 GB store

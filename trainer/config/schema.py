@@ -160,8 +160,8 @@ class RolloutConfig(BaseModel):
     weight_transport: Literal["auto", "host", "collective"] = Field(
         "auto",
         description="how new weights reach engines of their own (rollout.engine_devices): "
-        "collective = each training rank broadcasts its rows straight to every engine (gloo, "
-        "NCCL or HCCL); host = a snapshot in Ray's object store (the only way across device "
+        "collective = each training rank broadcasts its rows straight to every engine (the "
+        "device's collective library); host = a snapshot in Ray's object store (the only way across device "
         "types, rollout.device); auto = collective unless rollout.device differs",
     )
     max_sample_batches: int = Field(

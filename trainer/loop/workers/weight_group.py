@@ -3,8 +3,8 @@
 
 The members: the ``train.dp_size`` training ranks (the actor's) and the engine replicas' host
 processes. Training rank 0 serves a ``torch.distributed`` TCP store (the control channel);
-every member joins ``dp_size`` process groups over it (``hal.weight_group``: gloo on the CPU,
-NCCL on CUDA, HCCL on Ascend), group r made of training rank r (its member 0) and every
+every member joins ``dp_size`` process groups over it (``hal.weight_group``: the device's own
+collective library), group r made of training rank r (its member 0) and every
 replica (member 1 + replica index). So each rank broadcasts only the rows it holds, straight to
 every engine, and no rank receives another's.
 
