@@ -97,8 +97,10 @@ def run_job(
     source: str | None = None,
 ) -> dict:
     """Run ``crossrl train <overrides>`` in a fresh run directory under ``workdir``;
-    ``source``: another checkout whose crossrl runs instead of this one (put first on
-    ``PYTHONPATH``), to time a change against the code before it in one run.
+    ``source``: another checkout whose crossrl runs instead of this one (the working
+    directory, and first on ``PYTHONPATH`` for the Ray workers it starts), to time a change
+    against the code before it in one run. A cluster joined through ``ray.address`` runs its
+    own workers' code, not the checkout's: compare checkouts on a local Ray.
 
     Returns ``records`` (its metrics.jsonl, one dict per step), ``wall_s`` (the whole process:
     start-up, Ray, steps, shutdown) and ``command``. Raises RuntimeError with the log's tail
@@ -115,7 +117,15 @@ def run_job(
     with open(log_path, "w", encoding="utf-8") as log:
         try:
             proc = subprocess.run(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=timeout_s,
+                check=False,
+                # ``python -m`` puts the working directory first on sys.path, before
+                # PYTHONPATH: run from the other checkout, or this one's code runs.
+                cwd=source,
             )
             returncode = proc.returncode
         except subprocess.TimeoutExpired:

@@ -14,8 +14,10 @@ C B A, ...), each a ``crossrl train`` subprocess (``bench.e2e.run_job``); the fi
 variant, the median over runs of the median over each run's steps after its first of the sync
 seconds, the step seconds, and the peak host memory of each process (rank 0, the other rank,
 the engine: ``memory/actor_rank0_peak_gb``, ``memory/actor_others_peak_gb``,
-``memory/engine_peak_gb``; a checkout without them reports the largest rank's). Nothing here
-asserts a time.
+``memory/engine_peak_gb``; a checkout without them reports the largest rank's), and the
+seconds the rollout host spent loading the push into the engines before sampling
+(``rollout/weight_load_s``: the engine's side, which a host snapshot pays when the engine pulls
+it from the ranks' object stores). Nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ SNAPSHOT_JOB = [
 ]
 KEYS = (
     "timing/sync_s",
+    "rollout/weight_load_s",
     "timing/step_s",
     "memory/actor_rank0_peak_gb",
     "memory/actor_others_peak_gb",
@@ -89,6 +92,7 @@ def measure(
             record.setdefault("memory/actor_rank0_peak_gb", record["memory/actor_peak_gb"])
             record.setdefault("memory/actor_others_peak_gb", record["memory/actor_peak_gb"])
             record.setdefault("memory/engine_peak_gb", float("nan"))
+            record.setdefault("rollout/weight_load_s", float("nan"))
         per_run[name].append({k: statistics.median(r[k] for r in records) for k in KEYS})
     return {
         name: {k: statistics.median(run[k] for run in runs) for k in KEYS}
@@ -100,19 +104,29 @@ def format_table(result: dict) -> str:
     """The medians as a markdown table, then each variant's sync seconds over the host
     snapshot's."""
     lines = [
-        "| variant | sync s/step | step s | rank 0 peak GB | other rank peak GB | engine peak GB |",
-        "|---|---|---|---|---|---|",
+        "| variant | ranks' push s/step | engine's load s/step | step s | rank 0 peak GB | "
+        "other rank peak GB | engine peak GB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, row in result.items():
         lines.append(
-            f"| {name} | {row['timing/sync_s']:.3f} | {row['timing/step_s']:.3f} | "
+            f"| {name} | {row['timing/sync_s']:.3f} | {row['rollout/weight_load_s']:.3f} | "
+            f"{row['timing/step_s']:.3f} | "
             f"{row['memory/actor_rank0_peak_gb']:.2f} | {row['memory/actor_others_peak_gb']:.2f} "
             f"| {row['memory/engine_peak_gb']:.2f} |"
         )
-    base = result["host"]["timing/sync_s"]
+
+    def push(row) -> float:  # the ranks' side, then the engine's, of one push
+        return row["timing/sync_s"] + row["rollout/weight_load_s"]
+
+    base = result["host"]
     for name in result:
         if name != "host":
-            lines.append(f"\nsync {name} / host: {result[name]['timing/sync_s'] / base:.2f}")
+            lines.append(
+                f"\nranks' push {name} / host: "
+                f"{result[name]['timing/sync_s'] / base['timing/sync_s']:.2f}; "
+                f"push + load {name} / host: {push(result[name]) / push(base):.2f}"
+            )
     return "\n".join(lines)
 
 
@@ -137,6 +151,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps per run")
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="local Ray nodes")
     args = parser.parse_args()
+    if args.before and args.nodes == 2:  # the cluster's workers would run this checkout
+        parser.error("--before needs --nodes 1: a joined cluster runs its own workers' code")
     cluster = two_node_cluster() if args.nodes == 2 else None
     try:
         with tempfile.TemporaryDirectory(prefix="crossrl-snapshot-") as tmp:

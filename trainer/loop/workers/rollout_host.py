@@ -10,6 +10,7 @@ Ray's object store as numpy arrays for the training workers.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -262,6 +263,7 @@ class RolloutHost(EngineHost):
         self.peers: list = []  # the other replicas' EngineHost handles (connect)
         self.waiting: list[int] = []  # replicas that serve once they load weights (connect)
         self.weights_version: int | None = 0  # the step whose weights the replicas hold
+        self.weight_load_s = 0.0  # seconds the last take_weights loaded for (every replica)
         self.startup.done("env")
         return info
 
@@ -302,7 +304,9 @@ class RolloutHost(EngineHost):
         # Replicas that hold the version already skip it; a waiting replacement never does.
         replicas = waiting if held else range(1, 1 + len(self.peers))
         mine = None if held else (lambda: getattr(self, method)(*args))
+        began = time.perf_counter()
         load_into_peers(self.peers, self.generator, replicas, method, args, mine)
+        self.weight_load_s = time.perf_counter() - began
         if waiting:
             self.generator.serve(waiting)
             self.waiting = []
@@ -372,6 +376,9 @@ class RolloutHost(EngineHost):
         receiver = getattr(self, "receiver", None)
         if receiver is not None:  # pushed weights held here beside the engine's, not loaded
             meta["metrics"]["rollout/pushes_held"] = float(self.pushes_held)
+        if self.cfg.rollout.engine_devices:  # seconds this rollout waited for its weights
+            meta["metrics"]["rollout/weight_load_s"] = self.weight_load_s
+            self.weight_load_s = 0.0
         peak = hal.get_backend(self.cfg.engine_device()).peak_memory_bytes()
         meta["metrics"]["memory/engine_peak_gb"] = peak / 1e9  # this replica's process
         return meta, [put(arrays)]
