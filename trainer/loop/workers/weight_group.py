@@ -21,11 +21,15 @@ the replica's generation, so with ``train.rollout_lag`` > 0 a push overlaps the 
 queued, and the pushed version waits, tagged by ``seq``, until the rollout that asks for it:
 an engine never mixes two versions in one rollout.
 
-Working set (the bound ``bench snapshot`` checks): a training rank holds, beyond its shard, one
-packed bucket of its own rows (at most ``bucket_bytes / dp_size`` plus the unsharded tensors
-it alone sends); a replica holds, beyond its engine's weights, the buckets received and not
-yet loaded: one bucket while it loads as they arrive (lag 0), up to one whole model per push
-not yet loaded while it generates (``train.rollout_lag`` pushes at most).
+A rank packs a copy of its rows and sends them from a thread of its own (``WeightSender``), so
+its step ends once they are copied and the bytes travel while it trains on.
+
+Working set (the bound ``bench snapshot`` checks): a training rank holds, beyond its shard, a
+packed copy of its own rows in the engine's dtype (its shard again, plus the unsharded tensors
+rank 0 alone sends) until they are sent, freed bucket by bucket as they go, one push at a time;
+a replica holds, beyond its engine's weights, the buckets received and not yet loaded: one
+bucket while it loads as they arrive (lag 0), up to one whole model per push not yet loaded
+while it generates (``train.rollout_lag`` pushes at most).
 """
 
 from __future__ import annotations
@@ -124,6 +128,84 @@ def _specs_key(seq: int, rank: int) -> str:
     return f"weights/{seq}/{rank}"
 
 
+class WeightSender:
+    """A training rank's side of the weight group (rank ``rank``, its buckets packed on
+    ``device``, ``backend``'s). ``send`` copies this rank's rows of every bucket (the next
+    update may change the weights at once) and a thread of its own broadcasts them, freeing
+    each as it goes: the rank goes on with the next step while its rows travel. One push at a
+    time: ``send`` first waits for the one before (``wait``)."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        rank: int,
+        device,
+        backend,
+        bucket_bytes: int = PUSH_BUCKET_BYTES,
+    ) -> None:
+        self.membership = membership
+        self.rank = rank
+        self.device = device
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def send(self, pieces_of, shapes: list[tuple[str, tuple[int, ...]]], dtype, seq: int) -> int:
+        """Start push ``seq``: for each bucket planned on the model's ``shapes`` (name, whole
+        shape), this rank's pieces (``pieces_of(planned)``: ``(name, rows)`` of the bucket's
+        tensors it holds rows of, in the bucket's order), packed in ``dtype``; their specs go
+        to the store at once, the bytes follow from the sending thread. Returns the buckets
+        this rank sends (those it holds rows of)."""
+        from rollout.engines.buckets import pack_pieces, piece_specs, plan_buckets
+
+        self.wait()
+        buckets, _ = plan_buckets(shapes, dtype, self.bucket_bytes)
+        mine = [pieces_of(planned) for planned in buckets]  # views: nothing copied yet
+        layout = []
+        for pieces in mine:
+            specs, nbytes = piece_specs(pieces, dtype)
+            layout.append(([tuple(s) for s in specs], nbytes))
+        store = self.membership.store
+        store.set(_specs_key(seq, self.rank), pickle.dumps(layout))
+        if seq > 0:  # every replica read the last push's specs before it could receive it
+            store.delete_key(_specs_key(seq - 1, self.rank))
+        packed = [
+            pack_pieces(pieces, dtype, self.device)[0]
+            for pieces, (_, nbytes) in zip(mine, layout)
+            if nbytes
+        ]
+        self.backend.synchronize()  # the copies are done before another thread sends them
+        self._thread = threading.Thread(
+            target=self._send_all, args=(packed,), name="weight-sender", daemon=True
+        )
+        self._thread.start()
+        return len(packed)
+
+    def _send_all(self, packed: list[torch.Tensor]) -> None:
+        from hal.weight_group import broadcast
+
+        group = self.membership.groups[self.rank]
+        try:
+            while packed:
+                flat = packed.pop(0)
+                broadcast(group, flat).wait()
+                del flat  # freed as soon as every replica has it
+        except BaseException as err:  # noqa: BLE001 - raised by the rank's next wait
+            self.error = err
+        finally:
+            packed.clear()
+
+    def wait(self) -> None:
+        """Wait for the push being sent, if any; raise what broke it (a replica that died)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise RuntimeError(f"the weight push broke: {err}") from err
+
+
 def send_weights(
     membership: Membership,
     rank: int,
@@ -131,36 +213,17 @@ def send_weights(
     shapes: list[tuple[str, tuple[int, ...]]],
     dtype: torch.dtype,
     seq: int,
-    device: torch.device,
+    device,
     bucket_bytes: int = PUSH_BUCKET_BYTES,
 ) -> int:
-    """Push ``seq`` from training rank ``rank``: for each bucket planned on the model's
-    ``shapes`` (name, whole shape), this rank's pieces (``pieces_of(planned)``: ``(name,
-    rows)`` of the bucket's tensors it holds rows of, in the bucket's order), packed in
-    ``dtype`` on ``device`` and broadcast to every replica in this rank's group. Returns the
-    buckets this rank sent (those it holds rows of)."""
-    from hal.weight_group import broadcast
-    from rollout.engines.buckets import pack_pieces, piece_specs, plan_buckets
+    """Push ``seq`` from training rank ``rank`` and wait until it is sent (``WeightSender``
+    on the CPU backend). Returns the buckets this rank sent."""
+    import hal
 
-    buckets, _ = plan_buckets(shapes, dtype, bucket_bytes)
-    mine = [pieces_of(planned) for planned in buckets]  # views: nothing copied yet
-    layout = []
-    for pieces in mine:
-        specs, nbytes = piece_specs(pieces, dtype)
-        layout.append(([tuple(s) for s in specs], nbytes))
-    store, group = membership.store, membership.groups[rank]
-    store.set(_specs_key(seq, rank), pickle.dumps(layout))
-    if seq > 0:  # every replica read the last push's specs before it could receive it
-        store.delete_key(_specs_key(seq - 1, rank))
-    sent = 0
-    for pieces, (_, nbytes) in zip(mine, layout):
-        if not nbytes:
-            continue
-        flat, _ = pack_pieces(pieces, dtype, device)
-        broadcast(group, flat).wait()
-        del flat  # one bucket of this rank's rows at a time
-        sent += 1
-    return sent
+    sender = WeightSender(membership, rank, device, hal.get_backend("cpu"), bucket_bytes)
+    count = sender.send(pieces_of, shapes, dtype, seq)
+    sender.wait()
+    return count
 
 
 class WeightReceiver:

@@ -300,17 +300,18 @@ class WeightPush:
     def join_weight_group(self, address) -> None:
         """Join the weight group at ``address`` (``trainer.loop.workers.weight_group``); every
         rank and every engine replica at once."""
-        from trainer.loop.workers.weight_group import join
+        from trainer.loop.workers.weight_group import WeightSender, join
 
         store = getattr(self, "_weight_store", None)
-        self._weight_group = join(self.backend, address, rank=self.spec.rank, store=store)
+        membership = join(self.backend, address, rank=self.spec.rank, store=store)
+        self._weight_sender = WeightSender(membership, self.spec.rank, self.device, self.backend)
 
     def broadcast_weights(self, seq: int) -> int:
         """Push ``seq`` of the new weights through the weight group: this rank's own rows of
         every tensor (``_own_rows``), in the engine's dtype, bucket by bucket straight to every
-        engine replica (``weight_group.send_weights``). Returns the buckets sent."""
+        engine replica (``weight_group.WeightSender``): returns once they are copied, the
+        bytes going out from a thread while the rank trains on. Returns the buckets sent."""
         from rollout.models import parse_dtype
-        from trainer.loop.workers.weight_group import send_weights
 
         state = self.model.state_dict()
 
@@ -318,14 +319,11 @@ class WeightPush:
             rows = ((spec.name, self._own_rows(state[spec.name])) for spec in planned)
             return [(name, held) for name, held in rows if held is not None]
 
-        return send_weights(
-            self._weight_group,
-            self.spec.rank,
+        return self._weight_sender.send(
             pieces_of,
             [(name, tuple(t.shape)) for name, t in state.items()],
             parse_dtype(self.spec.cfg.model.dtype),
             seq,
-            self.device,
         )
 
     # ---------------------------------------------------------------- object store (bench)
