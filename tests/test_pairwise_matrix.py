@@ -94,11 +94,17 @@ FACTORS: dict[str, dict[str, list[str]]] = {
     },
     "entropy": {"off": ["algorithm.entropy_coef=0.0"], "on": ["algorithm.entropy_coef=0.01"]},
     # engines on a device of their own, synchronous or a step behind (a lag without
-    # rollout_correction is refused by name)
+    # rollout_correction is refused by name), their weights pushed through the collective
+    # (the default) or host-memory snapshots
     "pipeline": {
         "colocated": ["rollout.engine_devices=0", "train.rollout_lag=0"],
         "own-lag0": ["rollout.engine_devices=1", "train.rollout_lag=0"],
         "own-lag1": ["rollout.engine_devices=1", "train.rollout_lag=1"],
+        "own-lag1-host": [
+            "rollout.engine_devices=1",
+            "train.rollout_lag=1",
+            "rollout.weight_transport=host",
+        ],
     },
 }
 
