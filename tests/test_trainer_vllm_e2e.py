@@ -112,3 +112,42 @@ def test_a_vllm_engine_of_its_own_takes_host_memory_snapshots(tmp_path):
             assert all(m["rollout/logprob_abs_diff"] < 1e-3 for m in metrics)
         else:
             assert metrics[2]["rollout/logprob_kl"] > 0
+
+
+def test_a_tp_2_vllm_engine_of_its_own_takes_the_collective_push_as_it_takes_snapshots(tmp_path):
+    """Two CPUs of its own, one vLLM replica at tensor parallel 2, a step behind: the weight
+    group reaches the replica's process and vLLM hands the weights to its two workers; the run
+    is the one the host-memory snapshots give, fingerprint for fingerprint."""
+    import os
+    import subprocess
+    import sys
+
+    from trainer.records.metrics import read_jsonl
+
+    keys = [
+        "rollout.engine=vllm",
+        "rollout.engine_devices=2",
+        "rollout.tensor_parallel_size=2",
+        "rollout.memory_fraction=0.05",  # each CPU worker's KV cache: a share of host memory
+        "train.rollout_lag=1",
+        "algorithm.rollout_correction=token",
+        "train.total_steps=3",
+        "train.batch_size=4",
+        "train.mini_batch_size=2",
+        "rollout.n=4",
+        "run.resume=never",
+    ]
+    # One NUMA node here: vLLM's automatic thread binding refuses two CPU workers on it.
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")
+    prints = {}
+    for transport in ("collective", "host"):
+        run_dir = tmp_path / transport
+        cmd = [sys.executable, "-m", "trainer.cli", "train", *keys]
+        cmd += [f"rollout.weight_transport={transport}", f"run.dir={run_dir}"]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        prints[transport] = read_jsonl(run_dir / "fingerprint.jsonl")
+        metrics = read_jsonl(run_dir / "metrics.jsonl")
+        assert ("rollout/pushes_held" in metrics[-1]) == (transport == "collective")
+    assert len(prints["collective"]) == 3
+    assert prints["collective"] == prints["host"]
