@@ -229,7 +229,9 @@ def send_weights(
 class WeightReceiver:
     """An engine replica's side of the weight group: a thread that receives every push as it
     comes (``seq`` 0, 1, ...), bucket by bucket, into a queue per push that ``take`` drains.
-    ``device``: where received buckets land (the engine's device; the CPU there)."""
+    ``device``: where a bucket is received (the engine's device, which the device's collective
+    library needs); each is then held in host memory until loaded, so the device holds one
+    bucket beyond the engine's own memory."""
 
     def __init__(self, membership: Membership, device: torch.device | str = "cpu") -> None:
         self.membership = membership
@@ -277,6 +279,8 @@ class WeightReceiver:
             works = [broadcast(groups[r], flats[r]) for r in ranks if parts[r][1]]
             for work in works:
                 work.wait()
+            if torch.device(self.device).type != "cpu":  # held in host memory, not beside
+                flats = [flat.cpu() for flat in flats]  # the engine's weights and KV cache
             out.put(
                 assemble_pieces(
                     [
