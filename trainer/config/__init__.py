@@ -10,7 +10,8 @@ so a typo fails in the first second instead of after Ray and the models have sta
 Who owns what:
 
 - ``loading.py``: YAML reading, ``include:``, overrides, schema errors, ``load_config``
-- ``checks.py``: cross-field and environment checks (``validate_config``)
+- ``checks.py``: cross-field and environment checks (``validate_config``); those of the
+  engines' placement, weight transport and lag in ``engine_checks.py``
 - ``errors.py``: ``ConfigError`` and the one-line problem messages
 - ``docs.py``: the generated key reference in docs/config.md
 - ``cli.py``: ``python -m trainer.config [--config FILE] [key=value ...]`` prints a resolved

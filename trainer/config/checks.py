@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from rollout.assets import BUILTIN_MODELS
+from trainer.config.engine_checks import engine_problems
 from trainer.config.errors import Problem, problem, raise_first
 from trainer.config.schema import Config
 
@@ -149,7 +150,7 @@ def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
                 "trainer's devices (or give them their own: rollout.engine_devices)",
             )
         )
-    p += _lag_problems(cfg)
+    p += engine_problems(cfg)
     if alg.use_kl_loss and alg.kl_coef == 0:
         p.append(
             problem(
@@ -196,67 +197,6 @@ def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
             f"mini-batch < train.dp_size ({tr.dp_size}): some ranks will train on padding rows only"
         )
     return p, warn
-
-
-def _lag_problems(cfg: Config) -> list[Problem]:
-    """``train.rollout_lag`` > 0: the engines must generate while the ranks train, so they
-    need devices of their own, and the loss must correct for the older behaviour policy;
-    ``rollout.device`` other than the trainer's needs devices of their own too."""
-    p = []
-    if cfg.rollout.device not in (None, cfg.device) and not cfg.rollout.engine_devices:
-        p.append(
-            problem(
-                "rollout.device",
-                cfg.rollout.device,
-                f"engines on another device than the trainer's ({cfg.device}) need devices of "
-                "their own: set rollout.engine_devices, or rollout.device=null",
-            )
-        )
-    transport = cfg.rollout.weight_transport
-    if transport == "collective" and not cfg.rollout.engine_devices:
-        p.append(
-            problem(
-                "rollout.weight_transport",
-                transport,
-                "only engines of their own take weights through a collective (colocated "
-                "engines take them through their devices' shared memory): set "
-                "rollout.engine_devices, or rollout.weight_transport=auto",
-            )
-        )
-    elif transport == "collective" and cfg.rollout.device not in (None, cfg.device):
-        p.append(
-            problem(
-                "rollout.weight_transport",
-                transport,
-                f"no collective joins the trainer's {cfg.device} devices and the engines' "
-                f"{cfg.rollout.device} ones (rollout.device): set rollout.weight_transport="
-                "host (or auto), or rollout.device=null",
-            )
-        )
-    lag = cfg.train.rollout_lag
-    if not lag:
-        return p
-    if not cfg.rollout.engine_devices:
-        p.append(
-            problem(
-                "train.rollout_lag",
-                lag,
-                "the engines generate the next steps while the ranks train, so they need "
-                "devices of their own: set rollout.engine_devices (e.g. to "
-                f"{cfg.rollout.tensor_parallel_size}) or train.rollout_lag=0",
-            )
-        )
-    if cfg.algorithm.rollout_correction == "none":
-        p.append(
-            problem(
-                "train.rollout_lag",
-                lag,
-                "samples come from an older policy, so the loss needs importance weights "
-                "(decoupled PPO): set algorithm.rollout_correction=token or sequence, or "
-                "train.rollout_lag=0",
-            )
-        )
-    return p
 
 
 def _verl_problems(cfg: Config, warn: list[str]) -> list[Problem]:

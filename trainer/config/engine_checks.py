@@ -1,0 +1,70 @@
+"""Cross-field checks of the engines' placement, weight transport and lag (part of
+``trainer.config.checks``): each problem names the key to change and how."""
+
+from __future__ import annotations
+
+from trainer.config.errors import Problem, problem
+from trainer.config.schema import Config
+
+
+def engine_problems(cfg: Config) -> list[Problem]:
+    """Where the engines run and how their weights reach them: ``rollout.device`` other than
+    the trainer's needs devices of their own; ``rollout.weight_transport=collective`` needs
+    them too, on the trainer's device type; ``train.rollout_lag`` > 0: the engines must
+    generate while the ranks train, so they need devices of their own, and the loss must
+    correct for the older behaviour policy."""
+    p = []
+    if cfg.rollout.device not in (None, cfg.device) and not cfg.rollout.engine_devices:
+        p.append(
+            problem(
+                "rollout.device",
+                cfg.rollout.device,
+                f"engines on another device than the trainer's ({cfg.device}) need devices of "
+                "their own: set rollout.engine_devices, or rollout.device=null",
+            )
+        )
+    transport = cfg.rollout.weight_transport
+    if transport == "collective" and not cfg.rollout.engine_devices:
+        p.append(
+            problem(
+                "rollout.weight_transport",
+                transport,
+                "only engines of their own take weights through a collective (colocated "
+                "engines take them through their devices' shared memory): set "
+                "rollout.engine_devices, or rollout.weight_transport=auto",
+            )
+        )
+    elif transport == "collective" and cfg.rollout.device not in (None, cfg.device):
+        p.append(
+            problem(
+                "rollout.weight_transport",
+                transport,
+                f"no collective joins the trainer's {cfg.device} devices and the engines' "
+                f"{cfg.rollout.device} ones (rollout.device): set rollout.weight_transport="
+                "host (or auto), or rollout.device=null",
+            )
+        )
+    lag = cfg.train.rollout_lag
+    if not lag:
+        return p
+    if not cfg.rollout.engine_devices:
+        p.append(
+            problem(
+                "train.rollout_lag",
+                lag,
+                "the engines generate the next steps while the ranks train, so they need "
+                "devices of their own: set rollout.engine_devices (e.g. to "
+                f"{cfg.rollout.tensor_parallel_size}) or train.rollout_lag=0",
+            )
+        )
+    if cfg.algorithm.rollout_correction == "none":
+        p.append(
+            problem(
+                "train.rollout_lag",
+                lag,
+                "samples come from an older policy, so the loss needs importance weights "
+                "(decoupled PPO): set algorithm.rollout_correction=token or sequence, or "
+                "train.rollout_lag=0",
+            )
+        )
+    return p
