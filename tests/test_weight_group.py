@@ -17,8 +17,8 @@ from trainer.loop.workers.group import free_port
 from trainer.loop.workers.weight_group import (
     WeightGroupAddress,
     WeightReceiver,
+    WeightSender,
     join,
-    send_weights,
     serve_store,
 )
 
@@ -83,9 +83,9 @@ def _push(ranks_joined, state: dict, seq: int, bucket_bytes: int) -> list[int]:
             held = ((s.name, _rows(s.name, state[s.name], rank, ranks)) for s in planned)
             return [(name, rows) for name, rows in held if rows is not None]
 
-        sent[rank] = send_weights(
-            ranks_joined[rank], rank, pieces_of, shapes, torch.bfloat16, seq, "cpu", bucket_bytes
-        )
+        sender = WeightSender(ranks_joined[rank], rank, "cpu", CPU, bucket_bytes)
+        sent[rank] = sender.send(pieces_of, shapes, torch.bfloat16, seq)
+        sender.wait()  # the bytes are out (a rank's next push would wait for them too)
 
     threads = [threading.Thread(target=rank_sends, args=(r,)) for r in range(ranks)]
     for t in threads:

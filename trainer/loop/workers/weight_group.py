@@ -8,7 +8,7 @@ collective library), group r made of training rank r (its member 0) and every
 replica (member 1 + replica index). So each rank broadcasts only the rows it holds, straight to
 every engine, and no rank receives another's.
 
-A push (``send_weights``, on every rank at once) is numbered ``seq`` (0, 1, ...). The buckets
+A push (``WeightSender.send``, on every rank at once) is numbered ``seq`` (0, 1, ...). The buckets
 are planned on the whole tensors (``plan_buckets``, never splitting a layer) so that bucket b
 of every rank holds its rows of the same tensors; each rank first writes its pieces' specs
 (names, shapes, offsets) of every bucket under ``weights/<seq>/<rank>`` in the store, then
@@ -204,26 +204,6 @@ class WeightSender:
         if self.error is not None:
             err, self.error = self.error, None
             raise RuntimeError(f"the weight push broke: {err}") from err
-
-
-def send_weights(
-    membership: Membership,
-    rank: int,
-    pieces_of,
-    shapes: list[tuple[str, tuple[int, ...]]],
-    dtype: torch.dtype,
-    seq: int,
-    device,
-    bucket_bytes: int = PUSH_BUCKET_BYTES,
-) -> int:
-    """Push ``seq`` from training rank ``rank`` and wait until it is sent (``WeightSender``
-    on the CPU backend). Returns the buckets this rank sent."""
-    import hal
-
-    sender = WeightSender(membership, rank, device, hal.get_backend("cpu"), bucket_bytes)
-    count = sender.send(pieces_of, shapes, dtype, seq)
-    sender.wait()
-    return count
 
 
 class WeightReceiver:
