@@ -93,7 +93,8 @@ class GpuSizes:
     new_tokens: int = 256
 
 
-SIZES = {False: GpuSizes(), True: GpuSizes(matmul_n=4096, rows=64, update_repeats=3, new_tokens=64)}
+# quick keeps the 8192^3 matmuls: smaller ones understate the peak and so overstate the MFU
+SIZES = {False: GpuSizes(), True: GpuSizes(rows=64, update_repeats=3, new_tokens=64)}
 
 
 def _timed(backend, fn) -> float:
@@ -213,10 +214,13 @@ def measure_update(
     *,
     activation_checkpointing: bool,
     seed: int = 0,
+    profile: bool = False,
 ) -> dict:
     """Time ``PolicyWorker.train_mini_batch`` on ``batch`` (one mini-batch) at dp 1: median
     seconds of ``sizes.update_repeats`` updates after one warm-up, tokens/s, MFU against
-    ``peak_tflops`` and the worker's peak memory (GB) over those updates."""
+    ``peak_tflops`` and the worker's peak memory (GB) over those updates. ``profile``: one
+    more update under ``torch.profiler`` (the HAL's activities), its top operators by device
+    time (host time where the profiler sees no device) as ``profile_table``."""
     from trainer.config import load_config
     from trainer.loop.workers.fsdp_worker import WorkerSpec
     from trainer.loop.workers.group import free_port
@@ -251,6 +255,7 @@ def measure_update(
         update()  # warm-up: kernels, allocator, AdamW state
         seconds = [_timed(backend, update) for _ in range(sizes.update_repeats)]
         peak_memory_gb = worker.peak_memory_gb()
+        table = _profiled(backend, update) if profile else None
         lens = [int(batch.seq_lens[r]) for mb in micro_batches for r in mb if r >= 0]
         config = worker.model.config
         flops = model_flops_per_update(_matmul_params(worker.model, config), config, lens)
@@ -275,7 +280,21 @@ def measure_update(
         "mfu": flops / upd_s / 1e12 / peak_tflops,
         "peak_memory_gb": peak_memory_gb,
         "grad_norm": metrics["grad_norm"],
+        "profile_table": table,
     }
+
+
+def _profiled(backend, fn, rows: int = 15) -> str:
+    """``fn`` once under ``torch.profiler``: the top ``rows`` operators by self time on the
+    device (on the host where the profiler records no device activity)."""
+    from torch.profiler import profile
+
+    activities = backend.profiler_activities()
+    with profile(activities=activities) as prof:
+        fn()
+        backend.synchronize()
+    key = "self_device_time_total" if len(activities) > 1 else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
 
 
 def measure_rollout(backend, model_dir: Path, sizes: GpuSizes, seed: int = 0) -> dict:
@@ -326,11 +345,13 @@ def measure(
     shape: str | dict = "qwen2.5-0.5b",
     seed: int = 0,
     model_dir: str | Path | None = None,
+    profile: bool = False,
 ) -> dict:
     """Peak, actor-update MFU (activation checkpointing on and off) and rollout tokens/s on
     ``backend``'s device (no accelerator check: the caller decides; a CPU backend with a tiny
     ``shape`` dict exercises the code). ``shape``: a ``rollout.models.SHAPES`` name or a
-    config.json dict; ``model_dir``: see ``_model_dir``."""
+    config.json dict; ``model_dir``: see ``_model_dir``; ``profile``: the profiler table of
+    the shipped setting's update (activation checkpointing on, ``measure_update``)."""
     peak = measure_peak(backend, sizes.matmul_n, sizes.matmul_iters)
     threads = torch.get_num_threads()  # the worker sets its own thread count; restored below
     try:
@@ -346,6 +367,7 @@ def measure(
                     peak["tflops"],
                     activation_checkpointing=on,
                     seed=seed,
+                    profile=profile and on,
                 )
                 for key, on in (("ac_on", True), ("ac_off", False))
             }
@@ -368,9 +390,14 @@ def measure(
     }
 
 
-def run(quick: bool = False) -> dict:
+def run(
+    quick: bool = False,
+    shape: str = "qwen2.5-0.5b",
+    model_dir: str | Path | None = None,
+    profile: bool = False,
+) -> dict:
     """The accelerator benchmark on ``hal.get_backend("auto")``; ``{"skipped": True,
-    "reason": ...}`` when that is a CPU."""
+    "reason": ...}`` when that is a CPU. ``shape``, ``model_dir``, ``profile``: ``measure``."""
     backend = hal.get_backend("auto")
     if not backend.is_accelerator:
         return {
@@ -381,7 +408,7 @@ def run(quick: bool = False) -> dict:
                 "with an accelerator"
             ),
         }
-    return measure(backend, SIZES[quick])
+    return measure(backend, SIZES[quick], shape, model_dir=model_dir, profile=profile)
 
 
 def format_table(res: dict) -> str:
@@ -405,6 +432,12 @@ def format_table(res: dict) -> str:
             f"{u['tokens_per_s']:,.0f} tokens/s, {u['achieved_tflops']:.1f} TFLOP/s, "
             f"MFU {u['mfu']:.1%}, peak memory {u['peak_memory_gb']:.1f} GB"
         )
+    for u in res["update"].values():
+        if u.get("profile_table"):
+            lines += [
+                "torch.profiler, one update with activation checkpointing on:",
+                u["profile_table"],
+            ]
     lines.append(
         f"HF engine rollout ({r['attention']}): {r['prompts']} prompts x {r['prompt_tokens']} "
         f"tokens, {r['new_tokens']} new tokens each: {r['tokens_per_s']:,.0f} generated "
@@ -415,8 +448,16 @@ def format_table(res: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller matmuls, rows and rollout")
-    print(format_table(run(quick=parser.parse_args().quick)))
+    parser.add_argument("--quick", action="store_true", help="fewer rows, repeats and tokens")
+    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    parser.add_argument("--model-dir", help="a model directory of that shape to reuse or fill")
+    parser.add_argument("--profile", action="store_true", help="a torch.profiler table too")
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    args = parser.parse_args()
+    res = run(quick=args.quick, shape=args.shape, model_dir=args.model_dir, profile=args.profile)
+    print(format_table(res))
+    if args.json is not None:
+        args.json.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

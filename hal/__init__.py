@@ -47,7 +47,7 @@ _EXPORTS = {
     "hal.cpu": ("CpuBackend",),
     "hal.cuda": ("CudaBackend", "flash_attn_varlen_kwargs"),
     "hal.describe": ("describe",),
-    "hal.device_memory": ("communicator_buffer_bytes", "device_total_memory"),
+    "hal.device_memory": ("communicator_buffer_bytes", "device_total_memory", "device_used_reader"),
     "hal.npu": ("NpuBackend", "npu_causal_mask", "npu_fusion_attention_args"),
     "hal.registry": ("available_backends", "backend_class", "get_backend"),
 }
@@ -83,6 +83,7 @@ __all__ = [
     "cu_seqlens_from_position_ids",
     "describe",
     "device_total_memory",
+    "device_used_reader",
     "flash_attn_varlen_kwargs",
     "get_backend",
     "ipc_rebuild_args",

@@ -120,6 +120,14 @@ class DeviceBackend:
         """Start a new peak for ``peak_memory_bytes``."""
         self.device_module().reset_peak_memory_stats()
 
+    def profiler_activities(self) -> list:
+        """What ``torch.profiler.profile`` records for this device: host operators, plus the
+        device's kernels where torch's own profiler sees them (cuda). On the NPU torch_npu's
+        profiler records the kernels, so torch's records the host side only."""
+        from torch.profiler import ProfilerActivity
+
+        return [ProfilerActivity.CPU]
+
     def device_rng_state(self) -> list[torch.Tensor] | None:
         """Every visible device's generator state, for checkpoints (None on the CPU, whose
         generator is torch's own and saved with it)."""

@@ -138,6 +138,12 @@ class CudaBackend(DeviceBackend):
         wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
         return {k: v for k, v in wanted.items() if k not in environ}
 
+    def profiler_activities(self) -> list:
+        """Host operators and CUDA kernels."""
+        from torch.profiler import ProfilerActivity
+
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+
     def device_names(self) -> list[str]:
         """Marketing name of every visible GPU."""
         return [torch.cuda.get_device_name(i) for i in range(self.device_count())]

@@ -10,6 +10,9 @@ device context in the asking process.
   receive; CANN's HCCL_BUFFSIZE reference: default 200, in MB, exclusive to HCCL); on cuda none
   beyond the device context the budget counts (NCCL's buffers, NCCL_BUFFSIZE 4 MiB per channel
   and peer, depend on the topology); none on the cpu.
+- ``device_used_reader(name)``: a function that reads the bytes in use on the busiest device
+  of backend ``name`` this process can see, every process's allocations and contexts
+  counted, without making a device context (NVML on cuda); None where no such reading exists.
 
 Imports no torch: the budget's process reads these before any worker starts.
 """
@@ -21,7 +24,12 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping
 
-__all__ = ["HCCL_BUFFSIZE_DEFAULT_MB", "communicator_buffer_bytes", "device_total_memory"]
+__all__ = [
+    "HCCL_BUFFSIZE_DEFAULT_MB",
+    "communicator_buffer_bytes",
+    "device_total_memory",
+    "device_used_reader",
+]
 
 #: CANN's default HCCL_BUFFSIZE, in MB (2**20 bytes), for each communicator's two buffers.
 HCCL_BUFFSIZE_DEFAULT_MB = 200
@@ -83,3 +91,44 @@ def device_total_memory(
     except ValueError:
         return None
     return total if total > 0 else None
+
+
+def _visible_indices(environ: Mapping[str, str], count: int) -> list[int]:
+    """The physical indices of the devices ``CUDA_VISIBLE_DEVICES`` lets this process see
+    (every one of ``count`` when it is unset; entries that are not indices, such as UUIDs, are
+    skipped)."""
+    raw = environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return list(range(count))
+    return [int(x) for x in raw.split(",") if x.strip().isdigit() and int(x) < count]
+
+
+def device_used_reader(
+    name: str, environ: Mapping[str, str] | None = None
+) -> Callable[[], int] | None:
+    """A function returning the bytes in use right now on the busiest device of backend
+    ``name`` that this process may see, as the driver counts them (every process's
+    allocations, caches and contexts): what a phase of a step really takes from a device
+    that its processes share. On cuda it reads NVML (nvidia-ml-py), which makes no device
+    context; None on other backends, where NVML is missing, or where no device answers."""
+    if name != "cuda":
+        return None
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        indices = _visible_indices(
+            os.environ if environ is None else environ, pynvml.nvmlDeviceGetCount()
+        )
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
+    except pynvml.NVMLError:
+        return None
+    if not handles:
+        return None
+
+    def read() -> int:
+        return max(int(pynvml.nvmlDeviceGetMemoryInfo(h).used) for h in handles)
+
+    return read

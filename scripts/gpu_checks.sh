@@ -2,7 +2,14 @@
 # The accelerator bring-up checks of docs/gpu.md, one command per part, logs under OUT.
 #
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh [install] [env] [tests] [job] [probe] [bench] [vllm]
+#   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier1   # = env cudatests job15 budget7b mfu probe
 #   KIND=<folder> picks configs/<folder>/qwen2.5-0.5b-grpo.yaml for the job (default: gpu)
+#
+# tier1 is the GPU issue's first tier, sized to one 9-minute call (its parts' limits add up to
+# 540 s; most important first): the CUDA tests that guard the fixed path, a 3-step job at the
+# 1.5B shape with each phase's device peak against the budget, one real update at the 7B shape
+# cut to the layers that fit against the budget, the actor update's MFU at 1.5B with a profiler
+# table, and the CPU golden replayed in fp32 and bf16. Without CUDA it stops at its first line.
 #
 # No part given: all of them, in that order. Each part has its own time limit so that one
 # hang does not eat the others; every log goes to $OUT/<part>.txt and the run directories
@@ -17,7 +24,19 @@ MODEL=$WORK/qwen2.5-0.5b-random
 mkdir -p "$RUNS"
 PY=${PYTHON:-python3}
 KIND=${KIND:-gpu} # which configs/<KIND>/ job to run; the probe takes the device auto picks
-parts=("$@")
+parts=()
+for part in "$@"; do
+    case "$part" in
+    tier1)
+        if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+            echo "gpu_checks: tier1 needs a CUDA device and torch sees none here" >&2
+            exit 3
+        fi
+        parts+=(env cudatests job15 budget7b mfu probe)
+        ;;
+    *) parts+=("$part") ;;
+    esac
+done
 [ ${#parts[@]} -gt 0 ] || parts=(env tests job probe bench)
 
 crossrl() { "$PY" -m trainer.cli "$@"; }
@@ -48,6 +67,46 @@ part_vllm() {
         rollout.engine=vllm train.dp_size=1 train.total_steps=3 run.save_every=0 \
         run.resume=never run.dir="$RUNS/vllm-1.5b"
     "$PY" scripts/summarize_run.py "$RUNS/vllm-1.5b"
+}
+
+part_cudatests() {
+    # The CUDA-marked tests and the files that guard the fixed path (varlen and shared-prompt
+    # kernels against SDPA, packed rows, offload placement, the IPC bucket at tp 1); -rs lists
+    # every skip, which must not be a CUDA test.
+    "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)' ||
+        { echo "cudatests: no CUDA device here (torch.cuda.is_available() is False)"; return 3; }
+    "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 60 tests/test_hal_attention.py \
+        tests/test_shared_prefix_kernels.py tests/test_trainer_offload.py \
+        tests/test_rollout_engine_handoff.py tests/test_hal_backends.py
+}
+
+part_job15() {
+    # Three steps at the Qwen2.5-1.5B shape (random weights), HF engine colocated, bf16 compute
+    # with fp32 master weights, dp 1: each phase's device-wide peak (NVML, sampled by the
+    # controller) against `crossrl layout`'s budget for the same keys (bench.phase_budget).
+    local model=$WORK/qwen2.5-1.5b-random
+    [ -f "$model/config.json" ] || "$PY" -m rollout.models random qwen2.5-1.5b "$model" --seed 0
+    crossrl train --config "configs/$KIND/qwen2.5-1.5b-grpo.yaml" model.path="$model" \
+        rollout.engine=hf train.dp_size=1 train.total_steps=3 train.batch_size=16 \
+        train.mini_batch_size=8 rollout.n=4 rollout.max_turns=2 rollout.max_input_len=1024 \
+        rollout.max_new_tokens=256 train.warmup_steps=1 run.save_every=0 run.resume=never \
+        run.dir="$RUNS/job-1.5b" || return 1
+    "$PY" scripts/summarize_run.py "$RUNS/job-1.5b"
+    "$PY" -m bench.phase_budget "$RUNS/job-1.5b" --json "$OUT/phase_budget.json"
+}
+
+part_budget7b() {
+    # One real actor update at the 7B shape cut to the layers the budget fits on this card, at
+    # the shipped micro-batch token budget: the allocator's peak against the estimate.
+    "$PY" -m bench.device_budget --config "configs/$KIND/qwen2.5-7b-grpo.yaml" \
+        --json "$OUT/budget7b.json"
+}
+
+part_mfu() {
+    # The shipped actor update at the 1.5B shape: MFU against the measured bf16 peak, with
+    # torch.profiler's top kernels (activation checkpointing on, the shipped setting).
+    "$PY" -m bench.gpu --quick --shape qwen2.5-1.5b --model-dir "$WORK/qwen2.5-1.5b-random" \
+        --profile --json "$OUT/mfu.json"
 }
 
 part_env() {
@@ -92,8 +151,14 @@ part_bench() {
     crossrl bench gpu --out "$RUNS/bench-gpu.json"
 }
 
-declare -A limit=([install]=240 [env]=60 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=150
-    [bench]=200 [vllm]=420)
+declare -A limit=([install]=240 [env]=30 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=120
+    [bench]=200 [vllm]=420 [cudatests]=90 [job15]=150 [budget7b]=80 [mfu]=70)
+for part in "${parts[@]}"; do
+    if [ -z "${limit[$part]:-}" ]; then
+        echo "gpu_checks: no part '$part'; parts: tier1 ${!limit[*]}" >&2
+        exit 2
+    fi
+done
 for part in "${parts[@]}"; do
     echo "=== $part (limit ${limit[$part]} s) $(date -u +%FT%TZ)" | tee -a "$OUT/summary.txt"
     start=$(date +%s)

@@ -49,6 +49,7 @@ def result(tmp_path_factory):
         TINY_SIZES,
         shape=TINY_SHAPE,
         model_dir=tmp_path_factory.mktemp("bench-gpu") / "model",
+        profile=True,
     )
 
 
@@ -89,3 +90,12 @@ def test_table_shows_both_updates_and_the_rollout(result):
     assert "activation checkpointing on" in table and "activation checkpointing off" in table
     assert table.count("MFU") == 2 and table.count("peak memory") == 3
     assert "HF engine rollout" in table
+
+
+def test_the_shipped_settings_update_is_profiled_once(result):
+    """``--profile``: the activation-checkpointing update (the shipped setting) gets torch's
+    profiler table, with the operators the update runs; the other setting is not profiled."""
+    table = result["update"]["ac_on"]["profile_table"]
+    assert "aten::" in table and "Self CPU" in table
+    assert result["update"]["ac_off"]["profile_table"] is None
+    assert table in gpu.format_table(result)

@@ -1,6 +1,6 @@
-"""What colocated engine replicas rely on, without Ray or a device: requests dealt by prompt,
-sleep / wake of the HF engine, weight buckets handed to another process in shared memory,
-and the device-free parts of starting a tp > 1 replica on an accelerator."""
+"""What colocated engine replicas rely on, without Ray: requests dealt by prompt, sleep / wake
+of the HF engine, weight buckets handed to another process in shared memory (and, where a GPU
+is, in device memory through an IPC handle), and the device-free parts of starting a tp > 1 replica on an accelerator."""
 
 from __future__ import annotations
 
@@ -78,40 +78,60 @@ def test_hf_engine_sleeps_and_wakes_weights_before_kv_cache():
 
 
 _READER = """
-import sys, torch, hal
+import pickle, sys, torch, hal
 from rollout.engines.buckets import TensorSpec, unpack_bucket
-handle, specs = eval(sys.argv[1]), [TensorSpec(*s) for s in eval(sys.argv[2])]
+handle = pickle.loads(bytes.fromhex(sys.argv[1]))
+specs = [TensorSpec(*s) for s in eval(sys.argv[2])]
 flat = hal.open_shared_buffer(handle)
 for name, t in unpack_bucket(flat, specs):
-    print(name, t.double().sum().item(), tuple(t.shape), t.dtype)
+    print(name, t.double().sum().item(), tuple(t.shape), t.dtype, t.device.type)
 """
 
 
-def test_bucket_reaches_another_process_through_shared_memory():
-    cpu = hal.get_backend("cpu")
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",  # a shared-memory file
+        # device memory through an IPC handle: the streamed push at tp 1
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"),
+            ],
+        ),
+    ],
+)
+def test_bucket_reaches_another_process_through_shared_memory(device):
+    import pickle
+
+    backend = hal.get_backend(device)
     tensors = {"a.weight": torch.randn(3, 5), "b.bias": torch.arange(7.0), "c": torch.ones(2, 2)}
     buckets, nbytes = plan_buckets(
         ((n, t.shape) for n, t in tensors.items()), torch.bfloat16, bucket_bytes=1 << 20
     )
     assert len(buckets) == 1
-    buf, handle = cpu.shared_buffer(nbytes)
+    buf, handle = backend.shared_buffer(nbytes)
+    specs = repr([tuple(s) for s in buckets[0]])
     try:
         for spec in buckets[0]:
-            pack_tensor(buf, spec, tensors[spec.name])  # packed in the engine's dtype
+            pack_tensor(buf, spec, tensors[spec.name].to(buf.device))  # the engine's dtype
+        backend.synchronize()
         out = subprocess.run(
-            [sys.executable, "-c", _READER, repr(handle), repr([tuple(s) for s in buckets[0]])],
+            [sys.executable, "-c", _READER, pickle.dumps(handle).hex(), specs],
             capture_output=True,
             text=True,
             cwd=ROOT,
             check=True,
         ).stdout.split("\n")
     finally:
-        cpu.release_shared_buffer(handle)
+        backend.release_shared_buffer(handle)
     for line, (name, t) in zip(out, tensors.items()):
-        got_name, total, *_ = line.split()
-        assert got_name == name
+        got_name, total, *_, where = line.split()
+        assert got_name == name and where == buf.device.type  # mapped, not copied to the host
         assert float(total) == pytest.approx(t.bfloat16().double().sum().item())
-    assert not Path(handle[1]).exists()  # released: nothing left in /dev/shm
+    if device == "cpu":
+        assert not Path(handle[1]).exists()  # released: nothing left in /dev/shm
 
 
 def test_buckets_split_by_size_and_a_large_tensor_gets_its_own():

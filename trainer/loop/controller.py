@@ -22,6 +22,7 @@ from batching import plan_minibatches, plan_stats
 from trainer.config import Config
 from trainer.loop.call_limits import CallLimits
 from trainer.loop.health import NonfiniteStreak, check_env_faults, check_finite_weights
+from trainer.loop.phase_memory import PhaseMemory
 from trainer.loop.replicas import ReplicaReplacer
 from trainer.loop.step_stats import StepStats
 from trainer.loop.validation import validation_due
@@ -64,6 +65,8 @@ class Trainer:
         self.pipeline = None
         self.last_rollout: dict[str, Any] = {}  # the metadata of the step's rollout
         self.resumed_from: Path | None = None  # the checkpoint resumed, if any
+        # every phase's peak memory on the busiest device (None where the HAL cannot read it)
+        self.phase_memory = PhaseMemory.for_device(cfg.device)
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -86,7 +89,7 @@ class Trainer:
         """Run training step ``step`` (1-based); returns (metrics, fingerprint)."""
         from trainer.records.metrics import StepTimer
 
-        timer = StepTimer()
+        timer = StepTimer(watch=self.phase_memory)
         with timer.section("rollout"):
             if self.pipeline is not None:  # generated ahead, while earlier steps trained
                 meta, batch_ref = self.pipeline.take(step)
@@ -116,6 +119,8 @@ class Trainer:
                 records = self._hand_over(step, plan)
         metrics = self._metrics(step, meta, plan, stats, adv_metrics, timer)
         metrics.update(records["memory"])
+        if self.phase_memory is not None:  # each phase's device-wide peak, where it is read
+            metrics.update(self.phase_memory.metrics())
         fingerprint = self._fingerprint(step, plan, stats, metrics, records)
         return metrics, fingerprint
 
@@ -413,6 +418,8 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Stop every worker (best effort: a dead one is already gone)."""
+        if self.phase_memory is not None:
+            self.phase_memory.stop()
         if self.in_process:
             for handle in [h for g in self.all_groups() for h in g.handles] + self.replicas:
                 handle.target.shutdown()
