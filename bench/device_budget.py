@@ -37,6 +37,13 @@ __all__ = ["FILL", "estimate_update_bytes", "measure", "pick_layers"]
 #: The share of the device the picked layer count's update estimate may fill.
 FILL = 0.85
 DEFAULT_CONFIG = "configs/gpu/qwen2.5-7b-grpo.yaml"
+#: One rank, one card, the actor alone (the engine's tensor parallelism must divide dp 1).
+ONE_CARD = (
+    "train.dp_size=1",
+    "rollout.tensor_parallel_size=1",
+    "algorithm.kl_coef=0",
+    "algorithm.use_kl_loss=false",
+)
 
 
 def _config(path: str, overrides: list[str]):
@@ -44,7 +51,7 @@ def _config(path: str, overrides: list[str]):
 
     return load_config(
         path,
-        [*overrides, "train.dp_size=1", "algorithm.kl_coef=0", "algorithm.use_kl_loss=false"],
+        [*overrides, *ONE_CARD],
         check_environment=False,
     )
 

@@ -16,7 +16,8 @@ records where the HAL reads device-wide use (``memory/device_<phase>_gb``,
 The measured figure is the largest over the steps after the first (step 1 carries kernel
 selection and allocator warm-up; printed apart). The target the GPU issue sets: the estimate
 within 15 % of each measured peak and never below it by more than 5 %. Run where the run ran
-(the budget reads the device's size there and ``model.path``'s ``config.json``).
+(the budget reads the device's size there and ``model.path``'s ``config.json``), or pass the
+device's size (``--device-memory-gb``) where ``model.path`` is readable.
 """
 
 from __future__ import annotations
@@ -41,16 +42,17 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def compare(run_dir: Path) -> dict:
+def compare(run_dir: Path, device_memory_gb: float | None = None) -> dict:
     """The run's measured phase peaks beside its budget: ``{"phases": [...], "roles": {...}}``,
     each phase with ``estimate_gb``, ``measured_gb`` (steps after the first), ``first_step_gb``
-    and ``ratio`` (estimate / measured)."""
+    and ``ratio`` (estimate / measured). ``device_memory_gb``: the device's size where the run
+    ran, when this machine is not that one (``crossrl layout --device-memory-gb``)."""
     from trainer.config import load_config
     from trainer.loop.memory_report import budget_for_cli
 
     records = _records(run_dir)
     cfg = load_config(run_dir / "config.yaml", check_environment=False)
-    budget = budget_for_cli(cfg)
+    budget = budget_for_cli(cfg, device_memory_gb=device_memory_gb)
     if budget is None:
         raise ValueError(f"model.path={cfg.model.path!r}: no config.json there, so no budget")
     later = records[1:] or records
@@ -128,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--json", type=Path, help="also write the comparison here")
+    parser.add_argument("--device-memory-gb", type=float, help="the run's device size, if not here")
     args = parser.parse_args(argv)
     try:
-        res = compare(args.run_dir)
+        res = compare(args.run_dir, args.device_memory_gb)
     except (OSError, ValueError) as exc:
         print(f"phase_budget: {exc}", file=sys.stderr)
         return 2

@@ -151,8 +151,8 @@ part_bench() {
     crossrl bench gpu --out "$RUNS/bench-gpu.json"
 }
 
-declare -A limit=([install]=240 [env]=30 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=120
-    [bench]=200 [vllm]=420 [cudatests]=90 [job15]=150 [budget7b]=80 [mfu]=70)
+declare -A limit=([install]=240 [env]=20 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=110
+    [bench]=200 [vllm]=420 [cudatests]=70 [job15]=170 [budget7b]=50 [mfu]=120)
 for part in "${parts[@]}"; do
     if [ -z "${limit[$part]:-}" ]; then
         echo "gpu_checks: no part '$part'; parts: tier1 ${!limit[*]}" >&2

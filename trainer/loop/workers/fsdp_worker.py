@@ -298,9 +298,11 @@ class FSDPWorker(BatchStore, CheckpointPieces):
 
         from rollout.models import checkpoint_tensors, load_model, reset_non_persistent_buffers
 
-        # FSDP2 moves offloaded shards back to (pinned) host memory itself.
+        # With ``train.param_offload`` the shards live in host memory from the start: FSDP2's
+        # CPU-offload policy refuses a root whose parameters were made on the device (the first
+        # GPU run found the embedding and final norm left there), and pins them itself.
         tied = _tied_parameter_names(model)
-        model.to_empty(device=self.device)
+        model.to_empty(device="cpu" if self.spec.cfg.train.param_offload else self.device)
         _retie(model, tied)
         reset_non_persistent_buffers(model, self.device)
         # Tied weights are one tensor under several names: sent once.
