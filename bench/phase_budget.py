@@ -11,7 +11,8 @@ records where the HAL reads device-wide use (``memory/device_<phase>_gb``,
     budget phase   measured phases (the controller's StepTimer sections)
     rollout        rollout
     update         prepare, update (the reference and old log-probs, then the updates)
-    weight push    sync
+    weight push    push (inside sync, after the ranks released the update's memory);
+                   sync where a run has no push phase (engines of their own, older runs)
 
 The measured figure is the largest over the steps after the first (step 1 carries kernel
 selection and allocator warm-up; printed apart). The target the GPU issue sets: the estimate
@@ -30,7 +31,9 @@ from pathlib import Path
 __all__ = ["PHASES", "compare", "format_table"]
 
 #: budget phase -> the controller's timed sections measured against it
-PHASES = {"rollout": ("rollout",), "update": ("prepare", "update"), "weight push": ("sync",)}
+PHASES = {"rollout": ("rollout",), "update": ("prepare", "update"), "weight push": ("push",)}
+#: what stands in for a phase that a run did not record
+FALLBACK = {"push": ("sync",)}
 #: the estimate may exceed the measured peak by this share, and fall short by LOW
 HIGH, LOW = 0.15, 0.05
 
@@ -68,6 +71,8 @@ def compare(run_dir: Path, device_memory_gb: float | None = None) -> dict:
 
     phases = []
     for name, sections in PHASES.items():
+        if not any(f"memory/device_{s}_gb" in r for r in records for s in sections):
+            sections = tuple(x for s in sections for x in FALLBACK.get(s, (s,)))
         estimate = budget.phase(name).total / 1e9
         measured = peak(later, sections)
         ratio = estimate / measured if measured else None

@@ -14,7 +14,7 @@ import hal
 from bench import phase_budget
 from hal.device_memory import _visible_indices, device_used_reader
 from trainer.config import load_config
-from trainer.loop.phase_memory import PhaseMemory
+from trainer.loop.phase_memory import PhaseMemory, measured
 from trainer.loop.run import run_training
 from trainer.records.metrics import StepTimer
 
@@ -79,7 +79,7 @@ def test_a_run_records_every_phases_peak_and_the_budget_table_reads_them(
     assert run_training(cfg) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for record in records:
-        for phase in ("rollout", "prepare", "update", "sync"):
+        for phase in ("rollout", "prepare", "update", "sync", "push"):
             assert record[f"memory/device_{phase}_gb"] == pytest.approx(1.5)
     res = phase_budget.compare(run_dir)
     assert [p["phase"] for p in res["phases"]] == ["rollout", "update", "weight push"]
@@ -87,7 +87,30 @@ def test_a_run_records_every_phases_peak_and_the_budget_table_reads_them(
         assert p["measured_gb"] == pytest.approx(1.5) and p["estimate_gb"] > 0
         assert p["ratio"] == pytest.approx(p["estimate_gb"] / 1.5)
     assert phase_budget.main([str(run_dir)]) == 0
-    assert "| weight push | sync |" in capsys.readouterr().out
+    assert "| weight push | push |" in capsys.readouterr().out
+
+
+def test_the_push_inside_sync_reads_after_the_ranks_release_their_memory():
+    """The sync section starts with the update's cache still held; the push phase, nested in
+    it, starts once the ranks have released it: its peak is the push's own."""
+    device = _Device()
+    memory = PhaseMemory(device.read, interval_s=60.0)  # readings at phase edges only
+    try:
+        timer = StepTimer(watch=memory)
+        with timer.section("sync"):
+            device.used = 40_000_000_000  # the update's cache, until the ranks release it
+            memory.enter("offload")
+            memory.leave("offload")
+            device.used = 30_000_000_000
+            with measured(memory, "push"):
+                device.used = 33_000_000_000  # staging beside the engine's woken weights
+        with measured(None, "push"):  # no reading here: nothing recorded, nothing raised
+            pass
+        peaks = memory.metrics()
+        assert peaks["memory/device_sync_gb"] == 40.0
+        assert peaks["memory/device_push_gb"] == 33.0
+    finally:
+        memory.stop()
 
 
 def test_the_budget_table_names_a_directory_that_is_no_run(tmp_path, capsys):

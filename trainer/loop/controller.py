@@ -22,7 +22,7 @@ from batching import plan_minibatches, plan_stats
 from trainer.config import Config
 from trainer.loop.call_limits import CallLimits
 from trainer.loop.health import NonfiniteStreak, check_env_faults, check_finite_weights
-from trainer.loop.phase_memory import PhaseMemory
+from trainer.loop.phase_memory import PhaseMemory, measured
 from trainer.loop.replicas import ReplicaReplacer
 from trainer.loop.step_stats import StepStats
 from trainer.loop.validation import validation_due
@@ -301,7 +301,8 @@ class Trainer:
         the new ones (``sync_weights``, after which the ranks have freed the staging); then
         the KV caches wake into what is left. Returns ``_end_of_step``'s records."""
         records = self._end_of_step(step, plan)
-        self.sync_weights()
+        with measured(self.phase_memory, "push"):  # the budget's weight push: after the release
+            self.sync_weights()
         self._engines("wake_up", ["kv_cache"])
         return records
 

@@ -3,18 +3,21 @@ bytes in use on the busiest device, every process on it counted (engine, ranks, 
 allocator caches), sampled from a thread of the controller.
 
 ``memory/device_<phase>_gb`` per step (``rollout``, ``prepare``, ``update``, ``sync``: the
-controller's ``StepTimer`` sections) are what ``crossrl layout``'s budget estimates per phase
-(rollout, update, weight push), measured the way a device runs out: as the driver counts it.
+controller's ``StepTimer`` sections; ``push`` inside ``sync``: the colocated weight push, after
+the ranks have released their update's memory) are what ``crossrl layout``'s budget estimates
+per phase (rollout, update, weight push), measured the way a device runs out: as the driver
+counts it. Phases nest: a reading counts towards every phase open at the time.
 Only where the HAL has such a reading (``hal.device_used_reader``: NVML on NVIDIA devices); on the CPU,
 whose memory the host shares out, there is none and no metric is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-__all__ = ["PhaseMemory"]
+__all__ = ["PhaseMemory", "measured"]
 
 
 class PhaseMemory:
@@ -26,7 +29,7 @@ class PhaseMemory:
         self.read = read
         self.interval_s = interval_s
         self.peaks: dict[str, int] = {}
-        self._phase: str | None = None
+        self._open: list[str] = []  # the phases open now, outermost first
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="phase-memory", daemon=True)
@@ -46,8 +49,8 @@ class PhaseMemory:
     def _note(self) -> None:
         value = self.read()
         with self._lock:
-            if self._phase is not None:
-                self.peaks[self._phase] = max(self.peaks.get(self._phase, 0), value)
+            for phase in self._open:
+                self.peaks[phase] = max(self.peaks.get(phase, 0), value)
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -59,15 +62,15 @@ class PhaseMemory:
     def enter(self, phase: str) -> None:
         """``phase`` starts: readings count towards it until ``leave``."""
         with self._lock:
-            self._phase = phase
+            self._open.append(phase)
         self._note()
 
     def leave(self, phase: str) -> None:
         """``phase`` ends (its last reading taken now)."""
         self._note()
         with self._lock:
-            if self._phase == phase:
-                self._phase = None
+            if phase in self._open:
+                del self._open[len(self._open) - 1 - self._open[::-1].index(phase)]
 
     def metrics(self) -> dict[str, float]:
         """``memory/device_<phase>_gb`` (GB = 1e9 bytes) of the phases since the last call,
@@ -80,3 +83,16 @@ class PhaseMemory:
         """End the sampling thread."""
         self._stop.set()
         self._thread.join(timeout=1.0)
+
+
+@contextlib.contextmanager
+def measured(memory: PhaseMemory | None, phase: str) -> Iterator[None]:
+    """The ``with`` body as phase ``phase`` of ``memory`` (nothing when ``memory`` is None)."""
+    if memory is None:
+        yield
+        return
+    memory.enter(phase)
+    try:
+        yield
+    finally:
+        memory.leave(phase)
