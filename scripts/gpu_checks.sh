@@ -46,12 +46,12 @@ CARRY=${CROSSRL_CARRY:-/tmp/crossrl-carry}  # where the run calls of scripts/gpu
 
 part_install() {
     # The parts scripts/gpu_carry.sh made, carried over back-to-back run calls: joined and
-    # checked against their manifest, then installed (no network, no dependency resolution:
-    # the set is complete, `carry.py missing` said so) into a target directory that the later
-    # parts put on PYTHONPATH.
-    "$PY" scripts/carry.py join "$CARRY" "$CARRY/gpu-wheels.tar" || return 1
-    rm -rf "$CARRY/wheels" && tar -C "$CARRY" -xf "$CARRY/gpu-wheels.tar"
-    "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$CARRY"/wheels/*.whl
+    # checked against their manifest, then unpacked (the wheels were installed into one site
+    # tree there: no network, no dependency resolution, `carry.py missing` and
+    # `carry_closure.py` said the set is complete) into the directory that the later parts put
+    # on PYTHONPATH.
+    "$PY" scripts/carry.py join "$CARRY" "$CARRY/gpu-site.tar.xz" || return 1
+    mkdir -p "$SITE" && tar -xJf "$CARRY/gpu-site.tar.xz" -C "$SITE" || return 1
     [ -f .carry/offline.tar.xz ] && tar -xJf .carry/offline.tar.xz -C "$SITE"
     PYTHONPATH="$SITE:$PWD" "$PY" -c 'import vllm, trl; print("vllm", vllm.__version__, "trl", trl.__version__)'
 }

@@ -721,3 +721,25 @@ def test_checkpoint_without_the_role_names_both_layouts(tmp_path):
         read_model_weights(tmp_path, "critic")
     msg = str(info.value)
     assert LAYOUT.model_dir("critic") in msg and LAYOUT.legacy_model("critic") in msg
+
+
+def test_sharded_save_names_its_files_when_torch_returns_metadata_without_storage(
+    tmp_path, monkeypatch
+):
+    """torch 2.10-2.12's ``dcp.save`` returns the metadata without its storage fields
+    (pytorch issue 177887; the GPU machine's torch 2.11 did): the files written are read back
+    from the ``.metadata`` on disk, the same names a full return gives."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+
+    full = save_sharded(_model_state(1), tmp_path / "full")
+    real_save = dcp.save
+
+    def save_like_torch_2_11(*args, **kwargs):
+        return dataclasses.replace(real_save(*args, **kwargs), storage_data=None)
+
+    monkeypatch.setattr(dcp, "save", save_like_torch_2_11)
+    names = save_sharded(_model_state(1), tmp_path / "stripped")
+    assert names == full and names and all(n.endswith(".distcp") for n in names)
+    assert all((tmp_path / "stripped" / n).is_file() for n in names)

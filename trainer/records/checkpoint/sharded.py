@@ -39,6 +39,12 @@ def save_sharded(state: dict[str, Any], directory: str | os.PathLike) -> list[st
 
     directory = Path(directory)
     metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(directory, sync_files=True))
+    if getattr(metadata, "storage_data", None) is None:
+        # torch 2.10-2.12 return a copy without the storage fields (FileSystemWriter.finish
+        # replaces the dataclass instead of filling it in; pytorch issue 177887): the first
+        # GPU run's end-of-run checkpoint failed on it. Every rank returns after the
+        # coordinator wrote ``.metadata``, so read it back.
+        metadata = dcp.FileSystemReader(directory).read_metadata()
     return sorted({info.relative_path for info in metadata.storage_data.values()})
 
 
