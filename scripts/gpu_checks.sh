@@ -3,6 +3,7 @@
 #
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh [install] [env] [tests] [job] [probe] [bench] [vllm]
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier1   # = env cudatests job15 budget7b mfu probe
+#   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier2   # = install vllmtests vllmjob (vllm: the last two)
 #   KIND=<folder> picks configs/<folder>/qwen2.5-0.5b-grpo.yaml for the job (default: gpu)
 #
 # tier1 is the GPU issue's first tier, sized to one 9-minute call (its parts' limits add up to
@@ -34,6 +35,8 @@ for part in "$@"; do
         fi
         parts+=(env cudatests job15 budget7b mfu probe)
         ;;
+    tier2) parts+=(install vllmtests vllmjob) ;;  # after the carry's run calls (gpu_carry.sh)
+    vllm) parts+=(vllmtests vllmjob) ;;
     *) parts+=("$part") ;;
     esac
 done
@@ -56,17 +59,25 @@ part_install() {
     PYTHONPATH="$SITE:$PWD" "$PY" -c 'import vllm, trl; print("vllm", vllm.__version__, "trl", trl.__version__)'
 }
 
-part_vllm() {
-    # The vLLM-marked tests on CUDA, then a few steps of the 1.5B-shaped job with the vLLM
-    # engine colocated (sleep/wake, the streamed weight push).
+part_vllmtests() {
+    # The vLLM-marked tests on CUDA.
     "$PY" -m pytest -q -rs -p no:cacheprovider -m vllm tests/test_rollout_vllm.py \
-        tests/test_trainer_vllm_e2e.py || return 1
+        tests/test_trainer_vllm_e2e.py
+}
+
+part_vllmjob() {
+    # Five steps of the 1.5B-shaped job with the vLLM engine colocated (sleep level 2, the
+    # streamed weight push), at job15's sizes so the HF engine's figures stand beside it:
+    # generated tokens/s, push seconds and share of the step, each phase against the budget.
     local model=$WORK/qwen2.5-1.5b-random
-    [ -d "$model" ] || "$PY" -m rollout.models random qwen2.5-1.5b "$model" --seed 0
+    [ -f "$model/config.json" ] || "$PY" -m rollout.models random qwen2.5-1.5b "$model" --seed 0
     crossrl train --config "configs/$KIND/qwen2.5-1.5b-grpo.yaml" model.path="$model" \
-        rollout.engine=vllm train.dp_size=1 train.total_steps=3 run.save_every=0 \
-        run.resume=never run.dir="$RUNS/vllm-1.5b"
+        rollout.engine=vllm train.dp_size=1 train.total_steps=5 train.batch_size=16 \
+        train.mini_batch_size=8 rollout.n=4 rollout.max_turns=2 rollout.max_input_len=1024 \
+        rollout.max_new_tokens=256 train.warmup_steps=1 run.save_every=0 run.resume=never \
+        run.dir="$RUNS/vllm-1.5b" || return 1
     "$PY" scripts/summarize_run.py "$RUNS/vllm-1.5b"
+    "$PY" -m bench.phase_budget "$RUNS/vllm-1.5b" --json "$OUT/phase_budget_vllm.json"
 }
 
 part_cudatests() {
@@ -151,11 +162,11 @@ part_bench() {
     crossrl bench gpu --out "$RUNS/bench-gpu.json"
 }
 
-declare -A limit=([install]=240 [env]=20 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=110
-    [bench]=200 [vllm]=420 [cudatests]=70 [job15]=170 [budget7b]=50 [mfu]=120)
+declare -A limit=([install]=90 [env]=20 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=110
+    [bench]=200 [vllmtests]=240 [vllmjob]=240 [cudatests]=70 [job15]=170 [budget7b]=50 [mfu]=120)
 for part in "${parts[@]}"; do
     if [ -z "${limit[$part]:-}" ]; then
-        echo "gpu_checks: no part '$part'; parts: tier1 ${!limit[*]}" >&2
+        echo "gpu_checks: no part '$part'; parts: tier1 tier2 vllm ${!limit[*]}" >&2
         exit 2
     fi
 done
