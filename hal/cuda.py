@@ -156,11 +156,18 @@ class CudaBackend(DeviceBackend):
         return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
     def _set_deterministic_torch_flags(self) -> dict[str, str]:
+        """cuDNN's deterministic convolutions, no autotuning, and no cuDNN attention inside
+        SDPA: its backward has no deterministic mode (the H100 probe of 2026-11-26 warned
+        `cuDNN Attention defaults to a non-deterministic algorithm` in SDPA per segment), while
+        the flash and memory-efficient kernels SDPA then picks honour
+        ``use_deterministic_algorithms``."""
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.enable_cudnn_sdp(False)
         return {
             "torch.backends.cudnn.deterministic": "True",
             "torch.backends.cudnn.benchmark": "False",
+            "torch.backends.cuda.enable_cudnn_sdp": "False",
         }
 
     @property

@@ -428,9 +428,13 @@ def test_accelerators_run_deterministic_in_warn_only_mode_cpu_stays_strict():
         applied = backend.set_deterministic(3)
         assert torch.is_deterministic_algorithms_warn_only_enabled()
         assert applied["torch.use_deterministic_algorithms"] == "warn_only"
+        # SDPA never picks cuDNN attention, whose backward is not deterministic
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert applied["torch.backends.cuda.enable_cudnn_sdp"] == "False"
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
         torch.backends.cudnn.deterministic = False
+        torch.backends.cuda.enable_cudnn_sdp(True)
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
