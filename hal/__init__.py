@@ -47,7 +47,12 @@ _EXPORTS = {
     "hal.cpu": ("CpuBackend",),
     "hal.cuda": ("CudaBackend", "flash_attn_varlen_kwargs"),
     "hal.describe": ("describe",),
-    "hal.device_memory": ("communicator_buffer_bytes", "device_total_memory", "device_used_reader"),
+    "hal.device_memory": (
+        "communicator_buffer_bytes",
+        "device_total_memory",
+        "device_used_reader",
+        "process_bytes",
+    ),
     "hal.npu": ("NpuBackend", "npu_causal_mask", "npu_fusion_attention_args"),
     "hal.registry": ("available_backends", "backend_class", "get_backend"),
 }
@@ -91,6 +96,7 @@ __all__ = [
     "npu_fusion_attention_args",
     "open_shared_buffer",
     "packed_forward",
+    "process_bytes",
     "register_attention",
     "validate_cu_seqlens",
     "varlen_attention",

@@ -5,6 +5,8 @@ device context in the asking process.
   torch_npu's ``get_device_properties`` (like any first call into the device runtime) sets the
   device and creates a context on it, which the driver would then keep for the whole run on a
   die the ranks and engines share.
+- ``process_bytes(name)``: device memory one process holds beyond its tensors (context,
+  workspaces, communicators, allocator cache), measured on cuda, the context alone on npu.
 - ``communicator_buffer_bytes(name)``: device memory one collective communicator of a backend
   takes for its buffers: HCCL gives every communicator ``2 x HCCL_BUFFSIZE`` MB (send and
   receive; CANN's HCCL_BUFFSIZE reference: default 200, in MB, exclusive to HCCL); on cuda none
@@ -29,8 +31,16 @@ __all__ = [
     "communicator_buffer_bytes",
     "device_total_memory",
     "device_used_reader",
+    "process_bytes",
 ]
 
+#: Device memory one process holds beyond its tensors, bytes, by backend: its context, the
+#: libraries' workspaces, its communicators and its allocator's cached blocks. cuda: measured on
+#: an H100 (torch 2.11+cu130) on 2026-11-26, three processes of a 1.5B job (actor, reference,
+#: HF engine) holding 5.5-5.6 GB beyond their tensors in each of rollout, update and weight push
+#: (docs/gpu.md, tier 1). npu: not measured; the context alone, HCCL's buffers counted apart
+#: (``communicator_buffer_bytes``).
+PROCESS_BYTES = {"cuda": 1.85e9, "npu": 0.5e9, "cpu": 0.0}
 #: CANN's default HCCL_BUFFSIZE, in MB (2**20 bytes), for each communicator's two buffers.
 HCCL_BUFFSIZE_DEFAULT_MB = 200
 
@@ -39,6 +49,12 @@ _QUERY = (
     "props = hal.get_backend(sys.argv[1]).device_module().get_device_properties(0)\n"
     "print(int(props.total_memory))\n"
 )
+
+
+def process_bytes(name: str) -> float:
+    """Device memory one process of backend ``name`` holds beyond its tensors, bytes
+    (``PROCESS_BYTES``)."""
+    return PROCESS_BYTES[name]
 
 
 def communicator_buffer_bytes(name: str, environ: Mapping[str, str] | None = None) -> float:

@@ -268,3 +268,17 @@ def test_engines_of_their_own_leave_the_ranks_devices_to_training():
     assert separate.phase("update").total < colocated.phase("update").total
     text = format_budget(separate, cfg)
     assert "engines" in text and "fits" in text
+
+
+def test_each_process_counts_what_it_holds_beyond_its_tensors_on_its_device_type():
+    """cuda counts the 1.85 GB per process measured on an H100 (docs/gpu.md, tier 1), the npu
+    its 0.5 GB context plus HCCL's buffers: four processes share a colocated 7B PPO device."""
+    import hal
+
+    gpu = _budget("gpu/qwen2.5-7b-ppo.yaml")[1].phase("update").parts["ctx"]
+    assert gpu == pytest.approx(4 * hal.process_bytes("cuda")) and hal.process_bytes("cuda") > 1e9
+    npu = _budget("npu/qwen2.5-7b-ppo.yaml")[1].phase("update").parts["ctx"]
+    # HCCL's buffers: one communicator per training process (3) and the tp-2 engine's
+    assert npu == pytest.approx(
+        4 * hal.process_bytes("npu") + 4 * hal.communicator_buffer_bytes("npu")
+    )

@@ -15,7 +15,8 @@ step holds:
 - **weight push**: the ranks' state after offload, the engine's woken weights, the staging
   buffer the ranks pack the weights into and one gathered fp32 tensor.
 
-Every process on an accelerator adds a device context (``CONTEXT_BYTES``), and the buffers
+Every process on an accelerator adds what it holds beyond its tensors
+(``hal.process_bytes``: context, workspaces, allocator cache; measured on NVIDIA GPUs), and the buffers
 of each collective communicator it builds (``hal.communicator_buffer_bytes``: one per training
 process, its role's group; one per engine process whose tensor parallelism is above 1). ``crossrl layout``
 prints the table and ``trainer.loop.preflight`` refuses a job whose phase does not fit, naming
@@ -37,7 +38,7 @@ import math
 from dataclasses import dataclass
 
 from hal import DEFAULT_DEVICE_MEMORY_BYTES, DEFAULT_DEVICE_NAMES  # noqa: F401 - re-exported
-from hal.device_memory import communicator_buffer_bytes
+from hal.device_memory import communicator_buffer_bytes, process_bytes
 from trainer.config.schema import Config
 from trainer.loop.model_shape import ModelShape, model_shape
 
@@ -52,8 +53,9 @@ __all__ = [
 ]
 
 GB = 1e9
-#: A process's device context (the device runtime and its kernels), bytes; communicator
-#: buffers come on top (``hal.communicator_buffer_bytes``).
+#: A process's device context (the device runtime and its kernels), bytes, where nothing more
+#: is measured (Ascend: ``hal.process_bytes``); communicator buffers come on top
+#: (``hal.communicator_buffer_bytes``).
 CONTEXT_BYTES = 0.5e9
 #: Float32 logits of one lean log-prob chunk, bytes (``trainer.loop.workers.forward``'s
 #: ``LEAN_CHUNK_BYTES``, which a test holds equal; that module imports torch).
@@ -308,7 +310,8 @@ def estimate_memory(
     comm = communicator_buffer_bytes(device) if communicator_bytes is None else communicator_bytes
     training_comms = (processes - ranks_per_memory) * comm
     engine_comms = ranks_per_memory * comm if tp > 1 else 0.0
-    ctx = {"ctx": 0.0 if host else processes * CONTEXT_BYTES + training_comms + engine_comms}
+    context = process_bytes(device)  # a process's memory beyond its tensors
+    ctx = {"ctx": 0.0 if host else processes * context + training_comms + engine_comms}
 
     def per_memory(parts: dict[str, float]) -> dict[str, float]:
         """A rank's parts times the ranks that share this memory."""
@@ -346,8 +349,8 @@ def estimate_memory(
             engine=awake,
             # the snapshot: one gathered tensor on the device, the whole model on the host
             snapshot=model_bytes if host else shape.largest_tensor_params * 4,
-            ctx=0.0 if host else (processes - ranks_per_memory) * CONTEXT_BYTES + training_comms,
-            engine_ctx=CONTEXT_BYTES + (comm if tp > 1 else 0.0),
+            ctx=0.0 if host else (processes - ranks_per_memory) * context + training_comms,
+            engine_ctx=context + (comm if tp > 1 else 0.0),
             host=host,
             # engines of another device type (rollout.device) are not on this device's budget
             own_phase=roll.device in (None, device),
