@@ -65,19 +65,27 @@ part_vllmtests() {
         tests/test_trainer_vllm_e2e.py
 }
 
-part_vllmjob() {
-    # Five steps of the 1.5B-shaped job with the vLLM engine colocated (sleep level 2, the
-    # streamed weight push), at job15's sizes so the HF engine's figures stand beside it:
-    # generated tokens/s, push seconds and share of the step, each phase against the budget.
+job_15b() {
+    # The 1.5B-shaped job at dp 1 (random weights, bf16 compute, fp32 master weights,
+    # activation checkpointing): engine $1, $2 steps, run directory $RUNS/$3; then its summary
+    # and each phase's device-wide peak (NVML, sampled by the controller) against `crossrl
+    # layout`'s budget for the same keys (bench.phase_budget).
     local model=$WORK/qwen2.5-1.5b-random
     [ -f "$model/config.json" ] || "$PY" -m rollout.models random qwen2.5-1.5b "$model" --seed 0
     crossrl train --config "configs/$KIND/qwen2.5-1.5b-grpo.yaml" model.path="$model" \
-        rollout.engine=vllm train.dp_size=1 train.total_steps=5 train.batch_size=16 \
+        rollout.engine="$1" train.dp_size=1 train.total_steps="$2" train.batch_size=16 \
         train.mini_batch_size=8 rollout.n=4 rollout.max_turns=2 rollout.max_input_len=1024 \
         rollout.max_new_tokens=256 train.warmup_steps=1 run.save_every=0 run.resume=never \
-        run.dir="$RUNS/vllm-1.5b" || return 1
-    "$PY" scripts/summarize_run.py "$RUNS/vllm-1.5b"
-    "$PY" -m bench.phase_budget "$RUNS/vllm-1.5b" --json "$OUT/phase_budget_vllm.json"
+        run.dir="$RUNS/$3" || return 1
+    "$PY" scripts/summarize_run.py "$RUNS/$3"
+    "$PY" -m bench.phase_budget "$RUNS/$3" --json "$OUT/phase_budget_$1.json"
+}
+
+part_vllmjob() {
+    # Five steps with the vLLM engine colocated (sleep level 2, the streamed weight push) at
+    # job15's sizes, so the HF engine's figures stand beside it: generated tokens/s, push
+    # seconds and share of the step, each phase against the budget.
+    job_15b vllm 5 vllm-1.5b
 }
 
 part_cudatests() {
@@ -92,18 +100,8 @@ part_cudatests() {
 }
 
 part_job15() {
-    # Three steps at the Qwen2.5-1.5B shape (random weights), HF engine colocated, bf16 compute
-    # with fp32 master weights, dp 1: each phase's device-wide peak (NVML, sampled by the
-    # controller) against `crossrl layout`'s budget for the same keys (bench.phase_budget).
-    local model=$WORK/qwen2.5-1.5b-random
-    [ -f "$model/config.json" ] || "$PY" -m rollout.models random qwen2.5-1.5b "$model" --seed 0
-    crossrl train --config "configs/$KIND/qwen2.5-1.5b-grpo.yaml" model.path="$model" \
-        rollout.engine=hf train.dp_size=1 train.total_steps=3 train.batch_size=16 \
-        train.mini_batch_size=8 rollout.n=4 rollout.max_turns=2 rollout.max_input_len=1024 \
-        rollout.max_new_tokens=256 train.warmup_steps=1 run.save_every=0 run.resume=never \
-        run.dir="$RUNS/job-1.5b" || return 1
-    "$PY" scripts/summarize_run.py "$RUNS/job-1.5b"
-    "$PY" -m bench.phase_budget "$RUNS/job-1.5b" --json "$OUT/phase_budget.json"
+    # Three steps with the HF engine colocated: each phase's device peak against the budget.
+    job_15b hf 3 job-1.5b
 }
 
 part_budget7b() {
@@ -174,7 +172,7 @@ for part in "${parts[@]}"; do
     echo "=== $part (limit ${limit[$part]} s) $(date -u +%FT%TZ)" | tee -a "$OUT/summary.txt"
     start=$(date +%s)
     (
-        export -f crossrl "part_$part"
+        export -f crossrl job_15b "part_$part"
         export PY MODEL RUNS KIND SITE CARRY WORK
         [ -d "$SITE" ] && export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
         timeout "${limit[$part]}" bash -c "part_$part"
