@@ -30,7 +30,15 @@ import time
 from pathlib import Path
 
 from bench.peer_load import LOADED_CORES, OutsideLoad
-from bench.peer_task import JOBS, PeerJob, crossrl_overrides, recall_reward, settings_table
+from bench.peer_task import (
+    CPU_JOBS,
+    JOBS,
+    PeerJob,
+    crossrl_overrides,
+    model_path,
+    recall_reward,
+    settings_table,
+)
 
 __all__ = ["PHASES", "TRL_MISSING", "format_table", "recall_reward", "run", "summarise_side"]
 
@@ -65,13 +73,14 @@ def _child_env() -> dict[str, str]:
     )
 
 
-def _launch(cmd: list[str], log_path: Path, on_poll=None) -> float:
-    """Run ``cmd`` to its end, output into ``log_path``; call ``on_poll()`` every ``POLL_S``.
-    Returns the wall time (``time.time()``) of the launch; RuntimeError with the log's tail
-    when it fails."""
+def _launch(cmd: list[str], log_path: Path, on_poll=None, env: dict | None = None) -> float:
+    """Run ``cmd`` to its end, output into ``log_path``; call ``on_poll()`` every ``POLL_S``;
+    ``env``: more environment for it. Returns the wall time (``time.time()``) of the launch;
+    RuntimeError with the log's tail when it fails."""
     with open(log_path, "w", encoding="utf-8") as log:
         launched = time.time()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env())
+        child_env = {**_child_env(), **(env or {})}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
         while proc.poll() is None:
             if on_poll:
                 on_poll()
@@ -109,7 +118,7 @@ def run_crossrl(job: PeerJob, steps: int, data: Path, workdir: Path) -> dict:
         seen.extend((now, json.loads(line)) for line in lines if line.strip())
 
     cmd = [sys.executable, "-m", "trainer.cli", "train", f"run.dir={run_dir}"]
-    cmd += crossrl_overrides(job, steps=steps, data_file=data)
+    cmd += crossrl_overrides(job, steps=steps, data_file=data, model=model_path(job))
     launched = _launch(cmd, workdir / "crossrl.log", poll)
     out = []
     for arrived, rec in seen:
@@ -137,13 +146,20 @@ def run_trl(job: PeerJob, steps: int, data: Path, workdir: Path) -> dict:
     """One TRL run (``bench.peer_trl``): its per-step timings and ``startup_s``."""
     from rollout.models import model_directory
     from rollout.tokenizer import tokenizer_dir
+    from trainer.loop.workers.group import free_port
 
+    model = model_path(job)
     result_path = workdir / "trl.json"
     cmd = [sys.executable, "-m", "bench.peer_trl", "--job", job.name, "--steps", str(steps)]
     cmd += ["--data", str(data), "--workdir", str(workdir), "--out", str(result_path)]
-    cmd += ["--model-dir", str(model_directory(job.model, job.seed))]
-    cmd += ["--tokenizer-dir", str(tokenizer_dir(job.model)), "--threads", str(job.threads)]
-    launched = _launch(cmd, workdir / "trl.log")
+    cmd += ["--model-dir", str(model_directory(model, job.seed))]
+    cmd += ["--tokenizer-dir", str(tokenizer_dir(model)), "--threads", str(job.threads)]
+    # TRL's colocated vLLM runs under torch.distributed's launcher variables, one rank here
+    env = {}
+    if job.engine == "vllm":
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+        env["MASTER_PORT"] = str(free_port())
+    launched = _launch(cmd, workdir / "trl.log", env=env)
     result = json.loads(result_path.read_text(encoding="utf-8"))
     if not result["steps"]:
         raise RuntimeError(f"TRL run timed no step; see {workdir / 'trl.log'}")
@@ -184,7 +200,7 @@ def _tokens_of_prompts(job: PeerJob, data: Path) -> list[int]:
     from bench.peer_task import read_prompts
     from rollout.tokenizer import chat_token_ids, load_tokenizer
 
-    tok = load_tokenizer(job.model)
+    tok = load_tokenizer(model_path(job))
     rows = read_prompts(data)
     return sorted(
         {len(chat_token_ids(tok, [{"role": "user", "content": r["prompt"]}])) for r in rows}
@@ -197,7 +213,7 @@ def run_job(job: PeerJob, *, steps: int, repeats: int, workdir: Path, echo=print
     from rollout.models import model_directory
 
     data = write_prompts(workdir / "prompts.jsonl", seed=job.seed)
-    model_directory(job.model, job.seed)  # weights written now, before any clock runs
+    model_directory(model_path(job), job.seed)  # weights written now, before any clock runs
     sides: dict[str, list[dict]] = {"crossrl": [], "trl": []}
     with OutsideLoad() as load:
         for r in range(repeats):
@@ -243,11 +259,11 @@ def run(
     repeats: int | None = None,
     echo=print,
 ) -> dict:
-    """Every setting in ``jobs`` (default: all of ``JOBS``): ``{"trl_version", "jobs": {name:
+    """Every setting in ``jobs`` (default: the CPU's, ``CPU_JOBS``): ``{"trl_version", "jobs": {name:
     run_job(...)}}``. ``steps``/``repeats`` override the job's (--quick: its quick_steps, 1)."""
     if not trl_available():
         raise RuntimeError(TRL_MISSING)
-    names = jobs or list(JOBS)
+    names = jobs or list(CPU_JOBS)
     out: dict = {"trl_version": importlib.metadata.version("trl"), "quick": quick, "jobs": {}}
     with tempfile.TemporaryDirectory(prefix="crossrl-bench-peer-") as tmp:
         for name in names:
@@ -314,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m bench.peer", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--quick", action="store_true", help="1 run each, fewer steps")
-    parser.add_argument("--jobs", default=",".join(JOBS), help=f"comma list of {', '.join(JOBS)}")
+    parser.add_argument(
+        "--jobs", default=",".join(CPU_JOBS), help=f"comma list of {', '.join(JOBS)}"
+    )
     parser.add_argument("--steps", type=int, default=None, help="training steps per run")
     parser.add_argument("--repeats", type=int, default=None, help="runs of each trainer")
     parser.add_argument("--out", default="bench-peer.json", help="results JSON")

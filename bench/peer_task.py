@@ -21,9 +21,11 @@ from rollout.envs.base import match_credit
 from rollout.files import atomic_write_text
 
 __all__ = [
+    "CPU_JOBS",
     "JOBS",
     "PeerJob",
     "crossrl_overrides",
+    "model_path",
     "recall_reward",
     "settings_table",
     "trl_config_kwargs",
@@ -61,6 +63,12 @@ class PeerJob:
     top_k: int = 0
     ppo_epochs: int = 1
     threads: int = 2  # torch threads of each side's compute processes
+    # Where and how both sides run (the CPU jobs' defaults, or a GPU job's):
+    device: str = "cpu"  # cpu | cuda
+    engine: str = "hf"  # crossrl's rollout.engine; "vllm": TRL's vLLM too, both colocated
+    param_dtype: str = "float32"  # compute dtype over fp32 master weights (TRL: bf16 or not)
+    memory_fraction: float = 0.3  # the device share of vLLM on both sides (vllm only)
+    activation_checkpointing: bool = False  # both sides' gradient checkpointing
 
     @property
     def samples_per_mini_batch(self) -> int:
@@ -73,8 +81,11 @@ class PeerJob:
         return self.prompts_per_step // self.prompts_per_mini_batch
 
 
-#: The two settings of the table: the default job's sizes, and the 19M-parameter model with
-#: longer answers. lr 1e-4 for ``small`` moves its reward within 5 steps (docs/benchmarks.md).
+#: The settings: the default job's sizes, and the 19M-parameter model with longer answers
+#: (lr 1e-4 for ``small`` moves its reward within 5 steps, docs/benchmarks.md), on the CPU; and
+#: ``gpu-1.5b``, the GPU issue's tier 2: Qwen2.5-1.5B's shape with random weights
+#: (``random:<shape>``, written once by ``model_path``), vLLM colocated on both sides with sleep
+#: mode, bf16 compute over fp32 master weights, gradient checkpointing, 255 sampled tokens.
 JOBS: dict[str, PeerJob] = {
     "default": PeerJob("default", "builtin:tiny", steps=20, quick_steps=4),
     "small": PeerJob(
@@ -87,7 +98,46 @@ JOBS: dict[str, PeerJob] = {
         max_new_tokens=16,
         lr=1e-4,
     ),
+    "gpu-1.5b": PeerJob(
+        "gpu-1.5b",
+        "random:qwen2.5-1.5b",
+        steps=5,
+        quick_steps=3,
+        prompts_per_step=16,
+        samples_per_prompt=8,
+        prompts_per_mini_batch=8,
+        max_new_tokens=256,
+        lr=1e-6,
+        threads=8,
+        device="cuda",
+        engine="vllm",
+        param_dtype="bfloat16",
+        memory_fraction=0.3,
+        activation_checkpointing=True,
+    ),
 }
+#: The jobs ``bench peer`` runs when none is named: those of the CPU.
+CPU_JOBS = [name for name, job in JOBS.items() if job.device == "cpu"]
+
+
+def model_path(job: PeerJob) -> str:
+    """``model.path`` of ``job`` for both sides: a builtin name as it is; ``random:<shape>``
+    (a published shape, ``rollout.models.SHAPES``) as a local directory of random weights for
+    the job's seed, written once (bf16 on disk, like published checkpoints) under
+    ``$CROSSRL_PEER_MODELS`` (default ``~/.cache/crossrl/peer-models``)."""
+    import os
+
+    if not job.model.startswith("random:"):
+        return job.model
+    from rollout.models import write_random_model
+
+    shape = job.model.split(":", 1)[1]
+    root = Path(os.environ.get("CROSSRL_PEER_MODELS", "~/.cache/crossrl/peer-models"))
+    directory = root.expanduser() / f"{shape}-seed{job.seed}"
+    if not (directory / "config.json").is_file():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        write_random_model(directory, shape, seed=job.seed, dtype="bfloat16")
+    return str(directory)
 
 
 def write_prompts(path: str | Path, *, seed: int = 1, rows: int = PROMPT_ROWS) -> Path:
@@ -132,16 +182,21 @@ def trl_recall_reward(prompts, completions, answer, **kwargs) -> list[float]:
     ]
 
 
-def crossrl_overrides(job: PeerJob, *, steps: int, data_file: str | Path) -> list[str]:
+def crossrl_overrides(
+    job: PeerJob, *, steps: int, data_file: str | Path, model: str | None = None
+) -> list[str]:
     """``crossrl train`` overrides (on the CPU default job) that run ``job`` for ``steps``
-    steps on ``data_file``; ``run.dir`` is the caller's."""
+    steps on ``data_file``; ``run.dir`` is the caller's. ``model``: ``model.path`` (default
+    ``job.model``: ``model_path`` makes a ``random:`` one)."""
+    engine = [f"rollout.memory_fraction={job.memory_fraction}"] if job.engine == "vllm" else []
     return [
-        "device=cpu",
+        f"device={job.device}",
         f"seed={job.seed}",
-        f"model.path={job.model}",
-        "model.dtype=float32",
+        f"model.path={model or job.model}",
+        f"model.dtype={job.param_dtype}",
         f"data.source={data_file}",
-        "rollout.engine=hf",
+        f"rollout.engine={job.engine}",
+        *engine,
         "rollout.env=single_turn",
         "reward.function=bench.peer:recall_reward",
         f"rollout.n={job.samples_per_prompt}",
@@ -169,7 +224,8 @@ def crossrl_overrides(job: PeerJob, *, steps: int, data_file: str | Path) -> lis
         f"train.weight_decay={job.weight_decay}",
         f"train.grad_clip={job.grad_clip}",
         f"train.ppo_epochs={job.ppo_epochs}",
-        "train.param_dtype=float32",
+        f"train.param_dtype={job.param_dtype}",
+        f"train.activation_checkpointing={str(job.activation_checkpointing).lower()}",
         "run.resume=never",
         "run.save_every=0",
     ]
@@ -178,7 +234,17 @@ def crossrl_overrides(job: PeerJob, *, steps: int, data_file: str | Path) -> lis
 def trl_config_kwargs(job: PeerJob, *, steps: int, output_dir: str | Path) -> dict:
     """Keyword arguments of TRL's ``GRPOConfig`` for the same job as ``crossrl_overrides``:
     one generation of ``prompts_per_step x samples_per_prompt`` rows feeds
-    ``mini_batches_per_step`` optimizer steps of ``samples_per_mini_batch`` rows each."""
+    ``mini_batches_per_step`` optimizer steps of ``samples_per_mini_batch`` rows each. A vLLM
+    job runs TRL's vLLM colocated in the trainer's process, sleeping while it trains, with the
+    same share of the device as crossrl's engine."""
+    vllm = {}
+    if job.engine == "vllm":
+        vllm = {
+            "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": job.memory_fraction,
+            "vllm_enable_sleep_mode": True,
+            "vllm_tensor_parallel_size": 1,
+        }
     return {
         "output_dir": str(output_dir),
         "seed": job.seed,
@@ -212,11 +278,13 @@ def trl_config_kwargs(job: PeerJob, *, steps: int, output_dir: str | Path) -> di
         "adam_beta1": 0.9,
         "adam_beta2": 0.999,
         "adam_epsilon": 1e-8,
-        "gradient_checkpointing": False,  # GRPOConfig's default is True; crossrl's is off
-        "bf16": False,
+        # GRPOConfig's default is True; crossrl's is off on the CPU jobs
+        "gradient_checkpointing": job.activation_checkpointing,
+        "bf16": job.param_dtype == "bfloat16",
         "fp16": False,
-        "use_cpu": True,
-        "use_vllm": False,
+        "use_cpu": job.device == "cpu",
+        "use_vllm": job.engine == "vllm",
+        **vllm,
         "pad_to_multiple_of": None,
         "shuffle_dataset": True,
         "remove_unused_columns": False,
@@ -272,4 +340,6 @@ DIFFERENCES = [
     "TRL generates all rows in one padded transformers generate; crossrl's HF engine in one "
     "padded batch too (up to 256 requests), each request drawing from its own seeded sampler",
     "prompt order: each side shuffles the same rows with its own seeded sampler",
+    "vLLM jobs: TRL corrects the engine/trainer log-prob mismatch with its own importance "
+    "sampling (vllm_importance_sampling_correction, its default); crossrl with its own keys",
 ]

@@ -85,4 +85,4 @@ for part in .carry/parts/part-*; do
     echo "  run carry=[\".carry/parts/$(basename "$part")\", \".carry/parts/manifest.json\"]" \
         "command='mkdir -p /tmp/crossrl-carry && cp .carry/parts/* /tmp/crossrl-carry/'"
 done
-echo "  run command='OUT=\$OUT bash scripts/gpu_checks.sh tier2'   # install vllmtests vllmjob"
+echo "  run command='OUT=\$OUT bash scripts/gpu_checks.sh tier2'   # install vllmtests vllmjob peer"

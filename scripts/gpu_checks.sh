@@ -3,7 +3,7 @@
 #
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh [install] [env] [tests] [job] [probe] [bench] [vllm]
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier1   # = env cudatests job15 budget7b mfu probe
-#   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier2   # = install vllmtests vllmjob (vllm: the last two)
+#   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier2   # = install vllmtests vllmjob peer (590 s)
 #   KIND=<folder> picks configs/<folder>/qwen2.5-0.5b-grpo.yaml for the job (default: gpu)
 #
 # tier1 is the GPU issue's first tier, sized to one 9-minute call (its parts' limits add up to
@@ -35,7 +35,7 @@ for part in "$@"; do
         fi
         parts+=(env cudatests job15 budget7b mfu probe)
         ;;
-    tier2) parts+=(install vllmtests vllmjob) ;;  # after the carry's run calls (gpu_carry.sh)
+    tier2) parts+=(install vllmtests vllmjob peer) ;;  # after the carry's calls (gpu_carry.sh)
     vllm) parts+=(vllmtests vllmjob) ;;
     *) parts+=("$part") ;;
     esac
@@ -86,6 +86,13 @@ part_vllmjob() {
     # job15's sizes, so the HF engine's figures stand beside it: generated tokens/s, push
     # seconds and share of the step, each phase against the budget.
     job_15b vllm 5 vllm-1.5b
+}
+
+part_peer() {
+    # TRL's GRPOTrainer with its colocated vLLM beside crossrl on the same 1.5B-shaped job
+    # (bench.peer_task's gpu-1.5b: prompts, group size, lengths, optimizer), interleaved:
+    # the per-step ratio.
+    "$PY" -m bench.peer --jobs gpu-1.5b --repeats 1 --out "$OUT/peer.json"
 }
 
 part_cudatests() {
@@ -160,8 +167,8 @@ part_bench() {
     crossrl bench gpu --out "$RUNS/bench-gpu.json"
 }
 
-declare -A limit=([install]=90 [env]=20 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=110
-    [bench]=200 [vllmtests]=240 [vllmjob]=240 [cudatests]=70 [job15]=170 [budget7b]=50 [mfu]=120)
+declare -A limit=([install]=60 [env]=20 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=110
+    [bench]=200 [vllmtests]=150 [vllmjob]=180 [peer]=200 [cudatests]=70 [job15]=170 [budget7b]=50 [mfu]=120)
 for part in "${parts[@]}"; do
     if [ -z "${limit[$part]:-}" ]; then
         echo "gpu_checks: no part '$part'; parts: tier1 tier2 vllm ${!limit[*]}" >&2

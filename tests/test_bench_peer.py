@@ -16,8 +16,10 @@ from bench import peer
 from bench.__main__ import _resolve
 from bench.__main__ import main as bench_main
 from bench.peer_task import (
+    CPU_JOBS,
     JOBS,
     crossrl_overrides,
+    model_path,
     read_prompts,
     recall_reward,
     trl_config_kwargs,
@@ -68,7 +70,7 @@ def test_reward_is_the_same_through_verl_crossrl_and_trl_signatures(reply):
     assert got == [want, want]
 
 
-@pytest.mark.parametrize("name", list(JOBS))
+@pytest.mark.parametrize("name", CPU_JOBS)
 def test_both_trainers_get_the_same_settings(name, tmp_path):
     from trainer.config import load_config
 
@@ -80,7 +82,7 @@ def test_both_trainers_get_the_same_settings(name, tmp_path):
     trl = trl_config_kwargs(job, steps=7, output_dir=tmp_path / "out")
     r, a, t = cfg.rollout, cfg.algorithm, cfg.train
     assert cfg.model.path == job.model and cfg.seed == trl["seed"] == job.seed
-    assert cfg.model.dtype == t.param_dtype == "float32"
+    assert cfg.model.dtype == t.param_dtype == "float32" and cfg.device == "cpu"
     assert trl["bf16"] is trl["fp16"] is False and trl["use_cpu"] is True
     assert r.env == "single_turn" and r.max_turns == 1 and cfg.data.source == str(data)
     assert r.n == trl["num_generations"] == job.samples_per_prompt
@@ -113,7 +115,7 @@ def test_both_trainers_get_the_same_settings(name, tmp_path):
         assert getattr(config, "activation_checkpointing", False) is False
 
 
-@pytest.mark.parametrize("name", list(JOBS))
+@pytest.mark.parametrize("name", CPU_JOBS)
 def test_both_trainers_send_the_same_prompt_tokens(name):
     from transformers import AutoTokenizer
 
@@ -223,3 +225,39 @@ def test_quick_peer_run_trains_both_sides_and_writes_results(tmp_path):
         assert len(curve) == 2 and all(0.0 <= v <= 1.0 for v in curve)
         assert res[side]["startup_s"][0] > 0
     assert "crossrl/TRL" in proc.stdout and "mean reward per step" in proc.stdout
+
+
+def test_the_gpu_job_runs_both_sides_alike_on_the_gpu_with_vllm_colocated(tmp_path, monkeypatch):
+    """``gpu-1.5b`` (the GPU issue's tier 2): both sides on cuda with vLLM colocated and
+    sleeping while they train, the same device share, bf16 compute over fp32 master weights,
+    gradient checkpointing; the model is random weights of Qwen2.5-1.5B's shape, written once.
+    It is not among the jobs ``bench peer`` runs by default (it needs a GPU)."""
+    from trainer.config import load_config
+
+    job = JOBS["gpu-1.5b"]
+    assert "gpu-1.5b" not in CPU_JOBS and set(CPU_JOBS) == {"default", "small"}
+    monkeypatch.setenv("CROSSRL_PEER_MODELS", str(tmp_path / "models"))
+    written = []
+
+    def write_random_model(directory, shape, **kwargs):  # the real one writes 6 GB
+        written.append((shape, kwargs))
+        Path(directory).mkdir(parents=True)
+        (Path(directory) / "config.json").write_text("{}")
+
+    monkeypatch.setattr("rollout.models.write_random_model", write_random_model)
+    model = model_path(job)
+    assert model == str(tmp_path / "models" / "qwen2.5-1.5b-seed1") == model_path(job)
+    assert written == [("qwen2.5-1.5b", {"seed": 1, "dtype": "bfloat16"})]  # once
+    data = write_prompts(tmp_path / "p.jsonl", rows=8)
+    overrides = crossrl_overrides(job, steps=5, data_file=data, model="builtin:small")
+    cfg = load_config(None, [*overrides, f"run.dir={tmp_path / 'run'}"], check_environment=False)
+    trl = trl_config_kwargs(job, steps=5, output_dir=tmp_path / "out")
+    r, t = cfg.rollout, cfg.train
+    assert cfg.device == "cuda" and trl["use_cpu"] is False
+    assert r.engine == "vllm" and trl["use_vllm"] is True and trl["vllm_mode"] == "colocate"
+    assert r.memory_fraction == trl["vllm_gpu_memory_utilization"] == job.memory_fraction
+    assert trl["vllm_enable_sleep_mode"] is True and trl["vllm_tensor_parallel_size"] == 1
+    assert t.param_dtype == cfg.model.dtype == "bfloat16" and trl["bf16"] is True
+    assert t.activation_checkpointing is True and trl["gradient_checkpointing"] is True
+    assert r.max_new_tokens - 1 == trl["max_completion_length"] == 255
+    assert r.n == trl["num_generations"] and t.lr == trl["learning_rate"] == 1e-6
