@@ -44,6 +44,7 @@ def engine_problems(cfg: Config) -> list[Problem]:
                 "host (or auto), or rollout.device=null",
             )
         )
+    p += _streaming_problems(cfg)
     lag = cfg.train.rollout_lag
     if not lag:
         return p
@@ -68,3 +69,46 @@ def engine_problems(cfg: Config) -> list[Problem]:
             )
         )
     return p
+
+
+def _streaming_problems(cfg: Config) -> list[Problem]:
+    """What ``train.max_staleness`` (streaming rollouts) cannot run with, by key."""
+    bound = cfg.train.max_staleness
+    if not bound:
+        return []
+    why = [
+        (
+            not cfg.rollout.engine_devices,
+            "rollout.engine_devices",
+            "the engines sample while the ranks train, so they need devices of their own: set "
+            f"rollout.engine_devices (e.g. to {cfg.rollout.tensor_parallel_size})",
+        ),
+        (
+            cfg.train.rollout_lag > 0,
+            "train.rollout_lag",
+            "streaming replaces the fixed lag: set train.rollout_lag=0",
+        ),
+        (
+            cfg.algorithm.rollout_correction == "none",
+            "algorithm.rollout_correction",
+            "samples come from older policies, so the loss needs importance weights: set "
+            "algorithm.rollout_correction=token or sequence",
+        ),
+        (
+            cfg.rollout.max_sample_batches > 1,
+            "rollout.max_sample_batches",
+            "dynamic sampling draws whole batches; a stream hands over groups: set "
+            "rollout.max_sample_batches=1",
+        ),
+        (
+            cfg.rollout.engine != "hf",
+            "rollout.engine",
+            "streaming loads weights between engine calls of the HF engine only so far: set "
+            "rollout.engine=hf",
+        ),
+    ]
+    return [
+        problem("train.max_staleness", bound, f"with {key}: {fix}, or train.max_staleness=null")
+        for bad, key, fix in why
+        if bad
+    ]

@@ -395,6 +395,15 @@ class TrainConfig(BaseModel):
         "the engines generate ahead while the ranks train (needs rollout.engine_devices and "
         "algorithm.rollout_correction); 0 = synchronous",
     )
+    max_staleness: int | None = Field(
+        None,
+        ge=1,
+        description="streaming rollouts: the engines sample groups without step boundaries and "
+        "a step trains on the first train.batch_size groups to finish whose oldest token came "
+        "from a policy at most this many steps behind (older ones are dropped), so runs differ "
+        "run to run and every batch is recorded for replay (needs rollout.engine_devices and "
+        "algorithm.rollout_correction); null = off",
+    )
     share_prompts: bool = Field(
         True,
         description="rows of a micro-batch with the same prompt (a group's samples) run it "

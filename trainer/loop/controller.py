@@ -125,8 +125,10 @@ class Trainer:
         return metrics, fingerprint
 
     def record_dir(self) -> str | None:
-        """Where the rollouts are recorded (``run.record_rollouts``), or None."""
-        return str(self.run_dir / "rollouts") if self.cfg.run.record_rollouts else None
+        """Where the rollouts are recorded (``run.record_rollouts``; always for a streamed
+        run, which only its recording replays), or None."""
+        streamed = bool(self.cfg.train.max_staleness) and self.replay_dir is None
+        return str(self.run_dir / "rollouts") if self.cfg.run.record_rollouts or streamed else None
 
     def _rollout(self, step: int) -> tuple[dict[str, Any], list]:
         """Rows of this step: metadata here, the batch itself in the object store."""

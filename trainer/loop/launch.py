@@ -194,19 +194,29 @@ def _start_pipeline(job) -> None:
     (``trainer.loop.pipeline``), sampled with the weights the run starts from (the engines'
     own at step 0, a snapshot of the resumed ones after a resume)."""
     from trainer.loop.pipeline import RolloutPipeline
+    from trainer.loop.streaming import StreamingPipeline
 
     cfg = job.cfg
     # A recording has no steps past the run's end to keep in a checkpoint.
     horizon = cfg.train.total_steps if job.replay_dir is not None else None
-    job.pipeline = RolloutPipeline(
-        job.rollout,
-        cfg.train.rollout_lag,
-        cfg.train.total_steps,
-        job.record_dir(),
-        horizon=horizon,
-        # a rollout waits behind those queued before it (the lag) and a validation
-        timeout_s=(cfg.train.rollout_lag + 1) * job.limits.rollout_s + job.limits.setup_s,
-    )
+    if cfg.train.max_staleness and job.replay_dir is None:  # a replay reads steps as recorded
+        job.pipeline = StreamingPipeline(
+            job.rollout,
+            cfg.train.max_staleness,
+            job.record_dir(),
+            # a step waits for its groups, up to as long as a rollout may take
+            timeout_s=job.limits.rollout_s + job.limits.setup_s,
+        )
+    else:
+        job.pipeline = RolloutPipeline(
+            job.rollout,
+            cfg.train.rollout_lag,
+            cfg.train.total_steps,
+            job.record_dir(),
+            horizon=horizon,
+            # a rollout waits behind those queued before it (the lag) and a validation
+            timeout_s=(cfg.train.rollout_lag + 1) * job.limits.rollout_s + job.limits.setup_s,
+        )
     weights = None
     if job.start_step:
         snapshot = job.snapshot_weights()

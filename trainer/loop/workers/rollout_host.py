@@ -25,6 +25,7 @@ from trainer.loop.workers.group import agree_on_settings
 from trainer.loop.workers.local import put
 from trainer.loop.workers.rollout_meta import batch_metadata, combine_rollout_metrics
 from trainer.loop.workers.sampling import run_config_rollouts
+from trainer.loop.workers.stream_host import StreamingHost
 
 #: Where ``take_weights`` finds weights that came through the weight group (``rollout.
 #: weight_transport``), in place of a snapshot's bucket refs.
@@ -231,7 +232,7 @@ def engine_memory_fraction(cfg: Config, on_accelerator: bool) -> float:
     return cfg.rollout.memory_fraction / replicas
 
 
-class RolloutHost(EngineHost):
+class RolloutHost(StreamingHost, EngineHost):
     """Replica 0, which also owns the environment, the prompt stream and the agent loop:
     ``rollout(step) -> (metadata, [batch_ref])``. With several replicas its agent loop deals
     requests to all of them by prompt (``rollout.engines.router``); only it reads prompts."""
@@ -305,7 +306,10 @@ class RolloutHost(EngineHost):
         replicas = waiting if held else range(1, 1 + len(self.peers))
         mine = None if held else (lambda: getattr(self, method)(*args))
         began = time.perf_counter()
-        load_into_peers(self.peers, self.generator, replicas, method, args, mine)
+        self.between_calls(
+            lambda: load_into_peers(self.peers, self.generator, replicas, method, args, mine),
+            None if target is None else int(target),
+        )
         self.weight_load_s = time.perf_counter() - began
         if waiting:
             self.generator.serve(waiting)
@@ -350,11 +354,19 @@ class RolloutHost(EngineHost):
             metrics.update(picked, **{"dynamic_sampling/sample_batches": float(len(outputs))})
         faults = [fault for o in outputs for fault in o.faults]
         out = RolloutOutput(rows=rows, metrics=metrics, faults=faults)
+        return self._batch_out(step, out, record_dir, version)
+
+    def _batch_out(
+        self, step: int, out: RolloutOutput, record_dir: str | None, version: int | None
+    ) -> tuple[dict[str, Any], list]:
+        """Step ``step``'s rows as ``rollout`` returns them: the batch's arrays put in the
+        object store (recorded under ``record_dir`` first, when given) and its metadata;
+        ``version``: the policy version that sampled it."""
         if not out.rows:
             from rollout.env_calls import fault_summary
 
-            total = int(metrics.get("rollout/num_trajectories", 0))
-            why = fault_summary(faults, total) if faults else out.metrics
+            total = int(out.metrics.get("rollout/num_trajectories", 0))
+            why = fault_summary(out.faults, total) if out.faults else out.metrics
             raise RuntimeError(
                 f"step {step}: the rollout produced no rows ({why}); check rollout.env and "
                 "rollout.max_input_len"
@@ -367,6 +379,8 @@ class RolloutHost(EngineHost):
             record_rollout(record_dir, step, arrays)
         meta = batch_metadata(batch, out.metrics)
         meta["prompts_consumed"] = self.prompts_consumed
+        if self.stream is not None:  # drawn by the stream, ahead of the steps
+            meta["prompts_consumed"] = self.stream.next_ordinal
         meta["policy_version"] = version
         meta["env_faults"] = out.faults  # the health gate shows them (trainer/loop/health.py)
         # Peers lost mid-rollout, their requests dealt to others: trainer/loop/replicas.py
@@ -383,8 +397,9 @@ class RolloutHost(EngineHost):
         meta["metrics"]["memory/engine_peak_gb"] = peak / 1e9  # this replica's process
         return meta, [put(arrays)]
 
-    def _sample(self, step: int, items: list) -> RolloutOutput:
-        """One sampled batch: ``items`` x ``rollout.n`` trajectories, with reward shaping."""
+    def _sample(self, step: int, items: list, engine=None) -> RolloutOutput:
+        """One sampled batch: ``items`` x ``rollout.n`` trajectories, with reward shaping;
+        ``engine``: what generates (default: the replicas, ``self.generator``)."""
         from rollout.engines import SamplingParams
         from rollout.rewards import apply_overlong_penalty
 
@@ -396,7 +411,7 @@ class RolloutHost(EngineHost):
             top_k=roll.top_k,
         )
         out = run_config_rollouts(
-            self.generator,
+            self.generator if engine is None else engine,
             self.tokenizer,
             self.env_factory,
             items,
@@ -428,8 +443,9 @@ class RolloutHost(EngineHost):
         self.take_weights(weights)
         if not self.val_items:
             raise ValueError("run.val_every / run.val_before_train need data.val_source")
+        engine = self.generator if self.versioned is None else self.versioned  # beside a stream
         metrics = run_validation(
-            self.generator, self.tokenizer, self.env_factory, self.val_items, self.cfg, step
+            engine, self.tokenizer, self.env_factory, self.val_items, self.cfg, step
         )
         # The host's own time: a lagged run reads validations queued behind its rollouts.
         return {**metrics, "timing/val_s": time.perf_counter() - started}

@@ -1,0 +1,184 @@
+"""Streaming rollouts (``train.max_staleness``): groups sampled without step boundaries, each
+step taking the first whole groups to finish within the staleness bound, weights loaded
+between engine calls; refused by name where it cannot run; end to end on the CPU, a streamed
+run keeps its bound, records every batch, and its replay agrees with it under
+``crossrl parity``."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
+from rollout.streaming import FinishedGroup, StreamSampler, VersionedEngine, admit
+from trainer.config import ConfigError, load_config
+from trainer.loop.workers.stream_host import staleness_metrics
+
+
+class _Engine:
+    """Answers every request with 3 tokens; remembers the weights it held at each call."""
+
+    def __init__(self) -> None:
+        self.weights = "v0"
+        self.calls: list[str] = []
+
+    def generate(self, requests, sampling):
+        self.calls.append(self.weights)
+        time.sleep(0.01)
+        return [GenerationResult([1, 2, 3], [0.0] * 3, "length") for _ in requests]
+
+
+def _group(ordinal: int, tokens: dict[int, int]) -> FinishedGroup:
+    return FinishedGroup(ordinal, output=None, tokens=tokens)
+
+
+def test_a_step_takes_the_first_groups_in_the_bound_and_drops_older_ones():
+    ready = [_group(0, {0: 5}), _group(1, {2: 5}), _group(2, {1: 3, 2: 2}), _group(3, {3: 1})]
+    taken, dropped, left = admit(ready, 2, min_version=1)
+    assert [g.ordinal for g in taken] == [1, 2]  # finishing order, within the bound
+    assert [g.ordinal for g in dropped] == [0] and [g.ordinal for g in left] == [3]
+    assert ready[2].oldest == 1 and ready[2].newest == 2
+
+
+def test_staleness_counts_versions_behind_the_trainer_and_partial_tokens():
+    m = staleness_metrics([_group(0, {2: 6}), _group(1, {1: 3, 2: 1})], trained_version=3)
+    assert (m["stream/staleness_min"], m["stream/staleness_max"]) == (1.0, 2.0)
+    assert m["stream/staleness_mean"] == 1.5
+    assert m["stream/partial_token_share"] == pytest.approx(1 / 10)  # one token after a load
+
+
+def test_weights_load_between_engine_calls_and_tokens_carry_their_version():
+    engine = _Engine()
+    versioned = VersionedEngine(engine, version=0)
+    request = [GenerationRequest(prompt_ids=[1], seed=0, group=7)]
+    versioned.generate(request, SamplingParams())
+
+    def load():
+        engine.weights = "v1"
+        return "loaded"
+
+    assert versioned.load(load, 1) == "loaded" and versioned.version == 1
+    versioned.generate(request, SamplingParams())
+    assert engine.calls == ["v0", "v1"]
+    assert versioned.tokens_of(7) == {0: 3, 1: 3} and versioned.tokens_of(7) == {}
+    assert versioned.lanes() == [versioned] and versioned.lane_of(123) == 0
+
+
+def test_the_sampler_bounds_groups_in_flight_and_hands_over_in_finishing_order():
+    engine = VersionedEngine(_Engine())
+    started: list[int] = []
+    release = threading.Event()
+
+    def sample_group(ordinal):
+        started.append(ordinal)
+        if ordinal == 0:
+            release.wait(5)  # the long tail: group 0 finishes last
+        engine.generate([GenerationRequest(prompt_ids=[1], seed=0, group=ordinal)], None)
+        return f"group {ordinal}"
+
+    sampler = StreamSampler(sample_group, engine, workers=3, allowed=lambda: 3)
+    try:
+        taken, dropped, waited = sampler.take(2, min_version=0, timeout_s=10)
+        assert sorted(g.ordinal for g in taken) == [1, 2] and not dropped
+        assert all(g.tokens == {0: 3} for g in taken)
+        release.set()
+        taken, _, _ = sampler.take(1, min_version=0, timeout_s=10)
+        assert taken[0].ordinal == 0  # nothing else may start: 3 groups started, 3 allowed
+        assert sorted(started) == [0, 1, 2]
+        with pytest.raises(TimeoutError, match="did not finish within"):
+            sampler.take(50, min_version=0, timeout_s=0.2)
+    finally:
+        sampler.stop()
+
+
+def test_an_error_in_a_group_stops_the_stream_and_take_raises_it():
+    def sample_group(ordinal):
+        raise RuntimeError("env exploded")
+
+    sampler = StreamSampler(sample_group, VersionedEngine(_Engine()), workers=2, allowed=lambda: 2)
+    with pytest.raises(RuntimeError, match="env exploded"):
+        sampler.take(1, 0, timeout_s=5)
+
+
+STREAM = [
+    "train.max_staleness=1",
+    "rollout.engine_devices=1",
+    "algorithm.rollout_correction=token",
+]
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        (["rollout.engine_devices=0"], "rollout.engine_devices"),
+        (["train.rollout_lag=1"], "train.rollout_lag"),
+        (["algorithm.rollout_correction=none"], "algorithm.rollout_correction"),
+        (["rollout.max_sample_batches=2"], "rollout.max_sample_batches"),
+    ],
+)
+def test_what_streaming_cannot_run_with_is_refused_naming_both_keys(extra, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*STREAM, *extra])
+    assert "train.max_staleness" in str(err.value) and key in str(err.value)
+
+
+def test_a_staleness_bound_below_one_is_refused():
+    with pytest.raises(ConfigError, match="train.max_staleness"):
+        load_config(None, ["train.max_staleness=0"])
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    from trainer.loop.workers.group import start_ray
+
+    started = start_ray(None, num_cpus=6)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.slow
+def test_a_streamed_run_keeps_its_bound_records_every_batch_and_its_replay_agrees(
+    local_ray, tmp_path
+):
+    """The long-tail agent environment, s = 1: every step's groups are at most one policy
+    behind the trainer, every batch is recorded (without run.record_rollouts), and replaying
+    the recording trains to the very same fingerprints."""
+    from trainer.commands.parity import compare_runs
+    from trainer.commands.probe import probe_config, run_probe
+    from trainer.loop.run import run_training
+    from trainer.records.metrics import read_jsonl
+
+    run_dir = tmp_path / "stream"
+    keys = [
+        *STREAM,
+        "rollout.env=rollout.envs.longtail:LongTailEnv",
+        "rollout.max_turns=3",
+        "train.batch_size=4",
+        "train.mini_batch_size=2",
+        "train.total_steps=4",
+        "run.save_every=0",
+        "run.resume=never",
+    ]
+    assert run_training(load_config(None, [*keys, f"run.dir={run_dir}"])) == 0
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert 0 <= r["stream/staleness_min"] <= r["stream/staleness_max"] <= 1
+        assert r["pipeline/max_staleness"] == 1.0 and r["stream/groups_dropped"] >= 0
+        for share in ("partial_token_share", "engine_idle_share", "trainer_idle_share"):
+            assert 0.0 <= r[f"stream/{share}"] <= 1.0
+    assert records[0]["stream/staleness_max"] == 0  # step 1: the initial weights train
+    recorded = sorted(p.name for p in (run_dir / "rollouts").glob("step_*.npz"))
+    assert recorded == [f"step_{s}.npz" for s in (1, 2, 3, 4)]
+    replay = tmp_path / "replay"
+    cfg = probe_config(
+        str(run_dir / "config.yaml"), [], rollouts=run_dir / "rollouts", steps=4, out=replay
+    )
+    assert run_probe(cfg, run_dir / "rollouts") == 0
+    report = compare_runs(run_dir, replay)
+    assert report.agree, report.first_divergence()

@@ -1,0 +1,125 @@
+"""The rollout host's streaming mode (``train.max_staleness``): groups sampled without step
+boundaries on the host's engines, handed to each step as they finish (``rollout.streaming``).
+
+``RolloutHost`` mixes this in. ``stream_start`` wraps the replicas in a ``VersionedEngine``
+(every weight load then lands between two engine calls: ``between_calls``) and starts a
+``StreamSampler``: up to ``train.batch_size x (max_staleness + 1)`` groups in flight, and with
+the weights after step v no more than ``(v + max_staleness + 1) x train.batch_size`` groups
+started since the stream began (less those dropped);
+``stream_take(step)`` returns step ``step``'s batch as ``rollout`` does: the first
+``train.batch_size`` groups to finish whose oldest token was sampled by the policy after step
+``step - 1 - max_staleness`` or later. Older groups are dropped; the rest carry over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rollout.agent_loop import RolloutOutput
+from rollout.streaming import FinishedGroup, StreamSampler, VersionedEngine
+from trainer.loop.workers.rollout_meta import combine_rollout_metrics
+
+__all__ = ["StreamingHost", "staleness_metrics"]
+
+
+def staleness_metrics(groups: list[FinishedGroup], trained_version: int) -> dict[str, float]:
+    """``stream/*`` of a step's groups, against ``trained_version`` (the policy that trains
+    on them, the step before): each group's staleness is the version gap to its oldest token
+    (min, mean, max over groups); ``partial_token_share``: tokens sampled by a newer policy
+    than their group's oldest (trajectories that went on under new weights)."""
+    gaps = [trained_version - g.oldest for g in groups]
+    tokens = sum(sum(g.tokens.values()) for g in groups)
+    newer = sum(n for g in groups for v, n in g.tokens.items() if v > g.oldest)
+    return {
+        "stream/staleness_min": float(min(gaps)),
+        "stream/staleness_mean": sum(gaps) / len(gaps),
+        "stream/staleness_max": float(max(gaps)),
+        "stream/partial_token_share": newer / tokens if tokens else 0.0,
+    }
+
+
+class StreamingHost:
+    """``stream_start`` / ``stream_take`` / ``between_calls`` for ``RolloutHost``."""
+
+    stream: StreamSampler | None = None
+    versioned: VersionedEngine | None = None
+
+    def between_calls(self, load: Callable[[], Any], version: int | None) -> Any:
+        """Run ``load`` (weights into the replicas): between two engine calls while a stream
+        samples (the group's next call then uses them), at once otherwise."""
+        if self.versioned is None:
+            return load()
+        out = self.versioned.load(load, self.versioned.version if version is None else version)
+        self.stream.wake()  # newer weights: more groups may start
+        return out
+
+    def stream_start(self) -> int:
+        """Start sampling groups from the prompt stream's next one; returns its ordinal."""
+        cfg = self.cfg
+        size, bound = cfg.train.batch_size, cfg.train.max_staleness
+        start = self.weights_version or 0
+        self.versioned = VersionedEngine(self.generator, version=start)
+        first = self.prompts_consumed
+
+        def sample_group(ordinal: int) -> RolloutOutput:
+            # ``step`` seeds the requests: the prompt's ordinal, unique in the run
+            return self._sample(ordinal, self.prompts.take(ordinal, 1), engine=self.versioned)
+
+        def allowed() -> int:  # what starts under version v is trained by step v + s + 1
+            return (self.versioned.version - start + bound + 1) * size
+
+        self.stream = StreamSampler(
+            sample_group, self.versioned, workers=size * (bound + 1), allowed=allowed, first=first
+        )
+        self.stream_started_at, self.last_take = time.perf_counter(), None
+        return first
+
+    def stream_take(
+        self, step: int, record_dir: str | None, timeout_s: float
+    ) -> tuple[dict[str, Any], list]:
+        """Step ``step``'s batch (``rollout``'s return), from the groups the stream finished."""
+        cfg = self.cfg
+        n, size = cfg.rollout.n, cfg.train.batch_size
+        trained = step - 1  # the policy that trains on this batch
+        taken, dropped, waited = self.stream.take(
+            size, max(0, trained - cfg.train.max_staleness), timeout_s
+        )
+        # since the last step's batch was handed over: how much of it each side waited
+        now, busy = time.perf_counter(), self.versioned.busy_s
+        last_at, last_busy = self.last_take or (self.stream_started_at, 0.0)
+        self.last_take = (now, busy)
+        interval = max(now - last_at, 1e-9)
+        rows = []
+        for j, group in enumerate(taken):  # renumbered: group j of this batch
+            for row in group.output.rows:
+                sample = row.trajectory_id % n
+                rows.append(dataclasses.replace(row, uid=j, trajectory_id=j * n + sample))
+        out = RolloutOutput(
+            rows=rows,
+            metrics=combine_rollout_metrics([g.output.metrics for g in taken]),
+            faults=[f for g in taken for f in g.output.faults],
+        )
+        out.metrics.update(staleness_metrics(taken, trained))
+        out.metrics.update(
+            {
+                "stream/groups_dropped": float(len(dropped)),
+                "stream/groups_carried": float(self.stream.waiting),
+                "stream/take_wait_s": waited,
+                "stream/trainer_idle_share": min(1.0, waited / interval),
+                "stream/engine_idle_share": max(0.0, 1.0 - (busy - last_busy) / interval),
+            }
+        )
+        return self._batch_out(step, out, record_dir, min(g.oldest for g in taken))
+
+    def stream_stop(self) -> None:
+        """Stop sampling (the workers end after their current group)."""
+        if self.stream is not None:
+            self.stream.stop()
+
+    def shutdown(self) -> None:
+        """Stop the stream, then release what the engine host holds."""
+        self.stream_stop()
+        super().shutdown()
