@@ -11,7 +11,8 @@ Two pieces, both free of the trainer:
   rollout at engine-call granularity: for a multi-turn agent, the next turn).
 - ``StreamSampler``: ``workers`` threads, each sampling one group at a time (``sample_group``,
   the caller's: a prompt's ``n`` trajectories through the agent loop), so up to ``workers``
-  groups are in flight; a new group starts only while the groups started (less those dropped)
+  groups are in flight (``quiesced`` runs something once none is: a weight load without
+  partial rollouts); a new group starts only while the groups started (less those dropped)
   stay under ``allowed()``, the caller's bound for the weights the engine holds (AReaL's rule:
   with weights after step v, ``(v + s + 1) x batch_size`` groups, so what starts now can still
   be trained on within the bound). A finished group waits in a queue with the oldest and newest
@@ -146,6 +147,8 @@ class StreamSampler:
         self.engine = engine
         self.allowed = allowed  # groups that may have started (net of drops), now
         self.started = 0
+        self.in_flight = 0
+        self._paused = False  # quiesced: no group starts
         self.next_ordinal = first
         self.ready: deque[FinishedGroup] = deque()
         self.dropped_total = 0
@@ -162,8 +165,8 @@ class StreamSampler:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while (
-                    not self._stop.is_set() and self.started - self.dropped_total >= self.allowed()
+                while not self._stop.is_set() and (
+                    self._paused or self.started - self.dropped_total >= self.allowed()
                 ):
                     self._cond.wait(1.0)
                 if self._stop.is_set():
@@ -171,10 +174,12 @@ class StreamSampler:
                 ordinal = self.next_ordinal
                 self.next_ordinal += 1
                 self.started += 1
+                self.in_flight += 1
             try:
                 output = self.sample_group(ordinal)
             except BaseException as exc:  # noqa: BLE001 - handed to take(), which raises it
                 with self._cond:
+                    self.in_flight -= 1
                     self.error = self.error or exc
                     self._stop.set()
                     self._cond.notify_all()
@@ -183,6 +188,7 @@ class StreamSampler:
                 ordinal, output, self.engine.tokens_of(ordinal), time.perf_counter()
             )
             with self._cond:
+                self.in_flight -= 1
                 self.ready.append(group)
                 self._cond.notify_all()
 
@@ -216,6 +222,27 @@ class StreamSampler:
                         f"within {timeout_s:.0f} s ({len(taken)} did)"
                     )
                 self._cond.wait(min(remaining, 1.0))
+
+    def quiesced(self, fn: Callable[[], Any], timeout_s: float) -> Any:
+        """Run ``fn`` once no group is in flight (none starts meanwhile): what a weight load
+        does without partial rollouts, so that every group samples with one policy.
+        TimeoutError after ``timeout_s`` waiting for the groups in flight."""
+        deadline = time.perf_counter() + timeout_s
+        with self._cond:
+            self._paused = True
+            try:
+                while self.in_flight and self.error is None:
+                    remaining = deadline - time.perf_counter()
+                    if remaining <= 0:
+                        raise TimeoutError(
+                            f"{self.in_flight} groups still in flight after {timeout_s:.0f} s; "
+                            "the new weights wait for them (rollout.partial_rollout=false)"
+                        )
+                    self._cond.wait(min(remaining, 1.0))
+                return fn()
+            finally:
+                self._paused = False
+                self._cond.notify_all()
 
     def wake(self) -> None:
         """The bound may have moved (new weights): let waiting workers look again."""

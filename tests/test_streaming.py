@@ -93,6 +93,41 @@ def test_the_sampler_bounds_groups_in_flight_and_hands_over_in_finishing_order()
         sampler.stop()
 
 
+def test_without_partial_rollouts_a_load_waits_for_the_groups_in_flight():
+    engine = VersionedEngine(_Engine())
+    release = threading.Event()
+    started: list[int] = []
+
+    def sample_group(ordinal):
+        started.append(ordinal)
+        release.wait(5)
+        return ordinal
+
+    sampler = StreamSampler(sample_group, engine, workers=2, allowed=lambda: 100)
+    try:
+        while len(started) < 2:
+            time.sleep(0.01)
+        loaded = []
+        loader = threading.Thread(
+            target=lambda: loaded.append(sampler.quiesced(lambda: len(started), timeout_s=5))
+        )
+        loader.start()
+        time.sleep(0.1)
+        assert loaded == []  # two groups in flight: the load waits
+        release.set()
+        loader.join(5)
+        assert loaded and loaded[0] >= 2  # it ran once they had finished
+        with pytest.raises(TimeoutError, match="rollout.partial_rollout=false"):
+            release.clear()
+            while sampler.in_flight == 0:
+                time.sleep(0.01)
+            sampler.quiesced(lambda: None, timeout_s=0.2)
+        release.set()
+    finally:
+        sampler.stop()
+        release.set()
+
+
 def test_an_error_in_a_group_stops_the_stream_and_take_raises_it():
     def sample_group(ordinal):
         raise RuntimeError("env exploded")
@@ -124,9 +159,11 @@ def test_what_streaming_cannot_run_with_is_refused_naming_both_keys(extra, key):
     assert "train.max_staleness" in str(err.value) and key in str(err.value)
 
 
-def test_a_staleness_bound_below_one_is_refused():
+def test_a_staleness_bound_below_one_and_partial_rollouts_without_a_stream_are_refused():
     with pytest.raises(ConfigError, match="train.max_staleness"):
         load_config(None, ["train.max_staleness=0"])
+    with pytest.raises(ConfigError, match="rollout.partial_rollout.*train.max_staleness"):
+        load_config(None, ["rollout.partial_rollout=true"])
 
 
 @pytest.fixture(scope="module")
@@ -141,40 +178,78 @@ def local_ray():
         ray.shutdown()
 
 
-@pytest.mark.slow
-def test_a_streamed_run_keeps_its_bound_records_every_batch_and_its_replay_agrees(
-    local_ray, tmp_path
-):
-    """The long-tail agent environment, s = 1: every step's groups are at most one policy
-    behind the trainer, every batch is recorded (without run.record_rollouts), and replaying
-    the recording trains to the very same fingerprints."""
-    from trainer.commands.parity import compare_runs
-    from trainer.commands.probe import probe_config, run_probe
+LONGTAIL_STREAM = [
+    *STREAM,
+    "rollout.env=rollout.envs.longtail:LongTailEnv",
+    "rollout.max_turns=3",
+    "train.batch_size=4",
+    "train.mini_batch_size=2",
+    "train.total_steps=4",
+    "run.save_every=0",
+    "run.resume=never",
+]
+#: name -> overrides: partial rollouts, whole ones, and dp 2 with step-wise rows and GAE at s = 2
+RUNS = {
+    "partial": ["rollout.partial_rollout=true"],
+    "whole": ["rollout.partial_rollout=false"],
+    "dp2-stepwise-gae": [
+        "train.max_staleness=2",
+        "rollout.partial_rollout=true",
+        "train.dp_size=2",
+        "rollout.step_wise=true",
+        "algorithm.adv_estimator=gae",
+        "critic.enable=true",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def streamed(local_ray, tmp_path_factory):
     from trainer.loop.run import run_training
+
+    out = {}
+    for name, extra in RUNS.items():
+        run_dir = tmp_path_factory.mktemp(name)
+        assert (
+            run_training(load_config(None, [*LONGTAIL_STREAM, *extra, f"run.dir={run_dir}"])) == 0
+        )
+        out[name] = run_dir
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_streamed_run_keeps_its_bound_and_records_every_batch(streamed, name):
+    """Every step's groups are at most max_staleness policies behind the trainer, every batch
+    is recorded (without run.record_rollouts), and without partial rollouts no token comes
+    from a newer policy than its group's first."""
     from trainer.records.metrics import read_jsonl
 
-    run_dir = tmp_path / "stream"
-    keys = [
-        *STREAM,
-        "rollout.env=rollout.envs.longtail:LongTailEnv",
-        "rollout.max_turns=3",
-        "train.batch_size=4",
-        "train.mini_batch_size=2",
-        "train.total_steps=4",
-        "run.save_every=0",
-        "run.resume=never",
-    ]
-    assert run_training(load_config(None, [*keys, f"run.dir={run_dir}"])) == 0
+    run_dir = streamed[name]
+    bound = 2 if name == "dp2-stepwise-gae" else 1
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
-        assert 0 <= r["stream/staleness_min"] <= r["stream/staleness_max"] <= 1
-        assert r["pipeline/max_staleness"] == 1.0 and r["stream/groups_dropped"] >= 0
+        assert 0 <= r["stream/staleness_min"] <= r["stream/staleness_max"] <= bound
+        assert r["pipeline/max_staleness"] == bound and r["stream/groups_dropped"] >= 0
         for share in ("partial_token_share", "engine_idle_share", "trainer_idle_share"):
             assert 0.0 <= r[f"stream/{share}"] <= 1.0
+        if name == "whole":
+            assert r["stream/partial_token_share"] == 0.0
     assert records[0]["stream/staleness_max"] == 0  # step 1: the initial weights train
     recorded = sorted(p.name for p in (run_dir / "rollouts").glob("step_*.npz"))
     assert recorded == [f"step_{s}.npz" for s in (1, 2, 3, 4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["partial", "dp2-stepwise-gae"])
+def test_the_replay_of_a_streamed_run_trains_to_the_same_fingerprints(streamed, name, tmp_path):
+    """Streamed runs differ run to run; replaying one's recording (``crossrl probe``) trains
+    exactly its updates: ``crossrl parity`` agrees, at dp 1 and at dp 2."""
+    from trainer.commands.parity import compare_runs
+    from trainer.commands.probe import probe_config, run_probe
+
+    run_dir = streamed[name]
     replay = tmp_path / "replay"
     cfg = probe_config(
         str(run_dir / "config.yaml"), [], rollouts=run_dir / "rollouts", steps=4, out=replay

@@ -75,6 +75,15 @@ def _streaming_problems(cfg: Config) -> list[Problem]:
     """What ``train.max_staleness`` (streaming rollouts) cannot run with, by key."""
     bound = cfg.train.max_staleness
     if not bound:
+        if cfg.rollout.partial_rollout:
+            return [
+                problem(
+                    "rollout.partial_rollout",
+                    True,
+                    "partial rollouts continue streamed trajectories under new weights; set "
+                    "train.max_staleness (streaming) or rollout.partial_rollout=false",
+                )
+            ]
         return []
     why = [
         (

@@ -20,6 +20,7 @@ from hal import BACKEND_NAMES
 from rollout.assets import BUILTIN_MODELS
 from trainer.config.schema_base import SECTION as _SECTION
 from trainer.config.schema_base import first_nonfinite as _first_nonfinite
+from trainer.config.schema_reward import CriticConfig, RewardConfig
 from trainer.config.schema_run import RayConfig, RunConfig
 
 # Exactly the names hal.get_backend accepts: one name per device, owned by the HAL.
@@ -28,7 +29,6 @@ ModelDtype = Literal["float32", "bfloat16", "float16"]
 TrainDtype = Literal["float32", "bfloat16"]
 
 _ENV_SPEC = re.compile(r"^(?:[A-Za-z_][\w-]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
-_FUNCTION_SPEC = re.compile(r"^(?:builtin:[a-z0-9_]+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 
 
 class ModelConfig(BaseModel):
@@ -194,6 +194,13 @@ class RolloutConfig(BaseModel):
         0.0, ge=0, description="validation sampling temperature; 0 = greedy"
     )
 
+    partial_rollout: bool = Field(
+        False,
+        description="streaming (train.max_staleness): a trajectory still generating when new "
+        "weights arrive goes on under them from its next engine call (its tokens keep the "
+        "version that sampled them); false = the weights wait until no group is in flight",
+    )
+
     @field_validator("env_kwargs")
     @classmethod
     def _finite_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
@@ -276,52 +283,6 @@ class AlgorithmConfig(BaseModel):
     )
     rollout_correction_cap: float = Field(
         2.0, ge=1, description="upper bound of the rollout-correction weights (>= 1)"
-    )
-
-
-class RewardConfig(BaseModel):
-    """Reward functions and reward shaping."""
-
-    model_config = _SECTION
-
-    function: str | None = Field(
-        None,
-        description="module:function with verl's signature f(data_source, solution_str, "
-        "ground_truth, extra_info) -> float or dict with score (other keys become reward/extra/* "
-        "metrics), or builtin:gsm8k / builtin:math; the env scores its final turn with it",
-    )
-    timeout_s: float = Field(
-        10.0, gt=0, description="seconds one reward call may take; longer counts as a fault"
-    )
-    overlong_buffer_len: int = Field(
-        0,
-        ge=0,
-        description="tokens: DAPO overlong shaping; a turn longer than rollout.max_new_tokens - "
-        "1 - this loses up to overlong_penalty_factor, linearly; 0 = off",
-    )
-    overlong_penalty_factor: float = Field(
-        1.0, ge=0, description="DAPO overlong shaping: the penalty at the length cap"
-    )
-
-    @field_validator("function")
-    @classmethod
-    def _function_spec(cls, value: str | None) -> str | None:
-        if value is not None and not _FUNCTION_SPEC.match(value):
-            raise ValueError("must be null, builtin:gsm8k, builtin:math or module.path:function")
-        return value
-
-
-class CriticConfig(BaseModel):
-    """The value model (used by gae)."""
-
-    model_config = _SECTION
-
-    enable: bool = Field(False, description="train a critic (required by gae, only gae uses it)")
-    lr: float = Field(1e-5, gt=0, description="critic learning rate (peak)")
-    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear lr warm-up")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    grad_clip: float | None = Field(
-        1.0, gt=0, description="max global grad norm; null = no clipping"
     )
 
 

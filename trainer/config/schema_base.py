@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from pydantic import ConfigDict
@@ -25,3 +26,7 @@ def first_nonfinite(tree: Any, where: str = "") -> tuple[str, float] | None:
         if found is not None:
             return found
     return None
+
+
+#: ``module.path:function`` or ``builtin:<name>``: where a config names user code.
+FUNCTION_SPEC = re.compile(r"^(?:builtin:[a-z0-9_]+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")

@@ -20,6 +20,7 @@ from typing import Any
 
 from rollout.agent_loop import RolloutOutput
 from rollout.streaming import FinishedGroup, StreamSampler, VersionedEngine
+from trainer.loop.call_limits import CallLimits
 from trainer.loop.workers.rollout_meta import combine_rollout_metrics
 
 __all__ = ["StreamingHost", "staleness_metrics"]
@@ -48,11 +49,17 @@ class StreamingHost:
     versioned: VersionedEngine | None = None
 
     def between_calls(self, load: Callable[[], Any], version: int | None) -> Any:
-        """Run ``load`` (weights into the replicas): between two engine calls while a stream
-        samples (the group's next call then uses them), at once otherwise."""
+        """Run ``load`` (weights into the replicas) at once, or while a stream samples: between
+        two engine calls (``rollout.partial_rollout``: a trajectory's next call uses them), else
+        once no group is in flight."""
         if self.versioned is None:
             return load()
-        out = self.versioned.load(load, self.versioned.version if version is None else version)
+        version = self.versioned.version if version is None else version
+        if self.cfg.rollout.partial_rollout:  # trajectories in flight go on under them
+            out = self.versioned.load(load, version)
+        else:  # every group samples with one policy: the load waits for those in flight
+            wait_s = CallLimits.for_config(self.cfg).rollout_s
+            out = self.stream.quiesced(lambda: self.versioned.load(load, version), wait_s)
         self.stream.wake()  # newer weights: more groups may start
         return out
 
