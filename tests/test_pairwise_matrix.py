@@ -93,9 +93,9 @@ FACTORS: dict[str, dict[str, list[str]]] = {
         "small": ["train.max_tokens_per_micro_batch=96"],
     },
     "entropy": {"off": ["algorithm.entropy_coef=0.0"], "on": ["algorithm.entropy_coef=0.01"]},
-    # engines on a device of their own, synchronous or a step behind (a lag without
-    # rollout_correction is refused by name), their weights pushed through the collective
-    # (the default) or host-memory snapshots
+    # engines on a device of their own, synchronous, a step behind (a lag without
+    # rollout_correction is refused by name) or streaming, their weights pushed through the
+    # collective (the default) or host-memory snapshots
     "pipeline": {
         "colocated": ["rollout.engine_devices=0", "train.rollout_lag=0"],
         "own-lag0": ["rollout.engine_devices=1", "train.rollout_lag=0"],
@@ -104,6 +104,14 @@ FACTORS: dict[str, dict[str, list[str]]] = {
             "rollout.engine_devices=1",
             "train.rollout_lag=1",
             "rollout.weight_transport=host",
+        ],
+        # streaming (train.max_staleness) with partial rollouts; refused by name without
+        # rollout_correction or with dynamic sampling
+        "own-stream1": [
+            "rollout.engine_devices=1",
+            "train.rollout_lag=0",
+            "train.max_staleness=1",
+            "rollout.partial_rollout=true",
         ],
     },
 }
