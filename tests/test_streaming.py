@@ -93,6 +93,13 @@ def test_the_sampler_bounds_groups_in_flight_and_hands_over_in_finishing_order()
         sampler.stop()
 
 
+def _until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.perf_counter() + timeout_s
+    while not condition():
+        assert time.perf_counter() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
 def test_without_partial_rollouts_a_load_waits_for_the_groups_in_flight():
     engine = VersionedEngine(_Engine())
     release = threading.Event()
@@ -103,10 +110,9 @@ def test_without_partial_rollouts_a_load_waits_for_the_groups_in_flight():
         release.wait(5)
         return ordinal
 
-    sampler = StreamSampler(sample_group, engine, workers=2, allowed=lambda: 100)
+    sampler = StreamSampler(sample_group, engine, workers=2, allowed=lambda: 2)
     try:
-        while len(started) < 2:
-            time.sleep(0.01)
+        _until(lambda: len(started) == 2)
         loaded = []
         loader = threading.Thread(
             target=lambda: loaded.append(sampler.quiesced(lambda: len(started), timeout_s=5))
@@ -116,16 +122,24 @@ def test_without_partial_rollouts_a_load_waits_for_the_groups_in_flight():
         assert loaded == []  # two groups in flight: the load waits
         release.set()
         loader.join(5)
-        assert loaded and loaded[0] >= 2  # it ran once they had finished
-        with pytest.raises(TimeoutError, match="rollout.partial_rollout=false"):
-            release.clear()
-            while sampler.in_flight == 0:
-                time.sleep(0.01)
-            sampler.quiesced(lambda: None, timeout_s=0.2)
-        release.set()
+        assert loaded == [2]  # it ran once they had finished, and none started meanwhile
     finally:
         sampler.stop()
         release.set()
+
+
+def test_a_load_that_waits_longer_than_its_limit_names_the_key():
+    never = threading.Event()
+    sampler = StreamSampler(
+        lambda ordinal: never.wait(5), VersionedEngine(_Engine()), workers=1, allowed=lambda: 1
+    )
+    try:
+        _until(lambda: sampler.in_flight == 1)
+        with pytest.raises(TimeoutError, match="rollout.partial_rollout=false"):
+            sampler.quiesced(lambda: None, timeout_s=0.2)
+    finally:
+        sampler.stop()
+        never.set()
 
 
 def test_an_error_in_a_group_stops_the_stream_and_take_raises_it():
