@@ -205,16 +205,14 @@ class StreamSampler:
                 if self.error is not None:
                     raise self.error
                 taken, gone, left = admit(list(self.ready), count, min_version)
-                dropped += gone
-                self.ready = deque(taken + left)  # finishing order kept
-                if gone:
+                if gone:  # too old for any later step: room for new groups
+                    dropped += gone
                     self.dropped_total += len(gone)
-                    self._cond.notify_all()  # room for new groups
-                if len(taken) == count:
-                    for _ in taken:
-                        self.ready.popleft()
                     self._cond.notify_all()
+                if len(taken) == count:
+                    self.ready = deque(left)  # finishing order kept
                     return taken, dropped, time.perf_counter() - started
+                self.ready = deque(taken + left)
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     raise TimeoutError(

@@ -5,6 +5,7 @@ the job here reads a fake device whose use the test sets per phase."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 
@@ -39,7 +40,7 @@ def test_each_phase_keeps_its_own_peak_and_a_short_phase_still_reads():
     device = _Device()
     memory = PhaseMemory(device.read, interval_s=0.001)
     try:
-        timer = StepTimer(watch=memory)
+        timer = StepTimer(watch=functools.partial(measured, memory))
         with timer.section("rollout"):
             device.used = 7_000_000_000
             while device.reads < 5:  # the thread samples while the phase runs
@@ -96,7 +97,7 @@ def test_the_push_inside_sync_reads_after_the_ranks_release_their_memory():
     device = _Device()
     memory = PhaseMemory(device.read, interval_s=60.0)  # readings at phase edges only
     try:
-        timer = StepTimer(watch=memory)
+        timer = StepTimer(watch=functools.partial(measured, memory))
         with timer.section("sync"):
             device.used = 40_000_000_000  # the update's cache, until the ranks release it
             memory.enter("offload")

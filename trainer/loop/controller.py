@@ -13,6 +13,7 @@ worker to worker the same way. Each concern lives in its own module: the plan in
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,7 +90,7 @@ class Trainer:
         """Run training step ``step`` (1-based); returns (metrics, fingerprint)."""
         from trainer.records.metrics import StepTimer
 
-        timer = StepTimer(watch=self.phase_memory)
+        timer = StepTimer(watch=functools.partial(measured, self.phase_memory))
         with timer.section("rollout"):
             if self.pipeline is not None:  # generated ahead, while earlier steps trained
                 meta, batch_ref = self.pipeline.take(step)

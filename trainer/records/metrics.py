@@ -480,22 +480,18 @@ class StepTimer:
     def __init__(self, watch=None) -> None:
         self.sections: dict[str, float] = {}
         self._start = time.perf_counter()
-        # told when each section starts and ends (``enter(name)``, ``leave(name)``), such as
-        # ``trainer.loop.phase_memory.PhaseMemory``; None: nobody
+        # name -> a context manager around each section (``trainer.loop.phase_memory.measured``)
         self.watch = watch
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
         """Time the ``with`` body; repeated sections add up."""
-        if self.watch is not None:
-            self.watch.enter(name)
         t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.sections[name] = self.sections.get(name, 0.0) + time.perf_counter() - t0
-            if self.watch is not None:
-                self.watch.leave(name)
+        with self.watch(name) if self.watch is not None else contextlib.nullcontext():
+            try:
+                yield
+            finally:
+                self.sections[name] = self.sections.get(name, 0.0) + time.perf_counter() - t0
 
     def metrics(self) -> dict[str, float]:
         """``summarize_timings`` of the sections, with the wall time since creation as total."""
