@@ -25,7 +25,8 @@ class Row:
     mask is 0). `token_rewards`, when given, holds one reward per response token; when None the
     row's reward `step_reward` (+ `score` if `is_last_step`) sits on the last response token
     whose mask is 1 (on the last response token if none is, on the last token if the response
-    is empty).
+    is empty). `response_versions`, when given (streamed rollouts), holds the policy version
+    that sampled each response token (-1 where none did: observations, appended EOS).
     """
 
     prompt_ids: list[int]
@@ -39,6 +40,7 @@ class Row:
     score: float = 0.0
     step_reward: float = 0.0
     token_rewards: list[float] | None = None
+    response_versions: list[int] | None = None
 
 
 def _validate_row(i: int, row: Row) -> None:
@@ -55,6 +57,11 @@ def _validate_row(i: int, row: Row) -> None:
                 f"rows[{i}].{name} has {got} entries but response_ids has {n_resp}; "
                 f"give one {name} entry per response token"
             )
+    if row.response_versions is not None and len(row.response_versions) != n_resp:
+        raise ValueError(
+            f"rows[{i}].response_versions has {len(row.response_versions)} entries but "
+            f"response_ids has {n_resp}; give one version per response token or None"
+        )
     if row.token_rewards is not None and len(row.token_rewards) != n_resp:
         raise ValueError(
             f"rows[{i}].token_rewards has {len(row.token_rewards)} entries but response_ids "
@@ -120,6 +127,12 @@ def pack_rows(
         "rollout_logprobs": torch.from_numpy(logprobs),
         "token_rewards": torch.from_numpy(rewards),
     }
+    if any(r.response_versions is not None for r in rows):  # streamed: who sampled each token
+        versions = np.full(num_tokens, -1, dtype=np.int64)
+        for i, row in enumerate(rows):
+            if row.response_versions is not None:
+                versions[int(cu[i] + prompt_len[i]) : int(cu[i + 1])] = row.response_versions
+        token_fields["policy_version"] = torch.from_numpy(versions)
     row_fields = {
         "uid": torch.tensor([int(r.uid) for r in rows], dtype=torch.int64),
         "trajectory_id": torch.tensor([int(r.trajectory_id) for r in rows], dtype=torch.int64),

@@ -78,6 +78,7 @@ class _Turn:
     logprobs: list[float]
     reward: float = 0.0
     obs_ids: list[int] = field(default_factory=list)  # whole mode: template + observation after it
+    versions: list[int] | None = None  # policy version per response token (-1: not sampled)
 
 
 @dataclass
@@ -297,14 +298,20 @@ async def _roll_one(
             request = GenerationRequest(prompt_ids=prompt, seed=req_seed, group=t.item.index)
             res = await batcher.generate(request, key=t.trajectory_id)
             gen, lps = list(res.token_ids), [float(x) for x in res.logprobs]
+            vers = res.extra.get("versions")  # a streamed engine's (rollout.streaming)
+            vers = None if vers is None else list(vers)
             if ctx.stop_strings:
                 cut = stop_string_cut(tokenizer, gen, ctx.stop_strings)
                 gen, lps = gen[:cut], lps[:cut]
+                vers = None if vers is None else vers[:cut]
             mask = [1] * len(gen)
             if not gen or gen[-1] != ctx.eos:  # rule b: close the turn with an untrained EOS
                 gen, lps, mask = gen + [ctx.eos], lps + [0.0], mask + [0]
+                vers = None if vers is None else vers + [-1]
             text = tokenizer.decode(gen[:-1], skip_special_tokens=True)
-            record = _Turn(prompt_ids=prompt, response_ids=gen, mask=mask, logprobs=lps)
+            record = _Turn(
+                prompt_ids=prompt, response_ids=gen, mask=mask, logprobs=lps, versions=vers
+            )
             t.turns.append(record)
             t.messages.append({"role": "assistant", "content": text})
             try:
@@ -360,26 +367,29 @@ def _rows_of(t: _Trajectory, *, step_wise: bool, merge: bool) -> list[Row]:
     if not t.turns:
         return []
     score = _score(t)
+    versioned = all(x.versions is not None for x in t.turns)
     if not step_wise:
-        resp, mask, lps = [], [], []
+        resp, mask, lps, vers = [], [], [], []
         for i, turn in enumerate(t.turns):
             resp += turn.response_ids
             mask += turn.mask
             lps += turn.logprobs
+            vers += turn.versions if versioned else []
             if i + 1 < len(t.turns):  # the observation between two generated turns, untrained
                 resp += turn.obs_ids
                 mask += [0] * len(turn.obs_ids)
                 lps += [0.0] * len(turn.obs_ids)
-        parts = [(t.turns[0].prompt_ids, resp, mask, lps, 0, score)]
+                vers += [-1] * len(turn.obs_ids)
+        parts = [(t.turns[0].prompt_ids, resp, mask, lps, 0, score, vers)]
     else:
         parts = [
-            (x.prompt_ids, x.response_ids, x.mask, x.logprobs, i, x.reward)
+            (x.prompt_ids, x.response_ids, x.mask, x.logprobs, i, x.reward, x.versions or [])
             for i, x in enumerate(t.turns)
         ]
         if merge:
             parts = _merge(parts)
     rows = []
-    for k, (prompt, resp, mask, lps, step_index, step_reward) in enumerate(parts):
+    for k, (prompt, resp, mask, lps, step_index, step_reward, vers) in enumerate(parts):
         last = k == len(parts) - 1
         token_rewards = [0.0] * len(resp)
         if last:
@@ -398,6 +408,7 @@ def _rows_of(t: _Trajectory, *, step_wise: bool, merge: bool) -> list[Row]:
                 score=score,
                 step_reward=step_reward,
                 token_rewards=token_rewards,
+                response_versions=list(vers) if versioned else None,
             )
         )
     return rows
@@ -405,11 +416,12 @@ def _rows_of(t: _Trajectory, *, step_wise: bool, merge: bool) -> list[Row]:
 
 def _merge(parts: list[tuple]) -> list[tuple]:
     """Merge consecutive turns when turn i's prompt + response is a token prefix of turn i+1's
-    prompt; the gap (template + observation) joins the response with mask 0 and logprob 0. The
+    prompt; the gap (template + observation) joins the response with mask 0, logprob 0 and
+    version -1. The
     merged row keeps the first turn's step_index and the sum of the merged turns' rewards."""
     merged = [parts[0]]
-    for prompt, resp, mask, lps, idx, reward in parts[1:]:
-        p0, r0, m0, l0, i0, w0 = merged[-1]
+    for prompt, resp, mask, lps, idx, reward, vers in parts[1:]:
+        p0, r0, m0, l0, i0, w0, v0 = merged[-1]
         head = p0 + r0
         if prompt[: len(head)] == head:
             gap = prompt[len(head) :]
@@ -420,9 +432,10 @@ def _merge(parts: list[tuple]) -> list[tuple]:
                 l0 + [0.0] * len(gap) + lps,
                 i0,
                 w0 + reward,
+                v0 + [-1] * len(gap) + vers,
             )
         else:
-            merged.append((prompt, resp, mask, lps, idx, reward))
+            merged.append((prompt, resp, mask, lps, idx, reward, vers))
     return merged
 
 

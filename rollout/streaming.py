@@ -3,12 +3,13 @@ to training as they complete, under a bound on how stale their tokens may be.
 
 Two pieces, both free of the trainer:
 
-- ``VersionedEngine``: an engine behind a lock, tagged with the policy version of the weights
-  it holds. Every ``generate`` call takes the lock, so a weight load (``load``, which takes it
-  too) lands between two calls, never inside one; each call records, per prompt (the
-  request's ``group``), how many tokens it sampled with which version. A trajectory still
-  running when new weights arrive continues under them at its next engine call (a partial
-  rollout at engine-call granularity: for a multi-turn agent, the next turn).
+- ``VersionedEngine``: an engine tagged with the policy version of the weights it holds, its
+  calls and weight loads one at a time; every token a call samples records its version (per
+  result, and per prompt: the request's ``group``). With partial rollouts a load interrupts
+  the call in flight after its current decode step (an ``interruptible`` engine: HF, vLLM) and
+  the requests still running continue from their prefix under the new weights; else it waits
+  for the call to end (a multi-turn trajectory still goes on under the new weights at its next
+  turn).
 - ``StreamSampler``: ``workers`` threads, each sampling one group at a time (``sample_group``,
   the caller's: a prompt's ``n`` trajectories through the agent loop), so up to ``workers``
   groups are in flight (``quiesced`` runs something once none is: a weight load without
@@ -27,6 +28,7 @@ run; the caller records every step's batch for replay.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -34,47 +36,109 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.engines.base import GenerationRequest, GenerationResult
+
 __all__ = ["FinishedGroup", "StreamSampler", "VersionedEngine", "admit"]
 
 
 class VersionedEngine:
-    """``engine`` (an ``rollout.engines.base.Engine``) behind a lock, holding the weights of
-    policy ``version``. Forwards what the agent loop asks of an engine; ``tokens_of(group)``
-    pops the per-version token counts recorded for prompt ``group``."""
+    """``engine`` (an ``rollout.engines.base.Engine``) tagged with the policy ``version`` of the
+    weights it holds; one call or one weight load at a time. Forwards what the agent loop asks
+    of an engine; ``tokens_of(group)`` pops the per-version token counts recorded for prompt
+    ``group``; every result carries its tokens' versions (``extra["versions"]``).
 
-    def __init__(self, engine, version: int = 0) -> None:
+    ``partial``: a weight load does not wait for the call in flight to end. An
+    ``interruptible`` engine ends the call after its current decode step, the load runs, and
+    the requests still running go on from their prefix under the new weights (the prompt plus
+    the tokens so far prefilled again: their KV cache is recomputed, never kept from the old
+    weights, so every token's behaviour log-prob is the new policy's own). Without it, the
+    load waits for the call."""
+
+    def __init__(self, engine, version: int = 0, *, partial: bool = False) -> None:
         self.engine = engine
         self.version = version
-        self.lock = threading.Lock()
+        self.partial = partial and bool(getattr(engine, "interruptible", False))
+        self._cond = threading.Condition()
+        self._busy = False  # a call or a load holds the engine
+        self._loads_waiting = 0  # loads wait first: a call in flight yields to them
         self._tokens: dict[int, dict[int, int]] = {}  # group -> version -> tokens sampled
         self.busy_s = 0.0  # seconds spent in generate calls, all told
+        self.interruptions = 0  # calls ended early for a weight load
+
+    def _hold(self, *, loading: bool) -> None:
+        with self._cond:
+            self._loads_waiting += loading
+            while self._busy or (not loading and self._loads_waiting):
+                self._cond.wait()
+            self._loads_waiting -= loading
+            self._busy = True
+
+    def _free(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+    def _load_waiting(self) -> bool:
+        return self._loads_waiting > 0
 
     def generate(self, requests, sampling):
-        """The engine's ``generate``, under the lock; tokens counted per prompt and version."""
-        with self.lock:
-            started = time.perf_counter()
-            results = self.engine.generate(requests, sampling)
-            self.busy_s += time.perf_counter() - started
-            for request, result in zip(requests, results):
-                counts = self._tokens.setdefault(request.group, {})
-                counts[self.version] = counts.get(self.version, 0) + len(result.token_ids)
+        """The engine's ``generate``, its calls and the loads one at a time; tokens counted per
+        prompt and version. With ``partial``, a call a load interrupts goes on after it."""
+        results = [GenerationResult([], [], "length", {"versions": []}) for _ in requests]
+        todo = list(range(len(requests)))
+        while todo:
+            room = sampling.max_new_tokens - len(results[todo[0]].token_ids)
+            batch = [i for i in todo if sampling.max_new_tokens - len(results[i].token_ids) == room]
+            todo = [i for i in todo if i not in batch]
+            asked = [_continued(requests[i], results[i].token_ids) for i in batch]
+            kwargs = {"interrupt": self._load_waiting} if self.partial else {}
+            self._hold(loading=False)
+            try:
+                started, version = time.perf_counter(), self.version
+                outs = self.engine.generate(
+                    asked, dataclasses.replace(sampling, max_new_tokens=room), **kwargs
+                )
+                self.busy_s += time.perf_counter() - started
+            finally:
+                self._free()
+            for i, out in zip(batch, outs):
+                into = results[i]
+                into.token_ids += out.token_ids
+                into.logprobs += out.logprobs
+                into.extra["versions"] += [version] * len(out.token_ids)
+                into.extra.update((k, v) for k, v in out.extra.items() if k != "versions")
+                into.finish_reason = out.finish_reason
+                if out.token_ids:
+                    with self._cond:
+                        counts = self._tokens.setdefault(requests[i].group, {})
+                        counts[version] = counts.get(version, 0) + len(out.token_ids)
+                if out.finish_reason == "interrupted":
+                    if len(into.token_ids) < sampling.max_new_tokens:
+                        todo.append(i)
+                    else:
+                        into.finish_reason = "length"
+            self.interruptions += any(out.finish_reason == "interrupted" for out in outs)
         return results
 
     def load(self, load: Callable[[], Any], version: int) -> Any:
-        """Run ``load()`` (new weights into the engine) between two generate calls, then hold
-        ``version``; returns what ``load`` returned."""
-        with self.lock:
+        """Run ``load()`` (new weights into the engine) between two engine calls (with
+        ``partial``: between two decode steps of the call in flight), then hold ``version``;
+        returns what ``load`` returned."""
+        self._hold(loading=True)
+        try:
             out = load()
             self.version = version
+        finally:
+            self._free()
         return out
 
     def tokens_of(self, group: int) -> dict[int, int]:
         """Tokens sampled for prompt ``group``, by policy version (and forgets them)."""
-        with self.lock:
+        with self._cond:
             return self._tokens.pop(group, {})
 
     def lanes(self) -> list:
-        """One lane: the lock serialises the engine's calls anyway."""
+        """One lane: the calls take the engine one at a time anyway."""
         return [self]
 
     def lane_of(self, group: int) -> int:
@@ -83,6 +147,18 @@ class VersionedEngine:
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
+
+
+def _continued(request: GenerationRequest, sampled: list[int]) -> GenerationRequest:
+    """``request`` continued after the tokens ``sampled`` so far: their prefix joins the prompt
+    and the seed moves on (the continuation draws fresh numbers, not the first ones again)."""
+    if not sampled:
+        return request
+    return dataclasses.replace(
+        request,
+        prompt_ids=[*request.prompt_ids, *sampled],
+        seed=(int(request.seed) * 1_000_003 + len(sampled)) % (2**63),
+    )
 
 
 @dataclass

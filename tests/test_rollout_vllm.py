@@ -316,6 +316,59 @@ def test_vllm_update_weights_follows_new_weights(engine, model_dirs):
 
 
 @needs_vllm
+def test_a_weight_load_interrupts_vllm_mid_call_and_the_rest_samples_under_it(
+    engine, model_dirs, monkeypatch
+):
+    """Partial rollouts on vLLM (``rollout.streaming.VersionedEngine``, partial): a load asked
+    for mid-call aborts the running requests after vLLM's current step; they go on from their
+    prefix (prefilled again: no KV block from the old weights) under the new weights, each
+    token's log-prob that of the policy that sampled it."""
+    import threading
+    import time
+
+    from safetensors.torch import load_file
+
+    from rollout.streaming import VersionedEngine
+
+    versioned = VersionedEngine(engine, version=0, partial=True)
+    assert versioned.partial
+    steps = []
+    step = engine.llm.llm_engine.step
+    monkeypatch.setattr(engine.llm.llm_engine, "step", lambda: steps.append(1) or step())
+    new_state = load_file(str(model_dirs[1] / "model.safetensors"))
+
+    def load_mid_call():
+        while len(steps) < 4:
+            time.sleep(0.001)
+        versioned.load(lambda: engine.update_weights(new_state.items()), 1)
+
+    loader = threading.Thread(target=load_mid_call)
+    loader.start()
+    reqs = _requests()
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0)
+    try:
+        results = versioned.generate(reqs, sp)
+    finally:
+        loader.join(30)
+        old_state = load_file(str(model_dirs[0] / "model.safetensors"))
+        engine.update_weights(old_state.items())  # the module's engine: back to seed 1
+    assert versioned.interruptions == 1
+    old_hf, new_hf = _hf_model(model_dirs[0]), _hf_model(model_dirs[1])
+    for req, res in zip(reqs, results):
+        versions = res.extra["versions"]
+        assert len(res.token_ids) == len(res.logprobs) == len(versions) == 24
+        assert res.finish_reason == "length" and 0 in versions and 1 in versions
+        cut = versions.index(1)
+        ids = torch.tensor(res.token_ids)
+        before = _teacher_forced(old_hf, req.prompt_ids, res.token_ids[:cut], 1.0)
+        after = _teacher_forced(new_hf, req.prompt_ids, res.token_ids, 1.0)[cut:]
+        expected = torch.cat(
+            [before[torch.arange(cut), ids[:cut]], after[torch.arange(24 - cut), ids[cut:]]]
+        )
+        assert (expected - torch.tensor(res.logprobs)).abs().max().item() < LOGPROB_ATOL
+
+
+@needs_vllm
 def test_vllm_sleep_blocks_generation_until_wake_up(engine):
     from vllm.platforms import current_platform
 

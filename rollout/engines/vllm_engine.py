@@ -43,10 +43,11 @@ Facts about the V1 engine this file relies on:
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -97,18 +98,21 @@ def filters_active(sampling: SamplingParams, vocab_size: int | None = None) -> b
     return top_k_on or sampling.top_p < 1.0
 
 
-def result_from_vllm_completion(completion: Any) -> GenerationResult:
+def result_from_vllm_completion(completion: Any, interrupted: bool = False) -> GenerationResult:
     """Map one vLLM ``CompletionOutput`` (duck-typed: ``token_ids``, ``logprobs``,
     ``finish_reason``, ``stop_reason``) to a ``GenerationResult``.
 
     ``logprobs`` must hold, per generated token, a mapping ``token_id -> Logprob`` (an object with
     ``.logprob``) or ``token_id -> float`` that contains the sampled token. vLLM's finish reasons
     ``stop`` and ``length`` pass through; anything else (``abort``, ``None``) raises
-    ``RuntimeError``, since an unfinished sequence must never reach the trainer.
+    ``RuntimeError``, since an unfinished sequence must never reach the trainer, unless
+    ``interrupted`` (the caller ended the call: ``interrupted``, continued by the caller).
     """
     token_ids = [int(t) for t in completion.token_ids]
     reason = completion.finish_reason
-    if reason not in ("stop", "length"):
+    if interrupted and reason not in ("stop", "length"):
+        reason = "interrupted"
+    if reason not in ("stop", "length", "interrupted"):
         raise RuntimeError(
             f"vLLM returned finish_reason={reason!r} after {len(token_ids)} tokens; expected "
             "'stop' or 'length' (was the request aborted or the engine put to sleep?)"
@@ -263,14 +267,22 @@ class VLLMEngine(Engine):
         self._awake: set[str] = set(WAKE_TAGS)
         self._updating = False
         self._weights_discarded = False  # by sleep(discard_weights=True), until an update
+        self._request_ids = itertools.count()
+
+    interruptible = True  # ``interrupt`` is polled after every engine step (``_run_steps``)
 
     # ---------------------------------------------------------------- generation
 
     def generate(
-        self, requests: list[GenerationRequest], sampling: SamplingParams
+        self,
+        requests: list[GenerationRequest],
+        sampling: SamplingParams,
+        interrupt: Callable[[], bool] | None = None,
     ) -> list[GenerationResult]:
         """Continue every request (prompt token ids) in one vLLM batch; results in request
         order. Each request samples from its own seed, so its tokens do not depend on the batch.
+        ``interrupt``: polled after each engine step; once True, the requests still running
+        are aborted and end with the tokens they have (finish reason ``interrupted``).
         """
         if len(self._awake) < len(WAKE_TAGS):
             raise RuntimeError("VLLMEngine.generate called while asleep; call wake_up() first")
@@ -298,15 +310,52 @@ class VLLMEngine(Engine):
             params.append(VSamplingParams(**vllm_sampling_kwargs(sampling, req.seed)))
         if not prompts:
             return []
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        if interrupt is None:
+            completions = [o.outputs[0] for o in self.llm.generate(prompts, params, use_tqdm=False)]
+            cut = False
+        else:
+            completions, cut = self._run_steps(prompts, params, interrupt)
         renormalized = filters_active(sampling, self.vocab_size)
         results = []
-        for out in outputs:
-            result = result_from_vllm_completion(out.outputs[0])
+        for completion in completions:
+            if completion is None:  # interrupted before it was scheduled
+                result = GenerationResult([], [], "interrupted")
+            else:
+                result = result_from_vllm_completion(completion, interrupted=cut)
             if renormalized:
                 result.extra["logprobs_renormalized"] = True
             results.append(result)
         return results
+
+    def _run_steps(
+        self, prompts: list[dict], params: list, interrupt: Callable[[], bool]
+    ) -> tuple[list, bool]:
+        """The requests through vLLM's engine one step at a time (what ``LLM.generate`` does,
+        with ``interrupt`` polled after each step; vLLM's ``LLMEngine.add_request`` / ``step``
+        / ``abort_request``, alike in 0.24 and 0.32): each request's latest ``CompletionOutput``
+        in request order (None where it never ran), and whether the call was interrupted, the
+        requests still running then aborted (their KV blocks freed)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        ids = []
+        for prompt, param in zip(prompts, params):
+            param.output_kind = RequestOutputKind.CUMULATIVE  # the tokens so far, every step
+            ids.append(f"crossrl-{next(self._request_ids)}")
+            engine.add_request(ids[-1], prompt, param)
+        latest: dict[str, Any] = {}
+        mine = set(ids)
+        cut = False
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id in mine:
+                    latest[out.request_id] = out
+            running = [r for r in ids if r not in latest or not latest[r].finished]
+            if running and interrupt():
+                engine.abort_request(running)
+                cut = True
+                break
+        return [latest[r].outputs[0] if r in latest else None for r in ids], cut
 
     # ---------------------------------------------------------------- weights and memory
 

@@ -109,12 +109,6 @@ def _streaming_problems(cfg: Config) -> list[Problem]:
             "dynamic sampling draws whole batches; a stream hands over groups: set "
             "rollout.max_sample_batches=1",
         ),
-        (
-            cfg.rollout.engine != "hf",
-            "rollout.engine",
-            "streaming loads weights between engine calls of the HF engine only so far: set "
-            "rollout.engine=hf",
-        ),
     ]
     return [
         problem("train.max_staleness", bound, f"with {key}: {fix}, or train.max_staleness=null")

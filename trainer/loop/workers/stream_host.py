@@ -28,17 +28,22 @@ __all__ = ["StreamingHost", "staleness_metrics"]
 
 def staleness_metrics(groups: list[FinishedGroup], trained_version: int) -> dict[str, float]:
     """``stream/*`` of a step's groups, against ``trained_version`` (the policy that trains
-    on them, the step before): each group's staleness is the version gap to its oldest token
-    (min, mean, max over groups); ``partial_token_share``: tokens sampled by a newer policy
-    than their group's oldest (trajectories that went on under new weights)."""
-    gaps = [trained_version - g.oldest for g in groups]
-    tokens = sum(sum(g.tokens.values()) for g in groups)
+    on them, the step before): the version gap of the batch's sampled tokens (min, mean and max
+    over tokens); ``partial_token_share``: tokens sampled by a newer policy than their group's
+    oldest (trajectories that went on under new weights)."""
+    counts: dict[int, int] = {}
+    for group in groups:
+        for version, n in group.tokens.items():
+            counts[version] = counts.get(version, 0) + n
+    tokens = sum(counts.values())
     newer = sum(n for g in groups for v, n in g.tokens.items() if v > g.oldest)
+    if not tokens:  # nothing sampled (every sample empty): the groups' own versions
+        counts, tokens = {g.oldest: 1 for g in groups}, len(groups)
     return {
-        "stream/staleness_min": float(min(gaps)),
-        "stream/staleness_mean": sum(gaps) / len(gaps),
-        "stream/staleness_max": float(max(gaps)),
-        "stream/partial_token_share": newer / tokens if tokens else 0.0,
+        "stream/staleness_min": float(trained_version - max(counts)),
+        "stream/staleness_mean": sum((trained_version - v) * n for v, n in counts.items()) / tokens,
+        "stream/staleness_max": float(trained_version - min(counts)),
+        "stream/partial_token_share": newer / tokens if newer else 0.0,
     }
 
 
@@ -68,7 +73,9 @@ class StreamingHost:
         cfg = self.cfg
         size, bound = cfg.train.batch_size, cfg.train.max_staleness
         start = self.weights_version or 0
-        self.versioned = VersionedEngine(self.generator, version=start)
+        self.versioned = VersionedEngine(
+            self.generator, version=start, partial=cfg.rollout.partial_rollout
+        )
         first = self.prompts_consumed
 
         def sample_group(ordinal: int) -> RolloutOutput:
@@ -95,9 +102,9 @@ class StreamingHost:
             size, max(0, trained - cfg.train.max_staleness), timeout_s
         )
         # since the last step's batch was handed over: how much of it each side waited
-        now, busy = time.perf_counter(), self.versioned.busy_s
-        last_at, last_busy = self.last_take or (self.stream_started_at, 0.0)
-        self.last_take = (now, busy)
+        now, busy, cut = time.perf_counter(), self.versioned.busy_s, self.versioned.interruptions
+        last_at, last_busy, last_cut = self.last_take or (self.stream_started_at, 0.0, 0)
+        self.last_take = (now, busy, cut)
         interval = max(now - last_at, 1e-9)
         rows = []
         for j, group in enumerate(taken):  # renumbered: group j of this batch
@@ -117,6 +124,7 @@ class StreamingHost:
                 "stream/take_wait_s": waited,
                 "stream/trainer_idle_share": min(1.0, waited / interval),
                 "stream/engine_idle_share": max(0.0, 1.0 - (busy - last_busy) / interval),
+                "stream/calls_interrupted": float(self.versioned.interruptions - last_cut),
             }
         )
         return self._batch_out(step, out, record_dir, min(g.oldest for g in taken))
