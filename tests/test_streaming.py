@@ -291,3 +291,27 @@ def test_a_streamed_run_resumes_with_a_fresh_stream_from_the_prompts_it_drew(loc
     assert run_training(load_config(None, [*keys, "train.total_steps=4", "run.resume=auto"])) == 0
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
+
+
+def test_the_layout_counts_a_streams_snapshots_and_groups_in_flight(capsys):
+    """A streamed run keeps max_staleness + 1 weight snapshots alive (the host loads them in
+    order; the step training with policy t needs policy t - s loaded) and up to
+    (s + 1) x batch_size groups in flight; ``crossrl layout`` prints both, and a store too
+    small for the snapshots is refused naming train.max_staleness."""
+    from trainer.cli import main
+    from trainer.loop.model_shape import model_shape
+    from trainer.loop.snapshot_budget import live_snapshots, snapshot_bytes, snapshot_problem
+
+    keys = [*STREAM, "train.max_staleness=2", "rollout.weight_transport=host"]
+    cfg = load_config(None, keys, check_environment=False)
+    assert live_snapshots(cfg) == 3
+    one = snapshot_bytes(model_shape("builtin:small"), cfg.model.dtype)
+    cfg.model.path = "builtin:small"
+    text = snapshot_problem(cfg, model_shape("builtin:small"), 2.5 * one, "a node")
+    assert text.startswith("train.max_staleness=2: the stream keeps 3 weight snapshots alive")
+    assert text.endswith("or lower train.max_staleness to 1")
+    sizes = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=2"]
+    assert main(["layout", *keys, *sizes]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "weight snapshots in Ray's object store: 3 (train.max_staleness + 1)" in out
+    assert "up to 12 groups in flight" in out and "24 trajectories" in out

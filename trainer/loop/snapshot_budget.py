@@ -15,7 +15,11 @@ live ones are:
   the rollout of step s+1+k holds anyway: no extra copy;
 - the new one of step t+1 (the pipeline keeps only the version of the last one it handed on).
 
-That is k + 1 snapshots (``live_snapshots``); colocated engines take none. A snapshot holds
+That is k + 1 snapshots (``live_snapshots``); colocated engines take none. A streamed run
+(``train.max_staleness`` = s) queues a load of every step's snapshot on the rollout host; the
+step that trains with policy t needs groups sampled by policy t - s or newer, so the host has
+loaded that one, and the snapshots of t - s + 1 .. t wait in the queue beside the new one:
+s + 1 snapshots, as a lag of s. A snapshot holds
 every state-dict entry of the policy in the engine's dtype (``model.dtype``): the parameters,
 and the LM head again when it is tied to the embedding (the state dict names both),
 ``snapshot_bytes``; a node holds its ranks' rows of it (``node_snapshot_bytes``: all of it
@@ -71,7 +75,15 @@ def live_snapshots(cfg: Config) -> int:
 
     if weight_transport_rule(cfg) != "host":
         return 0
-    return cfg.train.rollout_lag + 1
+    return _ahead(cfg)[1] + 1
+
+
+def _ahead(cfg: Config) -> tuple[str, int]:
+    """The key that sets how many policies the engines may lag the trainer, and its value:
+    ``train.max_staleness`` of a streamed run, else ``train.rollout_lag``."""
+    if cfg.train.max_staleness:
+        return "train.max_staleness", cfg.train.max_staleness
+    return "train.rollout_lag", cfg.train.rollout_lag
 
 
 def _tensors(shape: ModelShape) -> list[tuple[int, int]]:
@@ -175,12 +187,15 @@ def snapshot_problem(
     one = node_snapshot_bytes(shape, cfg.model.dtype, ranks, dp)
     if count * one <= store_bytes:
         return None
-    lag = cfg.train.rollout_lag
+    key, lag = _ahead(cfg)
     fits = int(store_bytes // one) - 1  # the largest lag whose snapshots fit
+    least = 1 if key == "train.max_staleness" else 0
     lower = (
-        f", or lower train.rollout_lag to {fits}"
-        if fits >= 0
-        else " (not even one snapshot fits, whatever train.rollout_lag)"
+        f", or lower {key} to {fits}"
+        if fits >= least
+        else f" (not even {least + 1} snapshots fit, whatever {key})"
+        if least
+        else f" (not even one snapshot fits, whatever {key})"
     )
     need_gb = max(MIN_STORE_GB, math.ceil(count * one / GB * 100) / 100)
     raise_it = (
@@ -190,7 +205,8 @@ def snapshot_problem(
     )
     share = "" if len(ranks) == dp else f" (the rows of its {len(ranks)} of {dp} training ranks)"
     return (
-        f"train.rollout_lag={lag}: the fixed-lag pipeline keeps {count} weight snapshots alive, "
+        f"{key}={lag}: {'the stream' if least else 'the fixed-lag pipeline'} keeps {count} "
+        "weight snapshots alive, "
         f"{_gb(one)} each ({cfg.model.dtype}){share}, {_gb(count * one)} in all, more than "
         f"the {_gb(store_bytes)} object store of their node ({where}); {raise_it}{lower}"
     )
@@ -214,19 +230,19 @@ def format_snapshots(cfg: Config, shape: ModelShape | None) -> str | None:
     None when no snapshot is taken or the model's shape is unknown."""
     count = live_snapshots(cfg)
     if shape is not None and cfg.rollout.engine_devices and not count:
-        held = cfg.train.rollout_lag
+        key, held = _ahead(cfg)
         one = snapshot_bytes(shape, cfg.model.dtype)
         return (
             "weights pushed through a collective (rollout.weight_transport): no snapshot in "
             f"Ray's object store; each engine replica holds, beside its weights, up to {held} "
-            f"(train.rollout_lag) pushes not yet loaded, {_gb(one)} each ({cfg.model.dtype}), "
+            f"({key}) pushes not yet loaded, {_gb(one)} each ({cfg.model.dtype}), "
             "in its host memory, plus the bucket it loads"
         )
     if not count or shape is None:
         return None
     one = snapshot_bytes(shape, cfg.model.dtype)
     head = (
-        f"weight snapshots in Ray's object store: {count} (train.rollout_lag + 1) x "
+        f"weight snapshots in Ray's object store: {count} ({_ahead(cfg)[0]} + 1) x "
         f"{_gb(one)} ({cfg.model.dtype}) = {_gb(count * one)}\n  on the training ranks' "
         "nodes, each its own ranks' rows (all of it when they share one node)"
     )
