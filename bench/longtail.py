@@ -2,7 +2,7 @@
 length, for every schedule crossrl has, and what streaming rollouts (issue 36) buy.
 
     python -m bench longtail [--quick]
-    python -m bench.longtail [--steps 30] [--seeds 4] [--schedules NAME,...]
+    python -m bench.longtail [--steps 30] [--seeds 4] [--schedules 'NAME; ...']
 
 The CPU default job in ``rollout.envs.longtail`` (``LONGTAIL``: heavy-tailed turns up to 6,
 answers up to 6 digits, tool waits of median 20 ms up to 2 s, all seeded), run as
@@ -115,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="6 steps, 1 seed")
     parser.add_argument("--steps", type=int, help="training steps per run (default 30)")
     parser.add_argument("--seeds", type=int, help="seeds per schedule (default 4)")
-    parser.add_argument("--schedules", help=f"comma list of: {', '.join(SCHEDULES)}")
+    parser.add_argument("--schedules", help=f"semicolon list of: {'; '.join(SCHEDULES)}")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
-    names = [n for n in (args.schedules or "").split(",") if n] or None
+    # the names hold commas ("lag 0, colocated"): they are separated by semicolons
+    names = [n.strip() for n in (args.schedules or "").split(";") if n.strip()] or None
     bad = [n for n in names or [] if n not in SCHEDULES]
     if bad:
         print(

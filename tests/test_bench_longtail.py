@@ -41,3 +41,11 @@ def test_the_table_sets_each_schedule_against_lag_0_and_lag_1(capsys):
     assert "0.190 +- 0.020" in stream and "30 steps x 4 seed(s)" in table
     assert longtail.main(["--schedules", "nope"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_schedule_names_with_commas_are_passed_separated_by_semicolons(monkeypatch):
+    asked = {}
+    monkeypatch.setattr(longtail, "run", lambda quick, **kw: asked.update(kw) or {"rows": {}})
+    monkeypatch.setattr(longtail, "format_table", lambda res: "")
+    assert longtail.main(["--schedules", "lag 0, colocated; stream s=1, partial"]) == 0
+    assert asked["schedules"] == ["lag 0, colocated", "stream s=1, partial"]
