@@ -10,7 +10,7 @@ answers up to 6 digits, tool waits of median 20 ms up to 2 s, all seeded), run a
 alternating from seed to seed: lag 0 with colocated engines; lag 1 with the engine on a CPU of
 its own beside the one training rank (``bench.pipeline.LAGGED``); streaming
 (``train.max_staleness`` s = 1 and 2) on the same engine of its own, with and without partial
-rollouts. The figures: the median seconds per step over the steps after each run's first, the
+rollouts, and s = 1 with partial rollouts on the colocated engine (held while the rank trains). The figures: the median seconds per step over the steps after each run's first, the
 median share of a step spent waiting for its rollout, and ``reward/mean`` over the last 5 steps
 (mean and standard deviation over the seeds). Nothing here asserts a time.
 """
@@ -38,6 +38,11 @@ SCHEDULES = {
     "stream s=1, whole": [*OWN_ENGINE, "train.max_staleness=1", "rollout.partial_rollout=false"],
     "stream s=2, partial": [*OWN_ENGINE, "train.max_staleness=2", "rollout.partial_rollout=true"],
     "stream s=2, whole": [*OWN_ENGINE, "train.max_staleness=2", "rollout.partial_rollout=false"],
+    "stream s=1, partial, colocated": [
+        "algorithm.rollout_correction=token",
+        "train.max_staleness=1",
+        "rollout.partial_rollout=true",
+    ],
 }
 TAIL_STEPS = 5
 

@@ -132,6 +132,17 @@ class VersionedEngine:
             self._free()
         return out
 
+    def hold(self) -> None:
+        """Take the engine until ``release``: no call runs meanwhile (with ``partial``, the
+        call in flight ends after its current decode step and goes on after ``release``). What
+        colocated engines do while the ranks train on their devices."""
+        self._hold(loading=True)
+
+    def release(self, version: int) -> None:
+        """Give the engine back after ``hold``, holding the weights of policy ``version``."""
+        self.version = version
+        self._free()
+
     def tokens_of(self, group: int) -> dict[int, int]:
         """Tokens sampled for prompt ``group``, by policy version (and forgets them)."""
         with self._cond:
@@ -301,22 +312,34 @@ class StreamSampler:
         """Run ``fn`` once no group is in flight (none starts meanwhile): what a weight load
         does without partial rollouts, so that every group samples with one policy.
         TimeoutError after ``timeout_s`` waiting for the groups in flight."""
+        self.hold(timeout_s)
+        try:
+            return fn()
+        finally:
+            self.release()
+
+    def hold(self, timeout_s: float) -> None:
+        """Return once no group is in flight, and start none until ``release``. TimeoutError
+        (nothing held) after ``timeout_s`` waiting for the groups in flight."""
         deadline = time.perf_counter() + timeout_s
         with self._cond:
             self._paused = True
-            try:
-                while self.in_flight and self.error is None:
-                    remaining = deadline - time.perf_counter()
-                    if remaining <= 0:
-                        raise TimeoutError(
-                            f"{self.in_flight} groups still in flight after {timeout_s:.0f} s; "
-                            "the new weights wait for them (rollout.partial_rollout=false)"
-                        )
-                    self._cond.wait(min(remaining, 1.0))
-                return fn()
-            finally:
-                self._paused = False
-                self._cond.notify_all()
+            while self.in_flight and self.error is None:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    self._paused = False
+                    self._cond.notify_all()
+                    raise TimeoutError(
+                        f"{self.in_flight} groups still in flight after {timeout_s:.0f} s; "
+                        "the new weights wait for them (rollout.partial_rollout=false)"
+                    )
+                self._cond.wait(min(remaining, 1.0))
+
+    def release(self) -> None:
+        """Let groups start again after ``hold``."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
 
     def wake(self) -> None:
         """The bound may have moved (new weights): let waiting workers look again."""

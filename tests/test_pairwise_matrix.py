@@ -95,7 +95,7 @@ FACTORS: dict[str, dict[str, list[str]]] = {
     "entropy": {"off": ["algorithm.entropy_coef=0.0"], "on": ["algorithm.entropy_coef=0.01"]},
     # engines on a device of their own, synchronous, a step behind (a lag without
     # rollout_correction is refused by name) or streaming, their weights pushed through the
-    # collective (the default) or host-memory snapshots
+    # collective (the default) or host-memory snapshots; or colocated engines, streaming
     "pipeline": {
         "colocated": ["rollout.engine_devices=0", "train.rollout_lag=0"],
         "own-lag0": ["rollout.engine_devices=1", "train.rollout_lag=0"],
@@ -112,6 +112,13 @@ FACTORS: dict[str, dict[str, list[str]]] = {
             "train.rollout_lag=0",
             "train.max_staleness=1",
             "rollout.partial_rollout=true",
+        ],
+        # streaming on colocated engines, whole groups: the stream holds while they sleep
+        "colocated-stream2-whole": [
+            "rollout.engine_devices=0",
+            "train.rollout_lag=0",
+            "train.max_staleness=2",
+            "rollout.partial_rollout=false",
         ],
     },
 }

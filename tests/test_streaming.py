@@ -164,7 +164,6 @@ STREAM = [
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
-        (["rollout.engine_devices=0"], "rollout.engine_devices"),
         (["train.rollout_lag=1"], "train.rollout_lag"),
         (["algorithm.rollout_correction=none"], "algorithm.rollout_correction"),
         (["rollout.max_sample_batches=2"], "rollout.max_sample_batches"),
@@ -205,6 +204,13 @@ RUNS = {
         "algorithm.adv_estimator=gae",
         "critic.enable=true",
     ],
+    # colocated engines: the stream holds while they sleep for the update
+    "colocated-partial": ["rollout.engine_devices=0", "rollout.partial_rollout=true"],
+    "colocated-whole-dp2": [
+        "rollout.engine_devices=0",
+        "rollout.partial_rollout=false",
+        "train.dp_size=2",
+    ],
 }
 
 
@@ -239,7 +245,7 @@ def test_a_streamed_run_keeps_its_bound_and_records_every_batch(streamed, name):
         assert r["pipeline/max_staleness"] == bound and r["stream/groups_dropped"] >= 0
         for share in ("partial_token_share", "engine_idle_share", "trainer_idle_share"):
             assert 0.0 <= r[f"stream/{share}"] <= 1.0
-        if name == "whole":
+        if "whole" in name:
             assert r["stream/partial_token_share"] == 0.0
     assert records[0]["stream/staleness_max"] == 0  # step 1: the initial weights train
     recorded = sorted(p.name for p in (run_dir / "rollouts").glob("step_*.npz"))
@@ -255,7 +261,7 @@ def test_a_streamed_run_keeps_its_bound_and_records_every_batch(streamed, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["partial", "dp2-stepwise-gae"])
+@pytest.mark.parametrize("name", ["partial", "dp2-stepwise-gae", "colocated-partial"])
 def test_the_replay_of_a_streamed_run_trains_to_the_same_fingerprints(streamed, name, tmp_path):
     """Streamed runs differ run to run; replaying one's recording (``crossrl probe``) trains
     exactly its updates: ``crossrl parity`` agrees, at dp 1 and at dp 2."""

@@ -87,12 +87,6 @@ def _streaming_problems(cfg: Config) -> list[Problem]:
         return []
     why = [
         (
-            not cfg.rollout.engine_devices,
-            "rollout.engine_devices",
-            "the engines sample while the ranks train, so they need devices of their own: set "
-            f"rollout.engine_devices (e.g. to {cfg.rollout.tensor_parallel_size})",
-        ),
-        (
             cfg.train.rollout_lag > 0,
             "train.rollout_lag",
             "streaming replaces the fixed lag: set train.rollout_lag=0",

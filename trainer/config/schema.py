@@ -197,8 +197,9 @@ class RolloutConfig(BaseModel):
     partial_rollout: bool = Field(
         False,
         description="streaming (train.max_staleness): a trajectory still generating when new "
-        "weights arrive goes on under them from its next engine call (its tokens keep the "
-        "version that sampled them); false = the weights wait until no group is in flight",
+        "weights arrive goes on under them after the engine's current decode step, from its "
+        "prefix (KV recomputed; each token keeps the version that sampled it); false = the "
+        "weights wait until no group is in flight",
     )
 
     @field_validator("env_kwargs")
@@ -362,8 +363,9 @@ class TrainConfig(BaseModel):
         description="streaming rollouts: the engines sample groups without step boundaries and "
         "a step trains on the first train.batch_size groups to finish whose oldest token came "
         "from a policy at most this many steps behind (older ones are dropped), so runs differ "
-        "run to run and every batch is recorded for replay (needs rollout.engine_devices and "
-        "algorithm.rollout_correction); null = off",
+        "run to run and every batch is recorded for replay (needs "
+        "algorithm.rollout_correction; colocated engines hold the stream while they sleep for "
+        "the update); null = off",
     )
     share_prompts: bool = Field(
         True,

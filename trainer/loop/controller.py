@@ -62,7 +62,8 @@ class Trainer:
         self.deterministic_settings: dict[str, str] = {}
         self.nonfinite = NonfiniteStreak(cfg.run.max_nonfinite_steps)
         self.limits = CallLimits.for_config(cfg)  # seconds each kind of call may take
-        # Engines on devices of their own: the fixed-lag pipeline (set up by start).
+        # Engines on devices of their own: the fixed-lag pipeline, or the stream
+        # (train.max_staleness, colocated engines too); set up by start.
         self.pipeline = None
         self.last_rollout: dict[str, Any] = {}  # the metadata of the step's rollout
         self.resumed_from: Path | None = None  # the checkpoint resumed, if any
@@ -92,12 +93,14 @@ class Trainer:
 
         timer = StepTimer(watch=functools.partial(measured, self.phase_memory))
         with timer.section("rollout"):
-            if self.pipeline is not None:  # generated ahead, while earlier steps trained
+            if self.pipeline is not None:  # generated ahead, or streamed, while ranks trained
                 meta, batch_ref = self.pipeline.take(step)
-                self.replacer.start(meta)  # a replica lost mid-rollout: start its successor
             else:
                 meta, batch_ref = self._rollout(step)
-                self.replacer.start(meta)
+            self.replacer.start(meta)  # a replica lost mid-rollout: start its successor
+            if not self.layout.separate:
+                if self.pipeline is not None:  # streamed: its engine calls stop first
+                    self.pipeline.hold()
                 # The training ranks get the devices; the push overwrites every engine
                 # weight, so the engines drop theirs instead of copying them to the host
                 # and back.
@@ -112,12 +115,14 @@ class Trainer:
         adv_metrics.update(mismatch)
         with timer.section("sync"):
             self.replacer.rejoin()  # successors join before the weights go to the engines
-            if self.pipeline is not None:
+            if self.layout.separate:  # the engines sample on; the new weights queue for them
                 records = self._end_of_step(step, plan)
                 validate = validation_due(self.cfg, step)
                 self.pipeline.after_update(step, self.snapshot_weights(), validate=validate)
             else:
                 records = self._hand_over(step, plan)
+                if self.pipeline is not None:  # streamed: sampling goes on, new weights loaded
+                    self.pipeline.release(step)
         metrics = self._metrics(step, meta, plan, stats, adv_metrics, timer)
         metrics.update(records["memory"])
         if self.phase_memory is not None:  # each phase's device-wide peak, where it is read
@@ -274,7 +279,7 @@ class Trainer:
         for it here would wait for every rollout queued before it."""
         from trainer.records.metrics import StepTimer
 
-        if self.pipeline is not None:
+        if self.layout.separate:
             return Later(self.pipeline.validation(step), "rollout host", "rollout.validate")
         timer = StepTimer()
         with timer.section("val"):

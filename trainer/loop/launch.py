@@ -72,6 +72,23 @@ def start(job) -> None:
     if job.layout.separate:
         _join_weight_group(job)
         _start_pipeline(job)
+    elif job.cfg.train.max_staleness and job.replay_dir is None:
+        _start_stream(job)
+
+
+def _start_stream(job) -> None:
+    """Colocated engines, streamed (``train.max_staleness``): the stream starts sampling with
+    the weights the engines hold (the run's first, or the resumed ones: ``resume`` synced
+    them); each update holds it while the engines sleep (``trainer.loop.streaming``)."""
+    from trainer.loop.streaming import StreamingPipeline
+
+    job.pipeline = StreamingPipeline(
+        job.rollout,
+        job.cfg.train.max_staleness,
+        job.record_dir(),
+        timeout_s=job.limits.rollout_s + job.limits.setup_s,
+    )
+    job.pipeline.start(job.start_step + 1)
 
 
 def _join_weight_group(job) -> None:

@@ -1,14 +1,18 @@
 """Streaming rollouts (``train.max_staleness = s``): the rollout host samples groups without
 step boundaries while the ranks train, and each step trains on the first ``train.batch_size``
 groups to finish whose oldest token was sampled by a policy at most ``s`` versions behind the
-one that trains on them (``trainer.loop.workers.stream_host``). Engines on devices of their
-own, like the fixed-lag pipeline (``trainer.loop.pipeline``), whose interface this keeps:
+one that trains on them (``trainer.loop.workers.stream_host``). It keeps the interface of the
+fixed-lag pipeline (``trainer.loop.pipeline``):
 
 - ``start``: the stream begins with the weights the run starts from;
 - ``take(step)``: step ``step``'s batch, waited for;
-- ``after_update(step, snapshot)``: the new weights are queued for the host, which loads them
-  between two engine calls (a trajectory then goes on under them: its tokens carry the
-  version that sampled them);
+- engines on devices of their own sample while the ranks train: ``after_update(step,
+  snapshot)`` queues the new weights for the host, which loads them between two decode steps
+  or two engine calls (``rollout.partial_rollout``; a trajectory then goes on under them: its
+  tokens carry the version that sampled them);
+- colocated engines give the devices to the ranks for the update: ``hold`` stops the stream's
+  engine calls before the engines sleep (environment calls go on) and ``release`` lets them go
+  on once the push has loaded the new weights;
 - ``ahead`` keeps nothing: a checkpoint of a streamed run resumes with a fresh stream from the
   prompts it had drawn, not with the groups in flight.
 
@@ -44,14 +48,15 @@ class StreamingPipeline:
     def start(
         self, first_step: int, weights: list | None = None, *, validate: bool = False
     ) -> None:
-        """Load ``weights`` (a resume's snapshot; None: the engines' own), validate them if
-        asked, and start the stream."""
+        """Load ``weights`` (a resume's snapshot; None: the engines' own, colocated engines'
+        always), validate them if asked, and start the stream with the weights after step
+        ``first_step - 1``."""
         if validate:
             self.validations[first_step - 1] = self.host.validate.remote(first_step - 1, weights)
         elif weights is not None:
             self.host.take_weights.remote(weights)
         wait_all(
-            [self.host.stream_start.remote()],
+            [self.host.stream_start.remote(first_step - 1)],
             ["rollout host"],
             timeout_s=self.timeout_s,
             what="rollout.stream_start",
@@ -81,6 +86,18 @@ class StreamingPipeline:
             self.validations[step] = self.host.validate.remote(step, weights)
         elif weights is not None:
             self.loading = self.host.take_weights.remote(weights)
+
+    def hold(self) -> None:
+        """Colocated engines: the stream stops sampling before the engines sleep for the
+        update (``StreamingHost.stream_hold``)."""
+        self._wait(self.host.stream_hold.remote(self.timeout_s), "rollout.stream_hold")
+
+    def release(self, step: int) -> None:
+        """Colocated engines, awake with the weights after step ``step``: sampling goes on."""
+        self._wait(self.host.stream_release.remote(step), "rollout.stream_release")
+
+    def _wait(self, ref, what: str) -> None:
+        wait_all([ref], ["rollout host"], timeout_s=self.timeout_s + 60.0, what=what)
 
     def validation(self, step: int) -> Any:
         """The reference of the ``val/*`` metrics queued for the weights after step ``step``."""

@@ -68,11 +68,12 @@ class StreamingHost:
         self.stream.wake()  # newer weights: more groups may start
         return out
 
-    def stream_start(self) -> int:
-        """Start sampling groups from the prompt stream's next one; returns its ordinal."""
+    def stream_start(self, version: int) -> int:
+        """Start sampling groups from the prompt stream's next one with the engines holding the
+        weights after step ``version`` (0: the initial ones); returns the first's ordinal."""
         cfg = self.cfg
         size, bound = cfg.train.batch_size, cfg.train.max_staleness
-        start = self.weights_version or 0
+        start = self.weights_version = version
         self.versioned = VersionedEngine(
             self.generator, version=start, partial=cfg.rollout.partial_rollout
         )
@@ -128,6 +129,24 @@ class StreamingHost:
             }
         )
         return self._batch_out(step, out, record_dir, min(g.oldest for g in taken))
+
+    def stream_hold(self, timeout_s: float) -> None:
+        """Colocated engines: stop sampling so the ranks can take the devices (the engines
+        then sleep). With partial rollouts the engine call in flight ends after its current
+        decode step (it goes on after ``stream_release``) and environment calls go on; else
+        the groups in flight finish first and none starts."""
+        if not self.cfg.rollout.partial_rollout:
+            self.stream.hold(timeout_s)
+        self.versioned.hold()
+
+    def stream_release(self, version: int) -> None:
+        """Colocated engines, awake again with the weights after step ``version``: sampling
+        goes on."""
+        self.weights_version = version
+        self.versioned.release(version)
+        if not self.cfg.rollout.partial_rollout:
+            self.stream.release()
+        self.stream.wake()  # newer weights: more groups may start
 
     def stream_stop(self) -> None:
         """Stop sampling (the workers end after their current group)."""
