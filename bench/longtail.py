@@ -10,7 +10,8 @@ answers up to 6 digits, tool waits of median 20 ms up to 2 s, all seeded), run a
 alternating from seed to seed: lag 0 with colocated engines; lag 1 with the engine on a CPU of
 its own beside the one training rank (``bench.pipeline.LAGGED``); streaming
 (``train.max_staleness`` s = 1 and 2) on the same engine of its own, with and without partial
-rollouts, and s = 1 with partial rollouts on the colocated engine (held while the rank trains). The figures: the median seconds per step over the steps after each run's first, the
+rollouts, and s = 1 with partial rollouts on the colocated engine (held while the rank
+trains). The figures: the median seconds per step over the steps after each run's first, the
 median share of a step spent waiting for its rollout, and ``reward/mean`` over the last 5 steps
 (mean and standard deviation over the seeds). Nothing here asserts a time.
 """
