@@ -261,17 +261,33 @@ def test_a_streamed_run_keeps_its_bound_and_records_every_batch(streamed, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["partial", "dp2-stepwise-gae", "colocated-partial"])
-def test_the_replay_of_a_streamed_run_trains_to_the_same_fingerprints(streamed, name, tmp_path):
+@pytest.mark.parametrize(
+    ("name", "replay_keys"),
+    [
+        ("partial", []),
+        ("partial", ["train.dp_size=2"]),  # replayed on another dp size
+        ("dp2-stepwise-gae", []),
+        ("dp2-stepwise-gae", ["train.dp_size=1"]),
+        ("colocated-partial", []),
+    ],
+)
+def test_the_replay_of_a_streamed_run_trains_to_the_same_fingerprints(
+    streamed, name, replay_keys, tmp_path
+):
     """Streamed runs differ run to run; replaying one's recording (``crossrl probe``) trains
-    exactly its updates: ``crossrl parity`` agrees, at dp 1 and at dp 2."""
+    exactly its updates: ``crossrl parity`` agrees, at dp 1 and at dp 2, and on the other dp
+    size than the run's."""
     from trainer.commands.parity import compare_runs
     from trainer.commands.probe import probe_config, run_probe
 
     run_dir = streamed[name]
     replay = tmp_path / "replay"
     cfg = probe_config(
-        str(run_dir / "config.yaml"), [], rollouts=run_dir / "rollouts", steps=4, out=replay
+        str(run_dir / "config.yaml"),
+        replay_keys,
+        rollouts=run_dir / "rollouts",
+        steps=4,
+        out=replay,
     )
     assert run_probe(cfg, run_dir / "rollouts") == 0
     report = compare_runs(run_dir, replay)
