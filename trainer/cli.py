@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_SHARD_MB,
         help="largest safetensors file in MB (1e6 bytes); bigger models are sharded",
     )
+    export.add_argument(
+        "--merged",
+        action="store_true",
+        help="a LoRA run (model.lora): write the base with the adapters folded in as a whole "
+        "model, not a peft adapter directory",
+    )
     export.set_defaults(func=entry.export)
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")

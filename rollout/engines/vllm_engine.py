@@ -35,9 +35,9 @@ Facts about the V1 engine this file relies on:
   and, for one device, the ``uni`` executor: scheduler, worker and model live in this process.
   vLLM caches its environment after the first engine starts, so every engine in one process
   shares the first one's choice.
-- Sleep mode exists on GPU (and on Ascend through vllm-ascend); the CPU platform has none, so
-  there ``enable_sleep_mode`` is switched off with a warning and ``sleep``/``wake_up`` only
-  record the state.
+- Sleep mode exists on GPU (and on Ascend through vllm-ascend); the CPU platform has none
+  (``enable_sleep_mode`` is switched off with a warning; ``sleep``/``wake_up`` record state).
+- LoRA (``lora``): updates are adapters, served in place (``rollout.engines.vllm_lora``).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from rollout.engines.base import (
     GenerationResult,
     SamplingParams,
 )
+from rollout.engines.vllm_lora import VLLMAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,8 @@ class VLLMEngine(Engine):
     ``in_process``: run vLLM's scheduler and worker in this process (see the module docstring).
     ``layerwise_reload``: weight updates through vLLM's layerwise reload (else straight into
     the model's ``load_weights``; the HAL picks per platform, ``vllm_layerwise_reload``).
-    ``engine_kwargs``: further ``vllm.LLM`` keyword arguments, passed unchanged.
+    ``engine_kwargs``: further ``vllm.LLM`` keyword arguments, passed unchanged. ``lora``:
+    serve LoRA adapters of these settings, which every weight update then carries.
     """
 
     def __init__(
@@ -203,8 +205,11 @@ class VLLMEngine(Engine):
         in_process: bool = True,
         layerwise_reload: bool = True,
         engine_kwargs: Mapping[str, Any] | None = None,
+        lora: Mapping[str, Any] | None = None,
     ) -> None:
         self.layerwise_reload = bool(layerwise_reload)
+        self.lora = dict(lora) if lora else None  # rank, alpha, target_modules
+        self.adapter = VLLMAdapter(self.lora) if self.lora else None
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization={gpu_memory_utilization}: must be a fraction in (0, 1]"
@@ -260,6 +265,8 @@ class VLLMEngine(Engine):
             # token budget that fits every running sequence whole avoids the split.
             kwargs["max_num_batched_tokens"] = CPU_MAX_NUM_SEQS * max_model_len
             kwargs["max_num_seqs"] = CPU_MAX_NUM_SEQS
+        if self.lora:
+            kwargs.update(self.adapter.engine_options())
         kwargs.update(engine_kwargs or {})
         self.llm = LLM(**kwargs)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -268,6 +275,7 @@ class VLLMEngine(Engine):
         self._updating = False
         self._weights_discarded = False  # by sleep(discard_weights=True), until an update
         self._request_ids = itertools.count()
+        self._lora_request = None  # the adapter served since the first update (None: the base)
 
     interruptible = True  # ``interrupt`` is polled after every engine step (``_run_steps``)
 
@@ -311,7 +319,10 @@ class VLLMEngine(Engine):
         if not prompts:
             return []
         if interrupt is None:
-            completions = [o.outputs[0] for o in self.llm.generate(prompts, params, use_tqdm=False)]
+            outputs = self.llm.generate(
+                prompts, params, use_tqdm=False, lora_request=self._lora_request
+            )
+            completions = [o.outputs[0] for o in outputs]
             cut = False
         else:
             completions, cut = self._run_steps(prompts, params, interrupt)
@@ -342,7 +353,7 @@ class VLLMEngine(Engine):
         for prompt, param in zip(prompts, params):
             param.output_kind = RequestOutputKind.CUMULATIVE  # the tokens so far, every step
             ids.append(f"crossrl-{next(self._request_ids)}")
-            engine.add_request(ids[-1], prompt, param)
+            engine.add_request(ids[-1], prompt, param, lora_request=self._lora_request)
         latest: dict[str, Any] = {}
         mine = set(ids)
         cut = False
@@ -368,15 +379,16 @@ class VLLMEngine(Engine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights by HF parameter name: a full state dict or one bucket of it.
-
-        Buckets may split a layer's shards (q/k/v, gate/up) anywhere; the update is completed
-        (layers post-processed, prefix cache dropped) by ``finish_weight_update``, which
-        ``generate`` calls by itself. Tensors may live on any device. In process they are
-        handed over as they are; with ``in_process=False`` they travel through a temporary
-        safetensors file (vLLM cannot forward received tensors to its worker processes).
-        """
+        Buckets may split a layer's shards (q/k/v, gate/up) anywhere; ``finish_weight_update``
+        (which ``generate`` calls) completes the update. In process tensors are handed over as
+        they are; with ``in_process=False`` through a temporary safetensors file (vLLM cannot
+        forward received tensors to its worker processes)."""
         weights = [(str(name), tensor.detach()) for name, tensor in named_tensors]
         if not weights:
+            return
+        if self.adapter is not None:  # kept until the update is finished, then loaded as one
+            self._updating = True
+            self.adapter.stash(weights)
             return
         self._begin_weight_update()
         if self.in_process:
@@ -405,7 +417,10 @@ class VLLMEngine(Engine):
     def load_shared_bucket(self, open_bucket, handles, specs) -> None:
         """Load a bucket from shared memory: each vLLM worker maps its own device's copy
         (``VLLMWorkerExtension.crossrl_load_shared_bucket``); only the handles and specs
-        travel. Out of process, vLLM's worker broadcast takes these small tuples too."""
+        travel. Out of process, vLLM's worker broadcast takes these small tuples too. LoRA:
+        the adapters are read here (megabytes), as every engine reads a bucket."""
+        if self.adapter is not None:
+            return Engine.load_shared_bucket(self, open_bucket, handles, specs)
         self._begin_weight_update()
         self.llm.collective_rpc(
             "crossrl_load_shared_bucket", args=(list(handles), [tuple(s) for s in specs])
@@ -415,9 +430,19 @@ class VLLMEngine(Engine):
         """Complete the weight update begun by ``update_weights`` (no-op when none is open)."""
         if not self._updating:
             return
+        if self.adapter is not None:
+            self._load_adapter()
+            return
         self.llm.collective_rpc("crossrl_finish_weight_update", args=(self.layerwise_reload,))
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
+        self._updating = False
+        self._weights_discarded = False
+
+    def _load_adapter(self) -> None:
+        """The adapters of a finished update served from now on (``VLLMAdapter.load``)."""
+        self._lora_request = self.adapter.load(self.llm)
+        self.llm.reset_prefix_cache()  # cached KV blocks came from the old adapters
         self._updating = False
         self._weights_discarded = False
 
@@ -459,6 +484,8 @@ class VLLMEngine(Engine):
         llm = getattr(self, "llm", None)
         if llm is None:
             return
+        if self.adapter is not None:
+            self.adapter.close()
         self.llm = None  # type: ignore[assignment]
         core = getattr(llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):

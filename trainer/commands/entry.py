@@ -40,6 +40,12 @@ def layout(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     print(format_layout(layout))
     print(prompt_sharing_rule(cfg, layout.device))
+    if cfg.model.lora.enabled:
+        from trainer.loop.lora_layout import format_lora
+        from trainer.loop.model_shape import model_shape
+
+        shape = model_shape(cfg.model.path)
+        print(format_lora(cfg, shape, shape.num_params if shape is not None else None))
     print(format_budget(budget, cfg))
     if args.measure is not None:
         from trainer.loop.memory_tracker import format_comparison, track_step
@@ -134,7 +140,13 @@ def export(args: argparse.Namespace) -> int:
     from trainer.commands.export import ExportError, export_run
 
     try:
-        out = export_run(args.run_dir, args.out_dir, step=args.step, max_shard_mb=args.max_shard_mb)
+        out = export_run(
+            args.run_dir,
+            args.out_dir,
+            step=args.step,
+            max_shard_mb=args.max_shard_mb,
+            merged=args.merged,
+        )
     except ExportError as err:
         print(f"crossrl export: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -39,10 +39,16 @@ def export_run(
     *,
     step: int | None = None,
     max_shard_mb: float = DEFAULT_MAX_SHARD_MB,
+    merged: bool = False,
 ) -> Path:
     """Write the actor of ``run_dir``'s checkpoint ``step`` (None: ``latest``) as a Hugging Face
     model directory ``out_dir``, its weights in the run's ``model.dtype``, in safetensors files
     of at most ``max_shard_mb`` MB (1e6 bytes) each. Returns ``out_dir``.
+
+    A LoRA run's checkpoint (``model.lora``) holds its adapters, not the base: they are
+    written as a peft adapter directory (``adapter_config.json``, ``adapter_model.
+    safetensors``, the tokenizer), or, ``merged``, folded into the base read from
+    ``model.path`` and written as a whole model.
 
     Raises ExportError for a bad run dir, step or output dir (nothing is written then).
     """
@@ -50,6 +56,12 @@ def export_run(
 
     run_dir = Path(run_dir).expanduser()
     cfg = _run_config(run_dir)
+    lora = cfg.model.lora
+    if merged and not lora.enabled:
+        raise ExportError(
+            f"--merged: {run_dir} trained the whole model (model.lora.rank=0), there are no "
+            "adapters to fold in; export without --merged"
+        )
     ckpt = _checkpoint(run_dir, step)
     out = _fresh_out_dir(out_dir)
     if not max_shard_mb > 0:
@@ -65,7 +77,12 @@ def export_run(
     staging = temp_sibling(out)
     staging.mkdir(parents=True)
     try:
-        _write_model(cfg.model.path, weights, staging, dtype, max_shard_mb)
+        if lora.enabled and not merged:
+            _write_adapter(cfg, weights, staging, dtype)
+        else:
+            if lora.enabled:  # the base from model.path with the adapters folded in
+                weights = _fold_adapters(cfg, ckpt, weights)
+            _write_model(cfg.model.path, weights, staging, dtype, max_shard_mb)
         del weights
         from rollout.tokenizer import save_tokenizer
 
@@ -166,13 +183,58 @@ def _write_model(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     result = model.load_state_dict(weights, strict=False, assign=True)
-    if result.missing_keys or result.unexpected_keys:
+    missing = result.missing_keys
+    if getattr(config, "tie_word_embeddings", False):  # the base's files store it once
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or result.unexpected_keys:
         raise ExportError(
             f"the checkpoint's {ROLE} weights do not fit model.path={model_path}'s config "
-            f"(missing {result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}); "
+            f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}); "
             "export a checkpoint of this run's own model"
         )
     model.tie_weights()
     model.to(dtype)
     hf_logging.disable_progress_bar()
     model.save_pretrained(str(directory), max_shard_size=int(max_shard_mb * 1e6))
+
+
+def _fold_adapters(cfg, ckpt: Path, adapters: dict) -> dict:
+    """The base weights of ``model.path`` (a LoRA run's checkpoint ``ckpt`` holds the adapters
+    only) with ``adapters`` folded in, by Hugging Face name; the base must be the one the
+    adapters trained on (the digest the checkpoint recorded)."""
+    from rollout.lora import base_digest, fold
+    from rollout.models import checkpoint_tensors
+    from trainer.records.checkpoint import LAYOUT, load_json
+
+    saved = load_json(ckpt / LAYOUT.trainer_state).get("lora", {}).get("base_digest")
+    if saved is not None and saved != base_digest(cfg.model.path, cfg.seed):
+        raise ExportError(
+            f"model.path={cfg.model.path}: its weights are not those the adapters of {ckpt} "
+            "trained on (another digest); put the run's base model back there, or export "
+            "the adapters alone (without --merged)"
+        )
+    source = checkpoint_tensors(cfg.model.path, cfg.seed)
+    base = {name: source.read(name) for name in source.files}
+    return fold(base, adapters, cfg.model.lora.scale)
+
+
+def _write_adapter(cfg, adapters: dict, directory: Path, dtype: torch.dtype) -> None:
+    """A peft adapter directory of a LoRA run's ``adapters`` (checkpoint names): its
+    ``adapter_config.json`` (``model.lora``'s settings, the base ``model.path``) and
+    ``adapter_model.safetensors`` in ``dtype``, as peft's ``save_pretrained`` writes them."""
+    from safetensors.torch import save_file
+
+    from rollout.lora import peft_config, peft_names
+
+    lora = cfg.model.lora
+    config = peft_config(
+        lora.rank, lora.alpha, lora.dropout, lora.target_modules, lora.train_embeddings
+    )
+    config.base_model_name_or_path = cfg.model.path
+    config.task_type = "CAUSAL_LM"
+    config.save_pretrained(str(directory))
+    tensors = {
+        name: t.to(dtype).contiguous()
+        for name, t in peft_names(adapters, lora.train_embeddings).items()
+    }
+    save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -17,7 +17,7 @@ import annotated_types
 from pydantic import BaseModel
 
 from trainer.config.errors import show
-from trainer.config.schema import LAYOUT_KEYS, SECTIONS, Config
+from trainer.config.schema import LAYOUT_KEYS, SECTIONS, SUBSECTIONS, Config
 
 _DOC_BEGIN = "<!-- BEGIN GENERATED: python -m trainer.config --write-docs docs/config.md -->"
 _DOC_END = "<!-- END GENERATED -->"
@@ -58,7 +58,18 @@ def config_reference_markdown() -> str:
     groups: list[tuple[str, type[BaseModel], Sequence[str]]] = [
         ("top level", Config, [n for n in Config.model_fields if n not in SECTIONS])
     ]
-    groups += [(name, model, list(model.model_fields)) for name, model in SECTIONS.items()]
+    for name, model in SECTIONS.items():  # a subsection's keys follow its section's
+        inner = [n for n in model.model_fields if f"{name}.{n}" not in SUBSECTIONS]
+        groups.append((name, model, inner))
+        groups += [
+            (
+                f"{name}.{n}",
+                SUBSECTIONS[f"{name}.{n}"],
+                list(SUBSECTIONS[f"{name}.{n}"].model_fields),
+            )
+            for n in model.model_fields
+            if f"{name}.{n}" in SUBSECTIONS
+        ]
     for title, model, names in groups:
         lines.append(f"### {title}")
         if model.__doc__ and model is not Config:

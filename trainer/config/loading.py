@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from rollout.files import undecodable
 from trainer.config.checks import validate_config
 from trainer.config.errors import ConfigError, Problem, problem, raise_first, show
-from trainer.config.schema import SECTIONS, Config
+from trainer.config.schema import SECTIONS, SUBSECTIONS, Config
 
 log = logging.getLogger("crossrl.config")
 
@@ -173,10 +173,15 @@ def all_keys() -> list[str]:
     """Every dotted leaf key of the schema, in schema order (``device``, ..., ``ray.num_cpus``)."""
     keys: list[str] = []
     for name in Config.model_fields:
-        if name in SECTIONS:
-            keys.extend(f"{name}.{sub}" for sub in SECTIONS[name].model_fields)
-        else:
+        if name not in SECTIONS:
             keys.append(name)
+            continue
+        for sub in SECTIONS[name].model_fields:
+            key = f"{name}.{sub}"
+            if key in SUBSECTIONS:
+                keys.extend(f"{key}.{leaf}" for leaf in SUBSECTIONS[key].model_fields)
+            else:
+                keys.append(key)
     return keys
 
 
@@ -189,16 +194,14 @@ def _first_leaf(prefix: str, value: Any) -> tuple[str, Any]:
 
 
 def _field_description(key: str) -> str:
-    head, _, tail = key.partition(".")
-    if tail and head in SECTIONS:
-        field = SECTIONS[head].model_fields.get(tail)
-    else:
-        field = Config.model_fields.get(head)
+    head, _, tail = key.rpartition(".")
+    owner = SUBSECTIONS.get(head) or SECTIONS.get(head) or (Config if not head else None)
+    field = owner.model_fields.get(tail) if owner is not None else None
     return (field.description or "") if field else ""
 
 
 def _pydantic_problems(err: ValidationError) -> list[Problem]:
-    known = set(all_keys()) | set(SECTIONS)
+    known = set(all_keys()) | set(SECTIONS) | set(SUBSECTIONS)
     problems = []
     for item in err.errors():
         loc = [str(p) for p in item["loc"]]
@@ -222,7 +225,7 @@ def _pydantic_problems(err: ValidationError) -> list[Problem]:
         if item["type"] == "missing":
             msg = "is required"
         desc = _field_description(key)
-        if key in SECTIONS:
+        if key in SECTIONS or key in SUBSECTIONS:
             msg, desc = f"must be a mapping of {key}.* keys (see docs/config.md)", ""
         allowed = f"{msg[0].lower()}{msg[1:]}" + (f" [{desc}]" if desc else "")
         problems.append(problem(key, value, allowed))

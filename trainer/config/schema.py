@@ -20,6 +20,7 @@ from hal import BACKEND_NAMES
 from rollout.assets import BUILTIN_MODELS
 from trainer.config.schema_base import SECTION as _SECTION
 from trainer.config.schema_base import first_nonfinite as _first_nonfinite
+from trainer.config.schema_lora import LoraConfig
 from trainer.config.schema_reward import CriticConfig, RewardConfig
 from trainer.config.schema_run import RayConfig, RunConfig
 
@@ -48,6 +49,10 @@ class ModelConfig(BaseModel):
     )
     critic_path: str | None = Field(
         None, description="critic initial weights (same forms as path); null = model.path"
+    )
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig,
+        description="LoRA adapters on the frozen policy (rank 0 = full fine-tuning)",
     )
 
     @field_validator("path", "critic_path")
@@ -431,6 +436,9 @@ class Config(BaseModel):
         """Optimizer steps per training step: mini-batches per batch times ppo_epochs."""
         return (self.train.batch_size // self.train.mini_batch_size) * self.train.ppo_epochs
 
+
+#: Sections inside a section, by dotted name: their keys are ``model.lora.rank`` and so on.
+SUBSECTIONS: dict[str, type[BaseModel]] = {"model.lora": LoraConfig}
 
 SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelConfig,

@@ -199,6 +199,10 @@ class Trainer:
         pieces = {"old_logprobs": calls.submit(self.actor, "compute_logprobs", per_rank=old_mbs)}
         if self.ref is not None:
             pieces["ref_logprobs"] = calls.submit(self.ref, "compute_logprobs", per_rank=rank_mbs)
+        elif self.cfg.algorithm.kl_coef > 0:  # LoRA: the actor with its adapters off
+            pieces["ref_logprobs"] = calls.submit(
+                self.actor, "compute_ref_logprobs", per_rank=rank_mbs
+            )
         if self.critic is not None:
             pieces["values"] = calls.submit(self.critic, "compute_values", per_rank=rank_mbs)
         # every training worker gets the full token fields computed piecewise by the ranks
@@ -422,8 +426,19 @@ class Trainer:
                 what="rollout.get_prompts_consumed",
             )
         state = {"rollout_lag": self.cfg.train.rollout_lag}  # a resume checks it
+        if self.cfg.model.lora.enabled:  # the adapters, and the base they fit (resume checks)
+            state["lora"] = self.lora_state()
         staged = stage_step(self.run_dir, step, self.training_groups(), consumed, state)
         return PendingCheckpoint(staged, ahead)
+
+    def lora_state(self) -> dict[str, Any]:
+        """What a LoRA run's checkpoint records of its adapters (``model.lora``): their
+        settings and the digest of the base they train on (computed once)."""
+        if not hasattr(self, "_lora_state"):
+            from trainer.loop.preflight import lora_record
+
+            self._lora_state = lora_record(self.cfg)
+        return self._lora_state
 
     def shutdown(self) -> None:
         """Stop every worker (best effort: a dead one is already gone)."""

@@ -192,9 +192,10 @@ def weight_transport_rule(cfg: Config, *, other_device: bool | None = None) -> s
 
 def training_roles(cfg: Config) -> tuple[str, ...]:
     """The training roles a job runs: the actor always, the reference when the KL term is on
-    (``algorithm.kl_coef > 0``), the critic when ``critic.enable``."""
+    (``algorithm.kl_coef > 0``) unless the actor trains LoRA adapters (``model.lora``: its
+    forward with the adapters off is the reference), the critic when ``critic.enable``."""
     roles = ["actor"]
-    if cfg.algorithm.kl_coef > 0:
+    if cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled:
         roles.append("reference")
     if cfg.critic.enable:
         roles.append("critic")

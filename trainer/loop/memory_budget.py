@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from hal import DEFAULT_DEVICE_MEMORY_BYTES, DEFAULT_DEVICE_NAMES  # noqa: F401 - re-exported
 from hal.device_memory import communicator_buffer_bytes, process_bytes
 from trainer.config.schema import Config
+from trainer.loop.lora_layout import adapter_params, lora_push
 from trainer.loop.model_shape import ModelShape, model_shape
 
 __all__ = [
@@ -200,7 +201,13 @@ def estimate_memory(
     n_actor = shape.num_params
     critic = critic_shape or shape
     n_critic = critic.value_model_params if cfg.critic.enable else 0
-    n_ref = n_actor if cfg.algorithm.kl_coef > 0 else 0
+    lora = cfg.model.lora.enabled
+    # LoRA (model.lora): only the adapters (and the embeddings, when they train) have
+    # gradients and optimizer state; the reference is the actor with its adapters off.
+    n_adapters = adapter_params(cfg, shape) if lora else 0
+    n_trained = n_adapters if lora else n_actor
+    n_actor += n_adapters
+    n_ref = n_actor if cfg.algorithm.kl_coef > 0 and not lora else 0
     # Where the sharded state lives: the device, unless FSDP2's CPU offload keeps it on the
     # host; the optimizer state between steps also goes to the host with optimizer_offload.
     state_here = host or not train.param_offload
@@ -216,14 +223,17 @@ def estimate_memory(
         """Every role's state between steps; ``offloaded``: after ``offload_states``."""
         params = shard(n_actor + n_ref + n_critic, 4) if state_here else 0.0
         keep_optim = optim_between if offloaded else state_here
-        optim = shard(n_actor + n_critic, 8) if keep_optim else 0.0
+        optim = shard(n_trained + n_critic, 8) if keep_optim else 0.0
         # Before the fixes the last update's sharded gradients stayed until the next one.
-        grads = shard(n_actor + n_critic, 4) if before_fixes and state_here else 0.0
+        grads = shard(n_trained + n_critic, 4) if before_fixes and state_here else 0.0
         return {"params": params, "grads": grads, "optim": optim}
 
-    def role_peak(role_shape: ModelShape, n: int, lm_head: bool) -> dict[str, float]:
+    def role_peak(
+        role_shape: ModelShape, n: int, lm_head: bool, trained: int | None = None
+    ) -> dict[str, float]:
         """One training role's update at its peak, the larger of its backward and its
-        optimizer step."""
+        optimizer step; ``trained``: the parameters with gradients (default all ``n``)."""
+        trained = n if trained is None else trained
         h, layers = role_shape.hidden_size, role_shape.num_hidden_layers
         # The head: the LM head (one tensor with the embedding when tied) or the critic's
         # value head. FSDP2 keeps the root's parameters (embedding, final norm, head)
@@ -231,11 +241,12 @@ def estimate_memory(
         head = role_shape.embedding_params if lm_head else h + 1
         tied = lm_head and role_shape.tie_word_embeddings
         root = role_shape.embedding_params + h + (0 if tied else head)
-        sharded_grads = shard(n, 4) if state_here else 0.0
+        sharded_grads = shard(trained, 4) if state_here else 0.0
         # Before the fixes gradient sync was off until the last micro-batch: FSDP2 kept every
         # parameter's whole gradient in reduce_dtype through the accumulation.
-        grads = n * rb if before_fixes else sharded_grads
-        grads += head * pb  # the head's whole gradient exists from the start of backward
+        grads = trained * rb if before_fixes else sharded_grads
+        if trained == n or cfg.model.lora.train_embeddings:
+            grads += head * pb  # the head's whole gradient exists from the start of backward
         gather = (2 * role_shape.layer_params + root) * pb + role_shape.layer_params * rb
         kept = tokens * h * pb
         if train.activation_checkpointing:
@@ -264,7 +275,7 @@ def estimate_memory(
         backward = {
             "params": params,
             "grads": grads,
-            "optim": shard(n, 8) if optim_in_update else 0.0,
+            "optim": shard(trained, 8) if optim_in_update else 0.0,
             "gather": gather,
             "activ": activ,
             "logits": logits,
@@ -274,7 +285,7 @@ def estimate_memory(
         step = {
             "params": params,
             "grads": sharded_grads,
-            "optim": shard(n, 12) if state_here else 0.0,
+            "optim": shard(trained, 12) if state_here else 0.0,
         }
         return backward if sum(backward.values()) >= sum(step.values()) else step
 
@@ -319,7 +330,7 @@ def estimate_memory(
 
     rollout = _add(per_memory(resident(offloaded=True)), {"engine": awake}, ctx)
 
-    actor = role_peak(shape, n_actor, lm_head=True)
+    actor = role_peak(shape, n_actor, lm_head=True, trained=n_trained)
     others = [{"params": shard(n_ref, 4) if state_here else 0.0}]
     if n_critic:
         others.append(role_peak(critic, n_critic, lm_head=False))
@@ -339,6 +350,11 @@ def estimate_memory(
         room = device_memory_bytes - sum(state.values()) - ctx["ctx"] - engine_weights
         room -= gathered + STAGING_SLACK_BYTES
         staging = model_bytes if room >= model_bytes else 2 * max(room // 2, largest_layer)
+    if lora and lora_push(cfg) == "merged":  # the folded weights: a second sharded copy
+        gathered += shard(n_actor, 4)
+    elif lora:  # the push carries what trains alone (model.lora): no whole tensor gathered
+        staging = min(staging, n_trained * eb)  # but the embedding, when it trains
+        gathered = gathered if cfg.model.lora.train_embeddings else 0.0
     push = _add(state, {"engine": engine_weights, "gather": staging + gathered}, ctx)
 
     phases = [Phase("rollout", rollout), Phase("update", update), Phase("weight push", push)]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 from trainer.config import Config
 
@@ -254,6 +255,59 @@ def _check_resume(cfg: Config) -> None:
     _check_metrics_file(cfg)
     _check_checkpoint_shapes(cfg, ckpt)
     _check_resumed_lag(cfg, ckpt)
+    _check_resumed_lora(cfg, ckpt)
+
+
+def lora_record(cfg: Config) -> dict[str, Any]:
+    """A LoRA run's adapters as its checkpoints record them: rank, alpha, targets, whether
+    the embeddings train, and the digest of the base model (``rollout.lora.base_digest``)."""
+    from rollout.lora import base_digest
+
+    lora = cfg.model.lora
+    return {
+        "rank": lora.rank,
+        "alpha": lora.alpha,
+        "target_modules": list(lora.target_modules),
+        "train_embeddings": lora.train_embeddings,
+        "base_digest": base_digest(cfg.model.path, cfg.seed),
+    }
+
+
+def _check_resumed_lora(cfg: Config, ckpt: Path) -> None:
+    """A LoRA checkpoint holds the adapters and their optimizer state, not the base: it
+    resumes only with the same adapters on the same base weights (``model.path``, checked by
+    digest); a full fine-tune's checkpoint does not resume as LoRA, nor the other way."""
+    from trainer.records.checkpoint import LAYOUT, load_json
+
+    saved = load_json(ckpt / LAYOUT.trainer_state).get("lora")
+    lora = cfg.model.lora
+    fresh = "or start afresh with run.resume=never"
+    if saved is None and lora.enabled:
+        raise PreflightError(
+            f"model.lora.rank={lora.rank}: checkpoint {ckpt} is a full fine-tune's (no "
+            f"adapters); resume with model.lora.rank=0, {fresh}"
+        )
+    if saved is None:
+        return
+    if not lora.enabled:
+        raise PreflightError(
+            f"model.lora.rank=0: checkpoint {ckpt} holds LoRA adapters of rank "
+            f"{saved['rank']} and not the base; resume with model.lora.rank={saved['rank']}, "
+            f"{fresh}"
+        )
+    now = lora_record(cfg)
+    for key in ("rank", "alpha", "target_modules", "train_embeddings"):
+        if now[key] != saved[key]:
+            raise PreflightError(
+                f"model.lora.{key}={now[key]}: checkpoint {ckpt} trained adapters with "
+                f"model.lora.{key}={saved[key]}; resume with it, {fresh}"
+            )
+    if now["base_digest"] != saved["base_digest"]:
+        raise PreflightError(
+            f"model.path={cfg.model.path}: its weights are not those checkpoint {ckpt}'s "
+            "adapters trained on (another digest); point model.path at the run's base model "
+            f"(see its config.yaml), {fresh}"
+        )
 
 
 def _check_resumed_lag(cfg: Config, ckpt: Path) -> None:

@@ -17,6 +17,28 @@ from trainer.loop.workers.optim import reapply_hyperparameters
 class CheckpointPieces:
     """Checkpoint writing and reading of one data-parallel rank (see the module docstring)."""
 
+    def _state_options(self):
+        """What the model's state holds in checkpoints: everything, or a LoRA actor's
+        (``model.lora``) trainable entries alone, the frozen base staying at ``model.path``
+        (a resume checks its digest, ``trainer.loop.preflight``)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        lora = self._lora_actor()
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+    def _lora_actor(self) -> bool:
+        return self.spec.cfg.model.lora.enabled and self.spec.role == "actor"
+
+    def _trained_only(self, model_state: dict) -> dict:
+        """A LoRA actor's model state without its frozen entries: ``ignore_frozen_params``
+        keeps a tied LM head's second name (torch 2.13), the base's embedding again."""
+        if not self._lora_actor():
+            return model_state
+        from rollout.lora import trained_names
+
+        trained = trained_names(self.model)
+        return {k: v for k, v in model_state.items() if k in trained}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole unsharded model state on CPU (a collective: every rank must call)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -36,10 +58,12 @@ class CheckpointPieces:
 
         staging = Path(staging_dir)
         role = self.spec.role
+        options = self._state_options()
         if self.optimizer is not None:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         else:
-            model_state, optim_state = get_model_state_dict(self.model), None
+            model_state, optim_state = get_model_state_dict(self.model, options=options), None
+        model_state = self._trained_only(model_state)
         written = [
             f"{LAYOUT.model_dir(role)}/{name}"
             for name in save_sharded(model_state, staging / LAYOUT.model_dir(role))
@@ -84,7 +108,9 @@ class CheckpointPieces:
         if not (ckpt / LAYOUT.model_dir(role)).is_dir():
             self._load_single_file_pieces(ckpt)
         elif self.optimizer is not None:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            options = self._state_options()
+            model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
+            model_state = self._trained_only(model_state)
             load_sharded(model_state, ckpt / LAYOUT.model_dir(role))
             load_sharded(optim_state, ckpt / LAYOUT.optim_dir(role))
             set_state_dict(
@@ -92,11 +118,12 @@ class CheckpointPieces:
                 self.optimizer,
                 model_state_dict=model_state,
                 optim_state_dict=optim_state,
+                options=options,
             )
         else:
-            model_state = get_model_state_dict(self.model)
+            model_state = get_model_state_dict(self.model, options=self._state_options())
             load_sharded(model_state, ckpt / LAYOUT.model_dir(role))
-            set_model_state_dict(self.model, model_state)
+            set_model_state_dict(self.model, model_state, options=self._state_options())
         if self.scheduler is not None:
             self.scheduler.load_state_dict(load_torch(ckpt / LAYOUT.scheduler(role)))
             optim = self.spec.optim

@@ -175,6 +175,7 @@ class FSDPWorker(BatchStore, CheckpointPieces):
         self.startup.done("build")
         # What the role built for real, not on meta (the critic's value head), keeps its values.
         own = {k: v.detach().clone() for k, v in model.state_dict().items() if not v.is_meta}
+        own.update(self.starting_values(model))
         if cfg.train.activation_checkpointing and spec.trainable:
             enable_activation_checkpointing(model)
         self._shard(model)
@@ -238,6 +239,11 @@ class FSDPWorker(BatchStore, CheckpointPieces):
         """The unsharded model of this role (subclasses override)."""
         raise NotImplementedError
 
+    def starting_values(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Whole tensors ``setup`` gives the model instead of the checkpoint's (subclasses:
+        the actor's LoRA adapters); names as in ``model``'s state dict."""
+        return {}
+
     def load_causal_lm(self) -> torch.nn.Module:
         """This role's causal LM with the HAL's varlen attention, in float32 (parameters and
         optimizer state are master weights whatever ``train.param_dtype`` computes in), on
@@ -296,6 +302,7 @@ class FSDPWorker(BatchStore, CheckpointPieces):
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor, distribute_tensor
 
+        from rollout.lora import base_name
         from rollout.models import checkpoint_tensors, load_model, reset_non_persistent_buffers
 
         # With ``train.param_offload`` the shards live in host memory from the start: FSDP2's
@@ -313,16 +320,17 @@ class FSDPWorker(BatchStore, CheckpointPieces):
             path, seed = self.spec.model_path, self.spec.cfg.seed
             source = checkpoint_tensors(path, seed)
             read = source.read
+            # a LoRA layer's frozen weight (X.base_layer.weight) is the checkpoint's X.weight
             if any(
-                all(n not in source and n not in own for n in names)
+                all(base_name(n) not in source and n not in own for n in names)
                 for names, _ in targets.values()
             ):
                 source = load_model(path, dtype=torch.float32, seed=seed).state_dict()
                 read = source.__getitem__
         for names, target in targets.values():
             if self.spec.rank == 0:
-                name = next(n for n in names if n in own or n in source)
-                value = own[name] if name in own else read(name)
+                name = next(n for n in names if n in own or base_name(n) in source)
+                value = own[name] if name in own else read(base_name(name))
                 full = value.to(self.device, target.dtype)
             else:
                 full = torch.empty(target.shape, dtype=target.dtype, device=self.device)

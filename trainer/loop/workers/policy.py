@@ -97,13 +97,40 @@ def actor_micro_batch_loss(
     return loss, sums
 
 
+def inject_lora(model: torch.nn.Module, lora) -> list[str]:
+    """``model.lora``'s adapters (``lora``: the typed section) put into ``model`` in place
+    (``rollout.lora.inject``); returns the trainable parameters' names."""
+    from rollout.lora import inject
+
+    return inject(
+        model,
+        lora.rank,
+        lora.alpha,
+        lora.dropout,
+        lora.target_modules,
+        embeddings=lora.train_embeddings,
+    )
+
+
 class PolicyWorker(WeightPush, FSDPWorker):
     """Computes log-probabilities of packed rows and runs PPO-family updates on them; the
     actor also pushes its weights to its engine replica (``WeightPush``)."""
 
     def build_model(self) -> torch.nn.Module:
-        """The causal LM with the HAL's varlen attention, float32 master weights."""
-        return self.load_causal_lm()
+        """The causal LM with the HAL's varlen attention, float32 master weights; the actor of
+        a LoRA run (``model.lora``) with adapters on its frozen base."""
+        model = self.load_causal_lm()
+        if self.spec.cfg.model.lora.enabled and self.spec.role == "actor":
+            inject_lora(model, self.spec.cfg.model.lora)
+        return model
+
+    def starting_values(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The LoRA adapters' seeded starting values (B zero: the policy starts as the base)."""
+        if not (self.spec.cfg.model.lora.enabled and self.spec.role == "actor"):
+            return {}
+        from rollout.lora import initial_adapters
+
+        return initial_adapters(model, self.spec.cfg.seed)
 
     def _logprobs(self, mb: StepBatch) -> torch.Tensor:
         cfg = self.spec.cfg
@@ -128,6 +155,7 @@ class PolicyWorker(WeightPush, FSDPWorker):
         after a forward, waiting for a backward that a frozen model never runs, and the
         allocator keeps the pass's peak cached; both would sit beside the actor's update.
         The actor's update gathers its root again at once, so the actor keeps it."""
+        self.model.eval()  # no dropout in a pass that scores (model.lora.dropout)
         out = self.per_token_pass(micro_batches, self._logprobs)
         if not self.spec.trainable:
             from torch.distributed.fsdp import FSDPModule
@@ -136,6 +164,16 @@ class PolicyWorker(WeightPush, FSDPWorker):
                 self.model.reshard()
             self.backend.empty_cache()
         return out
+
+    def compute_ref_logprobs(self, micro_batches: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The reference log-probabilities of a LoRA actor (``model.lora``): its own forward
+        with the adapters off, which is the base model, so no reference worker holds a second
+        copy of the weights. As ``compute_logprobs`` returns them."""
+        from rollout.lora import adapters_off
+
+        self.model.eval()
+        with adapters_off(self.model):
+            return self.per_token_pass(micro_batches, self._logprobs)
 
     def train_mini_batch(
         self,
@@ -176,7 +214,10 @@ class PolicyWorker(WeightPush, FSDPWorker):
         sums over its own parameter shards, so no collective; the controller adds the ranks."""
         from trainer.records.fingerprint import local_param_stats
 
-        return local_param_stats(self.model.named_parameters())
+        named = self.model.named_parameters()
+        if self.spec.cfg.model.lora.enabled:  # a LoRA run's fingerprint: what trains
+            named = [(n, p) for n, p in named if p.requires_grad]
+        return local_param_stats(named)
 
     def mini_batch_counts(self, mini_batches: list[list[int]]) -> list[tuple[int, int]]:
         """``(real rows, loss tokens)`` of each mini-batch (lists of row indices), as the loss

@@ -81,6 +81,11 @@ class EngineHost:
             model = load_model(
                 model_path, dtype=cfg.model.dtype, seed=cfg.seed, device=backend.device(0)
             )
+            lora = cfg.model.lora
+            if lora.enabled:  # the actor's adapters on the same base: pushes load only them
+                from rollout.lora import inject
+
+                inject(model, lora.rank, lora.alpha, 0.0, lora.target_modules)
             model.eval()
             self.engine = make_engine("hf", model, self.tokenizer)
         else:
@@ -100,6 +105,7 @@ class EngineHost:
                 enable_sleep_mode=backend.is_accelerator and not roll.engine_devices,
                 layerwise_reload=backend.vllm_layerwise_reload,
                 engine_kwargs=backend.vllm_engine_options(),
+                lora=_served_adapters(cfg),
             )
             if cfg.run.deterministic:
                 # At tp > 1 each device has a worker process of its own, and the
@@ -457,3 +463,14 @@ class RolloutHost(StreamingHost, EngineHost):
     def set_prompts_consumed(self, count: int) -> None:
         """Resume the prompt stream after ``count`` prompts (from a checkpoint)."""
         self.prompts_consumed = int(count)
+
+
+def _served_adapters(cfg) -> dict | None:
+    """The LoRA settings a vLLM engine serves adapters of (``model.lora``, when its pushes
+    carry adapters: ``trainer.loop.lora_layout.lora_push``), else None."""
+    from trainer.loop.lora_layout import lora_push
+
+    lora = cfg.model.lora
+    if not lora.enabled or lora_push(cfg) != "adapters":
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}

@@ -18,6 +18,8 @@ Every rank takes part (gathering a shard is a collective). Three ways, chosen pe
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 
@@ -30,12 +32,15 @@ from trainer.loop.workers.local import LocalHandle, LocalRef, fetch
 SNAPSHOT_BUCKET_BYTES = 256 << 20
 
 
-def full_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(name, whole tensor)`` of every entry of ``model``'s state dict: a DTensor shard (FSDP2,
-    any world size, one rank included) is gathered, a plain tensor is itself."""
+def full_state(
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
+) -> list[tuple[str, torch.Tensor]]:
+    """``(name, whole tensor)`` of every entry of ``model``'s state dict (or of the state
+    ``model``): a DTensor shard (FSDP2, any world size, one rank included) is gathered, a
+    plain tensor is itself."""
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
     return [
-        (name, t.full_tensor() if hasattr(t, "full_tensor") else t)
-        for name, t in model.state_dict().items()
+        (name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in state.items()
     ]
 
 
@@ -58,6 +63,27 @@ class WeightPush:
     """The actor's side of the weight push (mixed into ``PolicyWorker``; it uses the worker's
     ``spec``, ``backend``, ``model`` and ``local_index``)."""
 
+    def push_state(self) -> Mapping[str, torch.Tensor]:
+        """What the engines load, by name (FSDP2 shards as they are): the model's state dict;
+        for a LoRA actor (``model.lora``), as ``trainer.loop.lora_layout.lora_push`` rules: its
+        trainable entries alone (``adapters``: the adapters, and the embeddings when they
+        train, into an engine that holds the same adapters) or whole weights with the
+        adapters folded in (``merged``)."""
+        state = self.model.state_dict()
+        cfg = self.spec.cfg
+        if not cfg.model.lora.enabled:
+            return state
+        from trainer.loop.lora_layout import lora_push
+
+        if lora_push(cfg) == "merged":
+            from rollout.lora import merged
+
+            return merged(state, cfg.model.lora.scale)
+        from rollout.lora import trained_names
+
+        trained = trained_names(self.model)
+        return {n: t for n, t in state.items() if n in trained}
+
     def push_weights(
         self, engine, bucket_bytes: int | None = None, via_object_store: bool = False
     ) -> int:
@@ -72,7 +98,7 @@ class WeightPush:
         if via_object_store:
             return self._push_weights_object_store(engine, bucket_bytes or 64 << 20)
         if isinstance(engine, LocalHandle):  # the engine is in this process: one copy, no buffer
-            fetch(engine.load_weights.remote(full_state(self.model)))
+            fetch(engine.load_weights.remote(full_state(self.push_state())))
             return 1
         if not self.backend.is_accelerator and self._ranks_share_a_host():
             return self._push_weights_host_buffer(engine)
@@ -90,7 +116,7 @@ class WeightPush:
         cfg, rank = self.spec.cfg, self.spec.rank
         tp = cfg.rollout.tensor_parallel_size
         tp_rank = rank % tp
-        state = self.model.state_dict()
+        state = self.push_state()
         dtype = parse_dtype(cfg.model.dtype)
         shapes = [(name, tuple(t.shape)) for name, t in state.items()]
         if bucket_bytes is None:
@@ -200,7 +226,7 @@ class WeightPush:
         from rollout.models import parse_dtype
 
         cfg, rank, world = self.spec.cfg, self.spec.rank, self.spec.world_size
-        state = self.model.state_dict()
+        state = self.push_state()
         dtype = parse_dtype(cfg.model.dtype)
         (specs,), nbytes = plan_buckets(((n, t.shape) for n, t in state.items()), dtype, 1 << 62)
         held = getattr(self, "_host_buffer", None)
@@ -252,7 +278,7 @@ class WeightPush:
         from rollout.engines.buckets import pack_pieces, plan_buckets
         from rollout.models import parse_dtype
 
-        state = self.model.state_dict()
+        state = self.push_state()
         dtype = parse_dtype(self.spec.cfg.model.dtype)
         buckets, _ = plan_buckets(((n, t.shape) for n, t in state.items()), dtype, bucket_bytes)
         refs, specs = [], []
@@ -313,7 +339,7 @@ class WeightPush:
         bytes going out from a thread while the rank trains on. Returns the buckets sent."""
         from rollout.models import parse_dtype
 
-        state = self.model.state_dict()
+        state = self.push_state()
 
         def pieces_of(planned) -> list:
             rows = ((spec.name, self._own_rows(state[spec.name])) for spec in planned)
@@ -334,7 +360,7 @@ class WeightPush:
         bucket: dict[str, np.ndarray] = {}
         size = 0
         sent = 0
-        for name, tensor in self.model.state_dict().items():
+        for name, tensor in self.push_state().items():
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             if not sender:
                 continue

@@ -1,0 +1,242 @@
+"""LoRA adapters on a causal LM, shared by the trainer's policy and the HF engine.
+
+``inject`` puts peft's LoRA layers into the model in place (``peft.inject_adapter_in_model``:
+the model keeps its class, its forward and its module tree; each target ``X`` becomes a peft
+layer holding the frozen ``X.base_layer`` and the adapters ``X.lora_A.default`` (r x in) and
+``X.lora_B.default`` (out x r)), works on the meta device (FSDP2 shards the model after it) and
+leaves only the adapters trainable. The names it gives the model's state dict map back to the
+Hugging Face checkpoint's by ``base_name``.
+
+``initial_adapters``: the adapters' starting values, drawn from a seed (A as ``nn.Linear``
+draws its weight, kaiming-uniform; B zero, so the policy starts as the base). ``adapters_off``:
+a context in which the model is its base (the reference policy, with no second copy of the
+weights). ``merged``: the Hugging Face names and weights with the adapters folded in
+(``W + (alpha / r) B A``), for engines that take whole weights and for export, FSDP2 shards
+included. ``peft_names``: the adapter names peft's own files use (``save_pretrained``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+
+__all__ = [
+    "ADAPTER",
+    "adapters_off",
+    "base_digest",
+    "base_name",
+    "fold",
+    "inject",
+    "initial_adapters",
+    "is_adapter",
+    "merged",
+    "peft_config",
+    "peft_names",
+    "trained_names",
+]
+
+#: The one adapter a model carries (peft's default name).
+ADAPTER = "default"
+_A, _B = f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}."
+
+
+def is_adapter(name: str) -> bool:
+    """Whether state-dict entry ``name`` is an adapter's (A or B)."""
+    return _A in name or _B in name
+
+
+def base_name(name: str) -> str:
+    """The Hugging Face name of a model state-dict entry (``X.base_layer.weight`` ->
+    ``X.weight``); an adapter's name is returned unchanged."""
+    return name.replace(".base_layer.", ".")
+
+
+def peft_config(
+    rank: int, alpha: float, dropout: float, targets: Sequence[str], embeddings: bool = False
+):
+    """peft's ``LoraConfig`` for these settings (``embeddings``: the input embedding and the LM
+    head train in full, ``modules_to_save`` in peft's files)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(targets),
+        bias="none",
+        modules_to_save=["embed_tokens", "lm_head"] if embeddings else None,
+        # one tensor for a tied embedding and LM head, in peft's files as in the model
+        ensure_weight_tying=embeddings,
+    )
+
+
+def inject(
+    model: torch.nn.Module,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets: Sequence[str],
+    *,
+    embeddings: bool = False,
+) -> list[str]:
+    """Put LoRA adapters of rank ``rank`` on the modules named ``targets`` (a module whose name
+    ends with one), in place, and leave trainable only them (and, ``embeddings``, the input
+    embedding and the LM head). Returns the trainable parameters' names. A name that matches
+    no linear layer raises ValueError naming ``model.lora.target_modules``."""
+    from peft import inject_adapter_in_model
+
+    config = peft_config(rank, alpha, dropout, targets)  # modules_to_save: trained in place
+    try:
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    except ValueError as err:
+        first = " ".join(str(err).split())[:200]
+        raise ValueError(
+            f"model.lora.target_modules={list(targets)}: {first}; name linear layers of the "
+            "model (e.g. q_proj, v_proj)"
+        ) from None
+    trainable = []
+    for name, param in model.named_parameters():
+        train = is_adapter(name) or (embeddings and _is_embedding(name))
+        param.requires_grad_(train)
+        if train:
+            trainable.append(name)
+    return trainable
+
+
+def trained_names(model: torch.nn.Module) -> set[str]:
+    """Names of ``model``'s trainable parameters, each name of a tied one included (a tied LM
+    head's ``lm_head.weight`` beside ``model.embed_tokens.weight``)."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+def _is_embedding(name: str) -> bool:
+    return name.endswith("embed_tokens.weight") or name.endswith("lm_head.weight")
+
+
+def initial_adapters(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Starting values of every adapter of ``model`` (on the CPU, float32), the same for a
+    given ``seed`` whatever the device: A kaiming-uniform as ``nn.Linear`` draws its weight, B
+    zero (the policy starts as the base)."""
+    generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if _A in name:
+            value = torch.empty(tuple(tensor.shape), dtype=torch.float32)
+            torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
+            out[name] = value
+        elif _B in name:
+            out[name] = torch.zeros(tuple(tensor.shape), dtype=torch.float32)
+    return out
+
+
+@contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """Within it, ``model`` computes as its base (every adapter bypassed); after it, as before,
+    its adapters trainable again."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    # peft's own switch (``enable_adapters``) also flips the adapters' requires_grad, which
+    # FSDP2's sharded parameters should not see change between passes: the flag it reads
+    # (``BaseTunerLayer.disable_adapters``, peft 0.21) is set alone.
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
+
+
+def merged(state: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """The Hugging Face state of a model with adapters (``state``: its state dict, plain
+    tensors or FSDP2's DTensor shards), every target's weight with its adapters folded in:
+    ``W + scale x B A``. A sharded weight stays a DTensor of the same placement (its rows are
+    B's rows: FSDP2 splits both along their output dimension alike; A is gathered whole, a
+    collective: every rank calls, in the same order)."""
+    out = {}
+    for name, tensor in state.items():
+        if is_adapter(name):
+            continue
+        if ".base_layer.weight" in name:
+            prefix = name[: -len(".base_layer.weight")]
+            a, b = state[f"{prefix}{_A}weight"], state[f"{prefix}{_B}weight"]
+            tensor = _fold(tensor, a, b, scale)
+        out[base_name(name)] = tensor
+    return out
+
+
+def fold(
+    base: Mapping[str, torch.Tensor], trained: Mapping[str, torch.Tensor], scale: float
+) -> dict[str, torch.Tensor]:
+    """Hugging Face weights ``base`` with a LoRA checkpoint's ``trained`` entries in: each
+    target's weight plus ``scale x B A`` (in float32, back to its dtype), and the entries
+    that trained whole (the embeddings) as they are."""
+    out = dict(base)
+    for name, tensor in trained.items():
+        if _A in name:
+            prefix = name.split(_A)[0]
+            b, weight = trained[f"{prefix}{_B}weight"], out[f"{prefix}.weight"]
+            folded = weight.float() + scale * (b.float() @ tensor.float())
+            out[f"{prefix}.weight"] = folded.to(weight.dtype)
+        elif not is_adapter(name):
+            out[name] = tensor
+    return out
+
+
+def _fold(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    if not hasattr(weight, "to_local"):
+        return weight + scale * (b.to(weight.dtype) @ a.to(weight.dtype))
+    from torch.distributed.tensor import DTensor
+
+    whole_a = a.full_tensor() if hasattr(a, "full_tensor") else a
+    local_b = b.to_local() if hasattr(b, "to_local") else b
+    local = weight.to_local() + scale * (local_b @ whole_a).to(weight.dtype)
+    return DTensor.from_local(
+        local, weight.device_mesh, weight.placements, shape=weight.shape, stride=weight.stride()
+    )
+
+
+def peft_names(state: Mapping[str, torch.Tensor], embeddings: bool) -> dict[str, torch.Tensor]:
+    """The adapters of ``state`` (a model state dict, whole tensors) under the names peft's
+    ``adapter_model.safetensors`` uses (``base_model.model.<module>.lora_A.weight``), and, with
+    ``embeddings``, the input embedding and LM head as peft saves ``modules_to_save``."""
+    out = {}
+    for name, tensor in state.items():
+        if is_adapter(name):
+            out["base_model.model." + name.replace(f".{ADAPTER}.", ".")] = tensor
+        elif embeddings and _is_embedding(name):
+            out["base_model.model." + name] = tensor
+    return out
+
+
+#: Bytes of each end of a weights file that ``base_digest`` reads (beside its header).
+_DIGEST_SAMPLE_BYTES = 1 << 20
+
+
+def base_digest(path_or_name: str, seed: int = 0) -> str:
+    """A digest of the base model's weight files (``model.path``; a ``builtin:`` model's
+    files as ``seed`` writes them), which a LoRA checkpoint records: its adapters only fit the
+    weights they trained on. Read cheaply, for models of any size: each safetensors file's
+    name, size, header (every tensor's name, dtype, shape and offsets) and first and last MiB,
+    not every byte."""
+    import hashlib
+    import struct
+
+    from rollout.models import model_directory
+
+    digest = hashlib.sha256()
+    for file in sorted(model_directory(path_or_name, seed).glob("*.safetensors")):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}:".encode())
+        with open(file, "rb") as handle:
+            head = handle.read(8)
+            header = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            digest.update(head + handle.read(min(header, size)))
+            digest.update(handle.read(_DIGEST_SAMPLE_BYTES))
+            handle.seek(max(0, size - _DIGEST_SAMPLE_BYTES))
+            digest.update(handle.read())
+    return digest.hexdigest()[:32]

@@ -1,0 +1,257 @@
+"""LoRA RL (``model.lora``): adapters injected with peft on the meta device, the base frozen,
+the reference the base with the adapters off, merged weights equal to the adapted model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("peft", reason="LoRA needs peft (pip install -e '.[test]' installs it)")
+
+from rollout import lora  # noqa: E402
+from rollout.models import build_empty_model, load_model, reset_non_persistent_buffers  # noqa: E402
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+@pytest.fixture()
+def models(tmp_path, monkeypatch):
+    """The base model and the same model with adapters (rank 4, alpha 8), built as the trainer
+    builds it: on the meta device, then given the base's weights and the seeded adapters."""
+    monkeypatch.setenv("CROSSRL_CACHE", str(tmp_path / "cache"))
+    base = load_model("builtin:tiny", dtype=torch.float32, seed=0).eval()
+    adapted = build_empty_model("builtin:tiny", dtype=torch.float32, seed=0)
+    trainable = lora.inject(adapted, 4, 8.0, 0.0, TARGETS)
+    start = lora.initial_adapters(adapted, seed=5)
+    adapted.to_empty(device="cpu")
+    reset_non_persistent_buffers(adapted, torch.device("cpu"))
+    weights = base.state_dict()
+    with torch.no_grad():
+        for name, tensor in adapted.state_dict().items():
+            tensor.copy_(start[name] if name in start else weights[lora.base_name(name)])
+    return base, adapted.eval(), trainable, start
+
+
+def _logits(model):
+    return model(input_ids=torch.tensor([[3, 14, 15, 92, 65]])).logits
+
+
+def test_only_the_adapters_train_and_the_policy_starts_as_the_base(models):
+    base, adapted, trainable, start = models
+    layers = base.config.num_hidden_layers
+    assert len(trainable) == 2 * len(TARGETS) * layers and all(
+        lora.is_adapter(n) for n in trainable
+    )
+    assert [n for n, p in adapted.named_parameters() if p.requires_grad] == trainable
+    assert all(not start[n].any() for n in start if ".lora_B." in n)  # B = 0: W + BA = W
+    assert torch.equal(_logits(adapted), _logits(base))
+    again = lora.initial_adapters(adapted, seed=5)
+    assert all(torch.equal(again[n], start[n]) for n in start)  # seeded: every rank alike
+
+
+def test_adapters_off_is_the_base_and_merged_weights_are_the_adapted_model(models):
+    base, adapted, _, _ = models
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0.0, 0.1)
+    out = _logits(adapted)
+    assert not torch.allclose(out, _logits(base), atol=1e-4)
+    with lora.adapters_off(adapted):
+        assert torch.equal(_logits(adapted), _logits(base))  # the reference, no second copy
+    assert [n for n, p in adapted.named_parameters() if p.requires_grad]  # trainable again
+    base.load_state_dict(lora.merged(adapted.state_dict(), scale=8.0 / 4))
+    assert torch.allclose(_logits(base), out, atol=1e-5)
+
+
+def test_a_target_that_matches_no_module_names_the_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("CROSSRL_CACHE", str(tmp_path / "cache"))
+    model = build_empty_model("builtin:tiny", dtype=torch.float32, seed=0)
+    with pytest.raises(ValueError, match=r"model.lora.target_modules=\['qq_proj'\]"):
+        lora.inject(model, 4, 8.0, 0.0, ["qq_proj"])
+
+
+def test_the_head_and_the_embedding_are_no_targets():
+    from trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules: .*train_embeddings=true"):
+        load_config(None, ["model.lora.rank=4", "model.lora.target_modules=[q_proj,lm_head]"])
+
+
+def test_peft_names_are_those_of_peft_adapter_files(models):
+    _, adapted, _, _ = models
+    names = lora.peft_names(adapted.state_dict(), embeddings=False)
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in names
+    assert all(".default." not in n for n in names)
+    with_embeddings = lora.peft_names(adapted.state_dict(), embeddings=True)
+    assert "base_model.model.model.embed_tokens.weight" in with_embeddings
+
+
+# ---------------------------------------------------------------------------- end to end
+
+#: The shipped LoRA job (configs/cpu/lora.yaml), short, its adapters alone trained unless a
+#: run says otherwise, with a KL term (the reference: the actor with its adapters off).
+CONFIG = "configs/cpu/lora.yaml"
+LORA_JOB = [
+    "model.lora.train_embeddings=false",
+    "algorithm.kl_coef=0.01",
+    "train.batch_size=4",
+    "train.mini_batch_size=2",
+    "rollout.n=4",
+]
+
+
+def _train(run_dir, *keys: str) -> None:
+    from trainer.config import load_config
+    from trainer.loop.run import run_training
+
+    assert run_training(load_config(CONFIG, [*LORA_JOB, f"run.dir={run_dir}", *keys])) == 0
+
+
+@pytest.fixture(scope="module")
+def lora_runs(local_ray, tmp_path_factory):
+    """The LoRA job 4 steps straight; the same 2 steps, saved, then resumed to 4; 4 steps at
+    dp 2; and at dp 2 with the embeddings trained too, recording its rollouts."""
+    root = tmp_path_factory.mktemp("lora")
+    _train(root / "straight", "train.total_steps=4", "run.resume=never")
+    _train(root / "resumed", "train.total_steps=2", "run.save_every=2", "run.resume=never")
+    _train(root / "resumed", "train.total_steps=4", "run.resume=auto")
+    _train(root / "dp2", "train.total_steps=4", "train.dp_size=2", "run.resume=never")
+    # the embeddings and LM head (tied in builtin:tiny) trained whole beside the adapters
+    _train(
+        root / "embeddings",
+        "train.total_steps=4",
+        "train.dp_size=2",
+        "model.lora.train_embeddings=true",
+        "run.record_rollouts=true",
+        "run.resume=never",
+    )
+    return root
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumes_exactly_from_adapters_alone_and_agrees_across_dp(lora_runs):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from trainer.commands.parity import compare_runs
+    from trainer.records.metrics import read_jsonl
+
+    for other in ("resumed", "dp2"):
+        report = compare_runs(lora_runs / "straight", lora_runs / other)
+        assert report.agree, (other, report.first_divergence())
+    saved = FileSystemReader(str(lora_runs / "resumed/checkpoints/step_2/actor_model"))
+    names = list(saved.read_metadata().state_dict_metadata)
+    assert names and all(lora.is_adapter(n) for n in names)  # no base weights in it
+    steps = read_jsonl(lora_runs / "straight" / "metrics.jsonl")
+    assert all(m["rollout/logprob_abs_diff"] < 1e-5 for m in steps)  # adapters pushed in place
+    assert steps[-1]["algorithm/kl_penalty_token_mean"] != 0.0  # the base, not the policy
+
+
+@pytest.mark.slow
+def test_the_replay_of_a_lora_run_agrees_with_it(lora_runs, tmp_path):
+    from trainer.commands.parity import compare_runs
+    from trainer.commands.probe import probe_config, run_probe
+
+    run = lora_runs / "embeddings"
+    cfg = probe_config(
+        str(run / "config.yaml"), [], rollouts=run / "rollouts", steps=4, out=tmp_path / "p"
+    )
+    assert run_probe(cfg, run / "rollouts") == 0
+    report = compare_runs(run, tmp_path / "p")
+    assert report.agree, report.first_divergence()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("keys", "named"),
+    [
+        (["model.lora.rank=4"], "model.lora.rank=4: checkpoint"),
+        (["model.lora.rank=0"], "model.lora.rank=0: checkpoint"),
+        (["model.lora.target_modules=[q_proj]"], "model.lora.target_modules"),
+        (["seed=7"], "model.path=builtin:tiny: its weights are not those"),  # another base
+    ],
+)
+def test_a_lora_checkpoint_resumes_only_with_its_adapters_on_its_base(
+    lora_runs, tmp_path, capsys, keys, named
+):
+    import shutil
+
+    from trainer.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_runs / "resumed", run)
+    args = ["train", "--config", CONFIG, *LORA_JOB, f"run.dir={run}", "train.total_steps=6", *keys]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert named in err[-1] and "run.resume=never" in err[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["straight", "embeddings"])
+def test_an_exported_adapter_loads_in_peft_and_equals_the_merged_export(lora_runs, tmp_path, name):
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from trainer.cli import main
+    from trainer.config import load_config
+
+    run = lora_runs / name
+    assert main(["export", str(run), str(tmp_path / "adapter")]) == 0
+    assert main(["export", str(run), str(tmp_path / "merged"), "--merged"]) == 0
+    with safe_open(str(tmp_path / "adapter/adapter_model.safetensors"), "pt") as handle:
+        names = list(handle.keys())
+    assert any(".lora_A." in n for n in names)
+    assert all(".lora_" in n for n in names) == (name == "straight")  # + embeddings
+    cfg = load_config(str(run / "config.yaml"), [])
+    base = load_model(cfg.model.path, dtype=torch.float32, seed=cfg.seed).eval()
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    plain = base(input_ids=ids).logits
+    adapted = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        via_peft = adapted(input_ids=ids).logits
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    with torch.no_grad():
+        via_merge = merged.eval()(input_ids=ids).logits
+    assert not torch.allclose(via_peft, plain, atol=1e-3)  # the adapters trained
+    assert torch.allclose(via_peft, via_merge, atol=1e-5)
+
+
+def test_export_merged_of_a_full_fine_tune_is_refused(tmp_path, capsys):
+    from trainer.commands.export import ExportError, export_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("model:\n  path: builtin:tiny\n")
+    with pytest.raises(ExportError, match=r"--merged: .*model.lora.rank=0"):
+        export_run(run, tmp_path / "out", merged=True)
+
+
+def test_the_layout_starts_no_reference_and_budgets_the_adapters_alone(capsys):
+    from trainer.cli import main
+    from trainer.config import load_config
+    from trainer.loop.layout import training_roles
+    from trainer.loop.lora_layout import adapter_params, lora_push
+    from trainer.loop.memory_budget import estimate_memory
+    from trainer.loop.model_shape import model_shape
+
+    config = "configs/gpu/qwen2.5-7b-grpo-lora.yaml"
+    cfg = load_config(config, ["algorithm.kl_coef=0.01"], check_environment=False)
+    assert training_roles(cfg) == ("actor",) and lora_push(cfg) == "adapters"
+    embeddings = load_config(config, ["model.lora.train_embeddings=true"], check_environment=False)
+    assert lora_push(embeddings) == "merged"  # vLLM's LoRA serving takes no trained embeddings
+    shape = model_shape(cfg.model.path)
+    assert adapter_params(cfg, shape) == 40_370_176  # rank 16 on 7 projections x 28 layers
+    full = load_config(
+        config, ["algorithm.kl_coef=0.01", "model.lora.rank=0"], check_environment=False
+    )
+    phases = {}
+    for name, c in (("lora", cfg), ("full", full)):
+        budget = estimate_memory(c, shape, 80e9, device="cuda")
+        phases[name] = budget.phase("update").parts
+    assert phases["lora"]["optim"] < 0.01 * phases["full"]["optim"]
+    assert phases["lora"]["params"] < 0.6 * phases["full"]["params"]  # no reference copy
+    assert main(["layout", "--config", config, "algorithm.kl_coef=0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "roles actor:" in out and "reference: the actor with its adapters off" in out
+    assert "weight push: the adapters only, loaded in place (vLLM serves them" in out
