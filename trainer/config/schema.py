@@ -410,10 +410,14 @@ class Config(BaseModel):
         """Every leaf value by its dotted key, e.g. ``{"train.lr": 1e-6, ...}``."""
         out: dict[str, object] = {}
         for name, value in self.model_dump(mode="python").items():
-            if isinstance(value, dict):
-                out.update({f"{name}.{k}": v for k, v in value.items()})
-            else:
+            if not isinstance(value, dict):
                 out[name] = value
+                continue
+            for key, leaf in value.items():
+                if f"{name}.{key}" in SUBSECTIONS:  # model.lora.rank, ...
+                    out.update({f"{name}.{key}.{k}": v for k, v in leaf.items()})
+                else:
+                    out[f"{name}.{key}"] = leaf
         return out
 
     def get(self, key: str) -> object:
