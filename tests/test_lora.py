@@ -231,20 +231,24 @@ def test_the_layout_starts_no_reference_and_budgets_the_adapters_alone(capsys):
     from trainer.cli import main
     from trainer.config import load_config
     from trainer.loop.layout import training_roles
-    from trainer.loop.lora_layout import adapter_params, lora_push
+    from trainer.loop.lora_layout import adapter_params, lora_push, pushes_whole_weights
     from trainer.loop.memory_budget import estimate_memory
     from trainer.loop.model_shape import model_shape
 
     config = "configs/gpu/qwen2.5-7b-grpo-lora.yaml"
     cfg = load_config(config, ["algorithm.kl_coef=0.01"], check_environment=False)
     assert training_roles(cfg) == ("actor",) and lora_push(cfg) == "adapters"
+    # colocated engines asleep keep their base (vLLM level 1): the pushes bring adapters only
+    assert not pushes_whole_weights(cfg)
     embeddings = load_config(config, ["model.lora.train_embeddings=true"], check_environment=False)
     assert lora_push(embeddings) == "merged"  # vLLM's LoRA serving takes no trained embeddings
+    assert pushes_whole_weights(embeddings)
     shape = model_shape(cfg.model.path)
     assert adapter_params(cfg, shape) == 40_370_176  # rank 16 on 7 projections x 28 layers
     full = load_config(
         config, ["algorithm.kl_coef=0.01", "model.lora.rank=0"], check_environment=False
     )
+    assert pushes_whole_weights(full)
     phases = {}
     for name, c in (("lora", cfg), ("full", full)):
         budget = estimate_memory(c, shape, 80e9, device="cuda")

@@ -23,6 +23,7 @@ from batching import plan_minibatches, plan_stats
 from trainer.config import Config
 from trainer.loop.call_limits import CallLimits
 from trainer.loop.health import NonfiniteStreak, check_env_faults, check_finite_weights
+from trainer.loop.lora_layout import pushes_whole_weights
 from trainer.loop.phase_memory import PhaseMemory, measured
 from trainer.loop.replicas import ReplicaReplacer
 from trainer.loop.step_stats import StepStats
@@ -101,10 +102,10 @@ class Trainer:
             if not self.layout.separate:
                 if self.pipeline is not None:  # streamed: its engine calls stop first
                     self.pipeline.hold()
-                # The training ranks get the devices; the push overwrites every engine
-                # weight, so the engines drop theirs instead of copying them to the host
-                # and back.
-                self._engines("sleep", self.replay_dir is None)
+                # The training ranks get the devices; a push that overwrites every engine
+                # weight lets the engines drop theirs instead of copying them to the host
+                # and back (not a LoRA push of adapters: the base must survive the sleep).
+                self._engines("sleep", self.replay_dir is None and pushes_whole_weights(self.cfg))
         self.last_rollout = meta
         check_env_faults(meta, self.cfg.run.max_env_error_fraction, step)
         plan = self._plan(meta)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from trainer.config.schema import Config
 from trainer.loop.model_shape import ModelShape
 
-__all__ = ["adapter_params", "format_lora", "lora_push"]
+__all__ = ["adapter_params", "format_lora", "lora_push", "pushes_whole_weights"]
 
 
 def lora_push(cfg: Config) -> str:
@@ -20,6 +20,12 @@ def lora_push(cfg: Config) -> str:
     if cfg.rollout.engine == "hf" or not cfg.model.lora.train_embeddings:
         return "adapters"
     return "merged"
+
+
+def pushes_whole_weights(cfg: Config) -> bool:
+    """Whether every weight push overwrites all the engines' weights (so colocated engines may
+    discard theirs while they sleep, vLLM's level 2): not when a LoRA run pushes adapters."""
+    return not (cfg.model.lora.enabled and lora_push(cfg) == "adapters")
 
 
 def _linear_sizes(shape: ModelShape) -> dict[str, tuple[int, int]]:
