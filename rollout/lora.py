@@ -17,6 +17,7 @@ included. ``peft_names``: the adapter names peft's own files use (``save_pretrai
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -89,8 +90,12 @@ def inject(
     from peft import inject_adapter_in_model
 
     config = peft_config(rank, alpha, dropout, targets)  # modules_to_save: trained in place
+    # On a meta-device model the adapters are made there at once: peft would make them on the
+    # CPU and move them, which fake tensors (the memory tracker's) cannot swap.
+    meta = next(model.parameters()).is_meta
     try:
-        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as err:
         first = " ".join(str(err).split())[:200]
         raise ValueError(

@@ -332,6 +332,7 @@ def track_step(cfg: Config, layers: int | None = None) -> TrackedStep:
     model's shape cut to ``layers`` decoder layers (None: the shape's own depth)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from trainer.loop.layout import training_roles
     from trainer.loop.workers.critic import CriticWorker
     from trainer.loop.workers.policy import PolicyWorker
 
@@ -351,11 +352,8 @@ def track_step(cfg: Config, layers: int | None = None) -> TrackedStep:
         everything = list(range(batch.num_rows))
         zeros = np.zeros(batch.num_tokens, np.float32)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        plan = [("actor", PolicyWorker)]
-        if cfg.algorithm.kl_coef > 0:
-            plan.append(("reference", PolicyWorker))
-        if cfg.critic.enable:
-            plan.append(("critic", CriticWorker))
+        classes = {"actor": PolicyWorker, "reference": PolicyWorker, "critic": CriticWorker}
+        plan = [(role, classes[role]) for role in training_roles(cfg)]  # LoRA: no reference
         for role, cls in plan:
             worker = _worker(cls, role, cfg)
             with fake:
