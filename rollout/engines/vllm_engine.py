@@ -33,8 +33,7 @@ Facts about the V1 engine this file relies on:
   block computed with old weights is reused.
 - In-process. With ``in_process=True`` (default) we set ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
   and, for one device, the ``uni`` executor: scheduler, worker and model live in this process.
-  vLLM caches its environment after the first engine starts, so every engine in one process
-  shares the first one's choice.
+  vLLM caches its environment once the first engine starts: later ones share its choice.
 - Sleep mode exists on GPU (and on Ascend through vllm-ascend); the CPU platform has none
   (``enable_sleep_mode`` is switched off with a warning; ``sleep``/``wake_up`` record state).
 - LoRA (``lora``): updates are adapters, served in place (``rollout.engines.vllm_lora``).
@@ -275,9 +274,10 @@ class VLLMEngine(Engine):
         self._updating = False
         self._weights_discarded = False  # by sleep(discard_weights=True), until an update
         self._request_ids = itertools.count()
-        self._lora_request = None  # the adapter served since the first update (None: the base)
 
     interruptible = True  # ``interrupt`` is polled after every engine step (``_run_steps``)
+    adapter: VLLMAdapter | None = None  # LoRA: the adapters served (``lora``); and the
+    _lora_request = None  # request that serves them since the first update (None: the base)
 
     # ---------------------------------------------------------------- generation
 
