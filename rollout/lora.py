@@ -37,6 +37,7 @@ __all__ = [
     "peft_config",
     "peft_names",
     "trained_names",
+    "write_adapter",
 ]
 
 #: The one adapter a model carries (peft's default name).
@@ -245,3 +246,26 @@ def base_digest(path_or_name: str, seed: int = 0) -> str:
             handle.seek(max(0, size - _DIGEST_SAMPLE_BYTES))
             digest.update(handle.read())
     return digest.hexdigest()[:32]
+
+
+def write_adapter(
+    directory,
+    trained: Mapping[str, torch.Tensor],
+    config,
+    *,
+    embeddings: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """A peft adapter directory, as peft's ``save_pretrained`` writes one: ``config`` (a
+    ``peft_config``) as ``adapter_config.json`` and ``trained`` (model state-dict names, the
+    adapters and, with ``embeddings``, the embedding and LM head) as
+    ``adapter_model.safetensors`` in ``dtype``: what ``PeftModel.from_pretrained`` loads and
+    vLLM serves."""
+    import os
+
+    from safetensors.torch import save_file
+
+    config.save_pretrained(str(directory))
+    tensors = {n: t.to(dtype).contiguous() for n, t in peft_names(trained, embeddings).items()}
+    path = os.path.join(str(directory), "adapter_model.safetensors")
+    save_file(tensors, path, metadata={"format": "pt"})

@@ -5,7 +5,6 @@ the same names in vLLM 0.24.0 and 0.32.0). Imports vLLM only when an adapter is 
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -51,16 +50,13 @@ class VLLMAdapter:
     def load(self, llm) -> Any:
         """Load the stashed adapters into ``llm`` in place of those it served; returns the
         ``LoRARequest`` that generation passes from now on."""
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
-        from rollout.lora import peft_config, peft_names
+        from rollout.lora import peft_config, write_adapter
 
         lora = self.lora
         config = peft_config(lora["rank"], lora["alpha"], 0.0, lora["target_modules"])
-        config.save_pretrained(self.directory)
-        tensors = {n: t.contiguous() for n, t in peft_names(self.pending, False).items()}
-        save_file(tensors, os.path.join(self.directory, "adapter_model.safetensors"))
+        write_adapter(self.directory, self.pending, config)
         llm.llm_engine.add_lora(
             LoRARequest("crossrl", ADAPTER_ID, self.directory, load_inplace=True)
         )

@@ -222,9 +222,7 @@ def _write_adapter(cfg, adapters: dict, directory: Path, dtype: torch.dtype) -> 
     """A peft adapter directory of a LoRA run's ``adapters`` (checkpoint names): its
     ``adapter_config.json`` (``model.lora``'s settings, the base ``model.path``) and
     ``adapter_model.safetensors`` in ``dtype``, as peft's ``save_pretrained`` writes them."""
-    from safetensors.torch import save_file
-
-    from rollout.lora import peft_config, peft_names
+    from rollout.lora import peft_config, write_adapter
 
     lora = cfg.model.lora
     config = peft_config(
@@ -232,9 +230,4 @@ def _write_adapter(cfg, adapters: dict, directory: Path, dtype: torch.dtype) -> 
     )
     config.base_model_name_or_path = cfg.model.path
     config.task_type = "CAUSAL_LM"
-    config.save_pretrained(str(directory))
-    tensors = {
-        name: t.to(dtype).contiguous()
-        for name, t in peft_names(adapters, lora.train_embeddings).items()
-    }
-    save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    write_adapter(directory, adapters, config, embeddings=lora.train_embeddings, dtype=dtype)

@@ -428,18 +428,17 @@ class Trainer:
             )
         state = {"rollout_lag": self.cfg.train.rollout_lag}  # a resume checks it
         if self.cfg.model.lora.enabled:  # the adapters, and the base they fit (resume checks)
-            state["lora"] = self.lora_state()
+            state["lora"] = self.lora_state
         staged = stage_step(self.run_dir, step, self.training_groups(), consumed, state)
         return PendingCheckpoint(staged, ahead)
 
+    @functools.cached_property
     def lora_state(self) -> dict[str, Any]:
         """What a LoRA run's checkpoint records of its adapters (``model.lora``): their
         settings and the digest of the base they train on (computed once)."""
-        if not hasattr(self, "_lora_state"):
-            from trainer.loop.preflight import lora_record
+        from trainer.loop.preflight import lora_record
 
-            self._lora_state = lora_record(self.cfg)
-        return self._lora_state
+        return lora_record(self.cfg)
 
     def shutdown(self) -> None:
         """Stop every worker (best effort: a dead one is already gone)."""
