@@ -275,3 +275,19 @@ def test_the_agent_configs_determinism_settings_keep_the_documented_promise(data
     assert sorted(prompts[0]) == [1, 2, 3, 4]  # and step 4, sampled past the end
     assert prompts[0] == prompts[1]
     assert all(len(p) == 4 * 8 for p in prompts[0].values())  # batch_size x rollout.n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_lagged_run_resumed_in_place_with_more_steps_is_bit_identical(data, tmp_path, dp):
+    """Issue 45 item 1: the resumed run commits checkpoints (``run.save_every=1``) while the
+    pipeline holds both the checkpoint's kept rollouts and ones it samples afresh."""
+    source, _ = data
+    keys = [*source, f"train.dp_size={dp}", "run.save_every=1"]
+    full, run = tmp_path / "full", tmp_path / "run"
+    assert _train(full, *keys, "train.total_steps=6") == 0
+    assert _train(run, *keys, "train.total_steps=4") == 0
+    assert _train(run, *keys, "train.total_steps=6", "run.resume=auto") == 0
+    assert _fingerprints(run) == _fingerprints(full)
+    steps = sorted(int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
+    assert steps[-1] == 6  # the resumed run's own checkpoints were committed

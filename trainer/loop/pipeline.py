@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainer.loop.workers.group import CALL_TIMEOUT_S, wait_all
-from trainer.loop.workers.local import LocalRef, fetch
+from trainer.loop.workers.local import LocalRef, fetch, put
 
 
 def sampled_by(step: int, lag: int) -> int:
@@ -153,15 +153,13 @@ class RolloutPipeline:
     def resume(self, pending: dict[int, tuple[dict[str, Any], dict]]) -> int | None:
         """Take a checkpoint's pending rollouts (``ahead`` of the run that saved it)
         as ready; returns the prompts consumed after the last of them (None: there were none)."""
-        import ray
-
         from batching import StepBatch
         from trainer.loop.workers.rollout_meta import batch_metadata
 
         for step, (kept, arrays) in sorted(pending.items()):
             meta = batch_metadata(StepBatch.from_numpy(arrays), kept["metrics"])
             meta.update({k: v for k, v in kept.items() if k != "metrics"})
-            self.ready[step] = (meta, [ray.put(arrays)])
+            self.ready[step] = (meta, [put(arrays)])
         return pending[max(pending)][0].get("prompts_consumed") if pending else None
 
 

@@ -309,13 +309,20 @@ def wait_all(
     the worker (``names[i]`` for ``refs[i]``) and the call (``what``, or ``what[i]``)
     without waiting for the others."""
     whats = [what] * len(refs) if isinstance(what, str) else list(what)
-    if all(isinstance(ref, LocalRef) for ref in refs):  # in-process workers: done already
-        return _local_results(refs, names, whats)
+    # In-process calls (and results kept by the driver, e.g. a resumed pipeline's rollouts)
+    # are done already: read them first, then wait for the Ray calls among them.
+    local = [i for i, ref in enumerate(refs) if isinstance(ref, LocalRef)]
+    results: list[Any] = [None] * len(refs)
+    for i, value in zip(
+        local, _local_results([refs[i] for i in local], [names[i] for i in local], whats, local)
+    ):
+        results[i] = value
+    if len(local) == len(refs):
+        return results
     import ray
 
-    index = {ref: i for i, ref in enumerate(refs)}
-    results: list[Any] = [None] * len(refs)
-    pending = list(refs)
+    index = {ref: i for i, ref in enumerate(refs) if not isinstance(ref, LocalRef)}
+    pending = list(index)
     deadline = time.monotonic() + timeout_s
     while pending:
         left = deadline - time.monotonic()
@@ -372,15 +379,18 @@ class Later:
         return wait_all([self.ref], [self.name], timeout_s=timeout_s, what=self.what)[0]
 
 
-def _local_results(refs: Sequence[LocalRef], names: Sequence[str], whats: list[str]) -> list:
-    """``wait_all`` of in-process calls: the first one that raised fails as a Ray task would."""
+def _local_results(
+    refs: Sequence[LocalRef], names: Sequence[str], whats: list[str], at: Sequence[int]
+) -> list:
+    """``wait_all`` of in-process calls (``refs``, the calls ``at`` of ``whats``): the first
+    one that raised fails as a Ray task would."""
     for i, ref in enumerate(refs):
         if ref.error is not None:
             err = ref.error
             text = str(err).strip().splitlines()
             message = f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
             raise WorkerFailedError(
-                f"{whats[i]}: worker {names[i]} raised {message}", kind=raised_kind(err)
+                f"{whats[at[i]]}: worker {names[i]} raised {message}", kind=raised_kind(err)
             ) from err
     return [ref.result() for ref in refs]
 
