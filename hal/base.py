@@ -358,6 +358,8 @@ class DeviceBackend:
 
     #: Weight updates through vLLM's layerwise reload (False: the model's ``load_weights``).
     vllm_layerwise_reload: bool = True
+    #: vLLM (or its platform plugin) has batch-invariant kernels here (``VLLM_BATCH_INVARIANT``).
+    vllm_batch_invariant: bool = False
 
     def vllm_engine_options(self) -> dict:
         """Extra ``vllm.LLM`` keyword arguments a colocated engine needs on this device (none

@@ -128,6 +128,8 @@ class CudaBackend(DeviceBackend):
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     ray_resource = RAY_RESOURCES["cuda"]
     ray_noset_env_var = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+    # vLLM 0.24's batch_invariant.py: its own matmul/softmax/mean kernels, one-split attention
+    vllm_batch_invariant = True
 
     def collective_timeout_env(self, timeout_s: float, environ=None) -> dict[str, str]:
         """NCCL's watchdog tears the process down when a collective passes the process

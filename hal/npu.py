@@ -158,6 +158,8 @@ class NpuBackend(DeviceBackend):
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
     ray_resource = RAY_RESOURCES["npu"]
     ray_noset_env_var = "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"
+    # vllm-ascend 0.26.0rc1's batch_invariant.py: AscendC ops, else triton-ascend's kernels
+    vllm_batch_invariant = True
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}

@@ -502,3 +502,28 @@ def test_local_device_index_follows_rays_assignment_in_any_rank_order():
     assert cuda.local_device_index(None, environ={"LOCAL_RANK": "2"}) == 2
     assert cuda.local_device_index([], environ={}) == 0
     assert hal.CpuBackend().local_device_index(None, environ={}) == 0
+
+
+@pytest.mark.parametrize(
+    "engine, name, deterministic, on",
+    [
+        ("vllm", "cuda", True, True),
+        ("vllm", "npu", True, True),
+        ("vllm", "cpu", True, False),  # vLLM's CPU platform has no batch-invariant kernels
+        ("vllm", "cuda", False, False),  # the shipped agent configs: speed, not identical tokens
+        ("hf", "cuda", True, False),  # seeded per request already
+    ],
+)
+def test_a_deterministic_vllm_run_turns_on_the_engines_batch_invariant_mode(
+    engine, name, deterministic, on
+):
+    """Issue 45 item 10: a restart or resume repeats a vLLM run's tokens only where vLLM's
+    batch-invariant mode is on; the rollout host turns it on exactly where the pinned engine
+    has it (vLLM 0.24 on CUDA, vllm-ascend 0.26.0rc1 on Ascend)."""
+    from trainer.config import load_config
+    from trainer.loop.workers.rollout_host import engine_batch_invariance
+
+    keys = [f"rollout.engine={engine}", f"run.deterministic={str(deterministic).lower()}"]
+    cfg = load_config(None, keys, check_environment=False)
+    backend = {"cuda": hal.CudaBackend, "npu": hal.NpuBackend, "cpu": hal.CpuBackend}[name]()
+    assert engine_batch_invariance(cfg, backend) == ({"VLLM_BATCH_INVARIANT": "1"} if on else {})

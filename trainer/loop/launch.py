@@ -324,8 +324,10 @@ def _agreed_deterministic_settings(job) -> dict[str, str]:
         for i, info in enumerate(job.replica_info)
         if "deterministic" in info  # a replaying probe runs no engine
     ]
+    # The engines' batch-invariant mode is theirs alone (the trainers have no such switch).
+    invariant = next((i["batch_invariant"] for i in job.replica_info if "batch_invariant" in i), {})
     if job.layout.other_engine_device:  # another backend has switches of its own
         if engines:
             agree_on_settings(engines)
-        return agree_on_settings(applied)
-    return agree_on_settings(applied + engines)
+        return {**agree_on_settings(applied), **invariant}
+    return {**agree_on_settings(applied + engines), **invariant}

@@ -10,6 +10,7 @@ Ray's object store as numpy arrays for the training workers.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -41,6 +42,17 @@ def agree_with_engine_workers(
     applied = [(f"engine replica {replica} process", host)]
     applied += [(f"engine replica {replica} worker {rank}", s) for rank, s in enumerate(workers)]
     return agree_on_settings(applied)
+
+
+def engine_batch_invariance(cfg: Config, backend) -> dict[str, str]:
+    """The environment that turns on the vLLM engine's batch-invariant mode on ``backend``
+    under ``run.deterministic``: a request's tokens then do not depend on which others share
+    its batch, so a restarted or resumed run samples them again. Empty for the HF engine
+    (seeded per request already), where the device has no such mode (vLLM's CPU platform:
+    ``hal`` ``vllm_batch_invariant``) and when the run does not ask for determinism."""
+    if cfg.rollout.engine != "vllm" or not cfg.run.deterministic:
+        return {}
+    return {"VLLM_BATCH_INVARIANT": "1"} if backend.vllm_batch_invariant else {}
 
 
 class EngineHost:
@@ -77,6 +89,7 @@ class EngineHost:
         self.tokenizer = load_tokenizer("builtin" if is_builtin else model_path)
         self.startup.done("tokenizer")
         roll = cfg.rollout
+        invariance = engine_batch_invariance(cfg, backend)
         if roll.engine == "hf":
             model = load_model(
                 model_path, dtype=cfg.model.dtype, seed=cfg.seed, device=backend.device(0)
@@ -92,6 +105,7 @@ class EngineHost:
             directory = builtin_weights_dir(model_path, cfg.seed) if is_builtin else model_path
             # fail fast, in one line, when the engine's platform plugin targets another chip
             backend.check_engine_build()
+            os.environ.update(invariance)  # read at engine start; its workers inherit it
             self.engine = make_engine(
                 "vllm",
                 str(directory),
@@ -117,6 +131,7 @@ class EngineHost:
             "engine": roll.engine,
             "replica": self.replica,
             "deterministic": deterministic,
+            "batch_invariant": invariance,
             "startup": self.startup.seconds,
         }
 
@@ -449,7 +464,8 @@ class RolloutHost(StreamingHost, EngineHost):
         self.take_weights(weights)
         if not self.val_items:
             raise ValueError("run.val_every / run.val_before_train need data.val_source")
-        engine = self.generator if self.versioned is None else self.versioned  # beside a stream
+        # Beside a stream: its engine, without counting tokens under the stream's prompts.
+        engine = self.generator if self.versioned is None else self.versioned.untracked()
         metrics = run_validation(
             engine, self.tokenizer, self.env_factory, self.val_items, self.cfg, step
         )
