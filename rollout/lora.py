@@ -36,6 +36,7 @@ __all__ = [
     "merged",
     "peft_config",
     "peft_names",
+    "target_problem",
     "trained_names",
     "write_adapter",
 ]
@@ -90,19 +91,15 @@ def inject(
     no linear layer raises ValueError naming ``model.lora.target_modules``."""
     from peft import inject_adapter_in_model
 
+    problem = target_problem(model, targets)  # peft refuses only when no target matches
+    if problem:
+        raise ValueError(problem)
     config = peft_config(rank, alpha, dropout, targets)  # modules_to_save: trained in place
     # On a meta-device model the adapters are made there at once: peft would make them on the
     # CPU and move them, which fake tensors (the memory tracker's) cannot swap.
     meta = next(model.parameters()).is_meta
-    try:
-        with torch.device("meta") if meta else contextlib.nullcontext():
-            inject_adapter_in_model(config, model, adapter_name=ADAPTER)
-    except ValueError as err:
-        first = " ".join(str(err).split())[:200]
-        raise ValueError(
-            f"model.lora.target_modules={list(targets)}: {first}; name linear layers of the "
-            "model (e.g. q_proj, v_proj)"
-        ) from None
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     trainable = []
     for name, param in model.named_parameters():
         train = is_adapter(name) or (embeddings and _is_embedding(name))
@@ -110,6 +107,38 @@ def inject(
         if train:
             trainable.append(name)
     return trainable
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    # transformers' Conv1D (GPT-2's projections) is a linear layer with its weight transposed
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def target_problem(model: torch.nn.Module, targets: Sequence[str]) -> str | None:
+    """Why ``targets`` (``model.lora.target_modules``) cannot all take adapters on ``model``
+    (the plain model, on the meta device or not), or None: each must match a linear layer as
+    peft matches names (``check_target_module_exists``: the module's name, or its end after a
+    dot). One line naming the key, the bad value and the linear layers the model has."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    modules = dict(model.named_modules())
+    leaves = [n.rsplit(".", 1)[-1] for n, m in modules.items() if _is_linear(m)]
+    have = ", ".join(n for n in dict.fromkeys(leaves) if n not in ("lm_head", "embed_tokens"))
+    for target in targets:
+        config = peft_config(1, 1.0, 0.0, [target])
+        hits = [n for n in modules if n and check_target_module_exists(config, n)]
+        if any(_is_linear(modules[n]) for n in hits):
+            continue
+        what = (
+            f"names {type(modules[hits[0]]).__name__}, not a linear layer,"
+            if hits
+            else "matches no module"
+        )
+        return (
+            f"model.lora.target_modules={list(targets)}: {target!r} {what} in "
+            f"{type(model).__name__}; its linear layers are {have}: name some of them"
+        )
+    return None
 
 
 def trained_names(model: torch.nn.Module) -> set[str]:

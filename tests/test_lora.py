@@ -71,6 +71,23 @@ def test_a_target_that_matches_no_module_names_the_key(tmp_path, monkeypatch):
         lora.inject(model, 4, 8.0, 0.0, ["qq_proj"])
 
 
+@pytest.mark.parametrize("targets", [["nonexistent_proj"], ["q_proj", "nonexistent_proj"]])
+def test_a_target_that_matches_nothing_is_refused_before_start_up(tmp_path, capsys, targets):
+    """Each name of model.lora.target_modules must match a linear layer of model.path's model
+    (known from its config.json): exit 2 and one line naming the key, the value and the layers
+    there are, before Ray or a worker starts (peft alone refuses only when no name matches)."""
+    from trainer.cli import main
+
+    listed = ",".join(targets)
+    keys = ["model.lora.rank=8", f"model.lora.target_modules=[{listed}]"]
+    assert main(["train", f"run.dir={tmp_path / 'run'}", *keys]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"model.lora.target_modules={targets}: 'nonexistent_proj' matches no module" in err[0]
+    assert "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in err[0]
+    assert not (tmp_path / "run").exists()  # refused before start-up
+
+
 def test_the_head_and_the_embedding_are_no_targets():
     from trainer.config import ConfigError, load_config
 

@@ -9,6 +9,7 @@ checkpoint fails in seconds with one line (exit 2) instead of after every worker
   environment constructed with the first record's fields (``trainer.config.checks``);
 - model directories (``model.path``, and ``model.critic_path`` with a critic): config.json
   readable, weights present, safetensors headers whole, tokenizer loadable; ``builtin:`` skip;
+  a LoRA run's ``model.lora.target_modules`` name linear layers of that model;
 - the resume target, resolved and verified against its manifest (``trainer.records.checkpoint``);
 - the memory budget: every phase of a step fits its device (``trainer.loop.memory_budget``),
   and a local Ray's object store holds the live weight snapshots of engines on devices of
@@ -53,6 +54,7 @@ def preflight(cfg: Config, *, command: str = "train", replay: bool = False) -> N
     if not replay:
         _check_snapshots(cfg)
     _check_model(cfg)
+    _check_lora_targets(cfg)
     if not replay:
         _check_resume(cfg)
 
@@ -129,6 +131,28 @@ def _check_model(cfg: Config) -> None:
             problem = model_dir_problem(key, Path(path).expanduser())
             if problem:
                 raise PreflightError(problem)
+
+
+def _check_lora_targets(cfg: Config) -> None:
+    """Every ``model.lora.target_modules`` name matches a linear layer of ``model.path``'s
+    model (``rollout.lora.target_problem``), built on the meta device from its config.json:
+    no weights read, nothing allocated."""
+    if not cfg.model.lora.enabled:
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollout.lora import target_problem
+    from rollout.models import builtin_config_dir
+
+    path = cfg.model.path
+    directory = builtin_config_dir(path) if path.startswith("builtin:") else Path(path).expanduser()
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    problem = target_problem(model, cfg.model.lora.target_modules)
+    if problem:
+        raise PreflightError(problem)
 
 
 def model_dir_problem(key: str, directory: Path) -> str | None:
