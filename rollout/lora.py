@@ -10,9 +10,10 @@ Hugging Face checkpoint's by ``base_name``.
 ``initial_adapters``: the adapters' starting values, drawn from a seed (A as ``nn.Linear``
 draws its weight, kaiming-uniform; B zero, so the policy starts as the base). ``adapters_off``:
 a context in which the model is its base (the reference policy, with no second copy of the
-weights). ``merged``: the Hugging Face names and weights with the adapters folded in
-(``W + (alpha / r) B A``), for engines that take whole weights and for export, FSDP2 shards
-included. ``peft_names``: the adapter names peft's own files use (``save_pretrained``).
+decoder's weights; the embedding and LM head, when they train whole, swapped with copies of
+their base values, ``base_copies``). ``merged``: the Hugging Face names and weights with the
+adapters folded in (``W + (alpha / r) B A``), for engines that take whole weights and for
+export, FSDP2 shards included. ``peft_names``: the adapter names peft's own files use (``save_pretrained``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 __all__ = [
     "ADAPTER",
     "adapters_off",
+    "base_copies",
     "base_digest",
     "base_name",
     "fold",
@@ -167,16 +169,68 @@ def initial_adapters(model: torch.nn.Module, seed: int) -> dict[str, torch.Tenso
     return out
 
 
+def base_copies(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Frozen copies of the parameters of ``model`` that train whole beside the adapters (the
+    embedding and LM head with ``model.lora.train_embeddings``; a tied pair once), by name,
+    taken while they still hold the base's values: what ``adapters_off`` swaps in. An FSDP2
+    parameter's copy is a DTensor of the same placement, so each rank holds its own shard."""
+    _reshard(model)  # the sharded parameters, not what a forward left gathered
+    return {
+        name: param.detach().clone()
+        for name, param in model.named_parameters()
+        if param.requires_grad and not is_adapter(name)
+    }
+
+
+#: Rows of a tensor exchanged at a time by ``_swap`` (its temporary: this many rows).
+_SWAP_ROWS = 4096
+
+
+@torch.no_grad()
+def _swap(param: torch.Tensor, other: torch.Tensor) -> None:
+    """Exchange the values of ``param`` and ``other`` in place (this rank's shards of
+    DTensors), a block of rows at a time: no whole third copy."""
+    mine = param.to_local() if hasattr(param, "to_local") else param.data
+    theirs = other.to_local() if hasattr(other, "to_local") else other
+    for a, b in zip(mine.split(_SWAP_ROWS), theirs.split(_SWAP_ROWS)):
+        held = a.clone()
+        a.copy_(b)
+        b.copy_(held)
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Free what FSDP2 keeps gathered after a forward (the root's parameters, embedding and LM
+    head, wait for a backward that a no-grad pass never runs), so the next forward gathers
+    the shards as they are now."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 @contextmanager
-def adapters_off(model: torch.nn.Module) -> Iterator[None]:
-    """Within it, ``model`` computes as its base (every adapter bypassed); after it, as before,
-    its adapters trainable again."""
+def adapters_off(
+    model: torch.nn.Module, base: Mapping[str, torch.Tensor] | None = None
+) -> Iterator[None]:
+    """Within it, ``model`` computes as its base: every adapter bypassed and, ``base`` given
+    (``base_copies``), the parameters that train whole (the embedding and LM head) holding the
+    base's values again, swapped in place with their copies; after it, as before, its adapters
+    trainable again and the trained values back (the copies hold the base again)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     # peft's own switch (``enable_adapters``) also flips the adapters' requires_grad, which
     # FSDP2's sharded parameters should not see change between passes: the flag it reads
     # (``BaseTunerLayer.disable_adapters``, peft 0.21) is set alone.
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    if base:
+        # A forward must gather the base's values, not reuse the trained ones; and while
+        # gathered, FSDP2 registers the whole parameters in place of the sharded ones.
+        _reshard(model)
+    params = dict(model.named_parameters())
+    swapped = [(params[name], copy) for name, copy in (base or {}).items()]
+    for param, copy in swapped:
+        _swap(param, copy)
     for layer in layers:
         layer._disable_adapters = True
     try:
@@ -184,6 +238,10 @@ def adapters_off(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for layer in layers:
             layer._disable_adapters = False
+        if swapped:
+            _reshard(model)
+        for param, copy in swapped:
+            _swap(param, copy)
 
 
 def merged(state: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:

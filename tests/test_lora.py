@@ -3,6 +3,7 @@ the reference the base with the adapters off, merged weights equal to the adapte
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,6 +103,75 @@ def test_peft_names_are_those_of_peft_adapter_files(models):
     assert all(".default." not in n for n in names)
     with_embeddings = lora.peft_names(adapted.state_dict(), embeddings=True)
     assert "base_model.model.model.embed_tokens.weight" in with_embeddings
+
+
+# ---------------------------------------------------------------- the reference, in-process
+
+
+def _lora_batch():
+    """GRPO rows of random tokens (2 prompts x 4 samples) with old and reference log-probs."""
+    import random
+
+    from batching import Row, StepBatch
+
+    rnd = random.Random(3)
+    rows = []
+    for uid in range(2):
+        prompt = [rnd.randrange(3, 90) for _ in range(6)]
+        for sample in range(4):
+            response = [rnd.randrange(3, 90) for _ in range(rnd.randint(3, 8))]
+            rows.append(
+                Row(
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    response_mask=[1] * len(response),
+                    response_logprobs=[-1.0] * len(response),
+                    uid=uid,
+                    trajectory_id=uid * 4 + sample,
+                    score=float(sample % 2),
+                )
+            )
+    batch = StepBatch.from_rows(rows)
+    for field in ("old_logprobs", "ref_logprobs"):
+        batch.set_token_field(field, batch.token_fields["rollout_logprobs"].clone())
+    return batch.to_numpy()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"], ids=["plain", "fsdp2-bf16"])
+def test_the_reference_stays_the_base_when_the_embeddings_train(tmp_path, monkeypatch, dtype):
+    """model.lora.train_embeddings=true with a KL term: after updates that move the embedding
+    and LM head, the reference log-probs (the actor with its adapters off) are still the
+    base model's, bit for bit, and the policy's own forward is the trained one again after
+    it. At one rank, plain and under FSDP2 (bf16 compute: FSDP2 keeps the root's gathered
+    parameters after a forward, which the reference must not reuse)."""
+    from trainer.config import load_config
+    from trainer.loop.workers.fsdp_worker import WorkerSpec
+    from trainer.loop.workers.group import free_port
+    from trainer.loop.workers.policy import PolicyWorker
+
+    monkeypatch.setenv("CROSSRL_CACHE", str(tmp_path / "cache"))
+    keys = ["model.lora.train_embeddings=true", "algorithm.kl_coef=0.1", "train.lr=3e-2"]
+    keys += [f"train.param_dtype={dtype}", "train.grad_clip=null", "run.deterministic=false"]
+    cfg = load_config(CONFIG, keys)
+    worker = PolicyWorker(WorkerSpec(role="actor", rank=0, cfg=cfg))
+    worker.setup("127.0.0.1", free_port())
+    try:
+        assert worker.spec.sharded == (dtype != "float32")
+        worker.load_batch([_lora_batch()])
+        worker.compute_advantages()
+        rows = list(range(worker.batch.num_rows))
+        base = worker.compute_logprobs([rows])[1]  # B = 0, embeddings untouched: the base
+        assert np.array_equal(worker.compute_ref_logprobs([rows])[1], base)
+        for _ in range(3):
+            worker.train_mini_batch([rows], rows)
+        policy = worker.compute_logprobs([rows])[1]  # the root stays gathered after it
+        assert np.abs(policy - base).max() > 1e-2  # the embeddings and adapters moved
+        assert np.array_equal(worker.compute_ref_logprobs([rows])[1], base)
+        assert np.array_equal(worker.compute_logprobs([rows])[1], policy)  # trained again
+        worker.train_mini_batch([rows], rows)  # and the update still trains them
+        assert not np.array_equal(worker.compute_logprobs([rows])[1], policy)
+    finally:
+        worker.shutdown()
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -276,3 +346,34 @@ def test_the_layout_starts_no_reference_and_budgets_the_adapters_alone(capsys):
     out = capsys.readouterr().out
     assert "roles actor:" in out and "reference: the actor with its adapters off" in out
     assert "weight push: the adapters only, loaded in place (vLLM serves them" in out
+
+
+def test_the_base_copy_of_trained_embeddings_is_budgeted(capsys):
+    """With model.lora.train_embeddings=true and a KL term the actor keeps a frozen fp32 copy
+    of the base embedding and LM head for its reference: sharded like them, in every phase's
+    params, and printed by crossrl layout."""
+    from trainer.cli import main
+    from trainer.config import load_config
+    from trainer.loop.lora_layout import base_copy_params
+    from trainer.loop.memory_budget import estimate_memory
+    from trainer.loop.model_shape import model_shape
+
+    config = "configs/gpu/qwen2.5-7b-grpo-lora.yaml"
+    keys = ["model.lora.train_embeddings=true"]
+    kl = load_config(config, [*keys, "algorithm.kl_coef=0.01"], check_environment=False)
+    off = ["algorithm.kl_coef=0.0", "algorithm.use_kl_loss=false"]
+    no_kl = load_config(config, [*keys, *off], check_environment=False)
+    shape = model_shape(kl.model.path)
+    copy = base_copy_params(kl, shape)
+    assert copy == 2 * 152_064 * 3584  # Qwen2.5-7B: embedding and untied LM head
+    assert base_copy_params(no_kl, shape) == 0
+    dp = kl.train.dp_size
+    for phase in ("rollout", "update"):
+        with_copy, without = (
+            estimate_memory(c, shape, 80e9, device="cuda").phase(phase).parts["params"]
+            for c in (kl, no_kl)
+        )
+        assert with_copy - without == pytest.approx(copy * 4 / dp)
+    assert main(["layout", "--config", config, *keys, "algorithm.kl_coef=0.01"]) == 0
+    out = capsys.readouterr().out
+    assert f"a frozen copy of the base embedding and LM head ({copy:,} parameters)" in out

@@ -8,7 +8,13 @@ from __future__ import annotations
 from trainer.config.schema import Config
 from trainer.loop.model_shape import ModelShape
 
-__all__ = ["adapter_params", "format_lora", "lora_push", "pushes_whole_weights"]
+__all__ = [
+    "adapter_params",
+    "base_copy_params",
+    "format_lora",
+    "lora_push",
+    "pushes_whole_weights",
+]
 
 
 def lora_push(cfg: Config) -> str:
@@ -56,9 +62,24 @@ def adapter_params(cfg: Config, shape: ModelShape) -> int:
         per_layer += lora.rank * (sum(sizes[leaf]) if leaf in sizes else largest)
     total = per_layer * shape.num_hidden_layers
     if lora.train_embeddings:
-        embed = shape.vocab_size * shape.hidden_size
-        total += embed if shape.tie_word_embeddings else 2 * embed
+        total += _embedding_params(shape)
     return total
+
+
+def _embedding_params(shape: ModelShape) -> int:
+    """Parameters of the input embedding and the LM head (one tensor when tied)."""
+    embed = shape.vocab_size * shape.hidden_size
+    return embed if shape.tie_word_embeddings else 2 * embed
+
+
+def base_copy_params(cfg: Config, shape: ModelShape) -> int:
+    """Parameters of the frozen copy of the base embedding and LM head a LoRA actor keeps for
+    its reference (``rollout.lora.base_copies``, fp32 and sharded like the actor's): with
+    ``model.lora.train_embeddings`` and a KL term (``algorithm.kl_coef`` > 0), else 0."""
+    lora = cfg.model.lora
+    if not (lora.enabled and lora.train_embeddings and cfg.algorithm.kl_coef > 0):
+        return 0
+    return _embedding_params(shape)
 
 
 def format_lora(cfg: Config, shape: ModelShape | None, total_params: int | None) -> str:
@@ -78,7 +99,13 @@ def format_lora(cfg: Config, shape: ModelShape | None, total_params: int | None)
             f"({trained / (total_params + trained):.2%}); gradients and optimizer state for "
             "them alone"
         )
-    if cfg.algorithm.kl_coef > 0:
+    if cfg.algorithm.kl_coef > 0 and lora.train_embeddings:
+        copy = f" ({base_copy_params(cfg, shape):,} parameters)" if shape is not None else ""
+        lines.append(
+            "  reference: the actor with its adapters off and a frozen copy of the base "
+            f"embedding and LM head{copy} swapped in (no reference worker)"
+        )
+    elif cfg.algorithm.kl_coef > 0:
         lines.append(
             "  reference: the actor with its adapters off (no reference worker, no second copy "
             "of the weights)"

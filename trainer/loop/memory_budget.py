@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from hal import DEFAULT_DEVICE_MEMORY_BYTES, DEFAULT_DEVICE_NAMES  # noqa: F401 - re-exported
 from hal.device_memory import communicator_buffer_bytes, process_bytes
 from trainer.config.schema import Config
-from trainer.loop.lora_layout import adapter_params, lora_push
+from trainer.loop.lora_layout import adapter_params, base_copy_params, lora_push
 from trainer.loop.model_shape import ModelShape, model_shape
 
 __all__ = [
@@ -211,6 +211,8 @@ def estimate_memory(
     n_trained = n_adapters if lora else n_actor
     n_actor += n_adapters
     n_ref = n_actor if cfg.algorithm.kl_coef > 0 and not lora else 0
+    # ... but keeps a frozen copy of the base embedding and LM head when those train whole
+    n_copy = base_copy_params(cfg, shape)
     # Where the sharded state lives: the device, unless FSDP2's CPU offload keeps it on the
     # host; the optimizer state between steps also goes to the host with optimizer_offload.
     state_here = host or not train.param_offload
@@ -224,7 +226,7 @@ def estimate_memory(
 
     def resident(offloaded: bool) -> dict[str, float]:
         """Every role's state between steps; ``offloaded``: after ``offload_states``."""
-        params = shard(n_actor + n_ref + n_critic, 4) if state_here else 0.0
+        params = shard(n_actor + n_ref + n_copy + n_critic, 4) if state_here else 0.0
         keep_optim = optim_between if offloaded else state_here
         optim = shard(n_trained + n_critic, 8) if keep_optim else 0.0
         # Before the fixes the last update's sharded gradients stayed until the next one.
@@ -341,7 +343,7 @@ def estimate_memory(
     rollout = _add(per_memory(resident(offloaded=True)), {"engine": awake}, ctx)
 
     actor = role_peak(shape, n_actor, lm_head=True, trained=n_trained)
-    others = [{"params": shard(n_ref, 4) if state_here else 0.0}]
+    others = [{"params": shard(n_ref + n_copy, 4) if state_here else 0.0}]
     if n_critic:
         others.append(role_peak(critic, n_critic, lm_head=False))
     update = _add(per_memory(_add(actor, *others)), {"engine": asleep}, ctx)

@@ -124,6 +124,20 @@ class PolicyWorker(WeightPush, FSDPWorker):
             inject_lora(model, self.spec.cfg.model.lora)
         return model
 
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        """``FSDPWorker.setup``; then, for a LoRA actor whose embedding and LM head train whole
+        (``model.lora.train_embeddings``) and whose run reads a reference
+        (``algorithm.kl_coef`` > 0), frozen copies of their base values, sharded as they are
+        (``rollout.lora.base_copies``): the reference forward swaps them in."""
+        facts = super().setup(master_addr, master_port)
+        cfg = self.spec.cfg
+        self.lora_base: dict[str, torch.Tensor] = {}
+        if self.spec.role == "actor" and cfg.model.lora.enabled and cfg.algorithm.kl_coef > 0:
+            from rollout.lora import base_copies
+
+            self.lora_base = base_copies(self.model)  # empty unless embeddings train
+        return facts
+
     def starting_values(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The LoRA adapters' seeded starting values (B zero: the policy starts as the base)."""
         if not (self.spec.cfg.model.lora.enabled and self.spec.role == "actor"):
@@ -167,12 +181,13 @@ class PolicyWorker(WeightPush, FSDPWorker):
 
     def compute_ref_logprobs(self, micro_batches: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """The reference log-probabilities of a LoRA actor (``model.lora``): its own forward
-        with the adapters off, which is the base model, so no reference worker holds a second
-        copy of the weights. As ``compute_logprobs`` returns them."""
+        with the adapters off and, when they train whole, the embedding and LM head's base
+        values swapped in (``setup``'s copies), which is the base model, so no reference
+        worker holds a second copy of the weights. As ``compute_logprobs`` returns them."""
         from rollout.lora import adapters_off
 
         self.model.eval()
-        with adapters_off(self.model):
+        with adapters_off(self.model, getattr(self, "lora_base", None)):
             return self.per_token_pass(micro_batches, self._logprobs)
 
     def train_mini_batch(
