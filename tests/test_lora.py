@@ -235,6 +235,20 @@ def test_a_lora_run_resumes_exactly_from_adapters_alone_and_agrees_across_dp(lor
 
 
 @pytest.mark.slow
+def test_lora_dropout_stays_out_of_the_old_log_probs(local_ray, tmp_path):
+    """model.lora.dropout > 0: the old log-probs are the policy's, taken with dropout off,
+    whether or not train.old_logprobs_from_update asks for them from the update's first
+    forward (which drops adapter inputs): the two runs agree under crossrl parity."""
+    from trainer.commands.parity import compare_runs
+
+    keys = ["model.lora.dropout=0.5", "algorithm.kl_coef=0.0", "train.total_steps=3"]
+    for flag in ("true", "false"):
+        _train(tmp_path / flag, *keys, f"train.old_logprobs_from_update={flag}")
+    report = compare_runs(tmp_path / "false", tmp_path / "true")
+    assert report.agree, report.first_divergence
+
+
+@pytest.mark.slow
 def test_the_replay_of_a_lora_run_agrees_with_it(lora_runs, tmp_path):
     from trainer.commands.parity import compare_runs
     from trainer.commands.probe import probe_config, run_probe

@@ -203,9 +203,19 @@ class PolicyWorker(WeightPush, FSDPWorker):
         normalised by their global counts, so the update does not depend on dp size,
         micro-batch split or padding. ``old_from_update``: the step's first update, whose
         rows got no old log-probs (``train.old_logprobs_from_update``): this forward's are
-        used and stored for later epochs. Returns this rank's ``StepStats`` of the step.
+        used and stored for later epochs, unless the forward drops out (``_drops_out``): then a
+        no-grad pass with dropout off takes them first. Returns this rank's ``StepStats``.
         """
         normalizers = loss_normalizers(self.batch, mini_batch_rows)
+        if old_from_update and self._drops_out():
+            # A training forward with dropout (model.lora.dropout) is not the policy's: the
+            # old log-probs take a pass of their own, dropout off, on the same weights.
+            self.model.eval()
+            with torch.no_grad():
+                for rows in micro_batches:
+                    mb = self.micro_batch(rows)
+                    self.store_rows("old_logprobs", rows, mb, self._logprobs(mb))
+            old_from_update = False
         self.model.train()
         rows_of = iter(micro_batches)
 
@@ -222,6 +232,11 @@ class PolicyWorker(WeightPush, FSDPWorker):
             )
 
         return self.run_micro_batches(micro_batches, loss_fn)
+
+    def _drops_out(self) -> bool:
+        """Whether the model's training forward drops anything (a dropout module with p > 0:
+        LoRA's ``model.lora.dropout``, or the model's own)."""
+        return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules())
 
     @torch.no_grad()
     def param_stats(self) -> dict[str, list[float]]:
