@@ -4,9 +4,11 @@ set's (``hal.npu_versions``), and the chip's ops package beside it. Reads files 
 imports torch_npu.
 
 The ops package: since CANN 8.5 the toolkit ships no operator kernels; each chip has its own
-ops package, installed at the toolkit's path and version (CANN 8.5's and 9.0's "pip install"
-pages: ``ascend-cann-a3-ops`` for Atlas A3, ``ascend-cann-910b-ops`` for Atlas A2; one chip's
-package per path). Its binary kernels land in ``<opp>/built-in/op_impl/ai_core/tbe/kernel/
+ops package, installed at the toolkit's path and version from Huawei's installer, a run file
+(not on PyPI): ``Ascend-cann-A3-ops_<version>_linux-<arch>.run`` for Atlas A3,
+``Ascend-cann-910b-ops_<version>_linux-<arch>.run`` for Atlas A2, run with ``--install`` (and
+``--install-path`` when the toolkit has one); vllm-ascend 0.26.0rc1's installation.md installs
+``Ascend-cann-910b-ops_9.1.0_linux-"$(uname -i)".run --install``; one chip's package per path. Its binary kernels land in ``<opp>/built-in/op_impl/ai_core/tbe/kernel/
 <soc>/`` (``ascend910_93`` on A3, ``ascend910b`` on A2; vllm-ascend's A3 operator-patch guide
 writes into ``$ASCEND_TOOLKIT_HOME/opp/built-in/op_impl/ai_core/tbe/kernel/ascend910_93``).
 A toolkit without it holds only ``ops_oam`` there, and every aclnn operator fails at its first
@@ -14,6 +16,7 @@ call (error 561103)."""
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -33,8 +36,10 @@ OPP_KERNELS = Path("built-in/op_impl/ai_core/tbe/kernel")
 package puts each chip's binary kernels."""
 CHIP_KERNEL_DIRS = {"A2": "ascend910b", "A3": "ascend910_93"}
 """The kernel directory of each device type (as ``hal.npu_checks.chip_type`` names them)."""
-OPS_PACKAGES = {"A2": "ascend-cann-910b-ops", "A3": "ascend-cann-a3-ops"}
-"""The ops package of each device type (CANN >= 8.5's pip names)."""
+OPS_PACKAGE_CHIPS = {"A2": "910b", "A3": "A3"}
+"""How each device type's ops package file names its chip (``ops_run_file``)."""
+CANN_DOWNLOAD = "https://www.hiascend.com/cann/download"
+"""Where Huawei's CANN run files (toolkit, ops, NNAL) are downloaded."""
 TOOLKIT_ONLY_KERNELS = frozenset({"ops_oam"})
 """What the kernel directory holds from the toolkit alone, without the chip's ops package."""
 CANN_SET_ENV_FIX = (
@@ -125,6 +130,13 @@ def chips_with_kernels(opp: Path) -> list[str]:
     return found
 
 
+def ops_run_file(chip: str, version: str, arch: str | None = None) -> str:
+    """The file name of device type ``chip``'s ops package for CANN ``version`` on CPU
+    architecture ``arch`` (None: this machine's, ``uname -m``), as Huawei publishes it."""
+    arch = arch or platform.machine() or "<arch>"
+    return f"Ascend-cann-{OPS_PACKAGE_CHIPS[chip]}-ops_{version}_linux-{arch}.run"
+
+
 def ops_package_check(
     environ: Mapping[str, str], chip: str | None, no_npu_reason: str | None = None
 ) -> Check:
@@ -145,7 +157,6 @@ def ops_package_check(
     if chip not in CHIP_KERNEL_DIRS:
         kinds = ", ".join(found) or "none"
         return Check(name, WARN, f"chip not read ({chip or 'unknown'}); kernels for: {kinds}")
-    package = f"{OPS_PACKAGES[chip]}=={version}"
     if chip not in found:
         other = f" (only {', '.join(found)}'s)" if found else ""
         return Check(
@@ -153,7 +164,8 @@ def ops_package_check(
             FAIL,
             f"no {chip} kernels in {where}/{CHIP_KERNEL_DIRS[chip]}{other}: every operator "
             "would fail at its first call (aclnn error 561103)",
-            f"install the {chip} ops package at the toolkit's path and version: "
-            f"pip install {package} (or its .run package with --install-path)",
+            f"install the {chip} ops package at the toolkit's version and path: "
+            f"./{ops_run_file(chip, version)} --install [--install-path=<the toolkit's>] "
+            f"(Huawei's run file from {CANN_DOWNLOAD}; not on PyPI)",
         )
     return Check(name, OK, f"{chip} kernels in {where}/{CHIP_KERNEL_DIRS[chip]}")

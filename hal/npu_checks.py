@@ -16,6 +16,10 @@ Sources, read from the pinned releases (not from a main branch):
   (``source /usr/local/Ascend/nnal/atb/set_env.sh``) and the chip's ops package.
 - its ``docs/source/developer_guide/performance_and_debug/optimization_and_tuning.md``: HCCL's
   AIV mode is ``HCCL_OP_EXPANSION_MODE=AIV``.
+- CANN 9.1.0's release notes (``hicann/release-management``, ``9.1.0/release-notes_en.md``,
+  "Version Compatibility"): CANN 9.1.X runs on Ascend HDK 25.2.X, 25.3.X, 25.5.X,
+  26.0.RC1/25.7.RC1 and 26.1.0, **not on 25.0.X**; its matching driver is 26.0.RC1. CANN 8.5.2
+  and 9.0.X run on all of them, 25.0.X included.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from hal.cann import ops_package_check
+from hal.cann import cann_version, ops_package_check
 from hal.check_row import FAIL, NOT_PRESENT, OK, WARN, Check, dist_version
-from hal.npu_versions import PINNED_VLLM_ASCEND
+from hal.npu_versions import ASCEND_STACKS, PINNED_VLLM_ASCEND
 
 BUILD_INFO_FILE = "vllm_ascend/_build_info.py"
 """Where a vllm-ascend build records the chip it was compiled for (written by its setup.py)."""
@@ -40,10 +44,17 @@ A3_SOC_VERSION = "ascend910_9391"
 """The ``SOC_VERSION`` vllm-ascend's Dockerfile.a3 and installation.md build Atlas A3 with."""
 SOC_VERSION_FOR = {"A2": "ascend910b1", "A3": A3_SOC_VERSION, "_310P": "ascend310p1"}
 """The ``SOC_VERSION`` to build vllm-ascend with, per device type (its Dockerfiles' defaults)."""
+IMAGE_SUFFIX_FOR = {"A2": "", "A3": "-a3", "_310P": "-310p"}
+"""vllm-ascend's image per device type: ``quay.io/ascend/vllm-ascend:v<release><suffix>`` (its
+installation.md's image table; the A3 one is built by ``Dockerfile.a3``)."""
 TRITON_ASCEND = "3.2.2"
 """The triton-ascend vllm-ascend 0.26.0rc1 requires (its requirements.txt)."""
 MIN_HDK = (25, 0, 0, 1)
 """HDK 25.0.RC1 as (major, minor, patch, rc): multi-process HCCP needs at least this driver."""
+HDK_FOR_CANN = {"9.1": ((25, 2, 0, 0), "25.2", "26.0.RC1")}
+"""Per CANN release line (major.minor): the oldest driver it runs on as (major, minor, patch,
+rc), that driver's name, and the driver its release notes pair it with. Lines not listed run on
+every HDK from ``MIN_HDK`` (CANN 8.5.2 and 9.0.X: 25.0.X included)."""
 DRIVER_VERSION_FILE = Path("/usr/local/Ascend/driver/version.info")
 NNAL_SET_ENV = Path("/usr/local/Ascend/nnal/atb/set_env.sh")
 PORT_RANGE_ENVS = ("HCCL_HOST_SOCKET_PORT_RANGE", "HCCL_NPU_SOCKET_PORT_RANGE")
@@ -110,17 +121,35 @@ def chip_type(soc: int | str) -> str | None:
     return "A5" if name.startswith("ascend950") else None
 
 
+def vllm_ascend_image(chip: str) -> str | None:
+    """vllm-ascend's image of the pinned release for device type ``chip``; None when it has
+    none in ``IMAGE_SUFFIX_FOR``."""
+    suffix = IMAGE_SUFFIX_FOR.get(chip)
+    return None if suffix is None else f"quay.io/ascend/vllm-ascend:v{PINNED_VLLM_ASCEND}{suffix}"
+
+
+def engine_build_fix(chip: str) -> str:
+    """How to get vllm-ascend built for device type ``chip``: a source build of the pinned
+    release with the chip's ``SOC_VERSION`` (as vllm-ascend's Dockerfiles build it), or its
+    image for the chip."""
+    soc = SOC_VERSION_FOR.get(chip, "<the chip's SOC_VERSION, see vllm-ascend setup.py>")
+    image = vllm_ascend_image(chip)
+    return (
+        f"SOC_VERSION={soc} pip install -e ./vllm-ascend (a checkout of v{PINNED_VLLM_ASCEND} "
+        "with its submodules; README, Running on an Ascend A3 node)"
+        + (f", or run the image {image}" if image else "")
+    )
+
+
 def engine_build_mismatch(build: str | None, chip: str | None) -> str | None:
     """One line naming the build's and the chip's device types and the fix, or None when they
     match or either is unknown (nothing to compare)."""
     if build is None or chip is None or build == chip:
         return None
-    soc = SOC_VERSION_FOR.get(chip, "<the chip's SOC_VERSION, see vllm-ascend setup.py>")
     return (
         f"vllm-ascend is built for {build} ({BUILD_INFO_FILE}: __device_type__={build!r}) but "
         f"this chip is {chip}: every vLLM engine replica would fail at start-up; build it for "
-        f"{chip}: SOC_VERSION={soc} pip install --no-build-isolation --no-deps --no-binary "
-        f"vllm-ascend vllm-ascend=={PINNED_VLLM_ASCEND} (docs/hal.md, vllm-ascend for Atlas A3)"
+        f"{chip}: {engine_build_fix(chip)}"
     )
 
 
@@ -194,11 +223,32 @@ def parse_hdk_version(text: str) -> tuple[int, int, int, int] | None:
     return int(major), int(minor), int(patch), 99
 
 
-def hdk_check(version_file: Path = DRIVER_VERSION_FILE) -> Check:
-    """The Ascend driver (HDK): multi-process HCCP, which colocated engines and training ranks
-    use, needs HDK >= 25.0.RC1."""
+def hdk_requirement(cann: str | None) -> tuple[tuple[int, int, int, int], str, str]:
+    """What CANN ``cann`` (None: the tested set's, ``constraints-npu.txt``) needs of the driver:
+    (the oldest HDK as (major, minor, patch, rc), its name, the fix naming the HDK to install)."""
+    cann = cann or ASCEND_STACKS[PINNED_VLLM_ASCEND].cann
+    match = re.match(r"\s*(\d+)\.(\d+)", cann)
+    line = f"{match.group(1)}.{match.group(2)}" if match else cann
+    if line not in HDK_FOR_CANN:
+        fix = "install Ascend HDK >= 25.0.RC1 (driver and firmware; multi-process HCCP needs it)"
+        return MIN_HDK, "25.0.RC1", fix
+    floor, floor_name, paired = HDK_FOR_CANN[line]
+    fix = (
+        f"install Ascend HDK {paired} (driver and firmware), the one CANN {cann}'s release "
+        f"notes pair with it; it runs on >= {floor_name}, not on 25.0.X"
+    )
+    return floor, floor_name, fix
+
+
+def hdk_check(version_file: Path | None = None, cann: str | None = None) -> Check:
+    """The Ascend driver (HDK) in ``version_file`` (None: ``DRIVER_VERSION_FILE``) against what
+    runs here: multi-process HCCP, which colocated engines and training ranks use, needs HDK >=
+    25.0.RC1, and CANN ``cann`` (None: the tested set's, 9.1.0) its own oldest driver
+    (``HDK_FOR_CANN``: 9.1 refuses 25.0.X)."""
     name = "Ascend HDK"
-    fix = "install Ascend HDK >= 25.0.RC1 (driver and firmware; CANN 9.1.0 release notes)"
+    version_file = DRIVER_VERSION_FILE if version_file is None else version_file
+    cann = cann or ASCEND_STACKS[PINNED_VLLM_ASCEND].cann
+    floor, floor_name, fix = hdk_requirement(cann)
     try:
         text = version_file.read_text(errors="replace")
     except OSError:
@@ -209,7 +259,10 @@ def hdk_check(version_file: Path = DRIVER_VERSION_FILE) -> Check:
         return Check(name, WARN, f"{version_file}: cannot read the version ({shown})", fix)
     if version < MIN_HDK:
         return Check(name, FAIL, f"{shown}: multi-process HCCP needs >= 25.0.RC1", fix)
-    return Check(name, OK, f"{shown} (>= 25.0.RC1)")
+    if version < floor:
+        why = f"{shown}: CANN {cann} does not run on it (its release notes: >= {floor_name})"
+        return Check(name, FAIL, why, fix)
+    return Check(name, OK, f"{shown} (CANN {cann} runs on >= {floor_name})")
 
 
 def nnal_check(environ: Mapping[str, str], set_env: Path = NNAL_SET_ENV) -> Check:
@@ -334,7 +387,7 @@ def hccl_two_die_check(
     if (device_count or 0) < 2:
         return Check(name, NOT_PRESENT, f"skipped: {device_count or 0} visible NPU, needs 2")
     fix = (
-        "check the driver (HDK >= 25.0.RC1), `npu-smi info`, ASCEND_RT_VISIBLE_DEVICES and the "
+        "check the driver (the Ascend HDK row), `npu-smi info`, ASCEND_RT_VISIBLE_DEVICES and the "
         "HCCL port ranges (HCCL_HOST_SOCKET_PORT_RANGE)"
     )
     return run_probe(name, _HCCL_PROBE, [str(_free_port())], fix, timeout_s)
@@ -348,7 +401,7 @@ def ipc_one_die_check(
     name = "IPC on one die"
     if no_npu_reason:
         return Check(name, NOT_PRESENT, f"skipped: {no_npu_reason}")
-    fix = "install HDK >= 25.0.RC1 (multi-process HCCP and IPC memory sharing)"
+    fix = "install the HDK the Ascend HDK row names (multi-process HCCP and IPC memory sharing)"
     return run_probe(name, _IPC_PROBE, [], fix, timeout_s)
 
 
@@ -373,7 +426,7 @@ def a3_checks(
     triton-ascend, the vllm-ascend build against the chip, HCCL port ranges, then the two device probes (skipped
     with the reason where no NPU exists, or when ``device_probes`` is False)."""
     chip, soc_name = (None, "") if no_npu_reason else _probed_chip()
-    rows = [hdk_check(), ops_package_check(environ, chip, no_npu_reason)]
+    rows = [hdk_check(cann=cann_version(environ)), ops_package_check(environ, chip, no_npu_reason)]
     if rollout_engine != "vllm":
         why = f"not needed (rollout.engine={rollout_engine})"
         rows += [Check(n, NOT_PRESENT, why) for n in ("NNAL/ATB", "triton-ascend")]
@@ -413,10 +466,13 @@ __all__ = [
     "a3_checks",
     "chip_type",
     "engine_build_check",
+    "engine_build_fix",
     "engine_build_mismatch",
     "hdk_check",
+    "hdk_requirement",
     "skipped_probe_rows",
     "parse_build_info",
     "require_engine_build",
     "vllm_ascend_build_type",
+    "vllm_ascend_image",
 ]

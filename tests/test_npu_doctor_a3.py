@@ -4,8 +4,10 @@ port ranges, and the two NPU probes (skipped with the reason where no NPU exists
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +17,7 @@ from hal import cann, doctor_facts, npu_checks
 from hal.doctor_facts import FAIL, NOT_PRESENT, OK, WARN
 from hal.npu_checks import (
     A3_SOC_VERSION,
+    HDK_FOR_CANN,
     EngineBuildMismatchError,
     chip_type,
     engine_build_check,
@@ -26,7 +29,9 @@ from hal.npu_checks import (
     port_range_checks,
     triton_ascend_check,
     vllm_ascend_build_type,
+    vllm_ascend_image,
 )
+from hal.npu_versions import ASCEND_STACKS, PINNED_VLLM_ASCEND
 
 JOB = ["train.dp_size=1", "rollout.engine=vllm", "run.deterministic=false"]
 
@@ -113,7 +118,8 @@ def test_mismatch_is_one_line_naming_both_and_the_a3_build():
     line = engine_build_mismatch("A2", "A3")
     assert "\n" not in line
     assert "built for A2" in line and "this chip is A3" in line
-    assert f"SOC_VERSION={A3_SOC_VERSION}" in line and "vllm-ascend==0.26.0rc1" in line
+    assert f"SOC_VERSION={A3_SOC_VERSION}" in line and "a checkout of v0.26.0rc1" in line
+    assert "quay.io/ascend/vllm-ascend:v0.26.0rc1-a3" in line  # or vllm-ascend's A3 image
     assert engine_build_mismatch("A3", "A3") is None
     assert engine_build_mismatch("A2", None) is None
 
@@ -169,22 +175,45 @@ def test_engine_host_checks_the_build_before_starting_the_engine(site, monkeypat
 
 
 @pytest.mark.parametrize(
-    ("text", "status"),
+    ("text", "cann", "status"),
     [
-        ("Version=25.0.rc1\nascendhal_version=7.35.23\n", OK),
-        ("Version=25.2.0\n", OK),
-        ("Version=24.1.rc3\n", FAIL),
-        ("Version=24.1.0\n", FAIL),
-        ("Version=garbage\n", WARN),
+        ("Version=25.0.rc1\nascendhal_version=7.35.23\n", "9.0.0", OK),
+        ("Version=25.0.0\n", "8.5.2", OK),
+        ("Version=25.0.0\n", "9.1.0", FAIL),  # CANN 9.1's release notes: not on 25.0.X
+        ("Version=25.0.rc1\n", None, FAIL),  # None: the tested set's CANN, 9.1.0
+        ("Version=25.2.0\n", "9.1.0", OK),
+        ("Version=25.5.1\n", None, OK),
+        ("Version=26.0.rc1\n", "9.1.0", OK),
+        ("Version=24.1.rc3\n", "9.0.0", FAIL),
+        ("Version=24.1.0\n", "9.1.0", FAIL),
+        ("Version=garbage\n", None, WARN),
     ],
 )
-def test_hdk_must_be_25_0_rc1_or_newer(tmp_path, text, status):
+def test_hdk_must_be_one_the_cann_runs_on(tmp_path, text, cann, status):
     info = tmp_path / "version.info"
     info.write_text(text)
-    row = hdk_check(info)
+    row = hdk_check(info, cann)
     assert row.status == status, row
     if status != OK:
-        assert "25.0.RC1" in row.fix
+        on_91 = (cann or ASCEND_STACKS[PINNED_VLLM_ASCEND].cann).startswith("9.1")
+        assert ("26.0.RC1" if on_91 else "25.0.RC1") in row.fix, row.fix
+
+
+def test_the_doctor_refuses_hdk_25_0_under_cann_9_1(tmp_path, monkeypatch, no_default_cann):
+    """a3_checks reads the toolkit's CANN version and holds the driver to it."""
+    driver = tmp_path / "version.info"
+    driver.write_text("Version=25.0.0\n")
+    monkeypatch.setattr(npu_checks, "DRIVER_VERSION_FILE", driver)
+    rows = {}
+    for version in ("9.1.0", "9.0.0"):
+        home = fake_toolkit(tmp_path / version, "ascend910_93", version=version)
+        found = npu_checks.a3_checks(
+            {"ASCEND_TOOLKIT_HOME": str(home)}, no_npu_reason="no NPU here", device_count=0
+        )
+        rows[version] = next(r for r in found if r.name == "Ascend HDK")
+    assert rows["9.1.0"].status == FAIL and "CANN 9.1.0" in rows["9.1.0"].detail
+    assert "25.2" in rows["9.1.0"].detail and "26.0.RC1" in rows["9.1.0"].fix
+    assert rows["9.0.0"].status == OK
 
 
 def test_hdk_versions_order_rcs_before_the_release():
@@ -326,7 +355,13 @@ def test_ops_package_missing_on_an_a3_names_the_package_for_the_toolkits_version
     row = cann.ops_package_check({"ASCEND_TOOLKIT_HOME": str(home)}, "A3")
     assert row.status == FAIL
     assert "no A3 kernels" in row.detail and "ascend910_93" in row.detail
-    assert "pip install ascend-cann-a3-ops==9.0.0" in row.fix
+    run_file = f"Ascend-cann-A3-ops_9.0.0_linux-{platform.machine()}.run"
+    assert f"./{run_file} --install" in row.fix  # Huawei's run file, at the toolkit's version
+    assert "pip install" not in row.fix  # no ops package of the chip's is on PyPI
+    assert (
+        cann.ops_run_file("A2", "9.1.0", "aarch64")
+        == "Ascend-cann-910b-ops_9.1.0_linux-aarch64.run"
+    )
 
 
 def test_ops_package_of_the_other_chip_is_named(tmp_path, no_default_cann):
@@ -382,3 +417,25 @@ def test_doctor_on_the_cpu_lists_the_ops_package_as_skipped():
     rows = doctor_facts.device_checks("cpu", rollout_engine="hf", torch_version="2.10.0")
     row = next(r for r in rows if r.name == "CANN ops package")
     assert row.status == NOT_PRESENT and row.detail.startswith("skipped: device=cpu")
+
+
+# ---- the README installs what the doctor checks --------------------------------------------
+
+
+def _readme_a3_section() -> str:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = text.index("## Running on an Ascend A3 node")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def test_the_readmes_a3_install_builds_what_runs_on_an_a3():
+    """The README's A3 section builds vllm-ascend for the A3 chip (or takes its A3 image), names
+    the driver CANN 9.1 runs on and the A3 ops package's run file: what the doctor checks."""
+    section = _readme_a3_section()
+    cann_version = ASCEND_STACKS[PINNED_VLLM_ASCEND].cann
+    assert f"SOC_VERSION={npu_checks.SOC_VERSION_FOR['A3']} pip install" in section
+    assert f"--branch v{PINNED_VLLM_ASCEND} --recurse-submodules" in section
+    assert vllm_ascend_image("A3") in section
+    assert f"HDK {HDK_FOR_CANN[cann_version[:3]][2]}" in section
+    assert f"./{cann.ops_run_file('A3', cann_version, '$(uname -m)')} --install" in section
+    assert "crossrl doctor" in section and "built for A3, chip A3" in section
