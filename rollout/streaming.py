@@ -9,7 +9,8 @@ Two pieces, both free of the trainer:
   the call in flight after its current decode step (an ``interruptible`` engine: HF, vLLM) and
   the requests still running continue from their prefix under the new weights; else it waits
   for the call to end (a multi-turn trajectory still goes on under the new weights at its next
-  turn).
+  turn). Requests from outside the stream (validation) go through its ``untracked`` view: the
+  same turns, their tokens counted under none of the stream's prompts.
 - ``StreamSampler``: ``workers`` threads, each sampling one group at a time (``sample_group``,
   the caller's: a prompt's ``n`` trajectories through the agent loop), so up to ``workers``
   groups are in flight (``quiesced`` runs something once none is: a weight load without
@@ -38,7 +39,7 @@ from typing import Any
 
 from rollout.engines.base import GenerationRequest, GenerationResult
 
-__all__ = ["FinishedGroup", "StreamSampler", "VersionedEngine", "admit"]
+__all__ = ["FinishedGroup", "StreamSampler", "UntrackedEngine", "VersionedEngine", "admit"]
 
 
 class VersionedEngine:
@@ -84,6 +85,15 @@ class VersionedEngine:
     def generate(self, requests, sampling):
         """The engine's ``generate``, its calls and the loads one at a time; tokens counted per
         prompt and version. With ``partial``, a call a load interrupts goes on after it."""
+        return self._generate(requests, sampling, track=True)
+
+    def untracked(self) -> UntrackedEngine:
+        """This engine for requests outside the stream (validation): their calls take turns
+        with the stream's and with the loads, but their tokens are counted under no prompt
+        (``tokens_of``), whatever ``group`` numbers they carry."""
+        return UntrackedEngine(self)
+
+    def _generate(self, requests, sampling, *, track: bool):
         results = [GenerationResult([], [], "length", {"versions": []}) for _ in requests]
         todo = list(range(len(requests)))
         while todo:
@@ -108,7 +118,7 @@ class VersionedEngine:
                 into.extra["versions"] += [version] * len(out.token_ids)
                 into.extra.update((k, v) for k, v in out.extra.items() if k != "versions")
                 into.finish_reason = out.finish_reason
-                if out.token_ids:
+                if out.token_ids and track:
                     with self._cond:
                         counts = self._tokens.setdefault(requests[i].group, {})
                         counts[version] = counts.get(version, 0) + len(out.token_ids)
@@ -158,6 +168,32 @@ class VersionedEngine:
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
+
+
+class UntrackedEngine:
+    """A ``VersionedEngine`` for requests that are no prompt of the stream (``untracked``):
+    the same calls, one at a time with the stream's and the loads, each token tagged with its
+    version, none counted for ``tokens_of``. A validation's ``group`` numbers (its records'
+    indices) are the same numbers as the stream's prompt ordinals; counted, a prompt streamed
+    later would inherit the version validation sampled at and be dropped as stale."""
+
+    def __init__(self, versioned: VersionedEngine) -> None:
+        self.versioned = versioned
+
+    def generate(self, requests, sampling):
+        """``VersionedEngine.generate`` without counting tokens under any prompt."""
+        return self.versioned._generate(requests, sampling, track=False)
+
+    def lanes(self) -> list:
+        """One lane, as the ``VersionedEngine``'s."""
+        return [self]
+
+    def lane_of(self, group: int) -> int:
+        """Every request goes to the one lane."""
+        return 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.versioned, name)
 
 
 def _continued(request: GenerationRequest, sampled: list[int]) -> GenerationRequest:

@@ -14,7 +14,10 @@ and no reward shaping. Metrics:
 Validation never changes the training stream: its requests are seeded from their own stream
 (``stable_seed(seed, VAL_STREAM, step, ...)``), every engine request samples from its own seed,
 and the training prompt order does not depend on it. It runs on the rollout host after the
-step's weight sync, so it scores the weights the step produced.
+step's weight sync, so it scores the weights the step produced. Beside a stream
+(``train.max_staleness``) its engine calls take turns with the stream's, and its requests are
+counted under none of the stream's prompts (``rollout.streaming.VersionedEngine.untracked``):
+its records' indices are the same numbers as the stream's prompt ordinals.
 """
 
 from __future__ import annotations
