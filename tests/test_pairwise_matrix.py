@@ -116,10 +116,11 @@ FACTORS: dict[str, dict[str, list[str]]] = {
             "rollout.partial_rollout=true",
         ],
         # streaming on colocated engines, whole groups: the stream holds while they sleep
-        "colocated-stream2-whole": [
+        # (max_staleness 1: a one-step run refuses a bound above total_steps - 1 by name)
+        "colocated-stream1-whole": [
             "rollout.engine_devices=0",
             "train.rollout_lag=0",
-            "train.max_staleness=2",
+            "train.max_staleness=1",
             "rollout.partial_rollout=false",
         ],
     },

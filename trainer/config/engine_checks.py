@@ -85,6 +85,18 @@ def _streaming_problems(cfg: Config) -> list[Problem]:
                 )
             ]
         return []
+    oldest = max(1, cfg.train.total_steps - 1)  # step t trains with the policy after t - 1
+    if bound > oldest:
+        return [
+            problem(
+                "train.max_staleness",
+                bound,
+                f"a run of train.total_steps={cfg.train.total_steps} never trains on a group "
+                f"more than {oldest} policies behind, so a larger bound drops no fewer groups "
+                "and only lets the stream start groups no step takes (a thread and rows each, "
+                f"in the rollout host): set train.max_staleness to at most {oldest}",
+            )
+        ]
     why = [
         (
             cfg.train.rollout_lag > 0,

@@ -370,7 +370,8 @@ class TrainConfig(BaseModel):
         "from a policy at most this many steps behind (older ones are dropped), so runs differ "
         "run to run and every batch is recorded for replay (needs "
         "algorithm.rollout_correction; colocated engines hold the stream while they sleep for "
-        "the update); null = off",
+        "the update); at most train.total_steps - 1 (no group can be older), and its groups "
+        "in flight must fit half the rollout host's memory; null = off",
     )
     share_prompts: bool = Field(
         True,

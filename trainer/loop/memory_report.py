@@ -7,8 +7,6 @@ of their own against Ray's object store: ``trainer.loop.snapshot_budget``). The 
 
 from __future__ import annotations
 
-import textwrap
-
 from trainer.config.schema import Config
 from trainer.loop.layout import Layout, LayoutError
 from trainer.loop.memory_budget import (
@@ -21,6 +19,7 @@ from trainer.loop.memory_budget import (
 )
 from trainer.loop.model_shape import PUBLISHED_SHAPES
 from trainer.loop.snapshot_budget import format_snapshots
+from trainer.loop.stream_budget import format_in_flight
 
 __all__ = [
     "budget_for_cli",
@@ -255,27 +254,3 @@ def format_budget(budget: MemoryBudget | None, cfg: Config) -> str:
     if cfg.train.max_staleness:
         lines.append(format_in_flight(cfg))
     return "\n".join(lines)
-
-
-#: Host bytes a streamed group's rows take per token (Python lists of token id, mask,
-#: log-prob and version, and the row's share of its messages), an upper figure.
-ROW_BYTES_PER_TOKEN = 128
-
-
-def format_in_flight(cfg: Config) -> str:
-    """The groups a streamed run (``train.max_staleness`` = s) holds at once, for ``crossrl
-    layout``: up to ``(s + 1) x train.batch_size`` sampling or finished and not yet trained,
-    their rows in the rollout host's memory (tokens at most ``rollout.max_input_len +
-    rollout.max_new_tokens`` per row, a row per turn when rows are step-wise)."""
-    roll, s = cfg.rollout, cfg.train.max_staleness
-    groups = (s + 1) * cfg.train.batch_size
-    rows = roll.max_turns if roll.step_wise else 1
-    tokens = groups * roll.n * rows * (roll.max_input_len + roll.max_new_tokens)
-    return textwrap.fill(
-        f"streaming: up to {groups} groups in flight ((train.max_staleness + 1) x "
-        f"train.batch_size), {groups * roll.n} trajectories; their rows in the rollout host's "
-        f"memory, at most {tokens:,} tokens ({tokens * ROW_BYTES_PER_TOKEN / GB:.2f} GB); the "
-        "engines hold one engine call's rows at a time (inside the rollout table's KV cache)",
-        width=96,
-        subsequent_indent="  ",
-    )

@@ -13,7 +13,8 @@ checkpoint fails in seconds with one line (exit 2) instead of after every worker
 - the resume target, resolved and verified against its manifest (``trainer.records.checkpoint``);
 - the memory budget: every phase of a step fits its device (``trainer.loop.memory_budget``),
   and a local Ray's object store holds the live weight snapshots of engines on devices of
-  their own (``trainer.loop.snapshot_budget``; a joined cluster's, once joined: ``launch``);
+  their own (``trainer.loop.snapshot_budget``; a joined cluster's, once joined: ``launch``),
+  and this host's memory a streamed run's groups in flight (``trainer.loop.stream_budget``);
 - ``run.dir``: a directory we can create and write (``trainer.records.run_dir``; that a fresh start
   may not overwrite a run there is checked once the directory's lock is held).
 
@@ -53,6 +54,7 @@ def preflight(cfg: Config, *, command: str = "train", replay: bool = False) -> N
     _check_memory(cfg, replay=replay)
     if not replay:
         _check_snapshots(cfg)
+        _check_stream(cfg)
     _check_model(cfg)
     _check_lora_targets(cfg)
     if not replay:
@@ -102,6 +104,19 @@ def _check_snapshots(cfg: Config) -> None:
 
     store, source = host_object_store_bytes(cfg)
     problem = snapshot_problem(cfg, model_shape(cfg.model.path), store, source)
+    if problem:
+        raise PreflightError(problem)
+
+
+def _check_stream(cfg: Config) -> None:
+    """A streamed run's groups in flight fit the rollout host's memory
+    (``trainer.loop.stream_budget``): this host's, for a local Ray; a joined cluster's rollout
+    host is on a node not known here."""
+    if cfg.ray.address is not None or not cfg.train.max_staleness:
+        return
+    from trainer.loop.stream_budget import host_memory_bytes, in_flight_problem
+
+    problem = in_flight_problem(cfg, host_memory_bytes(), "this host's memory")
     if problem:
         raise PreflightError(problem)
 

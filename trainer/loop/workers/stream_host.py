@@ -5,7 +5,9 @@ boundaries on the host's engines, handed to each step as they finish (``rollout.
 (every weight load then lands between two engine calls: ``between_calls``) and starts a
 ``StreamSampler``: up to ``train.batch_size x (max_staleness + 1)`` groups in flight, and with
 the weights after step v no more than ``(v + max_staleness + 1) x train.batch_size`` groups
-started since the stream began (less those dropped);
+started since the stream began (less those dropped), both at most the groups the steps left
+take (``train.batch_size`` for each step to ``train.total_steps``: no thread, and no group,
+that no step would train on);
 ``stream_take(step)`` returns step ``step``'s batch as ``rollout`` does: the first
 ``train.batch_size`` groups to finish whose oldest token was sampled by the policy after step
 ``step - 1 - max_staleness`` or later. Older groups are dropped; the rest carry over.
@@ -78,16 +80,19 @@ class StreamingHost:
             self.generator, version=start, partial=cfg.rollout.partial_rollout
         )
         first = self.prompts_consumed
+        # The steps left take this many batches: no more groups start, nor threads for them.
+        steps_left = max(1, cfg.train.total_steps - start)
 
         def sample_group(ordinal: int) -> RolloutOutput:
             # ``step`` seeds the requests: the prompt's ordinal, unique in the run
             return self._sample(ordinal, self.prompts.take(ordinal, 1), engine=self.versioned)
 
         def allowed() -> int:  # what starts under version v is trained by step v + s + 1
-            return (self.versioned.version - start + bound + 1) * size
+            return min(self.versioned.version - start + bound + 1, steps_left) * size
 
+        workers = size * min(bound + 1, steps_left)
         self.stream = StreamSampler(
-            sample_group, self.versioned, workers=size * (bound + 1), allowed=allowed, first=first
+            sample_group, self.versioned, workers=workers, allowed=allowed, first=first
         )
         self.stream_started_at, self.last_take = time.perf_counter(), None
         return first
