@@ -169,6 +169,12 @@ class RolloutConfig(BaseModel):
         "device's collective library); host = a snapshot in Ray's object store (the only way across device "
         "types, rollout.device); auto = collective unless rollout.device differs",
     )
+    engine_log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "error",
+        description="how much of the vllm engine's own logging reaches the console: error = "
+        "its errors only; warning adds its warnings; info its start-up report; debug "
+        "everything (rollout.engines.vllm_logs)",
+    )
     max_sample_batches: int = Field(
         1,
         ge=1,

@@ -20,6 +20,7 @@ import torch
 import hal
 from batching import StepBatch
 from rollout.agent_loop import RolloutOutput
+from rollout.engines.vllm_logs import set_engine_log_level
 from trainer.config.schema import Config
 from trainer.loop.startup import Phases, process_start_time
 from trainer.loop.workers.group import agree_on_settings
@@ -103,6 +104,7 @@ class EngineHost:
             self.engine = make_engine("hf", model, self.tokenizer)
         else:
             directory = builtin_weights_dir(model_path, cfg.seed) if is_builtin else model_path
+            quiet = set_engine_log_level(roll.engine_log_level)  # before vLLM reads it, once
             # fail fast, in one line, when the engine's platform plugin targets another chip
             backend.check_engine_build()
             os.environ.update(invariance)  # read at engine start; its workers inherit it
@@ -118,7 +120,7 @@ class EngineHost:
                 # colocated: free the devices while the ranks train (ignored on the CPU)
                 enable_sleep_mode=backend.is_accelerator and not roll.engine_devices,
                 layerwise_reload=backend.vllm_layerwise_reload,
-                engine_kwargs=backend.vllm_engine_options(),
+                engine_kwargs={**quiet, **backend.vllm_engine_options()},
                 lora=_served_adapters(cfg),
             )
             if cfg.run.deterministic:
