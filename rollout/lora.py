@@ -11,9 +11,9 @@ Hugging Face checkpoint's by ``base_name``.
 draws its weight, kaiming-uniform; B zero, so the policy starts as the base). ``adapters_off``:
 a context in which the model is its base (the reference policy, with no second copy of the
 decoder's weights; the embedding and LM head, when they train whole, swapped with copies of
-their base values, ``base_copies``). ``merged``: the Hugging Face names and weights with the
-adapters folded in (``W + (alpha / r) B A``), for engines that take whole weights and for
-export, FSDP2 shards included. ``peft_names``: the adapter names peft's own files use (``save_pretrained``).
+their base values, ``base_copies``). ``fold``: Hugging Face weights with a checkpoint's
+adapters folded in (``W + (alpha / r) B A``), for a merged export (engines take the adapters
+unfolded). ``peft_names``: the adapter names peft's own files use (``save_pretrained``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ __all__ = [
     "inject",
     "initial_adapters",
     "is_adapter",
-    "merged",
     "peft_config",
     "peft_names",
     "target_problem",
@@ -244,24 +243,6 @@ def adapters_off(
             _swap(param, copy)
 
 
-def merged(state: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """The Hugging Face state of a model with adapters (``state``: its state dict, plain
-    tensors or FSDP2's DTensor shards), every target's weight with its adapters folded in:
-    ``W + scale x B A``. A sharded weight stays a DTensor of the same placement (its rows are
-    B's rows: FSDP2 splits both along their output dimension alike; A is gathered whole, a
-    collective: every rank calls, in the same order)."""
-    out = {}
-    for name, tensor in state.items():
-        if is_adapter(name):
-            continue
-        if ".base_layer.weight" in name:
-            prefix = name[: -len(".base_layer.weight")]
-            a, b = state[f"{prefix}{_A}weight"], state[f"{prefix}{_B}weight"]
-            tensor = _fold(tensor, a, b, scale)
-        out[base_name(name)] = tensor
-    return out
-
-
 def fold(
     base: Mapping[str, torch.Tensor], trained: Mapping[str, torch.Tensor], scale: float
 ) -> dict[str, torch.Tensor]:
@@ -278,19 +259,6 @@ def fold(
         elif not is_adapter(name):
             out[name] = tensor
     return out
-
-
-def _fold(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    if not hasattr(weight, "to_local"):
-        return weight + scale * (b.to(weight.dtype) @ a.to(weight.dtype))
-    from torch.distributed.tensor import DTensor
-
-    whole_a = a.full_tensor() if hasattr(a, "full_tensor") else a
-    local_b = b.to_local() if hasattr(b, "to_local") else b
-    local = weight.to_local() + scale * (local_b @ whole_a).to(weight.dtype)
-    return DTensor.from_local(
-        local, weight.device_mesh, weight.placements, shape=weight.shape, stride=weight.stride()
-    )
 
 
 def peft_names(state: Mapping[str, torch.Tensor], embeddings: bool) -> dict[str, torch.Tensor]:

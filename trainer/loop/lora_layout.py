@@ -18,14 +18,14 @@ __all__ = [
 
 
 def lora_push(cfg: Config) -> str:
-    """How a LoRA actor's weights reach the engines: ``adapters`` (what trains alone, loaded in
-    place: the HF engine holds the same adapters on its base; vLLM and vllm-ascend serve them
-    as a LoRA adapter, ``rollout.engines.vllm_lora``) or ``merged`` (whole weights with the
-    adapters folded in, ``W + (alpha / r) B A``: vLLM when the embeddings train too, which
-    its LoRA serving does not take)."""
-    if cfg.rollout.engine == "hf" or not cfg.model.lora.train_embeddings:
-        return "adapters"
-    return "merged"
+    """How a LoRA actor's weights reach the engines: ``adapters``, what trains alone, loaded in
+    place, whatever the engine: the HF engine holds the same adapters on its base; vLLM and
+    vllm-ascend serve them as a LoRA adapter and take what trains whole beside them (the
+    embedding and LM head with ``model.lora.train_embeddings``) into their base with the
+    model's own loader (``rollout.engines.vllm_lora``). Never whole weights with the adapters
+    folded in: ``W + (alpha / r) B A`` rounded to a bf16 engine's dtype keeps only part of a
+    small update, which ``W x + (alpha / r) B (A x)`` keeps."""
+    return "adapters"
 
 
 def pushes_whole_weights(cfg: Config) -> bool:
@@ -110,16 +110,15 @@ def format_lora(cfg: Config, shape: ModelShape | None, total_params: int | None)
             "  reference: the actor with its adapters off (no reference worker, no second copy "
             "of the weights)"
         )
-    if lora_push(cfg) == "adapters":
-        where = (
-            "the HF engine holds the same adapters on its base"
-            if cfg.rollout.engine == "hf"
-            else "vLLM serves them as a LoRA adapter"
-        )
-        lines.append(f"  weight push: the adapters only, loaded in place ({where})")
+    where = (
+        "the HF engine holds the same adapters on its base"
+        if cfg.rollout.engine == "hf"
+        else "vLLM serves them as a LoRA adapter"
+    )
+    if lora.train_embeddings:
+        what = "the adapters, and the embedding and LM head whole"
+        where += "; the embedding and LM head go into its base by name"
     else:
-        lines.append(
-            "  weight push: merged weights W + (alpha / r) B A (vLLM's LoRA serving takes no "
-            "trained embeddings: model.lora.train_embeddings=true)"
-        )
+        what = "the adapters only"
+    lines.append(f"  weight push: {what}, loaded in place ({where})")
     return "\n".join(lines)

@@ -65,20 +65,12 @@ class WeightPush:
 
     def push_state(self) -> Mapping[str, torch.Tensor]:
         """What the engines load, by name (FSDP2 shards as they are): the model's state dict;
-        for a LoRA actor (``model.lora``), as ``trainer.loop.lora_layout.lora_push`` rules: its
-        trainable entries alone (``adapters``: the adapters, and the embeddings when they
-        train, into an engine that holds the same adapters) or whole weights with the
-        adapters folded in (``merged``)."""
+        for a LoRA actor (``model.lora``), its trainable entries alone
+        (``trainer.loop.lora_layout.lora_push``): the adapters, and the embedding and LM head
+        when they train, into an engine that holds the same base."""
         state = self.model.state_dict()
-        cfg = self.spec.cfg
-        if not cfg.model.lora.enabled:
+        if not self.spec.cfg.model.lora.enabled:
             return state
-        from trainer.loop.lora_layout import lora_push
-
-        if lora_push(cfg) == "merged":
-            from rollout.lora import merged
-
-            return merged(state, cfg.model.lora.scale)
         from rollout.lora import trained_names
 
         trained = trained_names(self.model)
