@@ -66,6 +66,34 @@ def test_adapters_off_is_the_base_and_folded_weights_are_the_adapted_model(model
     assert torch.allclose(_logits(base), out, atol=1e-5)
 
 
+def test_adapters_off_swaps_in_the_base_embedding_and_an_untied_head():
+    """With the embedding and an untied LM head trained whole, ``adapters_off`` given their
+    ``base_copies`` computes the base, and after it the trained model again."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollout.models import builtin_config_dir
+
+    config = AutoConfig.from_pretrained(str(builtin_config_dir("builtin:tiny")))
+    config.tie_word_embeddings = False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        base = _logits(model)
+    lora.inject(model, 4, 8.0, 0.0, TARGETS, embeddings=True)
+    copies = lora.base_copies(model)
+    assert set(copies) == {"model.embed_tokens.weight", "lm_head.weight"}
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in copies:
+            params[name].add_(0.05 * torch.randn(params[name].shape))
+        trained = _logits(model)
+        assert not torch.allclose(trained, base, atol=1e-3)
+        with lora.adapters_off(model, copies):
+            assert torch.equal(_logits(model), base)
+        assert torch.equal(_logits(model), trained)
+
+
 def test_a_target_that_matches_no_module_names_the_key(tmp_path, monkeypatch):
     monkeypatch.setenv("CROSSRL_CACHE", str(tmp_path / "cache"))
     model = build_empty_model("builtin:tiny", dtype=torch.float32, seed=0)
