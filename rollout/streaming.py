@@ -20,8 +20,9 @@ Two pieces, both free of the trainer:
   be trained on within the bound). A finished group waits in a queue with the oldest and newest
   version its tokens came from. ``take(count, min_version)`` hands over the first ``count`` groups to
   finish whose oldest version is at least ``min_version``; a group older than that is dropped
-  (never trained on) and counted. Groups are whole: a group enters a batch only when every
-  sample has ended (GRPO and RLOO normalise within it).
+  (never trained on) and counted; a group that sampled no token (every environment reset
+  failed) is never stale, and is taken in its turn with its faults. Groups are whole: a group
+  enters a batch only when every sample has ended (GRPO and RLOO normalise within it).
 
 Which groups a step trains on depends on timing, so streamed runs are not identical run to
 run; the caller records every step's batch for replay.
@@ -211,23 +212,25 @@ def _continued(request: GenerationRequest, sampled: list[int]) -> GenerationRequ
 @dataclass
 class FinishedGroup:
     """One prompt's samples, all ended: ``output`` (the agent loop's ``RolloutOutput`` for
-    that prompt alone), ``ordinal`` (its place in the prompt stream) and the policy versions
-    its tokens came from (``tokens``: version -> tokens)."""
+    that prompt alone), ``ordinal`` (its place in the prompt stream), the policy versions
+    its tokens came from (``tokens``: version -> tokens) and ``version``, the engine's when
+    the group finished."""
 
     ordinal: int
     output: Any
     tokens: dict[int, int] = field(default_factory=dict)
     finished_at: float = 0.0
+    version: int = 0
 
     @property
     def oldest(self) -> int:
-        """The oldest policy version among its tokens (the engine's version if none)."""
-        return min(self.tokens) if self.tokens else 0
+        """The oldest policy version among its tokens (``version`` if it sampled none)."""
+        return min(self.tokens) if self.tokens else self.version
 
     @property
     def newest(self) -> int:
-        """The newest policy version among its tokens."""
-        return max(self.tokens) if self.tokens else 0
+        """The newest policy version among its tokens (``version`` if it sampled none)."""
+        return max(self.tokens) if self.tokens else self.version
 
 
 def admit(
@@ -235,12 +238,15 @@ def admit(
 ) -> tuple[list[FinishedGroup], list[FinishedGroup], list[FinishedGroup]]:
     """Split the finished groups, in the order they finished, into those a step takes (the
     first ``count`` whose oldest token is of version ``min_version`` or newer), those it drops
-    (older than that: they can never enter a batch again) and those left for later steps."""
+    (older than that: they can never enter a batch again) and those left for later steps.
+    A group that sampled no token (every reset of its environment failed) holds nothing
+    stale: it is taken in its turn, as a synchronous step takes a prompt whose resets all
+    failed, so its faults reach the step's environment-fault check, never dropped unseen."""
     taken: list[FinishedGroup] = []
     dropped: list[FinishedGroup] = []
     left: list[FinishedGroup] = []
     for group in ready:
-        if group.oldest < min_version:
+        if group.tokens and group.oldest < min_version:
             dropped.append(group)
         elif len(taken) < count:
             taken.append(group)
@@ -308,7 +314,11 @@ class StreamSampler:
                     self._cond.notify_all()
                 return
             group = FinishedGroup(
-                ordinal, output, self.engine.tokens_of(ordinal), time.perf_counter()
+                ordinal,
+                output,
+                self.engine.tokens_of(ordinal),
+                time.perf_counter(),
+                self.engine.version,
             )
             with self._cond:
                 self.in_flight -= 1

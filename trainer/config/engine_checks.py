@@ -107,7 +107,7 @@ def _streaming_problems(cfg: Config) -> list[Problem]:
             cfg.algorithm.rollout_correction == "none",
             "algorithm.rollout_correction",
             "samples come from older policies, so the loss needs importance weights: set "
-            "algorithm.rollout_correction=token or sequence",
+            "algorithm.rollout_correction=token, sequence or geometric",
         ),
         (
             cfg.rollout.max_sample_batches > 1,

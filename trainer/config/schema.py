@@ -288,10 +288,13 @@ class AlgorithmConfig(BaseModel):
     cliprange_value: float = Field(
         0.2, gt=0, description="critic value clipping around the old values (gae)"
     )
-    rollout_correction: Literal["none", "token", "sequence"] = Field(
+    rollout_correction: Literal["none", "token", "sequence", "geometric"] = Field(
         "none",
         description="truncated importance weights min(pi_old / pi_rollout, cap) on the policy "
-        "loss, for the engine / trainer log-prob mismatch: per token, or one per sequence",
+        "loss, for the engine / trainer log-prob mismatch: per token; one per sequence, the "
+        "product of its tokens' ratios (their geometric mean where a streamed sequence mixes "
+        "policy versions); or geometric: one per sequence, the geometric mean of its tokens' "
+        "ratios",
     )
     rollout_correction_cap: float = Field(
         2.0, ge=1, description="upper bound of the rollout-correction weights (>= 1)"

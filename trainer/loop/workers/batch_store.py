@@ -163,6 +163,7 @@ class BatchStore:
                     batch.cu_seqlens,
                     level=algo.rollout_correction,
                     cap=algo.rollout_correction_cap,
+                    versions=batch.token_fields.get("policy_version"),  # a streamed batch's
                 )
                 batch.set_token_field("is_weights", weights)
                 out.update(weight_metrics)

@@ -120,7 +120,11 @@ class StreamingHost:
         out = RolloutOutput(
             rows=rows,
             metrics=combine_rollout_metrics([g.output.metrics for g in taken]),
-            faults=[f for g in taken for f in g.output.faults],
+            # every group's faults, those of a group whose resets all failed too (``admit``
+            # takes it in its turn): the step's environment-fault check counts them
+            faults=[
+                (j * n + t % n, text) for j, g in enumerate(taken) for t, text in g.output.faults
+            ],
         )
         out.metrics.update(staleness_metrics(taken, trained))
         out.metrics.update(
@@ -133,7 +137,8 @@ class StreamingHost:
                 "stream/calls_interrupted": float(self.versioned.interruptions - last_cut),
             }
         )
-        return self._batch_out(step, out, record_dir, min(g.oldest for g in taken))
+        sampled = [g.oldest for g in taken if g.tokens] or [g.oldest for g in taken]
+        return self._batch_out(step, out, record_dir, min(sampled))
 
     def stream_hold(self, timeout_s: float) -> None:
         """Colocated engines: stop sampling so the ranks can take the devices (the engines
