@@ -162,9 +162,12 @@ def _check_lora_targets(cfg: Config) -> None:
 
     path = cfg.model.path
     directory = builtin_config_dir(path) if path.startswith("builtin:") else Path(path).expanduser()
-    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - an architecture transformers cannot build here:
+        return  # the worker's own injection names the key then (rollout.lora.inject)
     problem = target_problem(model, cfg.model.lora.target_modules)
     if problem:
         raise PreflightError(problem)
