@@ -51,6 +51,7 @@ __all__ = [
     "estimate_memory",
     "micro_batch_tokens",
     "recompute_bytes",
+    "saved_bytes",
 ]
 
 GB = 1e9
@@ -159,9 +160,29 @@ def recompute_bytes(shape: ModelShape, tokens: int, param_bytes: int) -> float:
     RMSNorms' two float32 ``[T, h]`` copies. At bf16 that is ``T x (12 i + 22 h)`` bytes,
     within a few percent of FSDPMemTracker's count of the same backward at Qwen2.5's shapes
     (``tests/test_memory_tracker.py``); the budget before issue 32 counted
-    ``T x (4 h + 3 i) x 2``, half of it."""
-    h, i = shape.hidden_size, shape.intermediate_size
-    return float(tokens * ((6 * i + 7 * h) * param_bytes + 2 * h * 4))
+    ``T x (4 h + 3 i) x 2``, half of it. A mixture of experts' sparse layer holds its experts'
+    instead of the six ``[T, i]`` (``Experts.backward_bytes``); the larger layer counts."""
+    h = shape.hidden_size
+    mlps = []
+    if shape.sparse_layers < shape.num_hidden_layers:
+        mlps.append(tokens * 6 * shape.intermediate_size * param_bytes)
+    if shape.experts is not None and shape.sparse_layers:
+        mlps.append(shape.experts.backward_bytes(tokens, h, param_bytes))
+    return float(tokens * (7 * h * param_bytes + 2 * h * 4) + max(mlps))
+
+
+def saved_bytes(shape: ModelShape, tokens: int, param_bytes: int) -> float:
+    """Bytes every decoder layer saves for its backward without activation checkpointing:
+    ``T x (4 h + 3 i)`` in param_dtype per dense layer, a sparse layer's experts
+    (``Experts.saved_bytes``) instead of its ``3 i``."""
+    h = shape.hidden_size
+    attention = tokens * 4 * h * param_bytes
+    dense = shape.num_hidden_layers - shape.sparse_layers
+    total = dense * (attention + tokens * 3 * shape.intermediate_size * param_bytes)
+    if shape.experts is not None:
+        moe = shape.experts.saved_bytes(tokens, h, param_bytes)
+        total += shape.sparse_layers * (attention + moe)
+    return float(total)
 
 
 def _zero() -> dict[str, float]:
@@ -201,9 +222,11 @@ def estimate_memory(
     pb, rb = DTYPE_BYTES[train.param_dtype], DTYPE_BYTES[train.reduce_dtype]
     eb = DTYPE_BYTES[cfg.model.dtype]
     tokens = micro_batch_tokens(cfg)
-    n_actor = shape.num_params
+    # FSDP2 pads each tensor's rows to a multiple of dp (``ModelShape.padded_params``).
+    n_actor = shape.padded_params(dp)
     critic = critic_shape or shape
-    n_critic = critic.value_model_params if cfg.critic.enable else 0
+    pad = critic.padded_params(dp) - critic.num_params
+    n_critic = critic.value_model_params + pad if cfg.critic.enable else 0
     lora = cfg.model.lora.enabled
     # LoRA (model.lora): only the adapters (and the embeddings, when they train) have
     # gradients and optimizer state; the reference is the actor with its adapters off.
@@ -253,8 +276,9 @@ def estimate_memory(
         if trained == n or cfg.model.lora.train_embeddings:
             grads += head * pb  # the head's whole gradient exists from the start of backward
         # a layer's reduce-scatter input: its gradients, which LoRA has for the adapters alone
-        scattered = role_shape.layer_params if trained == n else trained / layers
-        gather = (2 * role_shape.layer_params + root) * pb + scattered * rb
+        layer = role_shape.padded_layer_params(dp)
+        scattered = layer if trained == n else trained / layers
+        gather = (2 * layer + root) * pb + scattered * rb
         kept = tokens * h * pb
         if train.activation_checkpointing:
             # Each layer keeps its input; the one being recomputed holds, in its backward,
@@ -262,8 +286,7 @@ def estimate_memory(
             recompute = recompute_bytes(role_shape, tokens, pb)
             activ = (layers + 1) * kept + recompute
         else:
-            layer_full = tokens * (4 * h + 3 * role_shape.intermediate_size) * pb
-            activ = layers * layer_full + kept
+            activ = saved_bytes(role_shape, tokens, pb) + kept
         if trained != n:
             # LoRA: a target's input gradient comes down two paths (the frozen weight and the
             # adapters) and is summed; FSDPMemTracker measured 3.4 x T x H in param_dtype on
@@ -308,7 +331,7 @@ def estimate_memory(
     separate = bool(roll.engine_devices) and not before_fixes
     engine_replicas = (roll.engine_devices if separate else dp) // tp
     replicas = (engine_replicas if separate else max(1, ranks_per_memory // tp)) if host else 1
-    model_bytes = n_actor * eb
+    model_bytes = (shape.num_params + n_adapters) * eb  # the engine's weights: no padding
     if roll.engine == "vllm":
         awake = roll.memory_fraction * device_memory_bytes
         asleep = awake if host else 0.0

@@ -17,7 +17,7 @@ from trainer.loop.memory_budget import (
     estimate_memory,
     micro_batch_tokens,
 )
-from trainer.loop.model_shape import PUBLISHED_SHAPES
+from trainer.loop.model_shape import PUBLISHED_SHAPES, ModelShape, ModelShapeError
 from trainer.loop.snapshot_budget import format_snapshots
 from trainer.loop.stream_budget import format_in_flight
 
@@ -68,7 +68,8 @@ def budget_for_cli(
     """The memory budget of ``cfg``'s step (``trainer.loop.memory_budget``) on its device type,
     sized by ``device_memory``; None when the model's shape is unknown. On the CPU the host's
     RAM holds every rank of the node: those of ``layout``'s fullest node, else all of
-    ``train.dp_size``. Raises ``LayoutError`` for a bad ``device_memory_gb``."""
+    ``train.dp_size``. Raises ``LayoutError`` for a bad ``device_memory_gb`` and for a model
+    whose experts the budget cannot count (``trainer.loop.moe_layout``)."""
     import hal
 
     name = layout.device if layout is not None and layout.device else cfg.device
@@ -83,7 +84,10 @@ def budget_for_cli(
                 sum(1 for n, _ in layout.rank_slots if n == node)
                 for node in range(len(layout.nodes))
             )
-    return budget_for(cfg, name, memory, source, ranks_per_memory=max(1, ranks))
+    try:
+        return budget_for(cfg, name, memory, source, ranks_per_memory=max(1, ranks))
+    except ModelShapeError as err:  # a mixture of experts the budget cannot count
+        raise LayoutError(f"model.path: {err}") from None
 
 
 # ----------------------------------------------------------------------------- verdict
@@ -203,6 +207,19 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}e9" if n >= 1e8 else f"{n:,}"
 
 
+def _experts_line(shape: ModelShape) -> list[str]:
+    """The line saying what a mixture of experts counts (none for a dense model)."""
+    e = shape.experts
+    if e is None:
+        return []
+    shared = f" + shared {e.shared_intermediate_size}" if e.shared_intermediate_size else ""
+    return [
+        f"  experts: {e.count} x width {e.intermediate_size} in {e.sparse_layers}/"
+        f"{shape.num_hidden_layers} layers (params, grads, optim); {e.per_token} active a "
+        f"token{shared}"
+    ]
+
+
 def format_budget(budget: MemoryBudget | None, cfg: Config) -> str:
     """The budget as ``crossrl layout`` prints it (under 100 columns): where the shape and
     the memory come from, one row per phase with its components in GB, and the peak.
@@ -228,6 +245,7 @@ def format_budget(budget: MemoryBudget | None, cfg: Config) -> str:
     lines = [
         f"memory {where}, {title}:",
         f"  model: {_count(shape.num_params)} parameters, shape from {shape.source}",
+        *_experts_line(shape),
         f"  device: {mem / GB:.1f} GB ({budget.memory_source})",
         f"  micro-batch: {budget.micro_batch_tokens:,} tokens (train.max_tokens_per_micro_batch"
         f"={tokens if tokens is not None else 'null'})",

@@ -200,19 +200,21 @@ def _by_category(snapshot: dict) -> dict[str, float]:
 
 
 def _model_dir(shape_config: dict, layers: int | None, root: Path) -> Path:
-    """A directory with the ``config.json`` of the shape (``layers`` decoder layers)."""
-    from transformers import Qwen2Config
+    """A directory with the ``config.json`` of the shape (``layers`` decoder layers), made by
+    transformers' config class of its ``model_type`` (Qwen2 where it names none)."""
+    from transformers import AutoConfig
 
     config = {**shape_config}
     if layers is not None:
         config["num_hidden_layers"] = layers
     directory = root / "model"
-    Qwen2Config(**config).save_pretrained(directory)
+    AutoConfig.for_model(config.pop("model_type", "qwen2"), **config).save_pretrained(directory)
     return directory
 
 
 def _shape_config(cfg: Config) -> dict:
-    """The ``config.json`` fields of ``model.path``'s shape (``model_shape``)."""
+    """The ``config.json`` fields of ``model.path``'s shape (``model_shape``): a mixture of
+    experts' own config.json, else a Qwen2 of its sizes."""
     shape = model_shape(cfg.model.path)
     if shape is None:
         raise ValueError(
@@ -220,6 +222,8 @@ def _shape_config(cfg: Config) -> dict:
             "published Qwen2.5 name), so the step cannot be tracked; point model.path at a "
             "model directory"
         )
+    if shape.config is not None:
+        return dict(shape.config)
     return {
         "hidden_size": shape.hidden_size,
         "num_hidden_layers": shape.num_hidden_layers,

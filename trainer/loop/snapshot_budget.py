@@ -87,17 +87,10 @@ def _ahead(cfg: Config) -> tuple[str, int]:
 
 
 def _tensors(shape: ModelShape) -> list[tuple[int, int]]:
-    """``(rows, elements per row)`` of every state-dict entry of a policy of ``shape``: each
-    decoder layer's q, k, v (and their biases), o, gate, up, down and two norms, the
-    embedding, the final norm and the LM head (an entry of its own even when tied)."""
-    h, inter = shape.hidden_size, shape.intermediate_size
-    q = shape.num_attention_heads * shape.head_dim
-    kv = shape.num_key_value_heads * shape.head_dim
-    layer = [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter), (h, 1), (h, 1)]
-    if shape.attention_bias:
-        layer += [(q, 1), (kv, 1), (kv, 1)]
-    vocab = (shape.vocab_size, h)
-    return layer * shape.num_hidden_layers + [vocab, (h, 1), vocab]
+    """``(rows, elements per row)`` of every state-dict entry of a policy of ``shape``
+    (``ModelShape.tensors``: each decoder layer's attention, MLP or experts and norms, the
+    embedding, the final norm and the LM head, an entry of its own even when tied)."""
+    return shape.tensors()
 
 
 def _rows(total: int, rank: int, ranks: int) -> int:
