@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.deterministic
 
+from hal.collectives import CollectiveFaults
 from hal.sdpa import prefix_sdpa, segmented_sdpa
 
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
@@ -26,7 +27,7 @@ class DeviceNotAvailableError(RuntimeError):
     """Raised by `hal.get_backend` when the asked-for device type is absent on this machine."""
 
 
-class DeviceBackend:
+class DeviceBackend(CollectiveFaults):
     """One device type (cpu, cuda, npu). Subclasses set the class attributes below.
 
     Instances are cheap and never touch the device when created: `hal.get_backend` checks that
@@ -313,16 +314,6 @@ class DeviceBackend:
         1, ...: one per training role, then the engine; every rank of a kind takes the same).
         A variable already set in ``environ`` (this process's environment by default) is left
         to it. None here: this device's collectives need no ports of their own per process."""
-        return {}
-
-    def collective_timeout_env(
-        self, timeout_s: float, environ: Mapping[str, str] | None = None
-    ) -> dict[str, str]:
-        """Environment a job's processes start with so that a collective stuck for
-        ``timeout_s`` seconds (``run.collective_timeout_s``) fails instead of hanging, beyond
-        the process group's own timeout (``init_process_group``): the device library's
-        watchdog. A variable already set in ``environ`` (this process's environment by
-        default) is left to it. None here: gloo has only the process group's timeout."""
         return {}
 
     # ---- attention --------------------------------------------------------------------------

@@ -25,6 +25,13 @@ class CpuBackend(DeviceBackend):
     ray_resource = RAY_RESOURCES["cpu"]
     ray_noset_env_var = None
     is_accelerator = False
+    # gloo words a broken collective as a plain RuntimeError from its transport: past the
+    # group's timeout ("[.../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting
+    # 20000ms for send ..."), or a peer gone ("[.../gloo/transport/tcp/pair.cc:537] Read
+    # error [127.0.0.1]:44466: Connection reset by peer").
+    collective_error_patterns = (
+        r"gloo/transport/\S+\] (Timed out|Read error|Write error|Connection)",
+    )
 
     def device(self, local_rank: int = 0) -> torch.device:
         """Always `cpu`: every rank shares the host; local_rank is accepted and ignored."""

@@ -128,6 +128,14 @@ class CudaBackend(DeviceBackend):
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     ray_resource = RAY_RESOURCES["cuda"]
     ray_noset_env_var = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+    # torch raises DistBackendError for NCCL's errors; its text, where only that survives: a
+    # peer gone or a link down (ncclRemoteError, ncclSystemError), the watchdog's timeout.
+    collective_error_patterns = (
+        r"\bncclRemoteError\b|\bncclSystemError\b",
+        r"remote process exited or there was a network error",
+        r"Watchdog caught collective operation timeout",
+        r"NCCL communicator was aborted",
+    )
     # vLLM 0.24's batch_invariant.py: its own matmul/softmax/mean kernels, one-split attention
     vllm_batch_invariant = True
 

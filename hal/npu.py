@@ -56,6 +56,52 @@ def hccl_port_ranges(slot: int) -> dict[str, str]:
     return {key: f"{start}-{start + HCCL_PORTS_PER_SLOT - 1}" for key, start in first.items()}
 
 
+HCCL_OP_WAIT_OFFSET_S = 30
+"""torch_npu 2.10.0.post4 (``ProcessGroupHCCL``): with ``HCCL_EVENT_TIMEOUT`` unset, a
+stream waits for an HCCL operator's event ``HCCL_EXEC_TIMEOUT`` + 30 s before it fails."""
+HCCL_EXEC_MARGIN_S = 2 * HCCL_OP_WAIT_OFFSET_S
+"""Seconds ``HCCL_EXEC_TIMEOUT`` stays under the process group's timeout: HCCL's operator
+timeout, the event wait 30 s after it and the watchdog's look at the failed work all come
+before the group's own timeout, so HCCL records the operator that failed in its plog."""
+HCCL_CONNECT_TIMEOUT_S = (120, 7200)
+"""The range CANN accepts for ``HCCL_CONNECT_TIMEOUT`` (seconds to build a communicator's
+links; CANN's default is the lower end)."""
+
+#: HCCL results that mean a collective broke rather than was misused (``hccl_types.h``):
+#: TIMEOUT 9, TCP_CONNECT 11, ROCE_CONNECT 12, TCP_TRANSFER 13, ROCE_TRANSFER 14, NETWORK 19,
+#: REMOTE 21, SUSPENDING 22, OPRETRY_FAIL 23.
+HCCL_BROKEN_RESULTS = (9, 11, 12, 13, 14, 19, 21, 22, 23)
+
+
+def hccl_timeout_env(timeout_s: float) -> dict[str, str]:
+    """The HCCL and torch_npu settings for process groups of ``timeout_s`` seconds
+    (``run.collective_timeout_s``). torch_npu 2.10.0.post4 wants ``HCCL_EXEC_TIMEOUT``
+    below the group's timeout: at or above it, every ``ProcessGroupHCCL`` warns "The watchdog
+    timeout ...ms (which is set by init_process_group) is less than or equal to HCCL
+    execution timeout ...ms! The plog may not be recorded." So:
+
+    - ``HCCL_EXEC_TIMEOUT``: ``HCCL_EXEC_MARGIN_S`` under the group's timeout (half of it
+      for a timeout under 2 minutes), whole seconds, at least 1;
+    - ``HCCL_CONNECT_TIMEOUT``: the same, within CANN's range (``HCCL_CONNECT_TIMEOUT_S``):
+      a peer late to build the links gets the patience of one late to a collective;
+    - ``HCCL_ASYNC_ERROR_HANDLING=1``: the watchdog tears the process down on a failed
+      collective (a dead process, which a restart replaces);
+    - ``TORCH_HCCL_ENABLE_MONITORING=1``, ``TORCH_HCCL_HEARTBEAT_TIMEOUT_SEC``: the group's
+      timeout: torch_npu's heartbeat monitor (off by default) ends a process whose watchdog
+      itself is stuck (an HCCL call that never returns), which no timeout above catches.
+    """
+    margin = min(HCCL_EXEC_MARGIN_S, timeout_s / 2)
+    exec_s = min(max(int(math.floor(timeout_s - margin)), 1), 2**31 - 1)
+    low, high = HCCL_CONNECT_TIMEOUT_S
+    return {
+        "HCCL_EXEC_TIMEOUT": str(exec_s),
+        "HCCL_CONNECT_TIMEOUT": str(min(max(exec_s, low), high)),
+        "HCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_HCCL_ENABLE_MONITORING": "1",
+        "TORCH_HCCL_HEARTBEAT_TIMEOUT_SEC": str(max(int(math.ceil(timeout_s)), 1)),
+    }
+
+
 def torch_npu_installed() -> bool:
     """True when the torch_npu package is importable (checked without importing it)."""
     return importlib.util.find_spec("torch_npu") is not None
@@ -158,6 +204,17 @@ class NpuBackend(DeviceBackend):
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
     ray_resource = RAY_RESOURCES["npu"]
     ray_noset_env_var = "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"
+    # HCCL's errors reach Python as plain RuntimeErrors from torch_npu: its HCCL_CHECK_ERROR
+    # ("HCCL function error: <call>, error code is <n>"), its watchdog's async-error check,
+    # its timeout; CANN's EI0002 (a notify wait timed out: a peer never came) and EI0006 (a
+    # link was not built in time).
+    collective_error_patterns = (
+        rf"HCCL function error: .*error code is ({'|'.join(map(str, HCCL_BROKEN_RESULTS))})\b",
+        r"HCCL_E_(TIMEOUT|TCP_CONNECT|ROCE_CONNECT|TCP_TRANSFER|ROCE_TRANSFER|NETWORK|REMOTE)",
+        r"got ERROR via HcclGetCommAsyncError",
+        r"Watchdog caught collective operation timeout",
+        r"\bEI000[26]\b",
+    )
     # vllm-ascend 0.26.0rc1's batch_invariant.py: AscendC ops, else triton-ascend's kernels
     vllm_batch_invariant = True
 
@@ -191,16 +248,12 @@ class NpuBackend(DeviceBackend):
         return {k: v for k, v in hccl_port_ranges(slot).items() if k not in environ}
 
     def collective_timeout_env(self, timeout_s: float, environ=None) -> dict[str, str]:
-        """HCCL's device-side execution timeout (``HCCL_EXEC_TIMEOUT``, seconds, 0 to 2^31-1
-        on A2/A3) follows ``run.collective_timeout_s``, so an HCCL operator waiting for a dead
-        peer fails with the process group's timeout instead of its own default; and torch_npu
-        tears the process down on a failed collective (``HCCL_ASYNC_ERROR_HANDLING=1``). A
-        value already exported is left to the user (the doctor checks it: under
-        ``HCCL_OP_EXPANSION_MODE=AIV`` HCCL clamps it to 1091 s)."""
+        """HCCL's own timeouts just under the process group's (``hccl_timeout_env``), the
+        watchdog that tears a process down on a failed collective and its heartbeat monitor.
+        A value already exported is left to the user (the doctor checks it: under
+        ``HCCL_OP_EXPANSION_MODE=AIV`` HCCL clamps ``HCCL_EXEC_TIMEOUT`` to 1091 s)."""
         environ = os.environ if environ is None else environ
-        seconds = min(max(int(math.ceil(timeout_s)), 1), 2**31 - 1)
-        wanted = {"HCCL_EXEC_TIMEOUT": str(seconds), "HCCL_ASYNC_ERROR_HANDLING": "1"}
-        return {k: v for k, v in wanted.items() if k not in environ}
+        return {k: v for k, v in hccl_timeout_env(timeout_s).items() if k not in environ}
 
     @property
     def vllm_layerwise_reload(self) -> bool:
