@@ -19,7 +19,8 @@ from trainer.loop import call_limits
 from trainer.loop.call_limits import CallLimits
 from trainer.loop.restarts import Restart, Restarts
 from trainer.loop.run import closing_summary
-from trainer.loop.workers.group import WorkerFailedError, raised_kind
+from trainer.loop.workers.faults import fault_kind
+from trainer.loop.workers.group import WorkerFailedError
 
 SHORT = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4"]
 
@@ -31,10 +32,6 @@ def _cfg(run_dir: Path, *overrides: str):
 # ---- what restarts, and how often -----------------------------------------------------------
 
 
-class DistBackendError(RuntimeError):
-    """Stands for torch.distributed's error of that name (matched by class name)."""
-
-
 class Wrapped(RuntimeError):
     """Stands for Ray's RayTaskError, which keeps the worker's error as ``cause``."""
 
@@ -44,16 +41,18 @@ class Wrapped(RuntimeError):
 
 
 def test_kinds_of_worker_failure_and_which_restart():
-    assert raised_kind(ValueError("bad reward")) == "raised"
-    assert raised_kind(Wrapped(DistBackendError("gloo timed out"))) == "collective"
+    from torch.distributed import DistBackendError
+
+    assert fault_kind(ValueError("bad reward")) == "raised"
+    assert fault_kind(Wrapped(DistBackendError("gloo timed out"))) == "collective"
     gloo = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out "
-    assert raised_kind(Wrapped(RuntimeError(gloo + "waiting 20000ms for send"))) == "collective"
+    assert fault_kind(Wrapped(RuntimeError(gloo + "waiting 20000ms for send"))) == "collective"
     peer_gone = (
         "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
         "[127.0.0.1]:44466: Connection reset by peer"
     )
-    assert raised_kind(RuntimeError(peer_gone)) == "collective"
-    assert raised_kind(RuntimeError("Timed out waiting for my env")) == "raised"
+    assert fault_kind(RuntimeError(peer_gone)) == "collective"
+    assert fault_kind(RuntimeError("Timed out waiting for my env")) == "raised"
     assert WorkerFailedError("x", kind="died").restartable
     assert WorkerFailedError("x", kind="hung").restartable
     assert WorkerFailedError("x", kind="collective").restartable
@@ -101,7 +100,10 @@ def test_a_restart_is_recorded_on_the_next_line_and_in_the_summary(tmp_path):
         wall_s=9.0,
         restarts=[restart.summary()],
     )
-    assert "restart 1: at step 5 (worker actor rank 1 died); resumed from step 2" in text
+    assert (
+        "restart 1: at step 5 (a process died: worker actor rank 1 died); resumed from step 2"
+        in text
+    )
     assert "2 step(s) redone" in text
 
 

@@ -54,8 +54,9 @@ class RunConfig(BaseModel):
         2,
         ge=0,
         description="times a run starts its workers again and resumes from its last checkpoint "
-        "(or its start) after a worker process died, hung or broke a collective; 0 = stop at "
-        "the first such fault (exit 1)",
+        "(or its start) after a process of the job died, an object it held was lost with it, "
+        "a collective broke or a call passed its time limit; 0 = stop at the first such "
+        "fault (exit 1)",
     )
     collective_timeout_s: float = Field(
         600.0,
@@ -63,6 +64,14 @@ class RunConfig(BaseModel):
         description="seconds a collective may wait for a peer before it fails (the process "
         "group's timeout, and the device library's watchdog through the HAL); a worker call's "
         "own limit is this plus what the call's budgets allow",
+    )
+    time_limit_scale: float = Field(
+        1.0,
+        gt=0,
+        description="factor on every worker call's budget (rollout, update, validation, "
+        "checkpoint save and load, weight push, start-up; trainer/loop/call_limits.py), "
+        "which follows the model's bytes and the measured throughput; raise it on slow "
+        "storage or links, lower it to call hangs sooner",
     )
     overwrite: bool = Field(
         False,

@@ -14,6 +14,7 @@ worker to worker the same way. Each concern lives in its own module: the plan in
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,16 @@ if TYPE_CHECKING:
 class Trainer:
     """Builds the workers for a config and runs the training loop."""
 
-    def __init__(self, cfg: Config, run_dir: Path, *, replay_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        *,
+        replay_dir: str | None = None,
+        limits: CallLimits | None = None,
+    ) -> None:
+        """``limits``: the run's call limits, kept across its attempts (``run_training``);
+        default: those of ``cfg``."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.replay_dir = replay_dir
@@ -62,7 +72,7 @@ class Trainer:
         self.critic: WorkerGroup | None = None
         self.deterministic_settings: dict[str, str] = {}
         self.nonfinite = NonfiniteStreak(cfg.run.max_nonfinite_steps)
-        self.limits = CallLimits.for_config(cfg)  # seconds each kind of call may take
+        self.limits = limits or CallLimits.for_config(cfg)  # seconds each call may take
         # Engines on devices of their own: the fixed-lag pipeline, or the stream
         # (train.max_staleness, colocated engines too); set up by start.
         self.pipeline = None
@@ -266,9 +276,9 @@ class Trainer:
             from trainer.loop.workers.rollout_host import PUSHED
 
             seq, self.pushes = self.pushes, self.pushes + 1
-            self.actor.call("broadcast_weights", seq, timeout_s=self.limits.setup_s)
+            self.actor.call("broadcast_weights", seq, timeout_s=self.limits.push_s)
             return [PUSHED, seq]
-        parts = self.actor.call("snapshot_weights")
+        parts = self.actor.call("snapshot_weights", timeout_s=self.limits.push_s)
         return [[refs for refs, _ in parts], [specs for _, specs in parts]]
 
     def _check_weights(self, step: int) -> None:
@@ -284,14 +294,16 @@ class Trainer:
         for it here would wait for every rollout queued before it."""
         from trainer.records.metrics import StepTimer
 
-        if self.layout.separate:
-            return Later(self.pipeline.validation(step), "rollout host", "rollout.validate")
+        if self.layout.separate:  # queued behind the rollouts sampled ahead
+            queued_s = self.limits.queued_s(self.cfg.train.rollout_lag + 1)
+            ref = self.pipeline.validation(step)
+            return Later(ref, "rollout host", "rollout.validate", timeout_s=queued_s)
         timer = StepTimer()
         with timer.section("val"):
             (metrics,) = wait_all(
                 [self.rollout.validate.remote(step)],
                 ["rollout host"],
-                timeout_s=self.limits.setup_s,
+                timeout_s=self.limits.validation_s,
                 what="rollout.validate",
             )
         return {**metrics, "timing/val_s": timer.sections["val"]}
@@ -302,7 +314,7 @@ class Trainer:
         return wait_all(
             [getattr(h, method).remote(*args) for _, h in live],
             [f"engine replica {i}" for i, _ in live],
-            timeout_s=self.limits.setup_s,
+            timeout_s=self.limits.push_s,  # sleep and wake move the engine's weights
             what=f"rollout.{method}",
         )
 
@@ -327,18 +339,22 @@ class Trainer:
         store, for ``bench e2e``."""
         if self.replay_dir is not None:
             return
+        started = time.monotonic()
         if self.layout.separate:  # engines of their own: a host-memory snapshot, loaded now
             wait_all(
                 [self.rollout.take_weights.remote([None, *self.snapshot_weights()])],
                 ["rollout host"],
-                timeout_s=self.limits.setup_s,
+                timeout_s=self.limits.push_s,
                 what="rollout.take_weights",
             )
-            return
-        owner = [
-            self.replicas[self.layout.replica_of_rank(r)] for r in range(self.cfg.train.dp_size)
-        ]
-        self.actor.call("push_weights", None, via_object_store, per_rank=owner)
+        else:
+            owner = [
+                self.replicas[self.layout.replica_of_rank(r)] for r in range(self.cfg.train.dp_size)
+            ]
+            self.actor.call(
+                "push_weights", None, via_object_store, per_rank=owner, timeout_s=self.limits.push_s
+            )
+        self.limits.observe("push", time.monotonic() - started)  # later pushes' limit
 
     def _end_of_step(self, step: int, plan) -> dict[str, Any]:
         """After the update, in one wait: the ranks offload and the step's records are read:
@@ -363,7 +379,7 @@ class Trainer:
                     for ask in asks:
                         ask.append(("param_stats", ()))
             ends[group.role] = calls.submit(group, "end_of_step", per_rank=asks)
-        results = calls.wait()
+        results = calls.wait(self.limits.setup_s)
         ends = {role: [results[r] for r in refs] for role, refs in ends.items()}
         actor = ends[self.actor.role]
         memory = {
@@ -429,7 +445,16 @@ class Trainer:
         state = {"rollout_lag": self.cfg.train.rollout_lag}  # a resume checks it
         if self.cfg.model.lora.enabled:  # the adapters, and the base they fit (resume checks)
             state["lora"] = self.lora_state
-        staged = stage_step(self.run_dir, step, self.training_groups(), consumed, state)
+        started = time.monotonic()
+        staged = stage_step(
+            self.run_dir,
+            step,
+            self.training_groups(),
+            consumed,
+            state,
+            timeout_s=self.limits.checkpoint_save_s,
+        )
+        self.limits.observe("checkpoint_save", time.monotonic() - started)  # later saves' limit
         return PendingCheckpoint(staged, ahead)
 
     @functools.cached_property

@@ -86,7 +86,7 @@ def _start_stream(job) -> None:
         job.rollout,
         job.cfg.train.max_staleness,
         job.record_dir(),
-        timeout_s=job.limits.rollout_s + job.limits.setup_s,
+        timeout_s=job.limits.queued_s(1),
     )
     job.pipeline.start(job.start_step + 1)
 
@@ -222,7 +222,7 @@ def _start_pipeline(job) -> None:
             cfg.train.max_staleness,
             job.record_dir(),
             # a step waits for its groups, up to as long as a rollout may take
-            timeout_s=job.limits.rollout_s + job.limits.setup_s,
+            timeout_s=job.limits.queued_s(1),
         )
     else:
         job.pipeline = RolloutPipeline(
@@ -232,7 +232,7 @@ def _start_pipeline(job) -> None:
             job.record_dir(),
             horizon=horizon,
             # a rollout waits behind those queued before it (the lag) and a validation
-            timeout_s=(cfg.train.rollout_lag + 1) * job.limits.rollout_s + job.limits.setup_s,
+            timeout_s=job.limits.queued_s(cfg.train.rollout_lag + 1),
         )
     weights = None
     if job.start_step:
@@ -277,6 +277,8 @@ def _setup_replicas(job, infos: list[dict[str, Any]]) -> None:
 
     job.rollout_info = infos[0]
     job.replica_info = infos
+    job.limits.set_validation(infos[0].get("val_records", 0))  # the call limits' sizes
+    job.limits.set_engines(infos)
     CLOCK.add_worker("rollout", infos[0].get("startup", {}))
     if len(job.replicas) > 1:
         wait_all(
@@ -297,7 +299,7 @@ def resume(job) -> None:
     job.resumed_from = ckpt
     state = load_json(ckpt / LAYOUT.trainer_state)
     for group in job.training_groups():
-        group.call("load_pieces", str(ckpt))
+        group.call("load_pieces", str(ckpt), timeout_s=job.limits.checkpoint_load_s)
     job.start_step = int(state["step"])
     consumed = state.get("prompts_consumed", job.start_step * job.cfg.train.batch_size)
     wait_all(

@@ -186,20 +186,22 @@ def _attempts(
     stop: StopRequests,
     in_process: bool,
 ) -> int:
-    """Start the trainer and train; after a lost or hung worker, start again and resume
-    (``trainer.loop.restarts``), at most ``run.max_restarts`` times. Returns the exit status."""
+    """Start the trainer and train; after a fault a restart gets past (a process or object
+    lost, a collective broken, a time limit passed: ``trainer.loop.restarts``), start again
+    and resume, at most ``run.max_restarts`` times. Returns the exit status."""
+    from trainer.loop.call_limits import CallLimits
     from trainer.loop.controller import Trainer
     from trainer.loop.health import HealthError
     from trainer.loop.layout import LayoutError
-    from trainer.loop.restarts import Restarts
+    from trainer.loop.restarts import Restarts, as_worker_failure
     from trainer.loop.startup import CLOCK
-    from trainer.loop.workers.group import WorkerFailedError
     from trainer.records.checkpoint import CheckpointError
 
     restarts = Restarts(cfg.run.max_restarts, run_dir)
+    limits = CallLimits.for_config(cfg)  # what the run learns (throughputs, hangs) stays
     attempt = cfg  # a restart resumes from this run's last checkpoint
     while True:
-        trainer = Trainer(attempt, run_dir, replay_dir=replay_dir)
+        trainer = Trainer(attempt, run_dir, replay_dir=replay_dir, limits=limits)
         try:
             trainer.start()
             if not restarts.done:
@@ -222,16 +224,6 @@ def _attempts(
                 file=sys.stderr,
             )
             return 0
-        except WorkerFailedError as err:
-            if in_process or restarts.take(err) is None:
-                print(f"crossrl {command}: {restarts.refused(err)}", file=sys.stderr)
-                return 1
-            print(
-                f"crossrl {command}: {err}\n  restarting the workers "
-                f"({len(restarts.done)} of run.max_restarts={cfg.run.max_restarts})",
-                file=sys.stderr,
-            )
-            attempt = restarts.config(cfg)
         except (HealthError, CheckpointError) as err:
             print(f"crossrl {command}: {err}", file=sys.stderr)
             return 1
@@ -244,6 +236,22 @@ def _attempts(
                 file=sys.stderr,
             )
             return stop.exit_status
+        except Exception as raised:  # a worker's fault (Ray's errors too), decided below
+            err = as_worker_failure(raised, trainer)
+            if err is None:  # not a worker's: crossrl's own error, with its traceback
+                raise
+            restart = None if in_process else restarts.take(err)
+            if restart is None:
+                print(f"crossrl {command}: {restarts.refused(err, in_process)}", file=sys.stderr)
+                return 1
+            print(
+                f"crossrl {command}: {err}\n  {restart.cause}: restarting the workers "
+                f"({len(restarts.done)} of run.max_restarts={cfg.run.max_restarts})",
+                file=sys.stderr,
+            )
+            if err.kind == "hung" and err.limit:  # never into the same limit again
+                print(f"  {limits.grow(err.limit)}", file=sys.stderr)
+            attempt = restarts.config(cfg)
         finally:
             trainer.shutdown()
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import inspect
 import random
-import re
 import socket
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from trainer.loop.workers.faults import RESTARTABLE_KINDS, describe, fault_kind
 from trainer.loop.workers.local import LocalRef
 from trainer.loop.workers.ray_start import (  # noqa: F401 - re-exported, where callers look
     RayConnectError,
@@ -34,46 +34,31 @@ CALL_TIMEOUT_S = 1800.0
 
 
 class WorkerFailedError(RuntimeError):
-    """A Ray worker died, hung or raised; the message names the worker. ``kind`` says which:
-    ``died`` (its process is gone), ``hung`` (no answer within the call's limit),
-    ``collective`` (it raised from a collective: a peer died or timed out), ``raised``
-    (anything else it raised)."""
+    """A Ray worker died, hung or raised; the message names the worker. ``kind`` says what
+    happened (``trainer.loop.workers.faults``): ``died`` (a process of the job is gone),
+    ``lost`` (an object the call read went with its process or node), ``collective`` (a
+    collective broke), ``hung`` (no answer within the call's limit; ``limit`` names which
+    kind of limit, ``trainer.loop.call_limits``), ``raised`` (anything else it raised)."""
 
-    def __init__(self, message: str, kind: str = "raised") -> None:
+    def __init__(self, message: str, kind: str = "raised", limit: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        self.limit = limit
 
     @property
     def restartable(self) -> bool:
         """Whether starting the workers again may get past it (``run.max_restarts``): a lost
-        or hung process, or a collective it broke, yes; an error the worker's own code raised
-        would only repeat."""
+        process or object, a broken collective, a hang, yes; an error the worker's own code
+        raised would only repeat."""
         return self.kind in RESTARTABLE_KINDS
 
 
-RESTARTABLE_KINDS = ("died", "hung", "collective")
-#: What torch.distributed raises when a collective breaks (a peer died, the group timed out).
-COLLECTIVE_ERRORS = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
-
-
-#: How gloo words a collective that broke, as a plain RuntimeError from its transport: past
-#: the process group's timeout ("[.../gloo/transport/tcp/unbound_buffer.cc:129] Timed out
-#: waiting 20000ms for send ..."), or a peer gone ("[.../gloo/transport/tcp/pair.cc:537] Read
-#: error [127.0.0.1]:44466: Connection reset by peer").
-GLOO_TRANSPORT = re.compile(r"gloo/transport/\S+\] (Timed out|Read error|Write error|Connection)")
-
-
-def raised_kind(err: BaseException) -> str:
-    """``collective`` when the error a worker raised (``err``, or the error it wraps) comes
-    from a broken collective (a torch.distributed error, or gloo's transport: a timeout, a peer
-    gone), else ``raised``.
-    The accelerators' collective libraries tear a timed-out process down instead (their
-    watchdogs, ``DeviceBackend.collective_timeout_env``): that one is ``died``."""
-    cause = getattr(err, "cause", None) or err
-    names = {cls.__name__ for cls in type(cause).__mro__}
-    if names & set(COLLECTIVE_ERRORS) or GLOO_TRANSPORT.search(str(cause)):
-        return "collective"
-    return "raised"
+def worker_failure(what: str, name: str, err: BaseException) -> WorkerFailedError:
+    """The ``WorkerFailedError`` of call ``what`` of worker ``name`` that failed with ``err``
+    (Ray's error, or an in-process call's own), its kind read from what happened
+    (``trainer.loop.workers.faults.fault_kind``)."""
+    kind = fault_kind(err)
+    return WorkerFailedError(describe(what, name, err, kind), kind=kind)
 
 
 #: Where ``free_port`` looks: below Linux's ephemeral range (32768-60999, where every
@@ -330,22 +315,17 @@ def wait_all(
             late = ", ".join(names[index[r]] for r in pending)
             calls = ", ".join(dict.fromkeys(whats[index[r]] for r in pending))
             raise WorkerFailedError(
-                f"{calls}: no answer from {late} within {timeout_s:.0f} s", kind="hung"
+                f"{calls}: no answer from {late} within {timeout_s:.0f} s",
+                kind="hung",
+                limit=getattr(timeout_s, "call", None),  # a CallLimits limit names its call
             )
         done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
         for ref in done:
             i = index[ref]
             try:
                 results[i] = ray.get(ref)
-            except ray.exceptions.RayActorError as err:
-                raise WorkerFailedError(
-                    f"{whats[i]}: worker {names[i]} died ({_first_line(err)})", kind="died"
-                ) from err
-            except ray.exceptions.RayTaskError as err:
-                raise WorkerFailedError(
-                    f"{whats[i]}: worker {names[i]} raised {_first_line(err)}",
-                    kind=raised_kind(err),
-                ) from err
+            except ray.exceptions.RayError as err:  # died, lost, raised: faults.fault_kind
+                raise worker_failure(whats[i], names[i], err) from err
     return results
 
 
@@ -365,18 +345,20 @@ class Later:
     read when it is ready: ``done`` never waits, ``result`` waits and raises
     ``WorkerFailedError`` as ``wait_all`` does."""
 
-    def __init__(self, ref: Any, name: str, what: str) -> None:
+    def __init__(self, ref: Any, name: str, what: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.ref = ref
         self.name = name
         self.what = what
+        self.timeout_s = timeout_s  # the call's limit when ``result`` is given none
 
     def done(self) -> bool:
         """Whether the call has finished (``is_done``)."""
         return is_done(self.ref)
 
-    def result(self, timeout_s: float = CALL_TIMEOUT_S) -> Any:
-        """The call's result, waiting at most ``timeout_s`` seconds for it."""
-        return wait_all([self.ref], [self.name], timeout_s=timeout_s, what=self.what)[0]
+    def result(self, timeout_s: float | None = None) -> Any:
+        """The call's result, waiting at most ``timeout_s`` seconds (default: its limit)."""
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        return wait_all([self.ref], [self.name], timeout_s=wait_s, what=self.what)[0]
 
 
 def _local_results(
@@ -390,14 +372,9 @@ def _local_results(
             text = str(err).strip().splitlines()
             message = f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
             raise WorkerFailedError(
-                f"{whats[at[i]]}: worker {names[i]} raised {message}", kind=raised_kind(err)
+                f"{whats[at[i]]}: worker {names[i]} raised {message}", kind=fault_kind(err)
             ) from err
     return [ref.result() for ref in refs]
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[-1] if text else type(err).__name__
 
 
 def actor_options(

@@ -20,6 +20,7 @@ import torch
 import hal
 from batching import StepBatch
 from rollout.agent_loop import RolloutOutput
+from rollout.engines.capacity import concurrent_sequences
 from rollout.engines.vllm_logs import set_engine_log_level
 from trainer.config.schema import Config
 from trainer.loop.startup import Phases, process_start_time
@@ -135,6 +136,7 @@ class EngineHost:
             "deterministic": deterministic,
             "batch_invariant": invariance,
             "startup": self.startup.seconds,
+            "kv_sequences": concurrent_sequences(self.engine),  # the rollout limit's waves
         }
 
     def generate(self, requests: list, sampling) -> list:
@@ -283,6 +285,7 @@ class RolloutHost(StreamingHost, EngineHost):
         if cfg.data.val_source is not None:
             val = PromptSource(cfg.data.val_source, seed=cfg.seed, key="data.val_source")
             self.val_items = val.all_records()
+        info["val_records"] = len(self.val_items)  # the validation's time limit
         self.generator = self.engine
         self.peers: list = []  # the other replicas' EngineHost handles (connect)
         self.waiting: list[int] = []  # replicas that serve once they load weights (connect)

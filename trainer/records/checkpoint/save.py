@@ -46,16 +46,20 @@ def stage_step(
     groups: list,
     prompts_consumed: int,
     state: dict[str, Any] | None = None,
+    *,
+    timeout_s: float | None = None,
 ) -> StagedStep:
     """Stage the checkpoint of step ``step`` under ``run_dir``: ``groups`` (the training roles'
     worker groups: ``group.call("save_pieces", dir)`` answers, per rank, the files it wrote)
-    write their pieces; ``prompts_consumed``: prompts the run has taken from its stream, up
-    to step ``step``'s rollout; ``state``: more of the controller's state for
-    ``trainer_state.json`` (e.g. ``rollout_lag``, which a resume checks)."""
+    write their pieces, each role within ``timeout_s`` seconds (default: the group's);
+    ``prompts_consumed``: prompts the run has taken from its stream, up to step ``step``'s
+    rollout; ``state``: more of the controller's state for ``trainer_state.json`` (e.g.
+    ``rollout_lag``, which a resume checks)."""
     staging = begin_checkpoint(run_dir, step)
     expected: set[str] = set()  # what the workers say they wrote; the commit checks it
+    limit = {} if timeout_s is None else {"timeout_s": timeout_s}
     for group in groups:
-        for names in group.call("save_pieces", str(staging)):
+        for names in group.call("save_pieces", str(staging), **limit):
             expected.update(names)
     save_json(
         {**(state or {}), "step": step, "prompts_consumed": int(prompts_consumed)},
