@@ -361,10 +361,13 @@ def test_engine_host_builds_vllm_with_the_devices_options(monkeypatch, backend_n
 
     monkeypatch.setattr(hal.npu, "installed_version", lambda name: "0.26.0rc1")  # the pinned one
     cfg = load_config(None, [*JOB, "rollout.engine=vllm"], check_environment=False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)  # the host sets it: restored after
     EngineHost(cfg).setup()
     assert built["layerwise_reload"] is True
     assert built["enable_sleep_mode"] is True
     options = built["engine_kwargs"]
+    # the default rollout.engine_log_level (error) also turns the weights' progress bar off
+    assert options.pop("use_tqdm_on_load") is False
     if backend_name == "cuda":
         assert options == {}
     else:

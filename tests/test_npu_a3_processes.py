@@ -5,6 +5,8 @@ worker. Device-free: the backends' plain functions, a recording ``collective_rpc
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import hal
@@ -44,6 +46,7 @@ class _RecordingBackend:
     name = "npu"
     is_accelerator = True
     vllm_layerwise_reload = False
+    vllm_batch_invariant = True  # vllm-ascend's, as hal.NpuBackend says
 
     def __init__(self, calls: list, where: str = "host") -> None:
         self.calls, self.where = calls, where
@@ -143,14 +146,19 @@ def test_the_engine_host_sets_its_workers_deterministic(monkeypatch, determinist
         "rollout.engine=vllm",
     ]
     cfg = load_config(None, overrides, check_environment=False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)  # the host sets it: restored after
     info = EngineHost(cfg).setup()
     if deterministic:
         assert calls == [("host", 3), ("worker 0", 3), ("worker 1", 3)]
         assert engine.llm.rpcs == [("crossrl_set_deterministic", ("npu", 3))]
         assert info["deterministic"] == {"HCCL_DETERMINISTIC": "true", "seed": "3"}
+        # vllm-ascend's batch-invariant mode, in the environment its workers inherit
+        assert info["batch_invariant"] == {"VLLM_BATCH_INVARIANT": "1"}
+        assert os.environ["VLLM_BATCH_INVARIANT"] == "1"
     else:
         assert calls == [] and engine.llm.rpcs == []
-        assert info["deterministic"] == {}
+        assert info["deterministic"] == info["batch_invariant"] == {}
+        assert "VLLM_BATCH_INVARIANT" not in os.environ
 
 
 # ---- item 2: HCCL port ranges, one per process kind on a die --------------------------------

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from hal import DEFAULT_DEVICE_MEMORY_BYTES, DEFAULT_DEVICE_NAMES  # noqa: F401 - re-exported
 from hal.device_memory import communicator_buffer_bytes, process_bytes
 from trainer.config.schema import Config
-from trainer.loop.lora_layout import adapter_params, base_copy_params, lora_push
+from trainer.loop.lora_layout import adapter_params, base_copy_params
 from trainer.loop.model_shape import ModelShape, model_shape
 
 __all__ = [
@@ -385,9 +385,7 @@ def estimate_memory(
         room = device_memory_bytes - sum(state.values()) - ctx["ctx"] - engine_weights
         room -= gathered + STAGING_SLACK_BYTES
         staging = model_bytes if room >= model_bytes else 2 * max(room // 2, largest_layer)
-    if lora and lora_push(cfg) == "merged":  # the folded weights: a second sharded copy
-        gathered += shard(n_actor, 4)
-    elif lora:  # the push carries what trains alone (model.lora): no whole tensor gathered
+    if lora:  # the push carries what trains alone (model.lora): no whole tensor gathered
         staging = min(staging, n_trained * eb)  # but the embedding, when it trains
         gathered = gathered if cfg.model.lora.train_embeddings else 0.0
     push = _add(state, {"engine": engine_weights, "gather": staging + gathered}, ctx)

@@ -487,11 +487,9 @@ class RolloutHost(StreamingHost, EngineHost):
 
 
 def _served_adapters(cfg) -> dict | None:
-    """The LoRA settings a vLLM engine serves adapters of (``model.lora``, when its pushes
-    carry adapters: ``trainer.loop.lora_layout.lora_push``), else None."""
-    from trainer.loop.lora_layout import lora_push
-
+    """The LoRA settings a vLLM engine serves adapters of (``model.lora``: its pushes carry
+    adapters, ``trainer.loop.lora_layout.lora_push``), else None."""
     lora = cfg.model.lora
-    if not lora.enabled or lora_push(cfg) != "adapters":
+    if not lora.enabled:
         return None
     return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
