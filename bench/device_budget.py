@@ -8,7 +8,7 @@ The config's keys, at ``train.dp_size=1`` and ``algorithm.kl_coef=0`` (the actor
 card: no reference, whose weights sit in another process), on the device the config names.
 Without ``--layers``: the most layers of ``model.path``'s shape (a published Qwen2.5 name or a
 local directory's ``config.json``) whose update-phase estimate
-(``trainer.loop.memory_budget.estimate_memory``, what ``crossrl layout`` prints) is at most
+(``trainer.loop.plan.memory_budget.estimate_memory``, what ``crossrl layout`` prints) is at most
 ``FILL`` of the device. The layer count is a model-config field, so the cut model is the
 published architecture, shallower.
 
@@ -16,7 +16,7 @@ Measured (for real, on the device): the shipped ``PolicyWorker`` built as the tr
 (meta device, FSDP2, fp32 master weights, the config's compute dtype, activation checkpointing,
 lean log-probs), its weights random on the device (nothing read from disk: the weights are
 materialised in place, normal(0, 0.02), where the trainer would load them), then what a step's
-update does (``trainer.loop.memory_tracker``'s batch: two mini-batches of two micro-batches of
+update does (``trainer.loop.ranks.memory_tracker``'s batch: two mini-batches of two micro-batches of
 the budget's micro-batch tokens, the AdamW step and its state's first allocation). The peak is
 the allocator's (``max_memory_allocated``, and ``max_memory_reserved`` where the device has
 one), reset just before the update. The estimate compared is the update phase without the
@@ -58,7 +58,7 @@ def _config(path: str, overrides: list[str]):
 
 def estimate_update_bytes(cfg, shape, device_bytes: float) -> float:
     """The budget's update phase for ``cfg`` at ``shape``, less the engine and the context."""
-    from trainer.loop.memory_budget import estimate_memory
+    from trainer.loop.plan.memory_budget import estimate_memory
 
     budget = estimate_memory(cfg, shape, device_bytes, device=_device_name(cfg))
     update = budget.phase("update")
@@ -72,8 +72,8 @@ def _device_name(cfg) -> str:
 
 
 def _cut_shape(shape_config: dict, layers: int, root: Path):
-    from trainer.loop.memory_tracker import _model_dir
-    from trainer.loop.model_shape import model_shape
+    from trainer.loop.plan.model_shape import model_shape
+    from trainer.loop.ranks.memory_tracker import _model_dir
 
     directory = _model_dir(shape_config, layers, root / f"layers-{layers}")
     return directory, model_shape(str(directory))
@@ -82,7 +82,7 @@ def _cut_shape(shape_config: dict, layers: int, root: Path):
 def pick_layers(cfg, device_bytes: float, root: Path, fill: float = FILL) -> int:
     """The most decoder layers of ``cfg``'s model shape whose update estimate is at most
     ``fill`` of ``device_bytes``; raises ValueError when not even one layer fits."""
-    from trainer.loop.memory_tracker import _shape_config
+    from trainer.loop.ranks.memory_tracker import _shape_config
 
     shape_config = _shape_config(cfg)
     best = 0
@@ -105,7 +105,7 @@ def _random_weights_in_place():
     import torch
 
     from rollout.models import reset_non_persistent_buffers
-    from trainer.loop.workers import fsdp_worker
+    from trainer.loop.ranks import fsdp_worker
 
     def materialise(self, model, own):
         tied = fsdp_worker._tied_parameter_names(model)
@@ -131,11 +131,11 @@ def measure(cfg, layers: int, root: Path) -> dict:
     import numpy as np
 
     import hal
-    from trainer.loop.memory_budget import micro_batch_tokens
-    from trainer.loop.memory_tracker import _batch, _shape_config
-    from trainer.loop.workers.group import free_port
-    from trainer.loop.workers.policy import PolicyWorker
-    from trainer.loop.workers.spec import WorkerSpec
+    from trainer.loop.cluster.group import free_port
+    from trainer.loop.plan.memory_budget import micro_batch_tokens
+    from trainer.loop.ranks.memory_tracker import _batch, _shape_config
+    from trainer.loop.ranks.policy import PolicyWorker
+    from trainer.loop.ranks.spec import WorkerSpec
 
     directory, shape = _cut_shape(_shape_config(cfg), layers, root)
     cfg = cfg.model_copy(deep=True)

@@ -162,8 +162,8 @@ def sync_run(repeats: int = 10) -> dict:
     count of one sync.
     """
     from trainer.config import load_config
-    from trainer.loop.controller import Trainer
-    from trainer.loop.workers.group import start_ray
+    from trainer.loop.cluster.group import start_ray
+    from trainer.loop.schedule.controller import Trainer
 
     with tempfile.TemporaryDirectory(prefix="crossrl-bench-sync-") as tmp:
         cfg = load_config(None, [*SYNC_OVERRIDES, f"run.dir={tmp}"])

@@ -15,7 +15,7 @@ moment (the step and the delay into its phase drawn from ``random.Random(seed)``
 - ``rank-hung``: training rank 1 made to sleep before a step, so rank 0 waits for it inside a
   collective until ``run.collective_timeout_s`` (20 s here) breaks it.
 
-Each faulted run restarts its workers (``trainer.loop.restarts``) and resumes from its last
+Each faulted run restarts its workers (``trainer.loop.start.restarts``) and resumes from its last
 checkpoint. The figures: the extra wall seconds against the uninterrupted run (start-up
 excluded from neither, so the restart's own start-up counts), the run's ``restart/down_s``
 (failure to the first step after it) and ``restart/steps_redone``, and whether
@@ -70,7 +70,7 @@ class Fault:
     ``monkeypatch.setattr``, or ``setattr`` for the bench, undone by ``undo``)."""
 
     def __init__(self, patch, *, step: int, phase: str, target: str, seed: int) -> None:
-        from trainer.loop.controller import Trainer
+        from trainer.loop.schedule.controller import Trainer
 
         self.step, self.target = step, target
         self.delay_s = random.Random(seed).uniform(0.0, 0.5)
@@ -105,7 +105,7 @@ class Fault:
 
     def undo(self) -> None:
         """Put ``Trainer``'s own methods back (when installed with plain ``setattr``)."""
-        from trainer.loop.controller import Trainer
+        from trainer.loop.schedule.controller import Trainer
 
         for name, method in self.originals.items():
             setattr(Trainer, name, method)
@@ -135,7 +135,7 @@ def _sleep_an_hour(worker) -> None:  # noqa: ARG001 - Ray passes the actor itsel
 def _train(run_dir: Path, overrides: list[str]) -> dict:
     """One run in this process: its wall seconds, fingerprints and metrics."""
     from trainer.config import load_config
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
     from trainer.records.metrics import read_jsonl
 
     cfg = load_config(None, [*overrides, f"run.dir={run_dir}"])
@@ -152,7 +152,7 @@ def _train(run_dir: Path, overrides: list[str]) -> dict:
 
 def run(quick: bool = False) -> dict:
     """The uninterrupted run, then each fault of ``FAULTS``; see the module docstring."""
-    from trainer.loop.workers.group import start_ray
+    from trainer.loop.cluster.group import start_ray
 
     steps, save_every = (6, 2) if quick else (12, 4)
     job = [*FAULT_JOB, *SLOW_ENV, f"train.total_steps={steps}", f"run.save_every={save_every}"]

@@ -10,7 +10,7 @@ weights written once with ``rollout.models.write_random_model``:
 
 - ``peak``: the card's measured dense bf16 matmul rate (best of several square matmuls), the
   denominator of MFU. Measured, not the datasheet figure, as the issue asks.
-- ``update``: one ``trainer.loop.workers.policy.PolicyWorker.train_mini_batch`` at dp 1 (FSDP2
+- ``update``: one ``trainer.loop.ranks.policy.PolicyWorker.train_mini_batch`` at dp 1 (FSDP2
   in-process): fp32 master weights, bf16 compute through FSDP2 mixed precision (fp32 gradient
   reduction), the HAL's varlen attention over planner micro-batches of packed rows, the
   clipped PPO loss on GRPO advantages, gradient clipping and the AdamW step. Rows are
@@ -20,7 +20,7 @@ weights written once with ``rollout.models.write_random_model``:
   (6 per matmul parameter per token, lm_head included, plus causal attention
   6 * sum(len^2) * heads * head_dim per layer); the forward that activation checkpointing
   recomputes is not counted, so it shows as a lower MFU.
-- ``rollout``: the rollout host's engine (``trainer.loop.workers.rollout_host.RolloutHost.setup``):
+- ``rollout``: the rollout host's engine (``trainer.loop.engines.rollout_host.RolloutHost.setup``):
   the model loaded in bf16 with its default attention, ``make_engine("hf", ...)``, sampling
   ``new_tokens`` for a batch of random prompts; generated tokens per second.
 """
@@ -222,9 +222,9 @@ def measure_update(
     more update under ``torch.profiler`` (the HAL's activities), its top operators by device
     time (host time where the profiler sees no device) as ``profile_table``."""
     from trainer.config import load_config
-    from trainer.loop.workers.fsdp_worker import WorkerSpec
-    from trainer.loop.workers.group import free_port
-    from trainer.loop.workers.policy import PolicyWorker
+    from trainer.loop.cluster.group import free_port
+    from trainer.loop.ranks.fsdp_worker import WorkerSpec
+    from trainer.loop.ranks.policy import PolicyWorker
 
     cfg = load_config(
         None,

@@ -52,7 +52,7 @@ def push_bytes(overrides: list[str]) -> int:
     from rollout.lora import trained_names
     from rollout.models import build_empty_model, parse_dtype
     from trainer.config import load_config
-    from trainer.loop.workers.policy import inject_lora
+    from trainer.loop.ranks.policy import inject_lora
 
     cfg = load_config(None, overrides, check_environment=False)
     model = build_empty_model(cfg.model.path, dtype=torch.float32, seed=cfg.seed)

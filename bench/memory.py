@@ -176,9 +176,9 @@ def measure_variant(
     the same update). Run it in a fresh process; ``run`` does."""
     import hal
     from trainer.config import load_config
-    from trainer.loop.workers.fsdp_worker import WorkerSpec
-    from trainer.loop.workers.group import free_port
-    from trainer.loop.workers.policy import PolicyWorker
+    from trainer.loop.cluster.group import free_port
+    from trainer.loop.ranks.fsdp_worker import WorkerSpec
+    from trainer.loop.ranks.policy import PolicyWorker
 
     checkpointing, lean = VARIANTS[variant]
     backend = hal.get_backend(device)

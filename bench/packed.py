@@ -1,6 +1,6 @@
 """The packed side of ``bench train``: the trainer's own code, driven one micro-batch at a time.
 
-``packed_loss`` is ``trainer.loop.workers.policy.actor_micro_batch_loss``, the very function
+``packed_loss`` is ``trainer.loop.ranks.policy.actor_micro_batch_loss``, the very function
 ``PolicyWorker.train_mini_batch`` runs for every micro-batch (``hal.packed_forward`` with the
 HAL's varlen attention, ``packed_token_logprobs``, ``trainer.algorithms.losses`` with the
 job's ``algorithm.*`` settings). The rows are a ``batching.StepBatch`` (``step_batch``), cut into
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from batching import LossNormalizers, Row, StepBatch, plan_minibatches
-from trainer.loop.workers.forward import packed_token_logprobs
-from trainer.loop.workers.policy import actor_micro_batch_loss
+from trainer.loop.ranks.forward import packed_token_logprobs
+from trainer.loop.ranks.policy import actor_micro_batch_loss
 
 __all__ = ["default_job", "packed_loss", "plan_micro_batches", "set_old_logprobs", "step_batch"]
 
@@ -121,7 +121,7 @@ def packed_loss(
     model, mb: StepBatch, normalizers: LossNormalizers, cfg
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This packed micro-batch's share of the mini-batch actor loss (scalar) and the sum of its
-    new log-probs over loss tokens: ``trainer.loop.workers.policy.actor_micro_batch_loss``, the
+    new log-probs over loss tokens: ``trainer.loop.ranks.policy.actor_micro_batch_loss``, the
     function ``PolicyWorker.train_mini_batch`` runs per micro-batch, with ``cfg``'s settings."""
     device = next(model.parameters()).device
     loss, sums = actor_micro_batch_loss(model, mb, normalizers, cfg, device)

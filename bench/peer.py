@@ -146,7 +146,7 @@ def run_trl(job: PeerJob, steps: int, data: Path, workdir: Path) -> dict:
     """One TRL run (``bench.peer_trl``): its per-step timings and ``startup_s``."""
     from rollout.models import model_directory
     from rollout.tokenizer import tokenizer_dir
-    from trainer.loop.workers.group import free_port
+    from trainer.loop.cluster.group import free_port
 
     model = model_path(job)
     result_path = workdir / "trl.json"

@@ -4,9 +4,9 @@
 
 Reads ``RUN_DIR/config.yaml`` and ``metrics.jsonl``: the per-phase device peaks the controller
 records where the HAL reads device-wide use (``memory/device_<phase>_gb``,
-``trainer.loop.phase_memory``) and each role's own allocator peak
+``trainer.loop.schedule.phase_memory``) and each role's own allocator peak
 (``memory/<role>_peak_gb``), and builds the budget of that very config on its device
-(``trainer.loop.memory_report.budget_for_cli``). Phases are matched as the budget names them:
+(``trainer.loop.plan.memory_report.budget_for_cli``). Phases are matched as the budget names them:
 
     budget phase   measured phases (the controller's StepTimer sections)
     rollout        rollout
@@ -51,7 +51,7 @@ def compare(run_dir: Path, device_memory_gb: float | None = None) -> dict:
     and ``ratio`` (estimate / measured). ``device_memory_gb``: the device's size where the run
     ran, when this machine is not that one (``crossrl layout --device-memory-gb``)."""
     from trainer.config import load_config
-    from trainer.loop.memory_report import budget_for_cli
+    from trainer.loop.plan.memory_report import budget_for_cli
 
     records = _records(run_dir)
     cfg = load_config(run_dir / "config.yaml", check_environment=False)

@@ -27,9 +27,9 @@ import torch
 from batching import Row, StepBatch, plan_minibatches
 from bench.peer_task import JOBS, PeerJob
 from trainer.config import load_config
-from trainer.loop.workers.group import free_port
-from trainer.loop.workers.policy import PolicyWorker
-from trainer.loop.workers.spec import WorkerSpec
+from trainer.loop.cluster.group import free_port
+from trainer.loop.ranks.policy import PolicyWorker
+from trainer.loop.ranks.spec import WorkerSpec
 
 __all__ = ["ShardedSpec", "format_table", "run"]
 

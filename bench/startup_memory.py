@@ -46,8 +46,8 @@ def _rank(rank: int, dp: int, port: int, model_dir: str, tree: str | None, queue
     import torch
 
     from trainer.config import load_config
-    from trainer.loop.workers.fsdp_worker import WorkerSpec
-    from trainer.loop.workers.policy import PolicyWorker
+    from trainer.loop.ranks.fsdp_worker import WorkerSpec
+    from trainer.loop.ranks.policy import PolicyWorker
 
     torch.set_num_threads(1)
     cfg = load_config(None, ["device=cpu", f"train.dp_size={dp}", f"model.path={model_dir}"])
@@ -65,7 +65,7 @@ def measure(model_dir: str, dp: int, tree: str | None = None) -> dict:
     """Start ``dp`` ranks on ``model_dir``; per-rank and summed memory figures."""
     import torch.multiprocessing as mp
 
-    from trainer.loop.workers.group import free_port
+    from trainer.loop.cluster.group import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

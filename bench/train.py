@@ -4,7 +4,7 @@ micro-batches.
     python -m bench train [--quick]
 
 One update = forward + backward over every micro-batch of one mini-batch, gradient clipping,
-then one AdamW step (``trainer.loop.workers.optim.build_optimizer``), fp32 on the HAL's device (a CPU here),
+then one AdamW step (``trainer.loop.ranks.optim.build_optimizer``), fp32 on the HAL's device (a CPU here),
 with the CPU default job's actor loss (configs/cpu/tiny.yaml: clipped PPO surrogate,
 token-mean). The same rows (log-normal lengths, clipped to 16-1024 tokens) laid out two ways:
 
@@ -244,7 +244,7 @@ def compare(
     and mean log-probs, the median tokens/s (real tokens per second) of each layout and the
     median speedup (padded seconds / packed seconds of the same repeat)."""
     from rollout.models import load_model
-    from trainer.loop.workers.optim import build_optimizer
+    from trainer.loop.ranks.optim import build_optimizer
 
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: need at least 1 repeat")

@@ -1,5 +1,5 @@
 """A process group of its own, outside ``torch.distributed``'s default one: the weight push
-between the training ranks and engines on devices of their own (``trainer.loop.workers.
+between the training ranks and engines on devices of their own (``trainer.loop.weights.
 weight_group``) joins processes that share no default group (the engines have none), so each
 member builds the group's backend directly on a store they all reach: gloo on the CPU, NCCL on
 CUDA, HCCL on Ascend (``torch_npu``'s ``ProcessGroupHCCL``, the class its own ``hccl`` backend

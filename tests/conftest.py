@@ -17,7 +17,7 @@ def local_ray():
     whose Ray needs other settings defines its own."""
     import ray
 
-    from trainer.loop.workers.group import start_ray
+    from trainer.loop.cluster.group import start_ray
 
     started = start_ray(None, num_cpus=8)
     yield

@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 
 from rollout.engines.base import Engine
 from rollout.engines.buckets import plan_buckets, stream_buckets, weight_group
-from trainer.loop.workers.group import free_port
-from trainer.loop.workers.local import LocalRef
+from trainer.loop.cluster.group import free_port
+from trainer.loop.cluster.local import LocalRef
 
 JOB = [
     "device=cpu",
@@ -61,8 +61,8 @@ def _spawn(target, world: int, *args) -> dict:
 def _accumulate(rank: int, world: int, port: int, queue) -> None:
     from tests.test_trainer_dp_invariance import _recorded_batch
     from trainer.config import load_config
-    from trainer.loop.workers.fsdp_worker import WorkerSpec, held_gradient_bytes
-    from trainer.loop.workers.policy import PolicyWorker
+    from trainer.loop.ranks.fsdp_worker import WorkerSpec, held_gradient_bytes
+    from trainer.loop.ranks.policy import PolicyWorker
 
     torch.set_num_threads(1)
     cfg = load_config(None, [*JOB, f"train.dp_size={world}"])
@@ -103,7 +103,7 @@ def _accumulate(rank: int, world: int, port: int, queue) -> None:
 
 def worker_loss(worker, rows):
     from batching import loss_normalizers
-    from trainer.loop.workers.policy import actor_micro_batch_loss
+    from trainer.loop.ranks.policy import actor_micro_batch_loss
 
     norm = loss_normalizers(worker.batch, list(range(worker.batch.num_rows)))
     mb = worker.micro_batch(rows)
@@ -193,10 +193,10 @@ class _FutureRef(LocalRef):
 def _stream(rank: int, world: int, port: int, queue, bucket_bytes: int, delay_s: float) -> None:
     import rollout.engines.buckets as buckets_mod
     from trainer.config import load_config
-    from trainer.loop.workers.fsdp_worker import WorkerSpec
-    from trainer.loop.workers.policy import PolicyWorker
-    from trainer.loop.workers.rollout_host import EngineHost
-    from trainer.loop.workers.weight_push import full_state
+    from trainer.loop.engines.rollout_host import EngineHost
+    from trainer.loop.ranks.fsdp_worker import WorkerSpec
+    from trainer.loop.ranks.policy import PolicyWorker
+    from trainer.loop.weights.weight_push import full_state
 
     torch.set_num_threads(1)
     # tp 2 is a vLLM layout; the engine here is a recording one, so vLLM need not be installed
@@ -298,9 +298,9 @@ def test_step_boundary_hands_over_one_stage_at_a_time(tmp_path, monkeypatch):
     them). In one process every call runs when the controller makes it, so the recorded
     order is the controller's, which waits for each stage before starting the next."""
     from trainer.config import load_config
-    from trainer.loop.run import run_training
-    from trainer.loop.workers.fsdp_worker import FSDPWorker
-    from trainer.loop.workers.rollout_host import EngineHost
+    from trainer.loop.engines.rollout_host import EngineHost
+    from trainer.loop.ranks.fsdp_worker import FSDPWorker
+    from trainer.loop.start.run import run_training
 
     events: list[str] = []
 
@@ -349,7 +349,7 @@ def test_engine_host_builds_vllm_with_the_devices_options(monkeypatch, backend_n
     import hal
     import rollout.engines
     from trainer.config import load_config
-    from trainer.loop.workers.rollout_host import EngineHost
+    from trainer.loop.engines.rollout_host import EngineHost
 
     backend = hal.backend_class(backend_name)()
     built = {}

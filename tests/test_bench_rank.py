@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from bench.rank import ShardedSpec, format_table, run
 from trainer.config import load_config
-from trainer.loop.workers.spec import WorkerSpec
+from trainer.loop.ranks.spec import WorkerSpec
 
 
 def test_plain_rank_trains_to_fsdp2s_numbers_bit_for_bit():

@@ -14,8 +14,8 @@ import pytest
 
 from rollout.engines.capacity import concurrent_sequences
 from trainer.config import load_config
-from trainer.loop import call_limits
-from trainer.loop.call_limits import CallLimits, Limit
+from trainer.loop.plan import call_limits
+from trainer.loop.plan.call_limits import CallLimits, Limit
 
 SHORT = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4"]
 

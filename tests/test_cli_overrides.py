@@ -34,10 +34,12 @@ def test_layout_takes_an_override_after_the_flags(capsys):
 
 
 def test_train_takes_overrides_on_both_sides_of_config(monkeypatch, tmp_path):
-    import trainer.loop.run
+    import trainer.loop.start.run
 
     seen = {}
-    monkeypatch.setattr(trainer.loop.run, "run_training", lambda cfg: seen.update(cfg=cfg) or 0)
+    monkeypatch.setattr(
+        trainer.loop.start.run, "run_training", lambda cfg: seen.update(cfg=cfg) or 0
+    )
     code = main(
         [
             "train",

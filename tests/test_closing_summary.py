@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from trainer.cli import main
-from trainer.loop.run import closing_summary
+from trainer.loop.start.run import closing_summary
 
 SHORT = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4", "train.total_steps=2"]
 

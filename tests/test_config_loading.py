@@ -17,7 +17,7 @@ from trainer.config import (
     parse_override,
     read_yaml,
 )
-from trainer.loop.run import write_run_config
+from trainer.loop.start.run import write_run_config
 
 
 def _write(path: Path, data: dict | str) -> Path:

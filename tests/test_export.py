@@ -14,7 +14,7 @@ import yaml
 
 from trainer.cli import main
 from trainer.config import load_config
-from trainer.loop.run import run_training
+from trainer.loop.start.run import run_training
 from trainer.records.checkpoint import find_latest, read_model_weights
 from trainer.records.metrics import read_jsonl
 
@@ -55,9 +55,9 @@ def _trainer_logits(run_dir: Path, ids: torch.Tensor) -> torch.Tensor:
     """Logits ``[T, V]`` of the trainer's own actor (FSDP2 worker, the run's config) after
     loading the run's latest checkpoint."""
     import hal
-    from trainer.loop.workers.fsdp_worker import WorkerSpec
-    from trainer.loop.workers.group import free_port
-    from trainer.loop.workers.policy import PolicyWorker
+    from trainer.loop.cluster.group import free_port
+    from trainer.loop.ranks.fsdp_worker import WorkerSpec
+    from trainer.loop.ranks.policy import PolicyWorker
 
     cfg = load_config(str(run_dir / "config.yaml"), [])
     worker = PolicyWorker(WorkerSpec(role="actor", rank=0, cfg=cfg))

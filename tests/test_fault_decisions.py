@@ -20,10 +20,10 @@ import pytest
 
 from bench.faults import FAULT_JOB, _pid  # _pid: importable where the workers run
 from trainer.config import load_config
-from trainer.loop import call_limits
-from trainer.loop.restarts import Restarts, as_worker_failure
-from trainer.loop.workers.faults import describe, fault_kind
-from trainer.loop.workers.group import WorkerFailedError, worker_failure
+from trainer.loop.cluster.faults import describe, fault_kind
+from trainer.loop.cluster.group import WorkerFailedError, worker_failure
+from trainer.loop.plan import call_limits
+from trainer.loop.start.restarts import Restarts, as_worker_failure
 
 SHORT = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4"]
 FAULT_RUN = [*FAULT_JOB, "train.total_steps=4", "run.save_every=2"]
@@ -130,7 +130,7 @@ def _fingerprints(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def straight(local_ray, tmp_path_factory):
     """The uninterrupted run the restarted ones must equal."""
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     run_dir = tmp_path_factory.mktemp("straight") / "run"
     assert run_training(_cfg(run_dir, *FAULT_RUN)) == 0
@@ -165,7 +165,7 @@ class CallFault:
     def __init__(
         self, monkeypatch, call: str, nth: int, *, kill=None, raise_in=None, then=None
     ) -> None:
-        from trainer.loop.controller import Trainer
+        from trainer.loop.schedule.controller import Trainer
 
         self.fired = False
         self.starts = 0
@@ -247,7 +247,7 @@ def _restarted(capsys, cause: str) -> str:
 
 @pytest.mark.slow
 def test_an_engine_lost_during_the_weight_push_restarts(straight, monkeypatch, tmp_path, capsys):
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     fault = CallFault(monkeypatch, "sync_weights", 3, kill="engine replica 1")
     run_dir = tmp_path / "run"
@@ -262,7 +262,7 @@ def test_the_batch_lost_while_the_ranks_fetch_it_restarts(straight, monkeypatch,
     """The rollout host owns the step's batch in the object store; it dies as the ranks start
     to read it: their ``load_batch`` raises Ray's ``OwnerDiedError`` (the worker's own error
     before, and the run stopped)."""
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     fault = CallFault(monkeypatch, "_prepare", 3, kill="rollout host", then=_until_lost)
     run_dir = tmp_path / "run"
@@ -277,7 +277,7 @@ def test_the_batch_lost_while_the_ranks_fetch_it_restarts(straight, monkeypatch,
 def test_an_hccl_error_while_checkpointing_restarts(straight, monkeypatch, tmp_path, capsys):
     """HCCL's timeout reaches Python as a plain RuntimeError (torch_npu's words, read by the
     npu backend); raised here by rank 0's checkpoint write on the CPU."""
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     fault = CallFault(
         monkeypatch, "save_checkpoint", 1, raise_in=("actor rank 0", SAVE_SHARDS, HCCL_TIMEOUT)
@@ -294,7 +294,7 @@ def test_an_hccl_error_while_checkpointing_restarts(straight, monkeypatch, tmp_p
 def test_a_worker_s_own_error_while_checkpointing_stops_in_one_line(
     local_ray, monkeypatch, tmp_path, capsys
 ):
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     why = "disk quota of /scratch exceeded"
     CallFault(
@@ -310,7 +310,7 @@ def test_a_worker_s_own_error_while_checkpointing_stops_in_one_line(
 
 @pytest.mark.slow
 def test_the_rollout_host_lost_during_validation_restarts(local_ray, monkeypatch, tmp_path, capsys):
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
     from trainer.records.metrics import read_jsonl
 
     val = tmp_path / "val.jsonl"
@@ -363,8 +363,8 @@ def test_a_checkpoint_past_its_limit_restarts_with_the_limit_doubled(
 ):
     import ray
 
-    from trainer.loop.controller import Trainer
-    from trainer.loop.run import run_training
+    from trainer.loop.schedule.controller import Trainer
+    from trainer.loop.start.run import run_training
     from trainer.records.metrics import read_jsonl
 
     monkeypatch.setattr(call_limits, "MOVE_BASE_S", 20.0)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hal
-from trainer.loop.workers.group import free_port
+from trainer.loop.cluster.group import free_port
 
 WORLD = 2
 LR = 0.05

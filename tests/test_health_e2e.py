@@ -12,8 +12,8 @@ import pytest
 import ray
 
 from trainer.config import load_config
-from trainer.loop.run import run_training
-from trainer.loop.workers.group import start_ray
+from trainer.loop.cluster.group import start_ray
+from trainer.loop.start.run import run_training
 from trainer.records.checkpoint import find_latest, list_checkpoints
 from trainer.records.metrics import read_jsonl
 

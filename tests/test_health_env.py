@@ -15,7 +15,7 @@ from rollout.envs import make_env
 from rollout.envs.prompts import PromptItem
 from rollout.tokenizer import load_tokenizer
 from trainer.config import ConfigError, load_config
-from trainer.loop.health import HealthError, check_env_faults
+from trainer.loop.schedule.health import HealthError, check_env_faults
 
 
 @pytest.fixture(scope="module")

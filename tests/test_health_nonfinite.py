@@ -12,11 +12,16 @@ import torch
 
 from batching import Row, StepBatch, plan_minibatches
 from trainer.config import load_config
-from trainer.loop.health import HealthError, NonfiniteStreak, check_finite_weights, checkpoint_veto
-from trainer.loop.step_stats import StepStats
-from trainer.loop.workers.fsdp_worker import WorkerSpec
-from trainer.loop.workers.group import free_port
-from trainer.loop.workers.policy import PolicyWorker
+from trainer.loop.cluster.group import free_port
+from trainer.loop.ranks.fsdp_worker import WorkerSpec
+from trainer.loop.ranks.policy import PolicyWorker
+from trainer.loop.ranks.step_stats import StepStats
+from trainer.loop.schedule.health import (
+    HealthError,
+    NonfiniteStreak,
+    check_finite_weights,
+    checkpoint_veto,
+)
 
 
 def _batch() -> StepBatch:

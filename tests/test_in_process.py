@@ -14,10 +14,10 @@ import pytest
 import ray
 
 from trainer.config import load_config
-from trainer.loop.layout import LayoutError, runs_in_process
-from trainer.loop.run import run_training
-from trainer.loop.workers.group import PendingCalls, WorkerFailedError, WorkerGroup, wait_all
-from trainer.loop.workers.local import LocalHandle, LocalRef, fetch, put
+from trainer.loop.cluster.group import PendingCalls, WorkerFailedError, WorkerGroup, wait_all
+from trainer.loop.cluster.local import LocalHandle, LocalRef, fetch, put
+from trainer.loop.plan.layout import LayoutError, runs_in_process
+from trainer.loop.start.run import run_training
 
 SHORT = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4", "train.total_steps=2"]
 
@@ -123,7 +123,7 @@ def test_in_process_run_leaves_the_programs_own_process_group_alone(tmp_path):
     keeps its group: the run shares a one-rank group it finds and ends only one it made."""
     import torch.distributed as dist
 
-    from trainer.loop.workers.group import free_port
+    from trainer.loop.cluster.group import free_port
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1

@@ -147,8 +147,8 @@ def test_a_vllm_push_carries_the_adapters_unfolded_and_keeps_a_small_update(tmp_
 
     from rollout.engines.buckets import pack_tensor, plan_buckets, unpack_bucket
     from trainer.config import load_config
-    from trainer.loop.lora_layout import lora_push, pushes_whole_weights
-    from trainer.loop.workers.weight_push import WeightPush
+    from trainer.loop.plan.lora_layout import lora_push, pushes_whole_weights
+    from trainer.loop.weights.weight_push import WeightPush
 
     monkeypatch.setenv("CROSSRL_CACHE", str(tmp_path / "cache"))
     keys = ["rollout.engine=vllm", "model.lora.train_embeddings=true", "model.dtype=bfloat16"]
@@ -231,9 +231,9 @@ def test_the_reference_stays_the_base_when_the_embeddings_train(tmp_path, monkey
     it. At one rank, plain and under FSDP2 (bf16 compute: FSDP2 keeps the root's gathered
     parameters after a forward, which the reference must not reuse)."""
     from trainer.config import load_config
-    from trainer.loop.workers.fsdp_worker import WorkerSpec
-    from trainer.loop.workers.group import free_port
-    from trainer.loop.workers.policy import PolicyWorker
+    from trainer.loop.cluster.group import free_port
+    from trainer.loop.ranks.fsdp_worker import WorkerSpec
+    from trainer.loop.ranks.policy import PolicyWorker
 
     monkeypatch.setenv("CROSSRL_CACHE", str(tmp_path / "cache"))
     keys = ["model.lora.train_embeddings=true", "algorithm.kl_coef=0.1", "train.lr=3e-2"]
@@ -276,7 +276,7 @@ LORA_JOB = [
 
 def _train(run_dir, *keys: str) -> None:
     from trainer.config import load_config
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     assert run_training(load_config(CONFIG, [*LORA_JOB, f"run.dir={run_dir}", *keys])) == 0
 
@@ -417,10 +417,10 @@ def test_export_merged_of_a_full_fine_tune_is_refused(tmp_path, capsys):
 def test_the_layout_starts_no_reference_and_budgets_the_adapters_alone(capsys):
     from trainer.cli import main
     from trainer.config import load_config
-    from trainer.loop.layout import training_roles
-    from trainer.loop.lora_layout import adapter_params, lora_push, pushes_whole_weights
-    from trainer.loop.memory_budget import estimate_memory
-    from trainer.loop.model_shape import model_shape
+    from trainer.loop.plan.layout import training_roles
+    from trainer.loop.plan.lora_layout import adapter_params, lora_push, pushes_whole_weights
+    from trainer.loop.plan.memory_budget import estimate_memory
+    from trainer.loop.plan.model_shape import model_shape
 
     config = "configs/gpu/qwen2.5-7b-grpo-lora.yaml"
     cfg = load_config(config, ["algorithm.kl_coef=0.01"], check_environment=False)
@@ -454,9 +454,9 @@ def test_the_base_copy_of_trained_embeddings_is_budgeted(capsys):
     params, and printed by crossrl layout."""
     from trainer.cli import main
     from trainer.config import load_config
-    from trainer.loop.lora_layout import base_copy_params
-    from trainer.loop.memory_budget import estimate_memory
-    from trainer.loop.model_shape import model_shape
+    from trainer.loop.plan.lora_layout import base_copy_params
+    from trainer.loop.plan.memory_budget import estimate_memory
+    from trainer.loop.plan.model_shape import model_shape
 
     config = "configs/gpu/qwen2.5-7b-grpo-lora.yaml"
     keys = ["model.lora.train_embeddings=true"]

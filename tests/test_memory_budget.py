@@ -1,4 +1,4 @@
-"""The memory budget (trainer/loop/memory_budget.py): parameter counts of the shapes it knows, the
+"""The memory budget (trainer/loop/plan/memory_budget.py): parameter counts of the shapes it knows, the
 shipped 7B jobs fitting their devices after issue 24's fixes (and the 30.5 GB of whole fp32
 gradients before them), each component moving with its key, `crossrl layout` printing the
 table for every shipped GPU and NPU config, and `crossrl train` refusing a job that cannot fit
@@ -14,7 +14,7 @@ import ray
 
 from trainer.cli import main
 from trainer.config import load_config
-from trainer.loop.memory_budget import (
+from trainer.loop.plan.memory_budget import (
     COMPONENTS,
     DEFAULT_DEVICE_MEMORY_BYTES,
     GB,
@@ -22,8 +22,8 @@ from trainer.loop.memory_budget import (
     estimate_memory,
     micro_batch_tokens,
 )
-from trainer.loop.memory_report import format_budget, memory_problem
-from trainer.loop.model_shape import PUBLISHED_SHAPES, ModelShape, model_shape
+from trainer.loop.plan.memory_report import format_budget, memory_problem
+from trainer.loop.plan.model_shape import PUBLISHED_SHAPES, ModelShape, model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(
@@ -192,7 +192,7 @@ def test_layout_with_less_device_memory_says_which_key_to_change(capsys):
 
 
 def test_an_unknown_shape_gives_no_estimate_and_refuses_nothing(tmp_path):
-    from trainer.loop.preflight import _check_memory
+    from trainer.loop.start.preflight import _check_memory
 
     cfg = _cfg("gpu/qwen2.5-7b-grpo.yaml", f"model.path={tmp_path / 'my-llm'}")
     assert budget_for(cfg, "cuda", 1e9) is None
@@ -204,7 +204,7 @@ def test_an_unknown_shape_gives_no_estimate_and_refuses_nothing(tmp_path):
 
 
 def test_train_refuses_a_7b_job_on_one_gpu_before_start_up(tmp_path, capsys):
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     cfg = _cfg(
         "gpu/qwen2.5-7b-grpo.yaml",
@@ -222,7 +222,7 @@ def test_train_refuses_a_7b_job_on_one_gpu_before_start_up(tmp_path, capsys):
 
 
 def test_a_probe_is_checked_on_its_update_only(tmp_path):
-    from trainer.loop.preflight import PreflightError, _check_memory
+    from trainer.loop.start.preflight import PreflightError, _check_memory
 
     # a probe replays recorded rollouts: no engine, so its memory_fraction takes nothing
     cfg = _cfg("gpu/qwen2.5-7b-grpo.yaml", "rollout.memory_fraction=0.95")
@@ -244,8 +244,8 @@ def test_on_the_cpu_only_a_phase_beyond_the_hosts_ram_refuses():
 
 
 def test_lean_chunk_size_is_the_workers_own():
-    from trainer.loop.memory_budget import LEAN_CHUNK_BYTES
-    from trainer.loop.workers.forward import LEAN_CHUNK_BYTES as WORKERS
+    from trainer.loop.plan.memory_budget import LEAN_CHUNK_BYTES
+    from trainer.loop.ranks.forward import LEAN_CHUNK_BYTES as WORKERS
 
     assert LEAN_CHUNK_BYTES == WORKERS
 

@@ -1,6 +1,6 @@
 """The memory budget against torch's own accounting (issue 32): one step of each shipped config,
 cut to a few decoder layers, runs through crossrl's workers under FakeTensorMode with a fake
-process group while FSDPMemTracker counts every tensor (trainer/loop/memory_tracker.py); the
+process group while FSDPMemTracker counts every tensor (trainer/loop/ranks/memory_tracker.py); the
 budget's update phase for the same keys and depth must be within 10 % of the tracker's peak and
 never below it by more than 3 %. And the reference gives its gathered root back after its
 no-grad pass (FSDP2 keeps a root gathered after a forward, for a backward that never comes)."""
@@ -13,8 +13,8 @@ import pytest
 
 from trainer.cli import main
 from trainer.config import load_config
-from trainer.loop.memory_budget import recompute_bytes
-from trainer.loop.memory_tracker import measured_update, track_step
+from trainer.loop.plan.memory_budget import recompute_bytes
+from trainer.loop.ranks.memory_tracker import measured_update, track_step
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(

@@ -16,11 +16,11 @@ import ray
 
 from trainer.cli import main
 from trainer.config import load_config
-from trainer.loop.memory_budget import DEFAULT_DEVICE_MEMORY_BYTES, budget_for, recompute_bytes
-from trainer.loop.memory_tracker import measured_update, track_step
-from trainer.loop.model_shape import ModelShapeError, model_shape
-from trainer.loop.moe_layout import COUNTED
-from trainer.loop.snapshot_budget import snapshot_bytes
+from trainer.loop.plan.memory_budget import DEFAULT_DEVICE_MEMORY_BYTES, budget_for, recompute_bytes
+from trainer.loop.plan.model_shape import ModelShapeError, model_shape
+from trainer.loop.plan.moe_layout import COUNTED
+from trainer.loop.plan.snapshot_budget import snapshot_bytes
+from trainer.loop.ranks.memory_tracker import measured_update, track_step
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "moe"
@@ -93,7 +93,7 @@ def test_dense_layers_and_shared_experts_follow_the_model_types_rules():
 
 
 def _shape(config: dict):
-    from trainer.loop.model_shape import ModelShape
+    from trainer.loop.plan.model_shape import ModelShape
 
     return ModelShape.from_config(config, "a test config")
 
@@ -203,7 +203,7 @@ def test_a_moe_the_budget_cannot_count_is_refused_naming_its_type(tmp_path, caps
     assert "model_type deepseek_v3 is a mixture of experts (n_routed_experts=256)" in err[0]
     assert "qwen3_moe" in err[0]  # what it counts
     # crossrl train: before anything starts
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     cfg = _cfg("DeepSeek-V3", f"run.dir={tmp_path / 'run'}")
     assert run_training(cfg) == 2

@@ -14,9 +14,9 @@ import pytest
 
 from batching import Row, StepBatch, plan_minibatches
 from trainer.config import load_config
-from trainer.loop.workers.critic import CriticWorker
-from trainer.loop.workers.fsdp_worker import WorkerSpec
-from trainer.loop.workers.group import free_port
+from trainer.loop.cluster.group import free_port
+from trainer.loop.ranks.critic import CriticWorker
+from trainer.loop.ranks.fsdp_worker import WorkerSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -40,8 +40,8 @@ def _node_of(handle) -> str:
 
 
 def test_a_lost_node_is_restarted_on_the_nodes_left(three_nodes, monkeypatch, tmp_path, capsys):
-    from trainer.loop.controller import Trainer
-    from trainer.loop.run import run_training
+    from trainer.loop.schedule.controller import Trainer
+    from trainer.loop.start.run import run_training
 
     cluster, workers = three_nodes
     straight = tmp_path / "straight"

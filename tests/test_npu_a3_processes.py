@@ -103,8 +103,8 @@ def test_every_engine_worker_applies_the_deterministic_switches(monkeypatch):
 
 
 def test_a_worker_that_applied_other_settings_is_named():
-    from trainer.loop.workers.group import WorkerFailedError
-    from trainer.loop.workers.rollout_host import agree_with_engine_workers
+    from trainer.loop.cluster.group import WorkerFailedError
+    from trainer.loop.engines.rollout_host import agree_with_engine_workers
 
     host = {"seed": "7", "flag": "True"}
     assert agree_with_engine_workers(host, [dict(host), dict(host)], 1) == host
@@ -118,7 +118,7 @@ def test_the_engine_host_sets_its_workers_deterministic(monkeypatch, determinist
     engine is built; without it nothing is asked of them."""
     import rollout.engines
     from trainer.config import load_config
-    from trainer.loop.workers.rollout_host import EngineHost
+    from trainer.loop.engines.rollout_host import EngineHost
 
     calls: list = []
     engine = _engine_with_workers(monkeypatch, 2, calls)
@@ -203,7 +203,7 @@ def _spawner(monkeypatch, backend_name: str):
     from types import SimpleNamespace
 
     from trainer.config import load_config
-    from trainer.loop.workers.spawn import Spawner
+    from trainer.loop.start.spawn import Spawner
 
     for var in PORT_VARS:
         monkeypatch.delenv(var, raising=False)

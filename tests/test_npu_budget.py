@@ -15,8 +15,8 @@ import pytest
 import hal
 from hal.device_memory import communicator_buffer_bytes, device_total_memory
 from trainer.config import load_config
-from trainer.loop.memory_budget import CONTEXT_BYTES, budget_for
-from trainer.loop.memory_report import device_memory
+from trainer.loop.plan.memory_budget import CONTEXT_BYTES, budget_for
+from trainer.loop.plan.memory_report import device_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -30,7 +30,7 @@ def _budget(*overrides: str, communicator_bytes: float | None = None):
     )
     budget = budget_for(cfg, "npu", 64e9, "default")
     if communicator_bytes is not None:
-        from trainer.loop.memory_budget import estimate_memory
+        from trainer.loop.plan.memory_budget import estimate_memory
 
         budget = estimate_memory(
             cfg,
@@ -134,7 +134,7 @@ def test_a_real_child_without_the_device_says_nothing():
 
 
 def test_a_bad_buffer_size_is_one_line_before_start_up(monkeypatch):
-    from trainer.loop.preflight import PreflightError, _check_memory
+    from trainer.loop.start.preflight import PreflightError, _check_memory
 
     monkeypatch.setenv("HCCL_BUFFSIZE", "lots")
     cfg = load_config("configs/npu/qwen2.5-7b-grpo.yaml", [], check_environment=False)

@@ -211,7 +211,7 @@ def ray_once():
     """One local Ray for every run that needs it (dp 2, ``ray.in_process=false``)."""
     import ray
 
-    from trainer.loop.workers.group import start_ray
+    from trainer.loop.cluster.group import start_ray
 
     started = start_ray(None, num_cpus=8)
     yield

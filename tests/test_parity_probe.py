@@ -14,7 +14,7 @@ from trainer.cli import main as cli_main
 from trainer.commands.parity import DEFAULT_TOLERANCES, compare_runs, read_run
 from trainer.commands.probe import probe_config, run_probe
 from trainer.config import load_config
-from trainer.loop.workers.group import WorkerFailedError, agree_on_settings, start_ray
+from trainer.loop.cluster.group import WorkerFailedError, agree_on_settings, start_ray
 from trainer.records.metrics import read_jsonl
 
 GOLDEN_DIR = Path(__file__).parent / "golden"

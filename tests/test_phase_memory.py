@@ -1,4 +1,4 @@
-"""Each phase's device-wide peak (``trainer.loop.phase_memory``): sampled through the
+"""Each phase's device-wide peak (``trainer.loop.schedule.phase_memory``): sampled through the
 controller's step timer, written per step as ``memory/device_<phase>_gb``, and held against
 ``crossrl layout``'s budget by ``bench.phase_budget``. The CPU has no device-wide reading, so
 the job here reads a fake device whose use the test sets per phase."""
@@ -15,8 +15,8 @@ import hal
 from bench import phase_budget
 from hal.device_memory import _visible_indices, device_used_reader
 from trainer.config import load_config
-from trainer.loop.phase_memory import PhaseMemory, measured
-from trainer.loop.run import run_training
+from trainer.loop.schedule.phase_memory import PhaseMemory, measured
+from trainer.loop.start.run import run_training
 from trainer.records.metrics import StepTimer
 
 SHORT = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4", "train.total_steps=2"]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from trainer.config import ConfigError, load_config
-from trainer.loop.layout import LayoutError, format_layout, plan_layout, runs_in_process
-from trainer.loop.pipeline import RolloutPipeline, read_ahead, sampled_by
-from trainer.loop.workers.local import LocalHandle, LocalRef
+from trainer.loop.cluster.local import LocalHandle, LocalRef
+from trainer.loop.plan.layout import LayoutError, format_layout, plan_layout, runs_in_process
+from trainer.loop.schedule.pipeline import RolloutPipeline, read_ahead, sampled_by
 
 LAGGED = ["rollout.engine_devices=1", "algorithm.rollout_correction=token"]
 
@@ -244,7 +244,7 @@ def test_engines_of_another_device_type_fill_their_own_nodes():
 def test_the_engine_spawner_takes_the_engines_backend():
     from hal.cpu import CpuBackend
     from hal.npu import NpuBackend
-    from trainer.loop.workers.spawn import Spawner
+    from trainer.loop.start.spawn import Spawner
 
     cfg = load_config(
         None, ["rollout.engine_devices=2", "rollout.device=npu"], check_environment=False
@@ -272,7 +272,7 @@ def test_another_engine_device_needs_engine_devices_of_their_own():
 
 
 def test_a_local_ray_has_room_for_the_engines_own_cpus():
-    from trainer.loop.layout import layout_for_cli, local_ray_cpus
+    from trainer.loop.plan.layout import layout_for_cli, local_ray_cpus
 
     cfg = load_config(None, ["rollout.engine_devices=4", *LAGGED[1:], "train.rollout_lag=1"])
     assert local_ray_cpus(cfg) >= cfg.train.dp_size + 4

@@ -14,8 +14,8 @@ import ray
 
 from trainer.commands.parity import compare_runs
 from trainer.config import load_config
-from trainer.loop.run import run_training
-from trainer.loop.workers.group import start_ray
+from trainer.loop.cluster.group import start_ray
+from trainer.loop.start.run import run_training
 from trainer.records.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow

@@ -14,9 +14,9 @@ import pytest
 import ray
 
 from trainer.config import load_config
-from trainer.loop.controller import Trainer
-from trainer.loop.run import run_training
-from trainer.loop.workers.group import cluster_node_ids
+from trainer.loop.cluster.group import cluster_node_ids
+from trainer.loop.schedule.controller import Trainer
+from trainer.loop.start.run import run_training
 from trainer.records.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow

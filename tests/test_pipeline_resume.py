@@ -15,11 +15,11 @@ import pytest
 import ray
 
 from trainer.config import load_config
-from trainer.loop.backlog import Backlog, PendingCheckpoint
-from trainer.loop.preflight import PreflightError, _check_resumed_lag
-from trainer.loop.run import run_training
-from trainer.loop.workers.group import Later, start_ray
-from trainer.loop.workers.local import LocalRef
+from trainer.loop.cluster.group import Later, start_ray
+from trainer.loop.cluster.local import LocalRef
+from trainer.loop.schedule.backlog import Backlog, PendingCheckpoint
+from trainer.loop.start.preflight import PreflightError, _check_resumed_lag
+from trainer.loop.start.run import run_training
 from trainer.records.metrics import read_jsonl
 
 LAG2 = [

@@ -120,7 +120,7 @@ def test_model_directory_is_checked_before_start(tmp_path, capsys, model_dir, da
 
 
 def test_a_whole_model_directory_passes(model_dir):
-    from trainer.loop.preflight import model_dir_problem
+    from trainer.loop.start.preflight import model_dir_problem
 
     assert model_dir_problem("model.path", model_dir) is None
 
@@ -215,7 +215,7 @@ def test_an_unreadable_manifest_is_named(tmp_path, capsys):
 
 
 def test_a_layout_the_machine_cannot_hold_fails_before_ray(tmp_path, capsys):
-    # 4 ranks on a local Ray of 2 CPUs: trainer.loop.layout refuses it before Ray starts.
+    # 4 ranks on a local Ray of 2 CPUs: trainer.loop.plan.layout refuses it before Ray starts.
     code = main(["train", f"run.dir={tmp_path / 'run'}", "train.dp_size=4", "ray.num_cpus=2"])
     line = _one_line(capsys.readouterr().err)
     assert code == 2

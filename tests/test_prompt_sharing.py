@@ -17,7 +17,7 @@ import hal
 from batching import Row, StepBatch, share_prompts
 from hal.attention import packed_forward
 from hal.sdpa import prefix_sdpa, segmented_sdpa
-from trainer.loop.workers.forward import packed_token_logprobs
+from trainer.loop.ranks.forward import packed_token_logprobs
 
 
 def _rows(groups: int = 5, samples: int = 4, seed: int = 0) -> list[Row]:

@@ -31,7 +31,7 @@ import hal
 from hal.shm import SharedCounters
 from rollout.engines.base import WAKE_TAGS, Engine
 from rollout.engines.stream import RANK, Doorbell, PushAborted, receive_weight_stream
-from trainer.loop.workers.local import LocalRef
+from trainer.loop.cluster.local import LocalRef
 
 JOB = [
     "device=cpu",
@@ -83,9 +83,9 @@ class ThreadHandle:
 @pytest.fixture(scope="module")
 def worker():
     from trainer.config import load_config
-    from trainer.loop.workers.fsdp_worker import WorkerSpec
-    from trainer.loop.workers.group import free_port
-    from trainer.loop.workers.policy import PolicyWorker
+    from trainer.loop.cluster.group import free_port
+    from trainer.loop.ranks.fsdp_worker import WorkerSpec
+    from trainer.loop.ranks.policy import PolicyWorker
 
     cfg = load_config(None, JOB, check_environment=False)
     policy = PolicyWorker(WorkerSpec(role="actor", rank=0, cfg=cfg))
@@ -98,7 +98,7 @@ def worker():
 
 
 def _host(worker, engine: Engine) -> ThreadHandle:
-    from trainer.loop.workers.rollout_host import EngineHost
+    from trainer.loop.engines.rollout_host import EngineHost
 
     host = EngineHost(worker.spec.cfg)
     host.engine = engine
@@ -303,8 +303,8 @@ def test_a_ray_reply_is_watched_without_waiting():
     call ended well, the call's own error once it failed."""
     import ray
 
-    from trainer.loop.workers.group import start_ray
-    from trainer.loop.workers.weight_push import _raise_if_ended
+    from trainer.loop.cluster.group import start_ray
+    from trainer.loop.weights.weight_push import _raise_if_ended
 
     started = start_ray(None, num_cpus=1)
     try:

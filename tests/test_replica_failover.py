@@ -188,7 +188,7 @@ def _kill_replica_during_rollout(monkeypatch, step: int, delay_s: float) -> list
     after it starts (from a thread, as a crash would come); returns the kill times."""
     import ray
 
-    from trainer.loop.controller import Trainer
+    from trainer.loop.schedule.controller import Trainer
 
     rollout, killed = Trainer._rollout, []
 
@@ -211,7 +211,7 @@ def _kill_replica_during_rollout(monkeypatch, step: int, delay_s: float) -> list
 def test_a_replica_killed_mid_rollout_is_replaced_and_the_run_repeats(
     local_ray, tmp_path, monkeypatch
 ):
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
     from trainer.records.metrics import read_jsonl
 
     straight, faulted = tmp_path / "straight", tmp_path / "faulted"
@@ -238,8 +238,8 @@ def test_a_replica_killed_mid_rollout_is_replaced_and_the_run_repeats(
 
 @pytest.mark.slow
 def test_no_replica_failures_allowed_stops_naming_the_key(local_ray, tmp_path, monkeypatch):
-    from trainer.loop.controller import Trainer
-    from trainer.loop.workers.group import WorkerFailedError
+    from trainer.loop.cluster.group import WorkerFailedError
+    from trainer.loop.schedule.controller import Trainer
 
     _kill_replica_during_rollout(monkeypatch, 1, FAULT_DELAY_S)
     cfg = _cfg(tmp_path / "run", "train.total_steps=1", "rollout.max_replica_failures=0")
@@ -271,9 +271,9 @@ def test_a_lost_replica_of_the_lagged_pipeline_comes_back_with_current_weights(
     run's start: no checkpoint yet). Either way the run repeats the uninterrupted one."""
     import ray
 
-    from trainer.loop.controller import Trainer
-    from trainer.loop.pipeline import RolloutPipeline
-    from trainer.loop.run import run_training
+    from trainer.loop.schedule.controller import Trainer
+    from trainer.loop.schedule.pipeline import RolloutPipeline
+    from trainer.loop.start.run import run_training
     from trainer.records.metrics import read_jsonl
 
     job = [*OWN_LAG1, f"rollout.weight_transport={transport}", "train.total_steps=4"]

@@ -15,12 +15,12 @@ import pytest
 import hal
 from bench.faults import FAULT_JOB, FAULTS, Fault
 from trainer.config import load_config
-from trainer.loop import call_limits
-from trainer.loop.call_limits import CallLimits
-from trainer.loop.restarts import Restart, Restarts
-from trainer.loop.run import closing_summary
-from trainer.loop.workers.faults import fault_kind
-from trainer.loop.workers.group import WorkerFailedError
+from trainer.loop.cluster.faults import fault_kind
+from trainer.loop.cluster.group import WorkerFailedError
+from trainer.loop.plan import call_limits
+from trainer.loop.plan.call_limits import CallLimits
+from trainer.loop.start.restarts import Restart, Restarts
+from trainer.loop.start.run import closing_summary
 
 SHORT = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4"]
 
@@ -130,7 +130,7 @@ FAULT_RUN = [*FAULT_JOB, "train.total_steps=4", "run.save_every=2"]
 @pytest.fixture(scope="module")
 def straight(local_ray, tmp_path_factory):
     """The uninterrupted run the faulted ones must equal."""
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     run_dir = tmp_path_factory.mktemp("straight") / "run"
     started = time.monotonic()
@@ -155,7 +155,7 @@ def test_a_lost_or_hung_worker_is_restarted_and_the_run_is_exact(
 ):
     """A training rank killed mid-update, the rollout host killed mid-rollout, a rank hung
     (``bench.faults.FAULTS`` less the lost replica), each in step 3."""
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
     from trainer.records.metrics import read_jsonl
 
     target, phase, extra = FAULTS[name]
@@ -180,7 +180,7 @@ def test_a_lost_or_hung_worker_is_restarted_and_the_run_is_exact(
 
 @pytest.mark.slow
 def test_max_restarts_0_stops_at_the_first_lost_worker(local_ray, monkeypatch, tmp_path, capsys):
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     Fault(monkeypatch.setattr, step=1, phase="_update", target="actor rank 1", seed=0)
     cfg = _cfg(tmp_path / "run", *FAULT_RUN, "run.max_restarts=0")
@@ -198,7 +198,7 @@ def test_a_lagged_run_restarts_with_the_rollouts_its_checkpoint_kept(
 ):
     """Engines of their own at lag 1: the restart resumes the checkpoint's pending rollout
     (sampled before it with older weights) and the run repeats the uninterrupted one."""
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     straight, faulted = tmp_path / "straight", tmp_path / "faulted"
     assert run_training(_cfg(straight, *FAULT_RUN, *LAGGED)) == 0
@@ -216,8 +216,8 @@ def test_a_reservation_on_a_lost_node_is_planned_again_without_it(monkeypatch, t
     planned again on the nodes left (no Ray: the cluster's answers are faked)."""
     from types import SimpleNamespace
 
-    from trainer.loop import launch
-    from trainer.loop.workers import group
+    from trainer.loop.cluster import group
+    from trainer.loop.start import launch
 
     nodes = {"a": 1, "lost": 1, "c": 1}
     tries: list[list[str]] = []
@@ -246,7 +246,7 @@ def test_a_reservation_on_a_lost_node_is_planned_again_without_it(monkeypatch, t
 def test_rendezvous_ports_stay_out_of_the_ephemeral_range():
     """A restart starts every process group again: its rank 0's port is picked where no
     ``bind(0)`` of another process can take it before the rendezvous binds it."""
-    from trainer.loop.workers.group import RENDEZVOUS_PORTS, free_port
+    from trainer.loop.cluster.group import RENDEZVOUS_PORTS, free_port
 
     ports = {free_port() for _ in range(20)}
     assert all(port in RENDEZVOUS_PORTS for port in ports)

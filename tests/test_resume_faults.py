@@ -37,7 +37,7 @@ def test_resuming_with_a_model_of_other_shapes_is_refused_by_name(tmp_path, caps
 def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(
     tmp_path, capsys, monkeypatch
 ):
-    import trainer.loop.controller as controller
+    import trainer.loop.schedule.controller as controller
 
     step = controller.Trainer.train_step
 

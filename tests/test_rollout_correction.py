@@ -87,7 +87,7 @@ def test_a_streamed_run_with_sequence_correction_reports_its_mixed_rows(local_ra
     mean, the same share its recorded batch shows (the shipped path: the batch's
     ``policy_version`` column reaches the weights)."""
     from rollout.replay import load_rollout
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
     from trainer.records.metrics import read_jsonl
 
     run_dir = tmp_path / "run"

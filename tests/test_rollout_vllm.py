@@ -406,7 +406,7 @@ def test_vllm_serves_a_crossrl_export(tmp_path):
     from rollout.engines import make_engine
     from trainer.cli import main
     from trainer.config import load_config
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     run, out = tmp_path / "run", tmp_path / "exported"
     short = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4"]

@@ -20,8 +20,8 @@ from hal.sdpa import prefix_sdpa
 from hal.shared_prefix import kv_varlen_sdpa, shared_kv_layout
 from tests.test_prompt_sharing import _rows
 from trainer.config import load_config
-from trainer.loop.layout import prompt_sharing_rule
-from trainer.loop.workers.policy import prompt_sharing, sharing_kernel
+from trainer.loop.plan.layout import prompt_sharing_rule
+from trainer.loop.ranks.policy import prompt_sharing, sharing_kernel
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 

@@ -1,5 +1,5 @@
 """The weight snapshots of engines on devices of their own, budgeted against Ray's object
-store (``trainer.loop.snapshot_budget``): the count the schedule implies, their bytes, the
+store (``trainer.loop.plan.snapshot_budget``): the count the schedule implies, their bytes, the
 refusal before start-up, what ``crossrl layout`` prints, and, on a local Ray, how many are
 really alive in the object store while a lagged run trains."""
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from trainer.config import load_config
-from trainer.loop.model_shape import model_shape
-from trainer.loop.snapshot_budget import (
+from trainer.loop.plan.model_shape import model_shape
+from trainer.loop.plan.snapshot_budget import (
     default_object_store_bytes,
     live_snapshots,
     node_snapshot_bytes,
@@ -93,7 +93,7 @@ def test_the_default_object_store_is_rays():
 
 
 def test_snapshots_beyond_the_object_store_are_refused_in_one_line(tmp_path):
-    from trainer.loop.preflight import PreflightError, preflight
+    from trainer.loop.start.preflight import PreflightError, preflight
 
     cfg = load_config(
         None,
@@ -160,10 +160,10 @@ def test_a_lagged_run_never_holds_more_snapshots_than_the_budget(tmp_path, lag, 
     it has loaded it; at lag 0 a reference the pipeline kept to the latest one made it two."""
     import ray
 
-    from trainer.loop.launch import _check_snapshots
-    from trainer.loop.layout import LayoutError
-    from trainer.loop.run import run_training
-    from trainer.loop.workers.group import start_ray
+    from trainer.loop.cluster.group import start_ray
+    from trainer.loop.plan.layout import LayoutError
+    from trainer.loop.start.launch import _check_snapshots
+    from trainer.loop.start.run import run_training
 
     keys = [
         *LAGGED,

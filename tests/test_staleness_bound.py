@@ -46,8 +46,8 @@ def test_groups_in_flight_that_do_not_fit_the_host_are_refused_before_start_up(m
     """The default job streamed at s = 29 keeps up to 480 groups in flight (30 steps x 16
     prompts), 0.38 GB of rows at 128 bytes a token: more than half of a 0.5 GB host, which
     holds 18 + 1 steps of them."""
-    from trainer.loop import stream_budget
-    from trainer.loop.preflight import PreflightError, preflight
+    from trainer.loop.plan import stream_budget
+    from trainer.loop.start.preflight import PreflightError, preflight
 
     cfg = load_config(None, [*STREAM, "train.max_staleness=29"])
     assert stream_budget.groups_in_flight(cfg) == 480
@@ -77,7 +77,7 @@ class _Prompts:
 def test_the_stream_starts_no_threads_nor_groups_past_the_steps_left(tmp_path):
     """Resumed after step 28 of 30 at s = 5 and 2 prompts a step: the two steps left take 4
     groups, so the stream runs 4 threads (not (s + 1) x 2 = 12) and starts 4 groups."""
-    from trainer.loop.workers.stream_host import StreamingHost
+    from trainer.loop.engines.stream_host import StreamingHost
 
     class Host(StreamingHost):
         cfg = load_config(

@@ -10,7 +10,12 @@ import time
 
 import pytest
 
-from trainer.loop.startup import Phases, StartupClock, import_in_background, process_start_time
+from trainer.loop.cluster.startup import (
+    Phases,
+    StartupClock,
+    import_in_background,
+    process_start_time,
+)
 
 
 def _python(code: str) -> str:
@@ -25,7 +30,7 @@ def test_process_start_time_is_when_the_process_started():
     launched = time.time()
     out = json.loads(
         _python(
-            "import json, time; from trainer.loop.startup import process_start_time; "
+            "import json, time; from trainer.loop.cluster.startup import process_start_time; "
             "print(json.dumps([process_start_time(), time.time()]))"
         )
     )
@@ -75,8 +80,8 @@ def test_config_and_preflight_import_neither_torch_nor_ray_workers(tmp_path):
         "import sys\n"
         "from trainer.config import load_config\n"
         f"cfg = load_config(None, ['run.dir={tmp_path / 'run'}'])\n"
-        "import trainer.loop.run\n"
-        "from trainer.loop.preflight import preflight\n"
+        "import trainer.loop.start.run\n"
+        "from trainer.loop.start.preflight import preflight\n"
         "preflight(cfg)\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.loop.step_stats import SCHEMAS, Reduce, StepStats
+from trainer.loop.ranks.step_stats import SCHEMAS, Reduce, StepStats
 
 
 def _report(role: str, **sums) -> StepStats:

@@ -15,7 +15,7 @@ from rollout.engines.base import GenerationRequest, GenerationResult, SamplingPa
 from rollout.replay import load_rollout
 from rollout.streaming import FinishedGroup, StreamSampler, VersionedEngine, admit
 from trainer.config import ConfigError, load_config
-from trainer.loop.workers.stream_host import staleness_metrics
+from trainer.loop.engines.stream_host import staleness_metrics
 
 
 class _Engine:
@@ -216,7 +216,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def streamed(local_ray, tmp_path_factory):
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     out = {}
     for name, extra in RUNS.items():
@@ -300,7 +300,7 @@ def test_a_streamed_run_resumes_with_a_fresh_stream_from_the_prompts_it_drew(loc
     from step 2's checkpoint, the stream starting past every prompt the first part drew."""
     import json
 
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
     from trainer.records.checkpoint import LAYOUT, load_json
     from trainer.records.metrics import read_jsonl
 
@@ -321,8 +321,8 @@ def test_the_layout_counts_a_streams_snapshots_and_groups_in_flight(capsys):
     (s + 1) x batch_size groups in flight; ``crossrl layout`` prints both, and a store too
     small for the snapshots is refused naming train.max_staleness."""
     from trainer.cli import main
-    from trainer.loop.model_shape import model_shape
-    from trainer.loop.snapshot_budget import live_snapshots, snapshot_bytes, snapshot_problem
+    from trainer.loop.plan.model_shape import model_shape
+    from trainer.loop.plan.snapshot_budget import live_snapshots, snapshot_bytes, snapshot_problem
 
     keys = [*STREAM, "train.max_staleness=2", "rollout.weight_transport=host"]
     cfg = load_config(None, keys, check_environment=False)

@@ -80,7 +80,7 @@ def test_a_streamed_run_whose_late_resets_fail_stops_at_the_env_fault_check(
     group of a step have failed, at the step without rows, naming the fault too), where it used
     to drop those groups as stale and finish as if nothing had failed."""
     from tests.stream_envs import LateFailingReset
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     LateFailingReset.resets = 0  # a run in this process (in-process workers) counts from 0
     train = tmp_path / "train.parquet"

@@ -385,7 +385,7 @@ def test_optimizer_state_round_trip_with_weights_only(tmp_path):
 
 
 def test_resume_with_a_changed_lr_trains_with_it_at_the_saved_schedule_position(tmp_path):
-    from trainer.loop.workers.optim import build_optimizer, lr_factor, reapply_hyperparameters
+    from trainer.loop.ranks.optim import build_optimizer, lr_factor, reapply_hyperparameters
 
     sched = dict(warmup_steps=4, total_steps=20, schedule="cosine", min_lr_ratio=0.1)
     model = torch.nn.Linear(4, 3)
@@ -535,8 +535,8 @@ def _reshard_rank(rank, world, port, arrays, staging, legacy, resume_from, queue
     from it."""
     from batching import StepBatch, plan_minibatches
     from trainer.config import load_config
-    from trainer.loop.workers.fsdp_worker import WorkerSpec
-    from trainer.loop.workers.policy import PolicyWorker
+    from trainer.loop.ranks.fsdp_worker import WorkerSpec
+    from trainer.loop.ranks.policy import PolicyWorker
 
     torch.set_num_threads(1)
     cfg = load_config(None, [*RESHARD_JOB, f"train.dp_size={world}"])
@@ -589,7 +589,7 @@ def _reshard_rank(rank, world, port, arrays, staging, legacy, resume_from, queue
 def _spawn_ranks(world: int, arrays, staging=None, legacy=None, resume_from=()) -> dict[int, dict]:
     import torch.multiprocessing as mp
 
-    from trainer.loop.workers.group import free_port
+    from trainer.loop.cluster.group import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from batching import LOSS_AGG_MODES, Row, StepBatch, plan_minibatches
-from trainer.loop.workers.group import free_port
+from trainer.loop.cluster.group import free_port
 
 MODEL = "builtin:tiny"
 #: The job each layout trains: the default CPU job's tiny model with a loss that exercises
@@ -78,8 +78,8 @@ def _recorded_batch() -> StepBatch:
 
 def _run_rank(rank: int, world: int, ports: list[int], budget, pad: bool, arrays, queue) -> None:
     from trainer.config import load_config
-    from trainer.loop.workers.fsdp_worker import WorkerSpec
-    from trainer.loop.workers.policy import PolicyWorker
+    from trainer.loop.ranks.fsdp_worker import WorkerSpec
+    from trainer.loop.ranks.policy import PolicyWorker
 
     torch.set_num_threads(1)
     batch = StepBatch.from_numpy(arrays)

@@ -15,9 +15,9 @@ import pytest
 import ray
 
 from trainer.config import load_config
-from trainer.loop.controller import Trainer
-from trainer.loop.run import run_training
-from trainer.loop.workers.group import WorkerFailedError
+from trainer.loop.cluster.group import WorkerFailedError
+from trainer.loop.schedule.controller import Trainer
+from trainer.loop.start.run import run_training
 from trainer.records.checkpoint import LAYOUT, find_latest, read_model_weights, verify_checkpoint
 from trainer.records.metrics import REQUIRED_KEYS, read_jsonl
 

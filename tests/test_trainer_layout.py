@@ -10,7 +10,7 @@ import pytest
 
 from trainer.cli import main
 from trainer.config import load_config
-from trainer.loop.layout import LayoutError, deal_prompt, plan_layout
+from trainer.loop.plan.layout import LayoutError, deal_prompt, plan_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 

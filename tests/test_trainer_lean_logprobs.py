@@ -23,8 +23,8 @@ import hal
 from batching import Row, StepBatch, loss_normalizers
 from rollout.models import load_model
 from trainer.config import load_config
-from trainer.loop.workers.forward import packed_token_logprobs
-from trainer.loop.workers.group import free_port
+from trainer.loop.cluster.group import free_port
+from trainer.loop.ranks.forward import packed_token_logprobs
 
 #: Rows of 1 and 2 tokens between longer ones: row starts inside chunks and at chunk edges.
 ROW_LENS = (1, 2, 7, 1, 13, 2, 30, 9)
@@ -137,7 +137,7 @@ def _batch(vocab: int = 102, seed: int = 0, lens=ROW_LENS) -> StepBatch:
 
 
 def test_the_actor_loss_and_its_gradients_do_not_depend_on_the_path(small):
-    from trainer.loop.workers.policy import actor_micro_batch_loss
+    from trainer.loop.ranks.policy import actor_micro_batch_loss
 
     batch = _batch()
     normalizers = loss_normalizers(batch, list(range(batch.num_rows)))
@@ -229,8 +229,8 @@ def test_a_model_that_rescales_its_logits_is_refused_by_name():
 
 
 def _run_rank(rank: int, world: int, port_by_path: dict, arrays, queue) -> None:
-    from trainer.loop.workers.fsdp_worker import WorkerSpec
-    from trainer.loop.workers.policy import PolicyWorker
+    from trainer.loop.ranks.fsdp_worker import WorkerSpec
+    from trainer.loop.ranks.policy import PolicyWorker
 
     torch.set_num_threads(1)
     results = {}

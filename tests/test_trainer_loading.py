@@ -14,10 +14,10 @@ import torch.multiprocessing as mp
 import hal
 from rollout.models import build_empty_model, load_model, write_random_model
 from trainer.config import load_config
-from trainer.loop.workers.critic import CriticWorker
-from trainer.loop.workers.fsdp_worker import WorkerSpec
-from trainer.loop.workers.group import free_port
-from trainer.loop.workers.policy import PolicyWorker
+from trainer.loop.cluster.group import free_port
+from trainer.loop.ranks.critic import CriticWorker
+from trainer.loop.ranks.fsdp_worker import WorkerSpec
+from trainer.loop.ranks.policy import PolicyWorker
 
 SEED = 1
 #: A local model directory's shape with untied embeddings (the builtins tie them).

@@ -18,7 +18,7 @@ from trainer.algorithms.losses import (
     value_loss,
     value_loss_for_micro_batch,
 )
-from trainer.loop.workers.forward import logits_entropy, token_entropy
+from trainer.loop.ranks.forward import logits_entropy, token_entropy
 
 LN = math.log
 

@@ -18,9 +18,9 @@ from torch.distributed.tensor import DTensor
 import hal
 from batching import Row, StepBatch, plan_minibatches
 from trainer.config import load_config
-from trainer.loop.workers.fsdp_worker import WorkerSpec
-from trainer.loop.workers.group import free_port
-from trainer.loop.workers.policy import PolicyWorker
+from trainer.loop.cluster.group import free_port
+from trainer.loop.ranks.fsdp_worker import WorkerSpec
+from trainer.loop.ranks.policy import PolicyWorker
 
 ACCELERATOR = hal.available_backends()[0] != "cpu"
 needs_accelerator = pytest.mark.skipif(
@@ -216,7 +216,7 @@ def test_param_offload_keeps_shards_grads_and_optimizer_state_in_pinned_host_mem
     ],
 )
 def test_one_rank_shards_only_when_an_fsdp2_policy_is_needed(overrides, sharded):
-    from trainer.loop.workers.spec import WorkerSpec
+    from trainer.loop.ranks.spec import WorkerSpec
 
     cfg = load_config(None, ["device=cpu", "model.path=builtin:tiny", *overrides])
     assert WorkerSpec(role="actor", rank=0, cfg=cfg).sharded is sharded

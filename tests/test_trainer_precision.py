@@ -15,9 +15,9 @@ import hal
 from batching import Row, StepBatch, plan_minibatches
 from rollout.models import load_model
 from trainer.config import load_config
-from trainer.loop.workers.fsdp_worker import WorkerSpec, enable_activation_checkpointing
-from trainer.loop.workers.group import free_port
-from trainer.loop.workers.policy import PolicyWorker
+from trainer.loop.cluster.group import free_port
+from trainer.loop.ranks.fsdp_worker import WorkerSpec, enable_activation_checkpointing
+from trainer.loop.ranks.policy import PolicyWorker
 
 
 def _batch(vocab: int, seed: int = 0) -> StepBatch:
@@ -133,7 +133,7 @@ def test_rollout_engine_process_gets_the_deterministic_settings(deterministic):
     """The rollout host applies the same switches as the training workers, before its engine
     starts; the controller then checks that every process applied the same."""
     from trainer.config import load_config
-    from trainer.loop.workers.rollout_host import RolloutHost
+    from trainer.loop.engines.rollout_host import RolloutHost
 
     cfg = load_config(None, [f"run.deterministic={str(deterministic).lower()}"])
     was = torch.are_deterministic_algorithms_enabled()

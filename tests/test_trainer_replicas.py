@@ -11,8 +11,8 @@ import pytest
 
 from rollout.replay import load_rollout
 from trainer.config import load_config
-from trainer.loop.controller import Trainer
-from trainer.loop.run import run_training
+from trainer.loop.schedule.controller import Trainer
+from trainer.loop.start.run import run_training
 from trainer.records.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow

@@ -38,7 +38,7 @@ def _config(run_dir, *keys: str):
 
 def _train(run_dir, *keys: str) -> list[dict]:
     """Train ``VLLM_JOB`` with ``keys`` into ``run_dir``; its metrics, a dict per step."""
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
     from trainer.records.metrics import read_jsonl
 
     assert run_training(_config(run_dir, *keys)) == 0
@@ -172,7 +172,7 @@ def test_a_lora_run_reaches_vllm_as_an_adapter(tmp_path, keys):
     beside them, never the adapters folded into whole weights. Either way vLLM samples with
     exactly the trainer's adapted policy, and the reference is the base (the actor with its
     adapters off, and its base embedding swapped in)."""
-    from trainer.loop.lora_layout import lora_push
+    from trainer.loop.plan.lora_layout import lora_push
 
     keys = ["model.lora.rank=8", "algorithm.kl_coef=0.01", "train.total_steps=3", *keys]
     assert lora_push(_config(tmp_path / "run", *keys)) == "adapters"

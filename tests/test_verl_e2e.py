@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from trainer.config import load_config
-from trainer.loop.run import run_training
+from trainer.loop.start.run import run_training
 from trainer.records.checkpoint import find_latest
 from trainer.records.metrics import read_jsonl
 
@@ -90,7 +90,7 @@ def test_verl_parquet_reward_module_validation_every_step(local_ray, tmp_path):
 def test_dynamic_sampling_prompt_stream_resumes_where_it_stopped(local_ray, tmp_path):
     """With dynamic sampling a step consumes a variable number of prompts; a host that resumes
     from the saved count samples exactly what the uninterrupted host sampled next."""
-    from trainer.loop.workers.rollout_host import RolloutHost
+    from trainer.loop.engines.rollout_host import RolloutHost
 
     train = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(_rows(8, "train")), str(train))

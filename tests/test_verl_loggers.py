@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from trainer.config import ConfigError, load_config
-from trainer.loop.validation import validation_due, validation_metrics
+from trainer.loop.schedule.validation import validation_due, validation_metrics
 from trainer.records.metrics import METRICS_FILE, MetricsLogger, read_jsonl
 
 

@@ -1,4 +1,4 @@
-"""The collective weight push (``trainer.loop.workers.weight_group``) over gloo, its members in
+"""The collective weight push (``trainer.loop.weights.weight_group``) over gloo, its members in
 threads of this process: each training rank broadcasts only the rows it holds, every replica
 receives the ranks' pieces of a bucket and joins them into the whole tensors, pushes arrive
 tagged by number while nothing loads them and are taken in order; and the rule that picks the
@@ -13,8 +13,8 @@ import torch
 
 import hal
 from trainer.config import ConfigError, load_config
-from trainer.loop.workers.group import free_port
-from trainer.loop.workers.weight_group import (
+from trainer.loop.cluster.group import free_port
+from trainer.loop.weights.weight_group import (
     WeightGroupAddress,
     WeightReceiver,
     WeightSender,
@@ -146,7 +146,7 @@ def test_a_push_that_never_comes_times_out_naming_the_key():
 
 
 def test_the_rule_picks_the_collective_unless_vendors_differ_or_host_is_asked():
-    from trainer.loop.layout import weight_transport_rule
+    from trainer.loop.plan.layout import weight_transport_rule
 
     def rule(*extra, other=None):
         return weight_transport_rule(load_config(None, list(extra)), other_device=other)
@@ -180,7 +180,7 @@ def test_a_collective_push_it_cannot_make_is_refused_naming_the_keys(extra, word
 
 
 def test_the_collective_push_takes_no_snapshot_in_the_object_store():
-    from trainer.loop.snapshot_budget import live_snapshots
+    from trainer.loop.plan.snapshot_budget import live_snapshots
 
     lagged = [
         "rollout.engine_devices=1",

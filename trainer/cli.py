@@ -229,7 +229,7 @@ def _unknown_argument(sub: argparse.ArgumentParser, token: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``crossrl`` console script; returns the process exit status."""
-    from trainer.loop.startup import begin_at_process_start
+    from trainer.loop.cluster.startup import begin_at_process_start
 
     begin_at_process_start()  # `crossrl train` reports its start-up from the process start
     parser = build_parser()

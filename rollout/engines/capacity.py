@@ -1,7 +1,7 @@
 """How many sequences an engine decodes at once: what its KV cache holds.
 
 A rollout whose trajectories outnumber that decodes in waves, one after another; the
-controller's rollout limit counts them (``trainer.loop.call_limits``).
+controller's rollout limit counts them (``trainer.loop.plan.call_limits``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ OVERRIDES = [
 def record(tmp: Path) -> None:
     """Run the tiny job for ``STEPS`` steps with recording on; keep its rollouts."""
     from trainer.config import load_config
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     run_dir = tmp / "record"
     cfg = load_config(
@@ -80,7 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true", help="re-record the rollouts first")
     args = parser.parse_args()
-    from trainer.loop.workers.group import start_ray
+    from trainer.loop.cluster.group import start_ray
 
     start_ray(None, num_cpus=8)
     with tempfile.TemporaryDirectory() as tmp:

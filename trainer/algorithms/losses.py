@@ -288,7 +288,7 @@ def policy_loss_terms(
         advantages: [T] from ``compute_advantages``.
         ref_logprobs: [T] reference-policy logprobs; when given, ``kl`` is the
             KL-to-reference loss term (with gradient).
-        entropy: [T] per-token entropy (``trainer.loop.workers.forward.packed_token_logprobs``).
+        entropy: [T] per-token entropy (``trainer.loop.ranks.forward.packed_token_logprobs``).
         kl_estimator: one of ``KL_ESTIMATORS`` for the KL loss term.
         clip_ratio_low, clip_ratio_high, clip_ratio_c: see ``ppo_policy_loss``.
         policy_loss: ``algorithm.policy_loss``: ppo (``ppo_policy_loss``) or gspo

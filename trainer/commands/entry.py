@@ -22,13 +22,13 @@ def devices(args: argparse.Namespace) -> int:
 def layout(args: argparse.Namespace) -> int:
     """``crossrl layout``."""
     from trainer.config import ConfigError, load_config
-    from trainer.loop.layout import (
+    from trainer.loop.plan.layout import (
         LayoutError,
         format_layout,
         layout_for_cli,
         prompt_sharing_rule,
     )
-    from trainer.loop.memory_report import budget_for_cli, format_budget
+    from trainer.loop.plan.memory_report import budget_for_cli, format_budget
 
     try:
         # The cluster's config is read on any machine: no check of this one's devices or files.
@@ -41,14 +41,14 @@ def layout(args: argparse.Namespace) -> int:
     print(format_layout(layout))
     print(prompt_sharing_rule(cfg, layout.device))
     if cfg.model.lora.enabled:
-        from trainer.loop.lora_layout import format_lora
-        from trainer.loop.model_shape import model_shape
+        from trainer.loop.plan.lora_layout import format_lora
+        from trainer.loop.plan.model_shape import model_shape
 
         shape = model_shape(cfg.model.path)
         print(format_lora(cfg, shape, shape.num_params if shape is not None else None))
     print(format_budget(budget, cfg))
     if args.measure is not None:
-        from trainer.loop.memory_tracker import format_comparison, track_step
+        from trainer.loop.ranks.memory_tracker import format_comparison, track_step
 
         if args.measure < 0:
             print(
@@ -83,7 +83,7 @@ def doctor(args: argparse.Namespace) -> int:
 def train(args: argparse.Namespace) -> int:
     """``crossrl train``."""
     from trainer.config import ConfigError, load_config
-    from trainer.loop.startup import CLOCK
+    from trainer.loop.cluster.startup import CLOCK
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -91,7 +91,7 @@ def train(args: argparse.Namespace) -> int:
         print(f"crossrl train: config error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     CLOCK.done("config")
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     CLOCK.done("imports")
     return run_training(cfg)

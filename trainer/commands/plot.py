@@ -103,7 +103,7 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def validation_keys(records: list[dict]) -> list[str]:
-    """The ``val/*`` metrics a run logged (validation, ``trainer.loop.validation``):
+    """The ``val/*`` metrics a run logged (validation, ``trainer.loop.schedule.validation``):
     ``val/reward_mean`` first, then ``val/pass@k`` and the per-data-source means."""
     found = {k for rec in records for k in rec if k.startswith("val/")}
     first = [k for k in ("val/reward_mean",) if k in found]

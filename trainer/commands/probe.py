@@ -101,7 +101,7 @@ def run_probe(cfg: Config, rollouts: str | Path) -> int:
     (0 done, 1 a worker failed, 130 interrupted). Writes ``config.yaml``, ``metrics.jsonl`` and
     ``fingerprint.jsonl`` to ``cfg.run.dir`` and no checkpoint; leaves a Ray that was already
     running alone."""
-    from trainer.loop.run import run_training
+    from trainer.loop.start.run import run_training
 
     # Absolute: the replay host is a Ray actor, whose working directory may differ.
     return run_training(

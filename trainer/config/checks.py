@@ -327,7 +327,7 @@ def env_problem(cfg: Config, record: dict | None = None) -> Problem | None:
     or a constructor that raises fails at start-up, in one line. The constructor gets
     ``rollout.env_kwargs`` updated by ``record`` (a prompt file's first record, as the rollout
     passes it); with a prompt file and no record yet the class is only imported (its required
-    arguments may come from the file: ``trainer.loop.preflight`` constructs it then)."""
+    arguments may come from the file: ``trainer.loop.start.preflight`` constructs it then)."""
     env, kwargs = cfg.rollout.env, dict(cfg.rollout.env_kwargs)
     if ":" in env and not _module_available(env.split(":", 1)[0]):
         module = env.split(":", 1)[0]
@@ -346,7 +346,7 @@ def env_problem(cfg: Config, record: dict | None = None) -> Problem | None:
         reason = str(exc).split(": ", 1)[-1]  # drop its own "rollout.env=...: " head
         return problem("rollout.env", env, reason)
     if record is None and cfg.data.source != "env":
-        return None  # each prompt-file row brings arguments: trainer.loop.preflight constructs it
+        return None  # each prompt-file row brings arguments: trainer.loop.start.preflight constructs it
     where = "rollout.env_kwargs" + (f" and {cfg.data.source}'s first record" if record else "")
     reward_fn = None
     if cfg.reward.function is not None:

@@ -1,5 +1,5 @@
 """The ``model.lora`` section of the typed config (``trainer.config.schema`` nests it in
-``model``): LoRA adapters trained on a frozen base (``trainer.loop.workers.lora``)."""
+``model``): LoRA adapters trained on a frozen base (``trainer.loop.ranks.policy.inject_lora``)."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ class RunConfig(BaseModel):
         1.0,
         gt=0,
         description="factor on every worker call's budget (rollout, update, validation, "
-        "checkpoint save and load, weight push, start-up; trainer/loop/call_limits.py), "
+        "checkpoint save and load, weight push, start-up; trainer/loop/plan/call_limits.py), "
         "which follows the model's bytes and the measured throughput; raise it on slow "
         "storage or links, lower it to call hangs sooner",
     )

@@ -1,0 +1,36 @@
+"""The agent loop with the job's rollout settings: what training and validation both sample
+with (``trainer.loop.engines.rollout_host``, ``trainer.loop.schedule.validation``)."""
+
+from __future__ import annotations
+
+from trainer.config.schema import Config
+
+
+def run_config_rollouts(
+    engine, tokenizer, env_factory, items, cfg: Config, *, n, sampling, seed, step
+):
+    """``rollout.agent_loop.run_rollouts`` with the job's ``rollout.*`` settings: ``n`` samples
+    per prompt, ``sampling``, the request ``seed`` stream and ``step`` are the caller's
+    (training and validation differ there and only there)."""
+    from rollout.agent_loop import run_rollouts
+
+    roll = cfg.rollout
+    return run_rollouts(
+        engine,
+        tokenizer,
+        env_factory,
+        items,
+        n=n,
+        max_turns=roll.max_turns,
+        step_wise=roll.step_wise,
+        merge_stepwise=roll.merge_stepwise,
+        max_input_len=roll.max_input_len,
+        max_new_tokens=roll.max_new_tokens,
+        sampling=sampling,
+        seed=seed,
+        step=step,
+        stop_strings=tuple(roll.stop_strings),
+        env_timeout_s=roll.env_timeout_s,
+        env_concurrency=roll.env_concurrency,
+        deterministic=cfg.run.deterministic,
+    )

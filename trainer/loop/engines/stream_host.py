@@ -1,0 +1,169 @@
+"""The rollout host's streaming mode (``train.max_staleness``): groups sampled without step
+boundaries on the host's engines, handed to each step as they finish (``rollout.streaming``).
+
+``RolloutHost`` mixes this in. ``stream_start`` wraps the replicas in a ``VersionedEngine``
+(every weight load then lands between two engine calls: ``between_calls``) and starts a
+``StreamSampler``: up to ``train.batch_size x (max_staleness + 1)`` groups in flight, and with
+the weights after step v no more than ``(v + max_staleness + 1) x train.batch_size`` groups
+started since the stream began (less those dropped), both at most the groups the steps left
+take (``train.batch_size`` for each step to ``train.total_steps``: no thread, and no group,
+that no step would train on);
+``stream_take(step)`` returns step ``step``'s batch as ``rollout`` does: the first
+``train.batch_size`` groups to finish whose oldest token was sampled by the policy after step
+``step - 1 - max_staleness`` or later. Older groups are dropped; the rest carry over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rollout.agent_loop import RolloutOutput
+from rollout.streaming import FinishedGroup, StreamSampler, VersionedEngine
+from trainer.loop.engines.rollout_meta import combine_rollout_metrics
+from trainer.loop.plan.call_limits import CallLimits
+
+__all__ = ["StreamingHost", "staleness_metrics"]
+
+
+def staleness_metrics(groups: list[FinishedGroup], trained_version: int) -> dict[str, float]:
+    """``stream/*`` of a step's groups, against ``trained_version`` (the policy that trains
+    on them, the step before): the version gap of the batch's sampled tokens (min, mean and max
+    over tokens); ``partial_token_share``: tokens sampled by a newer policy than their group's
+    oldest (trajectories that went on under new weights)."""
+    counts: dict[int, int] = {}
+    for group in groups:
+        for version, n in group.tokens.items():
+            counts[version] = counts.get(version, 0) + n
+    tokens = sum(counts.values())
+    newer = sum(n for g in groups for v, n in g.tokens.items() if v > g.oldest)
+    if not tokens:  # nothing sampled (every sample empty): the groups' own versions
+        counts, tokens = {g.oldest: 1 for g in groups}, len(groups)
+    return {
+        "stream/staleness_min": float(trained_version - max(counts)),
+        "stream/staleness_mean": sum((trained_version - v) * n for v, n in counts.items()) / tokens,
+        "stream/staleness_max": float(trained_version - min(counts)),
+        "stream/partial_token_share": newer / tokens if newer else 0.0,
+    }
+
+
+class StreamingHost:
+    """``stream_start`` / ``stream_take`` / ``between_calls`` for ``RolloutHost``."""
+
+    stream: StreamSampler | None = None
+    versioned: VersionedEngine | None = None
+
+    def between_calls(self, load: Callable[[], Any], version: int | None) -> Any:
+        """Run ``load`` (weights into the replicas) at once, or while a stream samples: between
+        two engine calls (``rollout.partial_rollout``: a trajectory's next call uses them), else
+        once no group is in flight."""
+        if self.versioned is None:
+            return load()
+        version = self.versioned.version if version is None else version
+        if self.cfg.rollout.partial_rollout:  # trajectories in flight go on under them
+            out = self.versioned.load(load, version)
+        else:  # every group samples with one policy: the load waits for those in flight
+            wait_s = CallLimits.for_config(self.cfg).rollout_s
+            out = self.stream.quiesced(lambda: self.versioned.load(load, version), wait_s)
+        self.stream.wake()  # newer weights: more groups may start
+        return out
+
+    def stream_start(self, version: int) -> int:
+        """Start sampling groups from the prompt stream's next one with the engines holding the
+        weights after step ``version`` (0: the initial ones); returns the first's ordinal."""
+        cfg = self.cfg
+        size, bound = cfg.train.batch_size, cfg.train.max_staleness
+        start = self.weights_version = version
+        self.versioned = VersionedEngine(
+            self.generator, version=start, partial=cfg.rollout.partial_rollout
+        )
+        first = self.prompts_consumed
+        # The steps left take this many batches: no more groups start, nor threads for them.
+        steps_left = max(1, cfg.train.total_steps - start)
+
+        def sample_group(ordinal: int) -> RolloutOutput:
+            # ``step`` seeds the requests: the prompt's ordinal, unique in the run
+            return self._sample(ordinal, self.prompts.take(ordinal, 1), engine=self.versioned)
+
+        def allowed() -> int:  # what starts under version v is trained by step v + s + 1
+            return min(self.versioned.version - start + bound + 1, steps_left) * size
+
+        workers = size * min(bound + 1, steps_left)
+        self.stream = StreamSampler(
+            sample_group, self.versioned, workers=workers, allowed=allowed, first=first
+        )
+        self.stream_started_at, self.last_take = time.perf_counter(), None
+        return first
+
+    def stream_take(
+        self, step: int, record_dir: str | None, timeout_s: float
+    ) -> tuple[dict[str, Any], list]:
+        """Step ``step``'s batch (``rollout``'s return), from the groups the stream finished."""
+        cfg = self.cfg
+        n, size = cfg.rollout.n, cfg.train.batch_size
+        trained = step - 1  # the policy that trains on this batch
+        taken, dropped, waited = self.stream.take(
+            size, max(0, trained - cfg.train.max_staleness), timeout_s
+        )
+        # since the last step's batch was handed over: how much of it each side waited
+        now, busy, cut = time.perf_counter(), self.versioned.busy_s, self.versioned.interruptions
+        last_at, last_busy, last_cut = self.last_take or (self.stream_started_at, 0.0, 0)
+        self.last_take = (now, busy, cut)
+        interval = max(now - last_at, 1e-9)
+        rows = []
+        for j, group in enumerate(taken):  # renumbered: group j of this batch
+            for row in group.output.rows:
+                sample = row.trajectory_id % n
+                rows.append(dataclasses.replace(row, uid=j, trajectory_id=j * n + sample))
+        out = RolloutOutput(
+            rows=rows,
+            metrics=combine_rollout_metrics([g.output.metrics for g in taken]),
+            # every group's faults, those of a group whose resets all failed too (``admit``
+            # takes it in its turn): the step's environment-fault check counts them
+            faults=[
+                (j * n + t % n, text) for j, g in enumerate(taken) for t, text in g.output.faults
+            ],
+        )
+        out.metrics.update(staleness_metrics(taken, trained))
+        out.metrics.update(
+            {
+                "stream/groups_dropped": float(len(dropped)),
+                "stream/groups_carried": float(self.stream.waiting),
+                "stream/take_wait_s": waited,
+                "stream/trainer_idle_share": min(1.0, waited / interval),
+                "stream/engine_idle_share": max(0.0, 1.0 - (busy - last_busy) / interval),
+                "stream/calls_interrupted": float(self.versioned.interruptions - last_cut),
+            }
+        )
+        sampled = [g.oldest for g in taken if g.tokens] or [g.oldest for g in taken]
+        return self._batch_out(step, out, record_dir, min(sampled))
+
+    def stream_hold(self, timeout_s: float) -> None:
+        """Colocated engines: stop sampling so the ranks can take the devices (the engines
+        then sleep). With partial rollouts the engine call in flight ends after its current
+        decode step (it goes on after ``stream_release``) and environment calls go on; else
+        the groups in flight finish first and none starts."""
+        if not self.cfg.rollout.partial_rollout:
+            self.stream.hold(timeout_s)
+        self.versioned.hold()
+
+    def stream_release(self, version: int) -> None:
+        """Colocated engines, awake again with the weights after step ``version``: sampling
+        goes on."""
+        self.weights_version = version
+        self.versioned.release(version)
+        if not self.cfg.rollout.partial_rollout:
+            self.stream.release()
+        self.stream.wake()  # newer weights: more groups may start
+
+    def stream_stop(self) -> None:
+        """Stop sampling (the workers end after their current group)."""
+        if self.stream is not None:
+            self.stream.stop()
+
+    def shutdown(self) -> None:
+        """Stop the stream, then release what the engine host holds."""
+        self.stream_stop()
+        super().shutdown()

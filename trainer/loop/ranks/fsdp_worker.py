@@ -1,0 +1,468 @@
+"""What every FSDP2 training worker shares: process group, sharded model, optimizer and the
+update loop; its batch store comes from ``trainer/loop/ranks/batch_store.py``, its checkpoint
+pieces from ``trainer/loop/ranks/checkpointing.py``. A single rank that needs no FSDP2 policy
+trains the plain module (``WorkerSpec.sharded``); every method here takes either.
+
+A worker is one data-parallel rank. It is a plain class (tests drive it in-process); the
+controller wraps it with ``ray.remote`` (or, in one process, ``trainer.loop.cluster.local``). The
+device comes from the HAL only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+import hal
+from batching import StepBatch
+from trainer.loop.cluster.startup import Phases, process_start_time
+from trainer.loop.ranks.batch_store import BatchStore
+from trainer.loop.ranks.checkpointing import CheckpointPieces
+from trainer.loop.ranks.optim import build_optimizer
+from trainer.loop.ranks.spec import ROLES, WorkerSpec
+from trainer.loop.ranks.step_stats import StepStats
+
+__all__ = [
+    "ROLES",
+    "FSDPWorker",
+    "WorkerSpec",
+    "enable_activation_checkpointing",
+    "held_gradient_bytes",
+]
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    from rollout.models import parse_dtype
+
+    return parse_dtype(name)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> int:
+    """Recompute every decoder layer's activations in backward instead of keeping them.
+
+    Uses transformers' per-layer checkpointing (non-reentrant ``torch.utils.checkpoint``, which
+    composes with FSDP2 and with frozen inputs); it acts only in training mode. Returns the
+    number of decoder layers it covers; a model that does not support it raises, naming
+    ``train.activation_checkpointing``.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"train.activation_checkpointing=true: {type(model).__name__} does not support "
+            "activation checkpointing; set train.activation_checkpointing=false"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # newer transformers' name for it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return len(FSDPWorker._layers(model))
+
+
+def _tied_parameter_names(model: torch.nn.Module) -> list[list[str]]:
+    """Names of each parameter held under more than one name (tied embeddings)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _retie(model: torch.nn.Module, tied: list[list[str]]) -> None:
+    """Make every name of a ``_tied_parameter_names`` group hold its first name's parameter
+    again: ``to_empty`` gives a plain module a fresh tensor per name (FSDP2 keeps the ties)."""
+    for first, *others in tied:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            if model.get_parameter(name) is not param:
+                setattr(model.get_submodule(owner), leaf, param)
+
+
+def held_gradient_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of gradients ``model`` holds on this rank: ``sharded``, each parameter's own
+    shard (what the optimizer steps), and ``unsharded``, whole gradients FSDP2 keeps aside
+    (accumulated across micro-batches while gradient sync is off). The memory budget counts
+    the first only; the second must stay 0 (``run_micro_batches``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def nbytes(t: torch.Tensor | None) -> int:
+        if t is None:
+            return 0
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    sharded = sum(nbytes(p.grad) for p in model.parameters())
+    unsharded = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        for param in getattr(group, "fsdp_params", ()):
+            unsharded += nbytes(getattr(param, "unsharded_accumulated_grad", None))
+            whole = getattr(param, "_unsharded_param", None)
+            unsharded += nbytes(getattr(whole, "grad", None))
+    return {"sharded": sharded, "unsharded": unsharded}
+
+
+class FSDPWorker(BatchStore, CheckpointPieces):
+    """Base class of the actor, reference and critic workers."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        # Start-up phases, from this process's start: its boot and imports, then setup's.
+        self.startup = Phases(process_start_time())
+        self.startup.done("boot")
+        self.spec = spec
+        self.backend = hal.get_backend(spec.cfg.device)
+        self.batch: StepBatch | None = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer = None
+        self.scheduler = None
+        self.deterministic_settings: dict[str, str] = {}
+        self.local_index = 0  # this rank's device among the visible ones, set by setup
+
+    # ---------------------------------------------------------------- setup
+    @staticmethod
+    def rendezvous_address() -> tuple[str, int]:
+        """This node's IP and a port free on it: where the other ranks meet rank 0."""
+        import sys
+
+        from trainer.loop.cluster.group import free_port
+
+        port = free_port("")
+        ray = sys.modules.get("ray")
+        if ray is None or not ray.is_initialized():  # in-process workers (ray.in_process)
+            return "127.0.0.1", port
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        """Join the process group at rank 0's ``master_addr:master_port``, build and shard the
+        model, build the optimizer.
+
+        Returns facts for the controller (parameter count, deterministic settings applied).
+        """
+        spec, cfg = self.spec, self.spec.cfg
+        self.startup.done("queued")
+        torch.set_num_threads(max(1, spec.threads))
+        if cfg.run.deterministic:
+            self.deterministic_settings = self.backend.set_deterministic(cfg.seed)
+        # One index for the process group and the model, right also when Ray's ids come
+        # out of rank order (rank % device_count would not be).
+        local_rank = self.local_index = self.local_rank()
+        # In one process (ray.in_process) a group may already exist: then it is not ours to end.
+        self.owns_process_group = self.backend.init_process_group(
+            spec.rank,
+            spec.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            timeout_s=cfg.run.collective_timeout_s,
+            local_rank=local_rank,
+            # FSDP2's CPU offload reduces the gradient norm of host-resident shards.
+            host_collectives=cfg.train.param_offload,
+        )
+        self.device = self.backend.device(local_rank)
+        self.startup.done("process_group")
+        # Every rank starts from identical weights: same path, same seed.
+        self.backend.manual_seed(cfg.seed)
+        self._materialise_model_files()
+        # Built on the meta device, sharded, then loaded: a node's host memory holds at most
+        # one full copy of the weights (rank 0's), whatever the dp size.
+        model = self.build_model()
+        self.startup.done("build")
+        # What the role built for real, not on meta (the critic's value head), keeps its values.
+        own = {k: v.detach().clone() for k, v in model.state_dict().items() if not v.is_meta}
+        own.update(self.starting_values(model))
+        if cfg.train.activation_checkpointing and spec.trainable:
+            enable_activation_checkpointing(model)
+        self._shard(model)
+        self.startup.done("shard")
+        self._load_initial_weights(model, own)
+        self.startup.done("load")
+        self.model = model
+        if spec.trainable:
+            self.optimizer, self.scheduler = build_optimizer(
+                [p for p in model.parameters() if p.requires_grad],
+                lr=spec.optim.lr,
+                weight_decay=spec.optim.weight_decay,
+                warmup_steps=spec.optim.warmup_steps,
+                total_steps=cfg.optimizer_steps_per_step() * cfg.train.total_steps,
+                schedule=cfg.train.lr_schedule,
+                min_lr_ratio=cfg.train.min_lr_ratio,
+            )
+        else:
+            model.requires_grad_(False)
+            model.eval()
+        # Different ranks draw different dropout / sampling noise from here on.
+        self.backend.manual_seed(cfg.seed + 1000 * (spec.rank + 1))
+        num_params = sum(p.numel() for p in model.parameters())
+        self.startup.done("optimizer")
+        return {
+            "rank": spec.rank,
+            "num_params": int(num_params),
+            "deterministic": self.deterministic_settings,
+            "startup": self.startup.seconds,
+        }
+
+    def local_rank(self) -> int:
+        """This process's device index among the devices it can see
+        (``DeviceBackend.local_device_index``).
+
+        By default Ray narrows the visible-devices variable to the device it assigned, so the
+        index is 0. With the HAL's Ray no-set variable exported (docs/cluster.md), every
+        process sees all devices and takes the one Ray assigned it.
+        """
+        noset = self.backend.ray_noset_env_var
+        ids = None
+        if noset and os.environ.get(noset) == "1":
+            import ray
+
+            ids = ray.get_runtime_context().get_accelerator_ids().get(self.backend.ray_resource)
+        return self.backend.local_device_index(ids)
+
+    def _materialise_model_files(self) -> None:
+        """A ``builtin:`` model's files are written on first use: rank 0 writes them while
+        the other ranks wait, so no rank reads a directory another is still creating."""
+        import torch.distributed as dist
+
+        from rollout.models import model_directory
+
+        if self.spec.model_path.startswith("builtin:") and self.spec.rank == 0:
+            model_directory(self.spec.model_path, self.spec.cfg.seed)
+        if self.spec.world_size > 1:
+            dist.barrier()
+
+    def build_model(self) -> torch.nn.Module:
+        """The unsharded model of this role (subclasses override)."""
+        raise NotImplementedError
+
+    def starting_values(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Whole tensors ``setup`` gives the model instead of the checkpoint's (subclasses:
+        the actor's LoRA adapters); names as in ``model``'s state dict."""
+        return {}
+
+    def load_causal_lm(self) -> torch.nn.Module:
+        """This role's causal LM with the HAL's varlen attention, in float32 (parameters and
+        optimizer state are master weights whatever ``train.param_dtype`` computes in), on
+        the meta device: ``setup`` shards it, then loads the checkpoint's weights into it."""
+        from rollout.models import build_empty_model
+
+        hal.register_attention()
+        return build_empty_model(
+            self.spec.model_path,
+            dtype=torch.float32,
+            seed=self.spec.cfg.seed,
+            attn_implementation=hal.ATTN_IMPLEMENTATION,
+        )
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        """FSDP2 in place: each decoder layer, then the root. ``train.param_offload`` keeps
+        the sharded parameters (and so their gradients and optimizer step) in host memory
+        through FSDP2's CPU-offload policy, pinned on an accelerator. A single rank that needs
+        none of FSDP2's policies keeps the plain module (``WorkerSpec.sharded``)."""
+        if not self.spec.sharded:
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
+        train = self.spec.cfg.train
+        mp = MixedPrecisionPolicy(
+            param_dtype=_dtype(train.param_dtype), reduce_dtype=_dtype(train.reduce_dtype)
+        )
+        offload = (
+            CPUOffloadPolicy(pin_memory=self.backend.is_accelerator)
+            if train.param_offload
+            else OffloadPolicy()
+        )
+        # The mesh names the HAL's device: FSDP2's default mesh takes the machine's
+        # accelerator, so a device=cpu run on a GPU node would quietly shard onto the GPU.
+        mesh = init_device_mesh(self.backend.device_type, (self.spec.world_size,))
+        for layer in self._layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+
+    @torch.no_grad()
+    def _load_initial_weights(self, model: torch.nn.Module, own: dict[str, torch.Tensor]) -> None:
+        """Give the sharded meta model its starting weights (a collective: every rank calls).
+
+        Tensor by tensor, rank 0 reads a weight from the checkpoint's safetensors files and
+        broadcasts it, and every rank keeps its shard: no process holds more than its shards
+        and one full tensor. A checkpoint whose names transformers converts on load is read
+        whole by rank 0 through ``from_pretrained`` instead (one full copy on the host).
+        ``own``: full tensors the role built for real (the critic's value head), sent instead.
+        """
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        from rollout.lora import base_name
+        from rollout.models import checkpoint_tensors, load_model, reset_non_persistent_buffers
+
+        # With ``train.param_offload`` the shards live in host memory from the start: FSDP2's
+        # CPU-offload policy refuses a root whose parameters were made on the device (the first
+        # GPU run found the embedding and final norm left there), and pins them itself.
+        tied = _tied_parameter_names(model)
+        model.to_empty(device="cpu" if self.spec.cfg.train.param_offload else self.device)
+        _retie(model, tied)
+        reset_non_persistent_buffers(model, self.device)
+        # Tied weights are one tensor under several names: sent once.
+        targets: dict[int, tuple[list[str], torch.Tensor]] = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            targets.setdefault(id(tensor), ([], tensor))[0].append(name)
+        if self.spec.rank == 0:
+            path, seed = self.spec.model_path, self.spec.cfg.seed
+            source = checkpoint_tensors(path, seed)
+            read = source.read
+            # a LoRA layer's frozen weight (X.base_layer.weight) is the checkpoint's X.weight
+            if any(
+                all(base_name(n) not in source and n not in own for n in names)
+                for names, _ in targets.values()
+            ):
+                source = load_model(path, dtype=torch.float32, seed=seed).state_dict()
+                read = source.__getitem__
+        for names, target in targets.values():
+            if self.spec.rank == 0:
+                name = next(n for n in names if n in own or base_name(n) in source)
+                value = own[name] if name in own else read(base_name(name))
+                full = value.to(self.device, target.dtype)
+            else:
+                full = torch.empty(target.shape, dtype=target.dtype, device=self.device)
+            dist.broadcast(full, src=0)
+            if isinstance(target, DTensor):
+                # This rank's slice of the full tensor, as FSDP2 shards it; no communication.
+                placed = distribute_tensor(
+                    full, target.device_mesh, target.placements, src_data_rank=None
+                )
+                target.to_local().copy_(placed.to_local())
+            else:
+                target.copy_(full)
+
+    @staticmethod
+    def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+        inner = getattr(model, "model", model)
+        layers = getattr(inner, "layers", None)
+        return list(layers) if layers is not None else []
+
+    # ---------------------------------------------------------------- end of step
+    def offload_states(self) -> None:
+        """End of a step: free this worker's device memory for the rollout engine.
+
+        The root's unsharded parameters (which a forward without backward leaves gathered)
+        and the last update's gradients are freed. ``train.optimizer_offload`` parks the optimizer state in (pinned) host
+        memory until the next optimizer step. ``train.param_offload`` needs nothing here:
+        FSDP2's CPU-offload policy keeps the sharded parameters, their gradients and so the
+        optimizer state in host memory all along, and gathers them onto the device per use.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(self.model, FSDPModule):
+            self.model.reshard()
+        if self.optimizer is not None:  # the step's gradients: nothing reads them any more
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.spec.cfg.train.optimizer_offload and self.optimizer is not None:
+            self.backend.offload(self.optimizer)
+        self.backend.empty_cache()
+
+    def end_of_step(self, asks: list[tuple[str, tuple]]) -> list:
+        """The end of a step on this rank in one call: ``offload_states``, then this rank's
+        peak memory (``peak_memory_gb``) and the answer to each of ``asks``, ``(method name,
+        args)`` of this worker (what the step's records read from it, such as
+        ``param_stats``), in that order."""
+        self.offload_states()
+        return [self.peak_memory_gb(), *(getattr(self, name)(*args) for name, args in asks)]
+
+    def peak_memory_gb(self) -> float:
+        """This rank's peak memory since the last call, in GB (1e9 bytes): device memory
+        allocated on an accelerator, the process's peak RSS on the CPU. Starts a new peak."""
+        peak = self.backend.peak_memory_bytes() / 1e9
+        self.backend.reset_peak_memory()
+        return peak
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Move a batch tensor to this worker's device."""
+        return tensor.to(self.device, non_blocking=True)
+
+    # ---------------------------------------------------------------- update helpers
+    def run_micro_batches(self, micro_batches: list[list[int]], loss_fn) -> StepStats:
+        """Forward/backward every micro-batch, then clip and step the optimizer.
+
+        ``loss_fn(micro_batch) -> (loss, metric_sums)``; ``loss`` is this micro-batch's share of
+        the mini-batch loss (global normalizers), metric sums (detached tensors, the keys of
+        ``trainer.loop.ranks.step_stats.SCHEMAS[role]``) are added up over micro-batches on the device
+        and read back once. Every micro-batch's gradients are reduce-scattered into the
+        sharded ones as its backward ends (``held_gradient_bytes``). Returns this rank's
+        report of the optimizer step.
+        """
+        model = self.model
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, Any] = {}
+        # Gradient sync stays on for every micro-batch: FSDP2 reduce-scatters each backward's
+        # gradients into the sharded ones. With it off until the last micro-batch, FSDP2
+        # keeps every parameter's whole gradient in reduce_dtype through the accumulation
+        # (4 B x all parameters on every rank, whatever dp: 30.5 GB at 7B), which is what
+        # the memory budget (trainer/loop/plan/memory_budget.py) cannot afford.
+        for rows in micro_batches:
+            mb = self.micro_batch(rows)
+            loss, metric_sums = loss_fn(mb)
+            # FSDP averages gradients over ranks; each rank's loss is already a share of the
+            # global mini-batch loss, so scale by dp size to turn that average into the sum.
+            (loss * self.spec.world_size).backward()
+            for key, value in metric_sums.items():
+                sums[key] = sums.get(key, 0.0) + value
+        sums = {key: float(value) for key, value in sums.items()}
+        # grad_clip null: no clipping, but the norm is still measured (an infinite max norm)
+        max_norm = self.spec.optim.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        # A non-finite loss or grad norm on any rank skips the step (and its lr schedule tick)
+        # on every rank, so the shards stay in step; the controller counts skips against
+        # run.max_nonfinite_steps.
+        skip = self._any_rank(not (np.isfinite(grad_norm) and np.isfinite(sums.get("loss", 0.0))))
+        if not skip:
+            if self.spec.cfg.train.optimizer_offload:
+                self.backend.onload(self.optimizer, self.local_index)
+            self.optimizer.step()
+            self.scheduler.step()
+        lr = float(self.scheduler.get_last_lr()[0])
+        sums["skipped"] = float(skip)
+        return StepStats.of_update(self.spec.role, sums, grad_norm=grad_norm, lr=lr)
+
+    @torch.no_grad()
+    def weights_finite(self) -> bool:
+        """Whether every element of this rank's parameter shards is finite (no collective).
+
+        The largest magnitude of each shard (an inf-norm: NaN and inf carry through it, and it
+        cannot overflow) for all of them in one go, and one read of the answer."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        local = [t for t in local if t.numel()]  # an empty shard is finite
+        if not local:
+            return True
+        largest = torch._foreach_norm(local, math.inf)
+        return bool(torch.isfinite(torch.stack(largest)).all())
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any data-parallel rank (one tiny all-reduce)."""
+        import torch.distributed as dist
+
+        if self.spec.world_size == 1 or not dist.is_initialized():
+            return flag
+        value = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def shutdown(self) -> None:
+        """End the process group, if this worker made it (in one process, others may share a
+        group made before them, by another worker or by the program itself)."""
+        import torch.distributed as dist
+
+        if getattr(self, "owns_process_group", False) and dist.is_initialized():
+            dist.destroy_process_group()
