@@ -164,13 +164,14 @@ def sync_run(repeats: int = 10) -> dict:
     from trainer.config import load_config
     from trainer.loop.cluster.group import start_ray
     from trainer.loop.schedule.controller import Trainer
+    from trainer.loop.start import launch
 
     with tempfile.TemporaryDirectory(prefix="crossrl-bench-sync-") as tmp:
         cfg = load_config(None, [*SYNC_OVERRIDES, f"run.dir={tmp}"])
         started = start_ray(None, num_cpus=8)
         trainer = Trainer(cfg, Path(tmp))
         try:
-            trainer.start()
+            launch.start(trainer)
             times: dict[str, list[float]] = {"shared_memory": [], "object_store": []}
             for i in range(repeats + 1):
                 for path, via_store in (("shared_memory", False), ("object_store", True)):

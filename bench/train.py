@@ -4,8 +4,8 @@ micro-batches.
     python -m bench train [--quick]
 
 One update = forward + backward over every micro-batch of one mini-batch, gradient clipping,
-then one AdamW step (``trainer.loop.ranks.optim.build_optimizer``), fp32 on the HAL's device (a CPU here),
-with the CPU default job's actor loss (configs/cpu/tiny.yaml: clipped PPO surrogate,
+then one AdamW step (``trainer.loop.ranks.optim.build_optimizer``), fp32 on the HAL's device (a CPU
+here), with the CPU default job's actor loss (configs/cpu/tiny.yaml: clipped PPO surrogate,
 token-mean). The same rows (log-normal lengths, clipped to 16-1024 tokens) laid out two ways:
 
 - ``packed`` (``bench.packed``): the trainer's own code. ``StepBatch`` rows, planner

@@ -166,10 +166,11 @@ class CallFault:
         self, monkeypatch, call: str, nth: int, *, kill=None, raise_in=None, then=None
     ) -> None:
         from trainer.loop.schedule.controller import Trainer
+        from trainer.loop.start import launch
 
         self.fired = False
         self.starts = 0
-        original_start, original_call = Trainer.start, getattr(Trainer, call)
+        original_start, original_call = launch.start, getattr(Trainer, call)
         fault, calls = self, []
 
         def start(trainer) -> None:
@@ -192,7 +193,7 @@ class CallFault:
                     ray.get(workers[name].__ray_call__.remote(_raise_in(method, *why)))
             return original_call(trainer, *args, **kwargs)
 
-        monkeypatch.setattr(Trainer, "start", start)
+        monkeypatch.setattr(launch, "start", start)
         monkeypatch.setattr(Trainer, call, faulty)
 
 
@@ -363,19 +364,19 @@ def test_a_checkpoint_past_its_limit_restarts_with_the_limit_doubled(
 ):
     import ray
 
-    from trainer.loop.schedule.controller import Trainer
+    from trainer.loop.start import launch
     from trainer.loop.start.run import run_training
     from trainer.records.metrics import read_jsonl
 
     monkeypatch.setattr(call_limits, "MOVE_BASE_S", 20.0)
-    original_start, starts = Trainer.start, []
+    original_start, starts = launch.start, []
 
     def start(trainer) -> None:
         original_start(trainer)
         starts.append(trainer)
         ray.get([h.__ray_call__.remote(_slow_save(SLOW_SAVE_S)) for h in trainer.actor.handles])
 
-    monkeypatch.setattr(Trainer, "start", start)
+    monkeypatch.setattr(launch, "start", start)
     run_dir = tmp_path / "run"
     job = [*FAULT_JOB, "train.total_steps=2", "run.save_every=2", "run.collective_timeout_s=20"]
     assert run_training(_cfg(run_dir, *job)) == 0

@@ -1,5 +1,5 @@
-"""The memory budget (trainer/loop/plan/memory_budget.py): parameter counts of the shapes it knows, the
-shipped 7B jobs fitting their devices after issue 24's fixes (and the 30.5 GB of whole fp32
+"""The memory budget (trainer/loop/plan/memory_budget.py): parameter counts of the shapes it knows,
+the shipped 7B jobs fitting their devices after issue 24's fixes (and the 30.5 GB of whole fp32
 gradients before them), each component moving with its key, `crossrl layout` printing the
 table for every shipped GPU and NPU config, and `crossrl train` refusing a job that cannot fit
 before anything starts (exit 2, one line naming the key)."""

@@ -16,6 +16,7 @@ import ray
 from trainer.config import load_config
 from trainer.loop.cluster.group import cluster_node_ids
 from trainer.loop.schedule.controller import Trainer
+from trainer.loop.start import launch
 from trainer.loop.start.run import run_training
 from trainer.records.metrics import read_jsonl
 
@@ -56,7 +57,7 @@ def test_the_layout_puts_rank_and_engine_on_different_nodes(two_nodes, tmp_path)
     cfg = load_config(None, [*JOB, f"ray.address={two_nodes}", f"run.dir={tmp_path}"])
     trainer = Trainer(cfg, Path(tmp_path))
     try:
-        trainer.start()
+        launch.start(trainer)
         ids = cluster_node_ids("CPU")
         assert trainer.layout.nodes == (2, 2)
         (rank_node, _), replica = trainer.layout.rank_slots[0], trainer.layout.replicas[0]

@@ -240,12 +240,13 @@ def test_a_replica_killed_mid_rollout_is_replaced_and_the_run_repeats(
 def test_no_replica_failures_allowed_stops_naming_the_key(local_ray, tmp_path, monkeypatch):
     from trainer.loop.cluster.group import WorkerFailedError
     from trainer.loop.schedule.controller import Trainer
+    from trainer.loop.start import launch
 
     _kill_replica_during_rollout(monkeypatch, 1, FAULT_DELAY_S)
     cfg = _cfg(tmp_path / "run", "train.total_steps=1", "rollout.max_replica_failures=0")
     trainer = Trainer(cfg, Path(cfg.run.dir))
     try:
-        trainer.start()
+        launch.start(trainer)
         with pytest.raises(WorkerFailedError, match=r"rollout\.max_replica_failures=0"):
             trainer.train_step(1)
     finally:
@@ -271,8 +272,8 @@ def test_a_lost_replica_of_the_lagged_pipeline_comes_back_with_current_weights(
     run's start: no checkpoint yet). Either way the run repeats the uninterrupted one."""
     import ray
 
-    from trainer.loop.schedule.controller import Trainer
     from trainer.loop.schedule.pipeline import RolloutPipeline
+    from trainer.loop.start import launch
     from trainer.loop.start.run import run_training
     from trainer.records.metrics import read_jsonl
 
@@ -281,11 +282,11 @@ def test_a_lost_replica_of_the_lagged_pipeline_comes_back_with_current_weights(
     assert run_training(_cfg(straight, *job)) == 0
 
     trainers, fired = [], []
-    start, take = Trainer.start, RolloutPipeline.take
+    start, take = launch.start, RolloutPipeline.take
 
-    def keep(self):
-        trainers.append(self)
-        return start(self)
+    def keep(trainer):
+        trainers.append(trainer)
+        return start(trainer)
 
     def take_then_kill(self, step):
         out = take(self, step)
@@ -300,7 +301,7 @@ def test_a_lost_replica_of_the_lagged_pipeline_comes_back_with_current_weights(
             threading.Thread(target=kill, daemon=True).start()
         return out
 
-    monkeypatch.setattr(Trainer, "start", keep)
+    monkeypatch.setattr(launch, "start", keep)
     monkeypatch.setattr(RolloutPipeline, "take", take_then_kill)
     assert run_training(_cfg(faulted, *job)) == 0
     assert fired == [FAULT_STEP - 1]

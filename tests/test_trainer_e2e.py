@@ -17,6 +17,7 @@ import ray
 from trainer.config import load_config
 from trainer.loop.cluster.group import WorkerFailedError
 from trainer.loop.schedule.controller import Trainer
+from trainer.loop.start import launch
 from trainer.loop.start.run import run_training
 from trainer.records.checkpoint import LAYOUT, find_latest, read_model_weights, verify_checkpoint
 from trainer.records.metrics import REQUIRED_KEYS, read_jsonl
@@ -107,7 +108,7 @@ def test_dead_worker_is_named_not_hung(local_ray, tmp_path):
     cfg = _cfg(tmp_path / "run", "train.dp_size=2", "train.total_steps=1", "run.resume=never")
     trainer = Trainer(cfg, Path(cfg.run.dir))
     try:
-        trainer.start()
+        launch.start(trainer)
         # Rank 1 dies between steps; in the next step rank 0 is left waiting inside the
         # first collective (the sharded forward's all-gather).
         ray.kill(trainer.actor.handles[1], no_restart=True)

@@ -12,6 +12,7 @@ import pytest
 from rollout.replay import load_rollout
 from trainer.config import load_config
 from trainer.loop.schedule.controller import Trainer
+from trainer.loop.start import launch
 from trainer.loop.start.run import run_training
 from trainer.records.metrics import read_jsonl
 
@@ -68,7 +69,7 @@ def test_replicas_sleep_through_training_and_wake_for_the_sync(local_ray, tmp_pa
     cfg = load_config(None, [*SHORT, "train.dp_size=2", f"run.dir={tmp_path}"])
     trainer = Trainer(cfg, Path(cfg.run.dir))
     try:
-        trainer.start()
+        launch.start(trainer)
         assert len(trainer.replicas) == 2
         both = [["weights", "kv_cache"]] * 2
         assert trainer._engines("awake_tags") == both

@@ -8,7 +8,8 @@ import importlib.util
 import pytest
 
 from trainer.config import ConfigError, load_config
-from trainer.loop.schedule.validation import validation_due, validation_metrics
+from trainer.loop.engines.validation_rollouts import validation_metrics
+from trainer.loop.schedule.validation import validation_due
 from trainer.records.metrics import METRICS_FILE, MetricsLogger, read_jsonl
 
 

@@ -103,8 +103,9 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def validation_keys(records: list[dict]) -> list[str]:
-    """The ``val/*`` metrics a run logged (validation, ``trainer.loop.schedule.validation``):
-    ``val/reward_mean`` first, then ``val/pass@k`` and the per-data-source means."""
+    """The ``val/*`` metrics a run logged (validation,
+    ``trainer.loop.engines.validation_rollouts``): ``val/reward_mean`` first, then ``val/pass@k``
+    and the per-data-source means."""
     found = {k for rec in records for k in rec if k.startswith("val/")}
     first = [k for k in ("val/reward_mean",) if k in found]
     passes = sorted(k for k in found if k.startswith("val/pass@"))

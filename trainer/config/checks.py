@@ -346,7 +346,8 @@ def env_problem(cfg: Config, record: dict | None = None) -> Problem | None:
         reason = str(exc).split(": ", 1)[-1]  # drop its own "rollout.env=...: " head
         return problem("rollout.env", env, reason)
     if record is None and cfg.data.source != "env":
-        return None  # each prompt-file row brings arguments: trainer.loop.start.preflight constructs it
+        # each prompt-file row brings arguments: trainer.loop.start.preflight constructs it
+        return None
     where = "rollout.env_kwargs" + (f" and {cfg.data.source}'s first record" if record else "")
     reward_fn = None
     if cfg.reward.function is not None:

@@ -480,7 +480,8 @@ class StepTimer:
     def __init__(self, watch=None) -> None:
         self.sections: dict[str, float] = {}
         self._start = time.perf_counter()
-        # name -> a context manager around each section (``trainer.loop.schedule.phase_memory.measured``)
+        # name -> a context manager around each section
+        # (``trainer.loop.schedule.phase_memory.measured``)
         self.watch = watch
 
     @contextlib.contextmanager

@@ -1,1 +1,1 @@
-"""Ray plumbing: worker groups, in-process handles, Ray start-up, remote-call faults, process start-up."""
+"""Ray plumbing: worker groups, in-process handles, Ray start-up, call faults, start-up timing."""

@@ -4,7 +4,7 @@ The driver keeps one ``StartupClock`` (``CLOCK``): ``crossrl``'s entry point dat
 process start (``/proc/self/stat``), a run started in-process (tests, the parity probe) from
 ``run_training``'s entry. Each ``CLOCK.done(phase)`` closes the phase that ran since the last
 one. Worker processes time their own set-up with ``Phases`` and return it in their setup
-answer; ``Trainer.start`` hands those to the clock as ``<role>_<phase>``.
+answer; ``launch.start`` hands those to the clock as ``<role>_<phase>``.
 
 The first metrics line a process writes carries ``timing/startup_s`` (process start -> start
 of its first step) and one ``timing/startup_<phase>_s`` per phase. The driver's phases add up

@@ -29,10 +29,7 @@ from trainer.loop.cluster.startup import Phases, process_start_time
 from trainer.loop.engines.rollout_meta import batch_metadata, combine_rollout_metrics
 from trainer.loop.engines.sampling import run_config_rollouts
 from trainer.loop.engines.stream_host import StreamingHost
-
-#: Where ``take_weights`` finds weights that came through the weight group (``rollout.
-#: weight_transport``), in place of a snapshot's bucket refs.
-PUSHED = "pushed"
+from trainer.loop.weights.weight_group import PUSHED
 
 
 def agree_with_engine_workers(
@@ -465,7 +462,7 @@ class RolloutHost(StreamingHost, EngineHost):
         (seconds on this host); ``step``: the training step just finished (0 before training)."""
         import time
 
-        from trainer.loop.schedule.validation import run_validation
+        from trainer.loop.engines.validation_rollouts import run_validation
 
         started = time.perf_counter()
         self.take_weights(weights)

@@ -1,5 +1,5 @@
 """The agent loop with the job's rollout settings: what training and validation both sample
-with (``trainer.loop.engines.rollout_host``, ``trainer.loop.schedule.validation``)."""
+with (``trainer.loop.engines.rollout_host``, ``trainer.loop.engines.validation_rollouts``)."""
 
 from __future__ import annotations
 

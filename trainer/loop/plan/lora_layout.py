@@ -1,9 +1,12 @@
 """What LoRA (``model.lora``) changes in a job's layout, before anything starts: how the
 actor's weights reach the engines (``lora_push``), how many parameters train
-(``adapter_params``), and the lines ``crossrl layout`` prints (``format_lora``). Pure: reads
-the model's shape only."""
+(``adapter_params``), the lines ``crossrl layout`` prints (``format_lora``), and what a
+checkpoint records of the adapters (``lora_record``). Pure: reads the model's shape only, and
+``lora_record`` the digest of the base model's files."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from trainer.config.schema import Config
 from trainer.loop.plan.model_shape import ModelShape
@@ -13,6 +16,7 @@ __all__ = [
     "base_copy_params",
     "format_lora",
     "lora_push",
+    "lora_record",
     "pushes_whole_weights",
 ]
 
@@ -122,3 +126,18 @@ def format_lora(cfg: Config, shape: ModelShape | None, total_params: int | None)
         what = "the adapters only"
     lines.append(f"  weight push: {what}, loaded in place ({where})")
     return "\n".join(lines)
+
+
+def lora_record(cfg: Config) -> dict[str, Any]:
+    """A LoRA run's adapters as its checkpoints record them: rank, alpha, targets, whether
+    the embeddings train, and the digest of the base model (``rollout.lora.base_digest``)."""
+    from rollout.lora import base_digest
+
+    lora = cfg.model.lora
+    return {
+        "rank": lora.rank,
+        "alpha": lora.alpha,
+        "target_modules": list(lora.target_modules),
+        "train_embeddings": lora.train_embeddings,
+        "base_digest": base_digest(cfg.model.path, cfg.seed),
+    }

@@ -2,8 +2,8 @@
 ``budget_for_cli``), the verdict that refuses a job whose phase does not fit and names the key
 that lowers it most (``memory_problem``, run by ``trainer.loop.start.preflight``), and the table
 ``crossrl layout`` prints (``format_budget``, with the weight snapshots of engines on devices
-of their own against Ray's object store: ``trainer.loop.plan.snapshot_budget``). The estimate itself is
-``trainer.loop.plan.memory_budget``."""
+of their own against Ray's object store: ``trainer.loop.plan.snapshot_budget``). The estimate itself
+is ``trainer.loop.plan.memory_budget``."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""The FSDP training ranks: worker, policy, critic, forward, optimizer, checkpoints, memory tracking."""
+"""The FSDP training ranks: worker, policy, critic, forward, optimizer, checkpoints, memory."""

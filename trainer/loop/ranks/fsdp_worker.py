@@ -395,8 +395,8 @@ class FSDPWorker(BatchStore, CheckpointPieces):
 
         ``loss_fn(micro_batch) -> (loss, metric_sums)``; ``loss`` is this micro-batch's share of
         the mini-batch loss (global normalizers), metric sums (detached tensors, the keys of
-        ``trainer.loop.ranks.step_stats.SCHEMAS[role]``) are added up over micro-batches on the device
-        and read back once. Every micro-batch's gradients are reduce-scattered into the
+        ``trainer.loop.ranks.step_stats.SCHEMAS[role]``) are added up over micro-batches on the
+        device and read back once. Every micro-batch's gradients are reduce-scattered into the
         sharded ones as its backward ends (``held_gradient_bytes``). Returns this rank's
         report of the optimizer step.
         """

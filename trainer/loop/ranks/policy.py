@@ -47,9 +47,9 @@ def actor_micro_batch_loss(
     keep_old: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One packed micro-batch's share of the mini-batch actor loss (``algorithm.*``) and its
-    metric sums (``trainer.loop.ranks.step_stats.SCHEMAS["actor"]`` keys, detached); ``mb``'s tensors
-    go to ``device``, the model's compute device. What ``PolicyWorker.train_mini_batch`` runs
-    per micro-batch, and what the train benchmark times.
+    metric sums (``trainer.loop.ranks.step_stats.SCHEMAS["actor"]`` keys, detached); ``mb``'s
+    tensors go to ``device``, the model's compute device. What ``PolicyWorker.train_mini_batch``
+    runs per micro-batch, and what the train benchmark times.
 
     ``keep_old``: the weights have not changed since the rollout (the step's first update),
     so this forward's log-probs, detached, are the old log-probs: they are used as such and

@@ -1,1 +1,1 @@
-"""The controller's step and what decides when things happen: pipeline, stream, backlog, validation timing, health."""
+"""The controller's step and when things happen: pipeline, stream, backlog, validation, health."""

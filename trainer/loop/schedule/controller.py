@@ -4,11 +4,12 @@
     -> actor (and critic) updates for ppo_epochs -> weight sync -> metrics, fingerprint, checkpoint
 
 The controller holds metadata and plans only. Engine replicas share the training ranks'
-devices (``trainer.loop.plan.layout``): they sleep while the ranks train and wake for the weight sync,
-which goes from each tp group's ranks straight to their own replica. The batch goes from the
-rollout host to the training workers through Ray's object store; per-token results (logprobs, values) go from
-worker to worker the same way. Each concern lives in its own module: the plan in
-``batching``, the math in ``trainer.algorithms`` / ``trainer.algorithms.losses``, the device in ``hal``.
+devices (``trainer.loop.plan.layout``): they sleep while the ranks train and wake for the weight
+sync, which goes from each tp group's ranks straight to their own replica. The batch goes from the
+rollout host to the training workers through Ray's object store; per-token results (logprobs,
+values) go from worker to worker the same way. Each concern lives in its own module: the plan in
+``batching``, the math in ``trainer.algorithms`` / ``trainer.algorithms.losses``, the device in
+``hal``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 
 class Trainer:
-    """Builds the workers for a config and runs the training loop."""
+    """A job's workers (started by ``trainer.loop.start.launch.start``) and its training step."""
 
     def __init__(
         self,
@@ -58,11 +59,11 @@ class Trainer:
         self.replay_dir = replay_dir
         self.start_step = 0
         self.placement = None
-        self.in_process = False  # ray.in_process: workers in this process (set by start)
+        self.in_process = False  # ray.in_process: workers in this process (set by launch.start)
         self.layout = None
         self.rollout = None  # replica 0, the rollout host
         self.replicas: list = []  # every engine replica's actor, replica order
-        self.spawner = None  # makes the workers (set by start); replaces lost replicas
+        self.spawner = None  # makes the workers (set by launch.start); replaces lost replicas
         self.replacer = ReplicaReplacer(self)
         self.pushes = 0  # weight pushes through the weight group since the workers started
         self.rollout_info: dict[str, Any] = {}
@@ -74,7 +75,7 @@ class Trainer:
         self.nonfinite = NonfiniteStreak(cfg.run.max_nonfinite_steps)
         self.limits = limits or CallLimits.for_config(cfg)  # seconds each call may take
         # Engines on devices of their own: the fixed-lag pipeline, or the stream
-        # (train.max_staleness, colocated engines too); set up by start.
+        # (train.max_staleness, colocated engines too); set up by launch.start.
         self.pipeline = None
         self.last_rollout: dict[str, Any] = {}  # the metadata of the step's rollout
         self.resumed_from: Path | None = None  # the checkpoint resumed, if any
@@ -82,13 +83,6 @@ class Trainer:
         self.phase_memory = PhaseMemory.for_device(cfg.device)
 
     # ------------------------------------------------------------------ start-up
-    def start(self) -> None:
-        """Reserve devices, start the engine replicas and training workers, resume if asked
-        (``trainer.loop.start.launch.start``)."""
-        from trainer.loop.start.launch import start
-
-        start(self)
-
     def training_groups(self) -> list[WorkerGroup]:
         """The roles that train (actor, critic), in that order."""
         return [g for g in (self.actor, self.critic) if g is not None]
@@ -273,7 +267,7 @@ class Trainer:
         if self.replay_dir is not None:
             return None
         if self.layout.weight_transport == "collective":
-            from trainer.loop.engines.rollout_host import PUSHED
+            from trainer.loop.weights.weight_group import PUSHED
 
             seq, self.pushes = self.pushes, self.pushes + 1
             self.actor.call("broadcast_weights", seq, timeout_s=self.limits.push_s)
@@ -288,8 +282,8 @@ class Trainer:
 
     def validate(self, step: int) -> dict[str, Any] | Later:
         """``val/*`` metrics on ``data.val_source`` with the weights after step ``step`` (see
-        ``trainer.loop.schedule.validation``) and ``timing/val_s``; ``step``: the step just finished.
-        Pipelined, the validation was queued with those weights when the step ended (the
+        ``trainer.loop.engines.validation_rollouts``) and ``timing/val_s``; ``step``: the step just
+        finished. Pipelined, the validation was queued with those weights when the step ended (the
         host's earlier rollouts sample with older ones), and comes as a ``Later``: waiting
         for it here would wait for every rollout queued before it."""
         from trainer.records.metrics import StepTimer
@@ -461,7 +455,7 @@ class Trainer:
     def lora_state(self) -> dict[str, Any]:
         """What a LoRA run's checkpoint records of its adapters (``model.lora``): their
         settings and the digest of the base they train on (computed once)."""
-        from trainer.loop.start.preflight import lora_record
+        from trainer.loop.plan.lora_layout import lora_record
 
         return lora_record(self.cfg)
 

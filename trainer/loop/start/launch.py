@@ -1,8 +1,8 @@
 """Start-up of a training job: reserve devices, start the engine replicas and the training
 workers, set them up, agree on their deterministic settings, resume from a checkpoint.
 
-``start(job)`` fills a ``trainer.loop.schedule.controller.Trainer`` (``job``)'s workers; the controller keeps the
-loop and the step.
+``start(job)`` fills a ``trainer.loop.schedule.controller.Trainer`` (``job``)'s workers; the
+controller keeps the loop and the step.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any
 
 from trainer.config import Config
 
@@ -62,8 +61,8 @@ def preflight(cfg: Config, *, command: str = "train", replay: bool = False) -> N
 
 
 def _check_layout(cfg: Config) -> None:
-    """A local run's layout must fit this machine (``trainer.loop.plan.layout``); a cluster's is checked
-    against the cluster's resources once Ray has joined it."""
+    """A local run's layout must fit this machine (``trainer.loop.plan.layout``); a cluster's is
+    checked against the cluster's resources once Ray has joined it."""
     if cfg.ray.address is not None:
         return
     from trainer.loop.plan.layout import LayoutError, layout_for_cli
@@ -75,8 +74,8 @@ def _check_layout(cfg: Config) -> None:
 
 
 def _check_memory(cfg: Config, *, replay: bool = False) -> None:
-    """Every phase of a step must fit its device (``trainer.loop.plan.memory_budget``: an estimate from
-    the model's shape and the layout keys; no estimate, no refusal). On the CPU the budget
+    """Every phase of a step must fit its device (``trainer.loop.plan.memory_budget``: an estimate
+    from the model's shape and the layout keys; no estimate, no refusal). On the CPU the budget
     only refuses a job whose phase exceeds the host's RAM, and a cluster's CPU ranks (spread
     over hosts we cannot see from here) are not checked. ``replay``: a probe runs no engine,
     so only the update is checked."""
@@ -300,25 +299,11 @@ def _check_resume(cfg: Config) -> None:
     _check_resumed_lora(cfg, ckpt)
 
 
-def lora_record(cfg: Config) -> dict[str, Any]:
-    """A LoRA run's adapters as its checkpoints record them: rank, alpha, targets, whether
-    the embeddings train, and the digest of the base model (``rollout.lora.base_digest``)."""
-    from rollout.lora import base_digest
-
-    lora = cfg.model.lora
-    return {
-        "rank": lora.rank,
-        "alpha": lora.alpha,
-        "target_modules": list(lora.target_modules),
-        "train_embeddings": lora.train_embeddings,
-        "base_digest": base_digest(cfg.model.path, cfg.seed),
-    }
-
-
 def _check_resumed_lora(cfg: Config, ckpt: Path) -> None:
     """A LoRA checkpoint holds the adapters and their optimizer state, not the base: it
     resumes only with the same adapters on the same base weights (``model.path``, checked by
     digest); a full fine-tune's checkpoint does not resume as LoRA, nor the other way."""
+    from trainer.loop.plan.lora_layout import lora_record
     from trainer.records.checkpoint import LAYOUT, load_json
 
     saved = load_json(ckpt / LAYOUT.trainer_state).get("lora")

@@ -144,8 +144,8 @@ class Restarts:
 
 
 def as_worker_failure(err: BaseException, trainer: Any) -> WorkerFailedError | None:
-    """``err``, raised while ``trainer`` (a ``trainer.loop.schedule.controller.Trainer``) ran, as the
-    ``WorkerFailedError`` the restart decision reads, or None when it is no worker's fault
+    """``err``, raised while ``trainer`` (a ``trainer.loop.schedule.controller.Trainer``) ran, as
+    the ``WorkerFailedError`` the restart decision reads, or None when it is no worker's fault
     (crossrl's own error). A Ray error that reached the driver outside ``wait_all`` is
     classified the same way. An error a worker raised while another of the job's processes
     is found dead (``faults.dead_workers``) is that loss's consequence: ``died``."""

@@ -1,7 +1,8 @@
 """A whole run: start Ray and the trainer, loop over steps, log, checkpoint, stop cleanly.
 
-The step itself (rollout -> update -> sync) is ``trainer.loop.schedule.controller.Trainer.train_step``; this
-module owns what surrounds it: the run directory's config.yaml, signals, the exit status.
+The step itself (rollout -> update -> sync) is
+``trainer.loop.schedule.controller.Trainer.train_step``; this module owns what surrounds it: the run
+directory's config.yaml, signals, the exit status.
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def run_training(
     """Run a whole job; returns the process exit status (0 done, 1 failed or stopped by a
     health gate, 2 bad input found before start-up, 130/143 stopped by SIGINT/SIGTERM).
 
-    Before Ray starts: ``trainer.loop.start.preflight`` checks every input, then the run directory is
-    locked (``trainer.records.run_dir``) and a fresh start may not overwrite a run in it without
+    Before Ray starts: ``trainer.loop.start.preflight`` checks every input, then the run directory
+    is locked (``trainer.records.run_dir``) and a fresh start may not overwrite a run in it without
     ``run.overwrite``. ``replay_dir``: train on recorded rollouts (``step_<N>.npz``) instead of
     sampling (the parity probe, which also passes ``save_checkpoints=False``: a probe of a 7B
     job should not write tens of GB). ``command`` names the CLI command in messages.
@@ -194,6 +195,7 @@ def _attempts(
     from trainer.loop.plan.layout import LayoutError
     from trainer.loop.schedule.controller import Trainer
     from trainer.loop.schedule.health import HealthError
+    from trainer.loop.start import launch
     from trainer.loop.start.restarts import Restarts, as_worker_failure
     from trainer.records.checkpoint import CheckpointError
 
@@ -203,7 +205,7 @@ def _attempts(
     while True:
         trainer = Trainer(attempt, run_dir, replay_dir=replay_dir, limits=limits)
         try:
-            trainer.start()
+            launch.start(trainer)
             if not restarts.done:
                 write_run_config(cfg, run_dir, trainer.deterministic_settings)
                 CLOCK.done("config_yaml")

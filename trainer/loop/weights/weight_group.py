@@ -42,6 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
+#: Where ``RolloutHost.take_weights`` finds weights that came through the weight group
+#: (``rollout.weight_transport``), in place of a snapshot's bucket refs.
+PUSHED = "pushed"
 #: Bytes per bucket of a collective push (the whole bucket, every rank's rows of it).
 PUSH_BUCKET_BYTES = 256 << 20
 #: Seconds between a receiver's looks for a new push (a store lookup; never blocking, so

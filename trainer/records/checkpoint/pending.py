@@ -1,8 +1,8 @@
 """The rollouts a lagged run had already sampled when it saved (``train.rollout_lag`` > 0).
 
 A checkpoint of step t holds the weights after step t, but the batches of steps t+1 .. t+k
-were sampled by older weights (``trainer.loop.schedule.pipeline``), which the checkpoint does not hold.
-So they are saved with it, and a resumed run trains on exactly the batches the uninterrupted
+were sampled by older weights (``trainer.loop.schedule.pipeline``), which the checkpoint does not
+hold. So they are saved with it, and a resumed run trains on exactly the batches the uninterrupted
 run would have: ``pending/step_<s>.npz`` (the batch's arrays, ``rollout.replay``'s format)
 and ``pending/step_<s>.json`` (what the controller knew of it besides the rows: metrics,
 prompt position, the weights that sampled it, environment faults).
