@@ -118,6 +118,7 @@ def test_in_process_and_ray_runs_agree_bit_for_bit(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_in_process_run_leaves_the_programs_own_process_group_alone(tmp_path):
     """A program that already runs torch.distributed (e.g. a vLLM engine in the same process)
     keeps its group: the run shares a one-rank group it finds and ends only one it made."""

@@ -31,6 +31,7 @@ def _cfg(run_dir: Path, *overrides: str):
     return load_config(None, [*SHORT, f"run.dir={run_dir}", *overrides])
 
 
+@pytest.mark.smoke
 def test_run_directory_contract(local_ray, tmp_path):
     run_dir = tmp_path / "run"
     cfg = _cfg(run_dir, "train.total_steps=3", "run.save_every=2", "run.resume=never")
@@ -86,6 +87,7 @@ def _comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(skip)}
 
 
+@pytest.mark.smoke
 def test_resume_is_exact(local_ray, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert run_training(_cfg(straight, "train.total_steps=4", "run.resume=never")) == 0
@@ -139,6 +141,7 @@ def _crossrl(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProc
         ("device=npu", "device"),
     ],
 )
+@pytest.mark.smoke
 def test_bad_config_exits_2_naming_the_key(override, key, tmp_path):
     proc = _crossrl("train", override, f"run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2, proc.stderr
@@ -201,6 +204,7 @@ def test_sigint_stops_cleanly_and_keeps_latest(tmp_path):
     ],
     ids=["gae-critic", "kl-loss-reference", "reinforce_pp-kl-penalty", "rloo"],
 )
+@pytest.mark.smoke
 def test_algorithm_variants_train(local_ray, tmp_path, overrides, keys):
     """Critic, reference model and the other estimators run through the same loop."""
     run_dir = tmp_path / "run"
