@@ -71,15 +71,16 @@ class Fault:
 
     def __init__(self, patch, *, step: int, phase: str, target: str, seed: int) -> None:
         from trainer.loop.schedule.controller import Trainer
+        from trainer.loop.start import launch
 
         self.step, self.target = step, target
         self.delay_s = random.Random(seed).uniform(0.0, 0.5)
         self.fired = threading.Event()
         self.pids: dict[str, int] = {}
         fault = self
-        self.originals = {name: getattr(Trainer, name) for name in ("start", "train_step", phase)}
-        original_start, original_step = self.originals["start"], self.originals["train_step"]
-        original_phase = self.originals[phase]
+        self.originals = {name: getattr(Trainer, name) for name in ("train_step", phase)}
+        self.original_start = original_start = launch.start  # starts a trainer's workers
+        original_step, original_phase = self.originals["train_step"], self.originals[phase]
 
         def start(trainer) -> None:
             original_start(trainer)
@@ -99,16 +100,19 @@ class Fault:
                 threading.Thread(target=fault._kill, daemon=True).start()
             return original_phase(trainer, *args, **kwargs)
 
-        patch(Trainer, "start", start)
+        patch(launch, "start", start)
         patch(Trainer, "train_step", train_step)
         patch(Trainer, phase, in_phase)
 
     def undo(self) -> None:
-        """Put ``Trainer``'s own methods back (when installed with plain ``setattr``)."""
+        """Put ``Trainer``'s own methods and ``launch.start`` back (when installed with plain
+        ``setattr``)."""
         from trainer.loop.schedule.controller import Trainer
+        from trainer.loop.start import launch
 
         for name, method in self.originals.items():
             setattr(Trainer, name, method)
+        launch.start = self.original_start
 
     @staticmethod
     def _pids(trainer) -> dict[str, int]:

@@ -169,12 +169,16 @@ def test_the_graph_is_read_from_every_kind_of_import():
 
 def test_the_weight_path_tag_lives_in_weights():
     """``PUSHED`` (weights that came through the weight group) belongs to the weight path:
-    the rollout host and the controller both take it from ``weights``, and the controller
-    imports nothing of the rollout host for it."""
+    the rollout host and the push's driver side (``weights.driver``, which the controller
+    calls) both take it from ``weights``, and the controller imports nothing of the rollout
+    host for it."""
     from trainer.loop.engines import rollout_host
     from trainer.loop.weights import weight_group
 
     assert rollout_host.PUSHED is weight_group.PUSHED
+    assert "trainer.loop.weights.weight_group" in {
+        t for t, _ in EDGES["trainer.loop.weights.driver"]
+    }
     controller = {t for t, _ in EDGES["trainer.loop.schedule.controller"]}
-    assert "trainer.loop.weights.weight_group" in controller
+    assert "trainer.loop.weights.driver" in controller
     assert "trainer.loop.engines.rollout_host" not in controller

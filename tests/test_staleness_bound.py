@@ -97,7 +97,7 @@ def test_the_stream_starts_no_threads_nor_groups_past_the_steps_left(tmp_path):
             return RolloutOutput(rows=[], metrics={}, faults=[])
 
     host = Host()
-    assert host.stream_start(28) == 56
+    assert host.stream_start(28, 5) == 56
     try:
         deadline = time.perf_counter() + 10
         while host.stream.waiting < 4 and time.perf_counter() < deadline:

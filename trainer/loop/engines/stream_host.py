@@ -1,7 +1,8 @@
 """The rollout host's streaming mode (``train.max_staleness``): groups sampled without step
 boundaries on the host's engines, handed to each step as they finish (``rollout.streaming``).
 
-``RolloutHost`` mixes this in. ``stream_start`` wraps the replicas in a ``VersionedEngine``
+``RolloutHost`` mixes this in. ``stream_start`` (given the bound ``max_staleness`` by the
+controller's ``StreamingPipeline``) wraps the replicas in a ``VersionedEngine``
 (every weight load then lands between two engine calls: ``between_calls``) and starts a
 ``StreamSampler``: up to ``train.batch_size x (max_staleness + 1)`` groups in flight, and with
 the weights after step v no more than ``(v + max_staleness + 1) x train.batch_size`` groups
@@ -54,6 +55,7 @@ class StreamingHost:
 
     stream: StreamSampler | None = None
     versioned: VersionedEngine | None = None
+    stream_bound = 0  # the stream's ``train.max_staleness`` (``stream_start``)
 
     def between_calls(self, load: Callable[[], Any], version: int | None) -> Any:
         """Run ``load`` (weights into the replicas) at once, or while a stream samples: between
@@ -70,11 +72,12 @@ class StreamingHost:
         self.stream.wake()  # newer weights: more groups may start
         return out
 
-    def stream_start(self, version: int) -> int:
+    def stream_start(self, version: int, bound: int) -> int:
         """Start sampling groups from the prompt stream's next one with the engines holding the
-        weights after step ``version`` (0: the initial ones); returns the first's ordinal."""
+        weights after step ``version`` (0: the initial ones), no group trained more than
+        ``bound`` policies behind (``train.max_staleness``); returns the first's ordinal."""
         cfg = self.cfg
-        size, bound = cfg.train.batch_size, cfg.train.max_staleness
+        size, self.stream_bound = cfg.train.batch_size, bound
         start = self.weights_version = version
         self.versioned = VersionedEngine(
             self.generator, version=start, partial=cfg.rollout.partial_rollout
@@ -105,7 +108,7 @@ class StreamingHost:
         n, size = cfg.rollout.n, cfg.train.batch_size
         trained = step - 1  # the policy that trains on this batch
         taken, dropped, waited = self.stream.take(
-            size, max(0, trained - cfg.train.max_staleness), timeout_s
+            size, max(0, trained - self.stream_bound), timeout_s
         )
         # since the last step's batch was handed over: how much of it each side waited
         now, busy, cut = time.perf_counter(), self.versioned.busy_s, self.versioned.interruptions

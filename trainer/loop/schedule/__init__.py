@@ -1,1 +1,2 @@
-"""The controller's step and when things happen: pipeline, stream, backlog, validation, health."""
+"""The controller's step and its phases (rollouts, update, step records) and when things happen:
+pipeline, stream, backlog, validation, health."""

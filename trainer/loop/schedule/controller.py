@@ -1,41 +1,44 @@
-"""The controller: one short loop over training steps.
+"""The controller: one short loop over training steps, each a few named phases.
 
-    rollout -> old/ref logprobs (+ values) -> advantages -> plan_minibatches
-    -> actor (and critic) updates for ppo_epochs -> weight sync -> metrics, fingerprint, checkpoint
+    rollout -> plan -> prepare (old / ref log-probs, values, advantages) -> update
+    -> hand-over (offload, weight push, wake) -> the step's records (metrics, fingerprint)
 
-The controller holds metadata and plans only. Engine replicas share the training ranks'
+The controller holds metadata and plans only, and each phase's body lives in the module that
+owns its concern: where the rollouts come from in ``trainer.loop.schedule.rollouts`` (the
+pipeline, decided once at start-up), the plan and the update in ``trainer.loop.schedule.update``,
+the weight push in ``trainer.loop.weights.driver``, the metrics line, fingerprint and
+checkpoint in ``trainer.loop.schedule.step_records``. Engine replicas share the training ranks'
 devices (``trainer.loop.plan.layout``): they sleep while the ranks train and wake for the weight
 sync, which goes from each tp group's ranks straight to their own replica. The batch goes from the
 rollout host to the training workers through Ray's object store; per-token results (logprobs,
-values) go from worker to worker the same way. Each concern lives in its own module: the plan in
-``batching``, the math in ``trainer.algorithms`` / ``trainer.algorithms.losses``, the device in
-``hal``.
+values) go from worker to worker the same way. The plan itself is ``batching``'s, the math
+``trainer.algorithms``', the device ``hal``'s.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from batching import plan_minibatches, plan_stats
 from trainer.config import Config
-from trainer.loop.cluster.group import (
-    Later,
-    PendingCalls,
-    WorkerGroup,
-    wait_all,
-)
+from trainer.loop.cluster.group import Later, WorkerGroup, wait_all
 from trainer.loop.plan.call_limits import CallLimits
 from trainer.loop.plan.lora_layout import pushes_whole_weights
 from trainer.loop.ranks.step_stats import StepStats
-from trainer.loop.schedule.health import NonfiniteStreak, check_env_faults, check_finite_weights
+from trainer.loop.schedule.health import NonfiniteStreak, check_env_faults
 from trainer.loop.schedule.phase_memory import PhaseMemory, measured
 from trainer.loop.schedule.replicas import ReplicaReplacer
+from trainer.loop.schedule.rollouts import record_dir
+from trainer.loop.schedule.step_records import (
+    end_of_step,
+    stage_checkpoint,
+    step_fingerprint,
+    step_metrics,
+)
+from trainer.loop.schedule.update import plan_step, prepare, update
 from trainer.loop.schedule.validation import validation_due
+from trainer.loop.weights.driver import snapshot_weights, sync_weights
 
 if TYPE_CHECKING:
     from trainer.loop.schedule.backlog import PendingCheckpoint
@@ -74,8 +77,8 @@ class Trainer:
         self.deterministic_settings: dict[str, str] = {}
         self.nonfinite = NonfiniteStreak(cfg.run.max_nonfinite_steps)
         self.limits = limits or CallLimits.for_config(cfg)  # seconds each call may take
-        # Engines on devices of their own: the fixed-lag pipeline, or the stream
-        # (train.max_staleness, colocated engines too); set up by launch.start.
+        # Where the steps' rollouts come from (trainer.loop.schedule.rollouts: the fixed-lag
+        # pipeline, or the stream; None: sampled in the step); set up by launch.start.
         self.pipeline = None
         self.last_rollout: dict[str, Any] = {}  # the metadata of the step's rollout
         self.resumed_from: Path | None = None  # the checkpoint resumed, if any
@@ -93,192 +96,100 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Run training step ``step`` (1-based); returns (metrics, fingerprint)."""
+        """Run training step ``step`` (1-based); returns (metrics, fingerprint). Its phases,
+        each in the module that owns it: rollout (``_take_rollout``) -> plan -> prepare and
+        update (``trainer.loop.schedule.update``) -> hand-over of the devices and the new
+        weights (``_hand_over``) -> the step's records (``trainer.loop.schedule.step_records``)."""
         from trainer.records.metrics import StepTimer
 
         timer = StepTimer(watch=functools.partial(measured, self.phase_memory))
         with timer.section("rollout"):
-            if self.pipeline is not None:  # generated ahead, or streamed, while ranks trained
-                meta, batch_ref = self.pipeline.take(step)
-            else:
-                meta, batch_ref = self._rollout(step)
-            self.replacer.start(meta)  # a replica lost mid-rollout: start its successor
-            if not self.layout.separate:
-                if self.pipeline is not None:  # streamed: its engine calls stop first
-                    self.pipeline.hold()
-                # The training ranks get the devices; a push that overwrites every engine
-                # weight lets the engines drop theirs instead of copying them to the host
-                # and back (not a LoRA push of adapters: the base must survive the sleep).
-                self._engines("sleep", self.replay_dir is None and pushes_whole_weights(self.cfg))
+            meta, batch_ref = self._take_rollout(step)
         self.last_rollout = meta
         check_env_faults(meta, self.cfg.run.max_env_error_fraction, step)
-        plan = self._plan(meta)
+        plan = plan_step(self.cfg, meta)
         with timer.section("prepare"):
             adv_metrics = self._prepare(plan, batch_ref)
         with timer.section("update"):
             stats, mismatch = self._update(plan, step)
         adv_metrics.update(mismatch)
         with timer.section("sync"):
-            self.replacer.rejoin()  # successors join before the weights go to the engines
-            if self.layout.separate:  # the engines sample on; the new weights queue for them
-                records = self._end_of_step(step, plan)
-                validate = validation_due(self.cfg, step)
-                self.pipeline.after_update(step, self.snapshot_weights(), validate=validate)
-            else:
-                records = self._hand_over(step, plan)
-                if self.pipeline is not None:  # streamed: sampling goes on, new weights loaded
-                    self.pipeline.release(step)
-        metrics = self._metrics(step, meta, plan, stats, adv_metrics, timer)
-        metrics.update(records["memory"])
-        if self.phase_memory is not None:  # each phase's device-wide peak, where it is read
-            metrics.update(self.phase_memory.metrics())
-        fingerprint = self._fingerprint(step, plan, stats, metrics, records)
-        return metrics, fingerprint
+            records = self._hand_over(step, plan)
+        metrics = step_metrics(
+            step, meta, plan, stats, adv_metrics, timer, records, self.phase_memory
+        )
+        return metrics, step_fingerprint(step, plan, stats, metrics, records)
 
-    def record_dir(self) -> str | None:
-        """Where the rollouts are recorded (``run.record_rollouts``; always for a streamed
-        run, which only its recording replays), or None."""
-        streamed = bool(self.cfg.train.max_staleness) and self.replay_dir is None
-        return str(self.run_dir / "rollouts") if self.cfg.run.record_rollouts or streamed else None
+    def _take_rollout(self, step: int) -> tuple[dict[str, Any], list]:
+        """The step's rows, from the pipeline (generated ahead, or streamed, while the ranks
+        trained) or sampled now; a replica lost meanwhile gets a successor. Colocated engines
+        then sleep: the training ranks get the devices."""
+        if self.pipeline is not None:
+            meta, batch_ref = self.pipeline.take(step)
+        else:
+            meta, batch_ref = self._rollout(step)
+        self.replacer.start(meta)  # a replica lost mid-rollout: start its successor
+        if not self.layout.separate:
+            if self.pipeline is not None:  # streamed: its engine calls stop first
+                self.pipeline.hold()
+            # A push that overwrites every engine weight lets the engines drop theirs instead
+            # of copying them to the host and back (not a LoRA push of adapters: the base must
+            # survive the sleep).
+            self._engines("sleep", self.replay_dir is None and pushes_whole_weights(self.cfg))
+        return meta, batch_ref
 
     def _rollout(self, step: int) -> tuple[dict[str, Any], list]:
-        """Rows of this step: metadata here, the batch itself in the object store."""
+        """Rows of this step, sampled now (colocated engines, not streamed): metadata here,
+        the batch itself in the object store."""
         return wait_all(
-            [self.rollout.rollout.remote(step, self.record_dir())],
+            [self.rollout.rollout.remote(step, record_dir(self))],
             ["rollout host"],
             timeout_s=self.limits.rollout_s,
             what="rollout",
         )[0]
 
-    def _plan(self, meta: dict[str, Any]):
-        """The mini-batch plan: whole groups per mini-batch, balanced ranks, same on every rank."""
-        train = self.cfg.train
-        return plan_minibatches(
-            meta["trajectory_ids"],
-            meta["seq_lens"],
-            mini_batch_size=train.mini_batch_size,
-            dp_size=train.dp_size,
-            max_tokens_per_micro_batch=train.max_tokens_per_micro_batch,
-            group_ids=meta["group_ids"],
-        )
-
-    def _old_from_update(self) -> bool:
-        """Whether the step's first mini-batch takes its old log-probs from its own update
-        (``train.old_logprobs_from_update``): not when something reads them before the update
-        (``algorithm.rollout_correction``, a KL reward penalty), nor under a rollout lag, where
-        the update's weights are not those that sampled (the recomputed old log-probs are the
-        proximal policy of decoupled PPO)."""
-        algo = self.cfg.algorithm
-        kl_penalty = algo.kl_coef > 0 and not algo.use_kl_loss
-        return (
-            self.cfg.train.old_logprobs_from_update
-            and not self.cfg.train.rollout_lag
-            and algo.rollout_correction == "none"
-            and not kl_penalty
-        )
-
-    def _busiest_rank_tokens(self, plan) -> int:
-        """Tokens of the step's rows on the rank that holds the most (an update's limit)."""
-        lens = self.last_rollout["seq_lens"]
-        ranks = self._rank_micro_batches(plan.mini_batches)
-        return max(sum(int(lens[i]) for mb in mbs for i in mb) for mbs in ranks)
-
-    def _rank_micro_batches(self, minis) -> list[list[list[int]]]:
-        """Per rank, its micro-batches of the mini-batches ``minis``, in order."""
-        return [
-            [mb for mini in minis for mb in mini.micro_batches[r]]
-            for r in range(self.cfg.train.dp_size)
-        ]
-
     def _prepare(self, plan, batch_ref: list) -> dict[str, float]:
-        """Old / reference logprobs and values on every rank's rows, then advantages.
-        Submitted as one chain per worker (``PendingCalls``) and waited for once. With
-        ``_old_from_update`` the first mini-batch's old log-probs come with its update."""
-        # every micro-batch of each rank across all mini-batches: the no-grad passes
-        rank_mbs = self._rank_micro_batches(plan.mini_batches)
-        from_update = self._old_from_update()
-        old_mbs = self._rank_micro_batches(plan.mini_batches[1:]) if from_update else rank_mbs
-        calls = PendingCalls()
-        for group in self.all_groups():
-            calls.submit(group, "load_batch", batch_ref)
-        pieces = {"old_logprobs": calls.submit(self.actor, "compute_logprobs", per_rank=old_mbs)}
-        if self.ref is not None:
-            pieces["ref_logprobs"] = calls.submit(self.ref, "compute_logprobs", per_rank=rank_mbs)
-        elif self.cfg.algorithm.kl_coef > 0:  # LoRA: the actor with its adapters off
-            pieces["ref_logprobs"] = calls.submit(
-                self.actor, "compute_ref_logprobs", per_rank=rank_mbs
-            )
-        if self.critic is not None:
-            pieces["values"] = calls.submit(self.critic, "compute_values", per_rank=rank_mbs)
-        # every training worker gets the full token fields computed piecewise by the ranks
-        for field, piece_refs in pieces.items():
-            for group in self.training_groups():
-                calls.submit(group, "set_token_field", field, piece_refs)
-        advantages = [
-            calls.submit(g, "compute_advantages", not from_update) for g in self.training_groups()
-        ]
-        results = calls.wait(self.limits.update_s(self._busiest_rank_tokens(plan)))
-        return results[advantages[0][0]]
+        """Old / reference log-probs, values and advantages of the step's rows
+        (``trainer.loop.schedule.update.prepare``); returns the advantages' metrics."""
+        return prepare(self, plan, batch_ref)
 
     def _update(self, plan, step: int) -> tuple[dict[str, StepStats], dict[str, float]]:
-        """``ppo_epochs`` passes over the plan's mini-batches, one optimizer step each, all
-        submitted at once (each worker runs them in order); then a stop if any weights are
-        non-finite. Returns each training role's statistics of the whole step, and the
-        engine-vs-trainer metrics when the old log-probs were completed by the update."""
-        groups = self.training_groups()
-        from_update = self._old_from_update()
-        calls = PendingCalls()
-        steps = []  # (role, refs of one mini-batch), in order
-        for epoch in range(self.cfg.train.ppo_epochs):
-            for m, mini in enumerate(plan.mini_batches):
-                rows, per_rank = mini.rows.tolist(), list(mini.micro_batches)
-                for g in groups:
-                    first = from_update and g is self.actor and epoch == 0 and m == 0
-                    args = (rows, True) if first else (rows,)
-                    refs = calls.submit(g, "train_mini_batch", *args, per_rank=per_rank)
-                    steps.append((g.role, refs))
-        finite = [(g.role, calls.submit(g, "weights_finite")) for g in groups]
-        mismatch = []
-        if from_update:
-            rank_mbs = self._rank_micro_batches(plan.mini_batches)
-            mismatch = calls.submit(self.actor, "rollout_mismatch_sums", per_rank=rank_mbs)
-        results = calls.wait(self.limits.update_s(self._busiest_rank_tokens(plan)))
-        totals = {g.role: StepStats(g.role) for g in groups}
-        for role, refs in steps:
-            reports = [results[r] for r in refs]
-            totals[role].add_update(reports)
-            self.nonfinite.observe(role, reports[0], step)
-        # Stop before non-finite weights reach the rollout engine or a checkpoint.
-        for role, refs in finite:
-            check_finite_weights(role, [results[r] for r in refs], step)
-        if not mismatch:
-            return totals, {}
-        from trainer.algorithms.rollout_correction import mismatch_from_sums
+        """The step's update (``trainer.loop.schedule.update.update``): each training role's
+        statistics, and the engine-vs-trainer metrics."""
+        return update(self, plan, step)
 
-        return totals, mismatch_from_sums([results[r] for r in mismatch])
+    def _hand_over(self, step: int, plan) -> dict[str, Any]:
+        """After the update: lost replicas' successors join, the ranks offload and report the
+        step's records (``step_records.end_of_step``), and the new weights go to the engines.
+        Engines of their own sample on: the weights queue for them (``after_update``).
+        Colocated engines get the devices back one stage after the other, each waited for
+        before the next starts (the engines' sleep-mode allocators map memory without asking
+        what is free, so nothing may overlap): they wake their weights and load the new ones
+        (``sync_weights``, after which the ranks have freed the staging), then the KV caches
+        wake into what is left, and a stream samples on. Returns the step's records."""
+        self.replacer.rejoin()  # successors join before the weights go to the engines
+        records = end_of_step(self, step, plan)
+        if self.layout.separate:  # the engines sample on; the new weights queue for them
+            validate = validation_due(self.cfg, step)
+            self.pipeline.after_update(step, self.snapshot_weights(), validate=validate)
+            return records
+        with measured(self.phase_memory, "push"):  # the budget's weight push: after the release
+            self.sync_weights()
+        self._engines("wake_up", ["kv_cache"])
+        if self.pipeline is not None:  # streamed: sampling goes on, new weights loaded
+            self.pipeline.release(step)
+        return records
 
     def snapshot_weights(self) -> list | None:
-        """The actor's new weights for engines of their own, as ``RolloutHost.take_weights``
-        finds them: pushed through the weight group (``rollout.weight_transport``: every
-        rank broadcasts its own rows to every engine, which queues them until a rollout
-        loads them), ``[PUSHED, push number]``; else in host memory, ``[bucket refs, bucket
-        specs]``, each indexed by rank, then bucket (every rank publishes its own rows,
-        ``WeightPush.snapshot_weights``); None when replaying (no engine)."""
-        if self.replay_dir is not None:
-            return None
-        if self.layout.weight_transport == "collective":
-            from trainer.loop.weights.weight_group import PUSHED
+        """The actor's new weights for engines of their own
+        (``trainer.loop.weights.driver.snapshot_weights``)."""
+        return snapshot_weights(self)
 
-            seq, self.pushes = self.pushes, self.pushes + 1
-            self.actor.call("broadcast_weights", seq, timeout_s=self.limits.push_s)
-            return [PUSHED, seq]
-        parts = self.actor.call("snapshot_weights", timeout_s=self.limits.push_s)
-        return [[refs for refs, _ in parts], [specs for _, specs in parts]]
-
-    def _check_weights(self, step: int) -> None:
-        """Stop before non-finite weights reach the rollout engine or a checkpoint."""
-        for group in self.training_groups():
-            check_finite_weights(group.role, group.call("weights_finite"), step)
+    def sync_weights(self, *, via_object_store: bool = False) -> None:
+        """Load the actor's new weights into the engines now
+        (``trainer.loop.weights.driver.sync_weights``); ``via_object_store``: the earlier path
+        through Ray's object store, for ``bench e2e``."""
+        sync_weights(self, via_object_store=via_object_store)
 
     def validate(self, step: int) -> dict[str, Any] | Later:
         """``val/*`` metrics on ``data.val_source`` with the weights after step ``step`` (see
@@ -312,144 +223,12 @@ class Trainer:
             what=f"rollout.{method}",
         )
 
-    def _hand_over(self, step: int, plan) -> dict[str, Any]:
-        """The devices go back from the training ranks to the engines, one stage after the
-        other, each waited for before the next starts (the engines' sleep-mode allocators map
-        memory without asking what is free, so nothing may overlap): the ranks offload and
-        report the step's records (``_end_of_step``); the engines wake their weights and load
-        the new ones (``sync_weights``, after which the ranks have freed the staging); then
-        the KV caches wake into what is left. Returns ``_end_of_step``'s records."""
-        records = self._end_of_step(step, plan)
-        with measured(self.phase_memory, "push"):  # the budget's weight push: after the release
-            self.sync_weights()
-        self._engines("wake_up", ["kv_cache"])
-        return records
-
-    def sync_weights(self, *, via_object_store: bool = False) -> None:
-        """Load the actor's new weights into the engines: every tp group's ranks hand them to
-        their own replica on the same devices, which wakes its weights (not its KV cache) as
-        it loads them (nothing to push when replaying); engines of their own load a snapshot
-        of them from host memory. ``via_object_store``: the earlier path through Ray's object
-        store, for ``bench e2e``."""
-        if self.replay_dir is not None:
-            return
-        started = time.monotonic()
-        if self.layout.separate:  # engines of their own: a host-memory snapshot, loaded now
-            wait_all(
-                [self.rollout.take_weights.remote([None, *self.snapshot_weights()])],
-                ["rollout host"],
-                timeout_s=self.limits.push_s,
-                what="rollout.take_weights",
-            )
-        else:
-            owner = [
-                self.replicas[self.layout.replica_of_rank(r)] for r in range(self.cfg.train.dp_size)
-            ]
-            self.actor.call(
-                "push_weights", None, via_object_store, per_rank=owner, timeout_s=self.limits.push_s
-            )
-        self.limits.observe("push", time.monotonic() - started)  # later pushes' limit
-
-    def _end_of_step(self, step: int, plan) -> dict[str, Any]:
-        """After the update, in one wait: the ranks offload and the step's records are read:
-        ``memory`` (``memory/<role>_peak_gb``, the
-        largest rank's peak per role), ``counts`` (rows and loss tokens per mini-batch, for
-        the fingerprint) and ``checksum`` (the parity checksum of the weights, or None when
-        ``run.fingerprint_every`` skips this step)."""
-        from trainer.records.fingerprint import combine_param_stats
-
-        every = self.cfg.run.fingerprint_every
-        checksum = bool(every) and step % every == 0
-        # One call per rank (``FSDPWorker.end_of_step``): offload, peak memory, then the
-        # actor's records: rank 0 counts the mini-batches, every rank its checksum share.
-        rows = [mb.rows.tolist() for mb in plan.mini_batches]
-        calls = PendingCalls()
-        ends = {}
-        for group in self.all_groups():
-            asks: list[list] = [[] for _ in group.handles]
-            if group is self.actor:
-                asks[0].append(("mini_batch_counts", (rows,)))
-                if checksum:
-                    for ask in asks:
-                        ask.append(("param_stats", ()))
-            ends[group.role] = calls.submit(group, "end_of_step", per_rank=asks)
-        results = calls.wait(self.limits.setup_s)
-        ends = {role: [results[r] for r in refs] for role, refs in ends.items()}
-        actor = ends[self.actor.role]
-        memory = {
-            f"memory/{role}_peak_gb": max(rank[0] for rank in answers)
-            for role, answers in ends.items()
-        }
-        if len(actor) > 1:  # rank 0 holds what no other rank does (unsharded tensors, stores)
-            memory["memory/actor_rank0_peak_gb"] = actor[0][0]
-            memory["memory/actor_others_peak_gb"] = max(rank[0] for rank in actor[1:])
-        return {
-            "memory": memory,
-            "counts": actor[0][1],
-            # Each rank sums its own shards (no collective); the ranks' shares add up here.
-            "checksum": combine_param_stats([rank[-1] for rank in actor]) if checksum else None,
-        }
-
     # ------------------------------------------------------------------ records
-
-    def _metrics(self, step, meta, plan, stats, adv_metrics, timer) -> dict[str, Any]:
-        metrics: dict[str, Any] = {
-            "step": step,
-            **meta["metrics"],
-            **plan_stats(plan),
-            "batch/max_seq_len": int(np.max(meta["seq_lens"])),
-            **adv_metrics,
-        }
-        for role_stats in stats.values():
-            metrics.update(role_stats.metrics())
-        metrics.update(timer.metrics())
-        metrics["throughput/tokens_per_s"] = meta["num_tokens"] / max(
-            metrics["timing/step_s"], 1e-9
-        )
-        return metrics
-
-    def _fingerprint(self, step, plan, stats, metrics, records) -> dict[str, Any]:
-        from trainer.records.fingerprint import fingerprint_of_step
-
-        fields = {
-            k: v for role_stats in stats.values() for k, v in role_stats.fingerprint().items()
-        }
-        return fingerprint_of_step(plan, fields, metrics, records["checksum"], records["counts"])
-
     def save_checkpoint(self, step: int) -> PendingCheckpoint:
-        """Stage a whole checkpoint of step ``step`` (``trainer.records.checkpoint.save``),
-        never of non-finite weights; ``PendingCheckpoint.commit`` makes it ``latest``. A
-        lagged run's checkpoint keeps the rollouts of the next ``train.rollout_lag`` steps,
-        sampled by older weights, taken as references (``RolloutPipeline.ahead``)."""
-        from trainer.loop.schedule.backlog import PendingCheckpoint
-        from trainer.records.checkpoint.save import stage_step
-
-        self._check_weights(step)  # never commit non-finite weights over good checkpoints
-        ahead: dict[int, Any] = {}
-        if self.pipeline is not None:  # the host is sampling later steps already
-            consumed = self.last_rollout.get("prompts_consumed", step * self.cfg.train.batch_size)
-            ahead = self.pipeline.ahead(step)
-        else:
-            (consumed,) = wait_all(
-                [self.rollout.get_prompts_consumed.remote()],
-                ["rollout host"],
-                timeout_s=self.limits.setup_s,
-                what="rollout.get_prompts_consumed",
-            )
-        state = {"rollout_lag": self.cfg.train.rollout_lag}  # a resume checks it
-        if self.cfg.model.lora.enabled:  # the adapters, and the base they fit (resume checks)
-            state["lora"] = self.lora_state
-        started = time.monotonic()
-        staged = stage_step(
-            self.run_dir,
-            step,
-            self.training_groups(),
-            consumed,
-            state,
-            timeout_s=self.limits.checkpoint_save_s,
-        )
-        self.limits.observe("checkpoint_save", time.monotonic() - started)  # later saves' limit
-        return PendingCheckpoint(staged, ahead)
+        """Stage a whole checkpoint of step ``step``
+        (``trainer.loop.schedule.step_records.stage_checkpoint``); ``PendingCheckpoint.commit``
+        makes it ``latest``."""
+        return stage_checkpoint(self, step)
 
     @functools.cached_property
     def lora_state(self) -> dict[str, Any]:

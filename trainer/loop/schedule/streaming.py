@@ -56,7 +56,7 @@ class StreamingPipeline:
         elif weights is not None:
             self.host.take_weights.remote(weights)
         wait_all(
-            [self.host.stream_start.remote(first_step - 1)],
+            [self.host.stream_start.remote(first_step - 1, self.max_staleness)],
             ["rollout host"],
             timeout_s=self.timeout_s,
             what="rollout.stream_start",

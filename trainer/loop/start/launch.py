@@ -71,50 +71,22 @@ def start(job) -> None:
     job.deterministic_settings = _agreed_deterministic_settings(job)
     resume(job)
     CLOCK.done("resume")
+    _start_rollouts(job)
+
+
+def _start_rollouts(job) -> None:
+    """Engines on devices of their own join the weight group (the collective push); then the
+    run's one stream-or-lag decision (``trainer.loop.schedule.rollouts``) gives ``job`` its
+    pipeline, started with the weights the run starts from (None: each step samples its own
+    rollout, in the step)."""
+    from trainer.loop.schedule.rollouts import rollout_pipeline, start_pipeline
+    from trainer.loop.weights.driver import join_weight_group
+
     if job.layout.separate:
-        _join_weight_group(job)
-        _start_pipeline(job)
-    elif job.cfg.train.max_staleness and job.replay_dir is None:
-        _start_stream(job)
-
-
-def _start_stream(job) -> None:
-    """Colocated engines, streamed (``train.max_staleness``): the stream starts sampling with
-    the weights the engines hold (the run's first, or the resumed ones: ``resume`` synced
-    them); each update holds it while the engines sleep (``trainer.loop.schedule.streaming``)."""
-    from trainer.loop.schedule.streaming import StreamingPipeline
-
-    job.pipeline = StreamingPipeline(
-        job.rollout,
-        job.cfg.train.max_staleness,
-        job.record_dir(),
-        timeout_s=job.limits.queued_s(1),
-    )
-    job.pipeline.start(job.start_step + 1)
-
-
-def _join_weight_group(job) -> None:
-    """With the collective push (``Layout.weight_transport``): every training rank and every
-    engine replica join the weight group at once, training rank 0 serving its store
-    (``trainer.loop.weights.weight_group``); pushes are numbered from 0 again."""
-    job.pushes = 0
-    if job.layout.weight_transport != "collective" or job.replay_dir is not None:
-        return
-    cfg, limits = job.cfg, job.limits
-    (address,) = wait_all(
-        [
-            job.actor.handles[0].weight_group_address.remote(
-                len(job.replicas), cfg.run.collective_timeout_s
-            )
-        ],
-        ["actor rank 0"],
-        timeout_s=limits.setup_s,
-        what="actor.weight_group_address",
-    )
-    refs = job.actor.submit("join_weight_group", address)
-    refs += [h.join_weight_group.remote(address) for h in job.replicas]
-    names = job.actor.names + [f"engine replica {i}" for i in range(len(job.replicas))]
-    wait_all(refs, names, timeout_s=limits.setup_s, what="join_weight_group")
+        join_weight_group(job)
+    job.pipeline = rollout_pipeline(job)
+    if job.pipeline is not None:
+        start_pipeline(job)
 
 
 PLACEMENT_TRY_S = 5.0
@@ -206,54 +178,6 @@ def _check_snapshots(cfg, layout, node_ids: list[str]) -> None:
         problem = snapshot_problem(cfg, shape, store, where, ranks)
         if problem:
             raise LayoutError(problem)
-
-
-def _start_pipeline(job) -> None:
-    """Engines on devices of their own: queue the first rollouts of the fixed-lag pipeline
-    (``trainer.loop.schedule.pipeline``), sampled with the weights the run starts from (the engines'
-    own at step 0, a snapshot of the resumed ones after a resume)."""
-    from trainer.loop.schedule.pipeline import RolloutPipeline
-    from trainer.loop.schedule.streaming import StreamingPipeline
-
-    cfg = job.cfg
-    # A recording has no steps past the run's end to keep in a checkpoint.
-    horizon = cfg.train.total_steps if job.replay_dir is not None else None
-    if cfg.train.max_staleness and job.replay_dir is None:  # a replay reads steps as recorded
-        job.pipeline = StreamingPipeline(
-            job.rollout,
-            cfg.train.max_staleness,
-            job.record_dir(),
-            # a step waits for its groups, up to as long as a rollout may take
-            timeout_s=job.limits.queued_s(1),
-        )
-    else:
-        job.pipeline = RolloutPipeline(
-            job.rollout,
-            cfg.train.rollout_lag,
-            cfg.train.total_steps,
-            job.record_dir(),
-            horizon=horizon,
-            # a rollout waits behind those queued before it (the lag) and a validation
-            timeout_s=job.limits.queued_s(cfg.train.rollout_lag + 1),
-        )
-    weights = None
-    if job.start_step:
-        snapshot = job.snapshot_weights()
-        weights = None if snapshot is None else [job.start_step, *snapshot]
-    if job.resumed_from is not None:
-        from trainer.records.checkpoint.pending import read_pending_rollouts
-
-        # The steps the saved run had sampled ahead, with weights the checkpoint lacks.
-        consumed = job.pipeline.resume(read_pending_rollouts(job.resumed_from))
-        if consumed is not None:
-            wait_all(
-                [job.rollout.set_prompts_consumed.remote(consumed)],
-                ["rollout host"],
-                timeout_s=job.limits.setup_s,
-                what="rollout.set_prompts_consumed",
-            )
-    validate = cfg.run.val_before_train and job.start_step == 0
-    job.pipeline.start(job.start_step + 1, weights, validate=validate)
 
 
 def _other_engine_device(cfg, trainer_device: str) -> str | None:

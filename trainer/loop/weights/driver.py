@@ -1,0 +1,91 @@
+"""The weight push's driver side: what the controller asks of the ranks and the engines so that
+the actor's new weights reach every engine replica.
+
+- ``join_weight_group``: at start-up, with the collective push (``rollout.weight_transport``),
+  every training rank and engine replica join the weight group (``weight_group``);
+- ``snapshot_weights``: after an update, for engines on devices of their own: the ranks push
+  through the weight group, or put a host-memory snapshot in the object store
+  (``WeightPush.snapshot_weights``); the pipeline hands it to the rollout host;
+- ``sync_weights``: load the new weights into the engines now: colocated engines take them
+  from their own tp group's ranks (``WeightPush.push_weights``), engines of their own load a
+  snapshot.
+
+``job`` is the controller's ``Trainer``: its ``cfg``, ``layout``, ``actor``, ``replicas``,
+``rollout`` (replica 0), ``replay_dir``, ``limits`` and ``pushes`` are read here.
+"""
+
+from __future__ import annotations
+
+import time
+
+from trainer.loop.cluster.group import wait_all
+
+__all__ = ["join_weight_group", "snapshot_weights", "sync_weights"]
+
+
+def join_weight_group(job) -> None:
+    """With the collective push (``Layout.weight_transport``): every training rank and every
+    engine replica join the weight group at once, training rank 0 serving its store
+    (``trainer.loop.weights.weight_group``); pushes are numbered from 0 again."""
+    job.pushes = 0
+    if job.layout.weight_transport != "collective" or job.replay_dir is not None:
+        return
+    cfg, limits = job.cfg, job.limits
+    (address,) = wait_all(
+        [
+            job.actor.handles[0].weight_group_address.remote(
+                len(job.replicas), cfg.run.collective_timeout_s
+            )
+        ],
+        ["actor rank 0"],
+        timeout_s=limits.setup_s,
+        what="actor.weight_group_address",
+    )
+    refs = job.actor.submit("join_weight_group", address)
+    refs += [h.join_weight_group.remote(address) for h in job.replicas]
+    names = job.actor.names + [f"engine replica {i}" for i in range(len(job.replicas))]
+    wait_all(refs, names, timeout_s=limits.setup_s, what="join_weight_group")
+
+
+def snapshot_weights(job) -> list | None:
+    """The actor's new weights for engines of their own, as ``RolloutHost.take_weights``
+    finds them: pushed through the weight group (``rollout.weight_transport``: every
+    rank broadcasts its own rows to every engine, which queues them until a rollout
+    loads them), ``[PUSHED, push number]``; else in host memory, ``[bucket refs, bucket
+    specs]``, each indexed by rank, then bucket (every rank publishes its own rows,
+    ``WeightPush.snapshot_weights``); None when replaying (no engine)."""
+    if job.replay_dir is not None:
+        return None
+    if job.layout.weight_transport == "collective":
+        from trainer.loop.weights.weight_group import PUSHED
+
+        seq, job.pushes = job.pushes, job.pushes + 1
+        job.actor.call("broadcast_weights", seq, timeout_s=job.limits.push_s)
+        return [PUSHED, seq]
+    parts = job.actor.call("snapshot_weights", timeout_s=job.limits.push_s)
+    return [[refs for refs, _ in parts], [specs for _, specs in parts]]
+
+
+def sync_weights(job, *, via_object_store: bool = False) -> None:
+    """Load the actor's new weights into the engines: every tp group's ranks hand them to
+    their own replica on the same devices, which wakes its weights (not its KV cache) as
+    it loads them (nothing to push when replaying); engines of their own load a snapshot
+    of them from host memory. ``via_object_store``: the earlier path through Ray's object
+    store, for ``bench e2e``. The push's seconds set later pushes' limit
+    (``CallLimits.observe``)."""
+    if job.replay_dir is not None:
+        return
+    started = time.monotonic()
+    if job.layout.separate:  # engines of their own: a host-memory snapshot, loaded now
+        wait_all(
+            [job.rollout.take_weights.remote([None, *snapshot_weights(job)])],
+            ["rollout host"],
+            timeout_s=job.limits.push_s,
+            what="rollout.take_weights",
+        )
+    else:
+        owner = [job.replicas[job.layout.replica_of_rank(r)] for r in range(job.cfg.train.dp_size)]
+        job.actor.call(
+            "push_weights", None, via_object_store, per_rank=owner, timeout_s=job.limits.push_s
+        )
+    job.limits.observe("push", time.monotonic() - started)  # later pushes' limit
