@@ -44,7 +44,6 @@ _EXPORTS = {
         "open_shared_buffer",
         "walk_tensors",
     ),
-    "hal.collectives": ("is_collective_error",),
     "hal.cpu": ("CpuBackend",),
     "hal.cuda": ("CudaBackend", "flash_attn_varlen_kwargs"),
     "hal.describe": ("describe",),
@@ -55,7 +54,7 @@ _EXPORTS = {
         "process_bytes",
     ),
     "hal.npu": ("NpuBackend", "npu_causal_mask", "npu_fusion_attention_args"),
-    "hal.registry": ("available_backends", "backend_class", "get_backend"),
+    "hal.registry": ("available_backends", "backend_class", "get_backend", "is_collective_error"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

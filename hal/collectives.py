@@ -9,7 +9,7 @@ Two things differ per device and live with its backend (``DeviceBackend`` mixes 
   collective (a peer gone, a link down, a timeout) in an error that is not one of
   torch.distributed's own classes, e.g. HCCL's "error code is 9" in a plain RuntimeError.
 
-``is_collective_error`` asks every backend: the process that reads a worker's error (the
+``hal.registry.is_collective_error`` asks every backend: the process that reads a worker's error (the
 driver) does not always run the device that raised it (``rollout.device``, a replay).
 """
 
@@ -50,13 +50,3 @@ class CollectiveFaults:
             return True
         text = str(err)
         return any(re.search(pattern, text) for pattern in cls.collective_error_patterns)
-
-
-def is_collective_error(err: BaseException) -> bool:
-    """Whether any device's backend recognises ``err`` as a broken collective
-    (``CollectiveFaults.is_collective_error`` of the cpu, cuda and npu backends; no device
-    is touched)."""
-    from hal import BACKEND_NAMES
-    from hal.registry import backend_class
-
-    return any(backend_class(name).is_collective_error(err) for name in BACKEND_NAMES[1:])

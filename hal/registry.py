@@ -95,3 +95,10 @@ def get_backend(name: str = "auto") -> DeviceBackend:
     if name not in _INSTANCES:
         _INSTANCES[name] = _CLASSES[name]()
     return _INSTANCES[name]
+
+
+def is_collective_error(err: BaseException) -> bool:
+    """Whether any device's backend recognises ``err`` as a broken collective
+    (``CollectiveFaults.is_collective_error`` of the cpu, cuda and npu backends; no device
+    is touched): the driver reading a worker's error does not always run that device."""
+    return any(backend_class(name).is_collective_error(err) for name in BACKEND_NAMES[1:])
