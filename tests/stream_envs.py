@@ -28,3 +28,17 @@ class LateFailingReset(SingleTurnEnv):
         if late and int(self.extra_info.get("index", 0)) % 2:
             raise ConnectionError("sandbox refused the episode")
         return super().reset(seed)
+
+
+def recall_rows(n: int, split: str = "train") -> list[dict]:
+    """``n`` verl-format rows of the ``recall`` task ("say 00" ... ), split ``split``: the
+    datasets the streaming tests write as parquet."""
+    return [
+        {
+            "data_source": "recall",
+            "prompt": [{"role": "user", "content": f"say {i}{i}"}],
+            "reward_model": {"ground_truth": f"{i}{i}", "style": "rule"},
+            "extra_info": {"split": split, "index": i},
+        }
+        for i in range(n)
+    ]

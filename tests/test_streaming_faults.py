@@ -12,6 +12,7 @@ import pytest
 from rollout.agent_loop import RolloutOutput
 from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from rollout.streaming import FinishedGroup, StreamSampler, VersionedEngine, admit
+from tests.stream_envs import recall_rows
 from trainer.config import load_config
 
 pa = pytest.importorskip("pyarrow")
@@ -57,18 +58,6 @@ def test_the_sampler_hands_over_a_failed_group_with_its_faults_after_new_weights
         sampler.stop()
 
 
-def _rows(n: int) -> list[dict]:
-    return [
-        {
-            "data_source": "recall",
-            "prompt": [{"role": "user", "content": f"say {i}{i}"}],
-            "reward_model": {"ground_truth": f"{i}{i}", "style": "rule"},
-            "extra_info": {"split": "train", "index": i},
-        }
-        for i in range(n)
-    ]
-
-
 @pytest.mark.slow
 def test_a_streamed_run_whose_late_resets_fail_stops_at_the_env_fault_check(
     local_ray, tmp_path, capsys
@@ -84,7 +73,7 @@ def test_a_streamed_run_whose_late_resets_fail_stops_at_the_env_fault_check(
 
     LateFailingReset.resets = 0  # a run in this process (in-process workers) counts from 0
     train = tmp_path / "train.parquet"
-    pq.write_table(pa.Table.from_pylist(_rows(64)), str(train))
+    pq.write_table(pa.Table.from_pylist(recall_rows(64)), str(train))
     keys = [
         f"data.source={train}",
         "rollout.env=tests.stream_envs:LateFailingReset",

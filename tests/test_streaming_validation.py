@@ -11,6 +11,7 @@ import pytest
 
 from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from rollout.streaming import VersionedEngine
+from tests.stream_envs import recall_rows
 from trainer.config import load_config
 
 pa = pytest.importorskip("pyarrow")
@@ -39,18 +40,6 @@ def test_requests_outside_the_stream_are_counted_under_no_prompt():
     assert versioned.tokens_of(5) == {3: 3}
 
 
-def _rows(n: int, split: str) -> list[dict]:
-    return [
-        {
-            "data_source": "recall",
-            "prompt": [{"role": "user", "content": f"say {i}{i}"}],
-            "reward_model": {"ground_truth": f"{i}{i}", "style": "rule"},
-            "extra_info": {"split": split, "index": i},
-        }
-        for i in range(n)
-    ]
-
-
 @pytest.mark.slow
 def test_a_streamed_run_with_validation_drops_no_more_groups_than_without(local_ray, tmp_path):
     """A verl-format parquet streamed at max_staleness 1 with partial rollouts, 6 steps of 2
@@ -61,8 +50,8 @@ def test_a_streamed_run_with_validation_drops_no_more_groups_than_without(local_
     from trainer.records.metrics import read_jsonl
 
     train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
-    pq.write_table(pa.Table.from_pylist(_rows(64, "train")), str(train))
-    pq.write_table(pa.Table.from_pylist(_rows(24, "test")), str(val))
+    pq.write_table(pa.Table.from_pylist(recall_rows(64, "train")), str(train))
+    pq.write_table(pa.Table.from_pylist(recall_rows(24, "test")), str(val))
     common = [
         f"data.source={train}",
         "rollout.env=single_turn",
