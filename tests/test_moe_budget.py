@@ -109,7 +109,8 @@ def test_layout_counts_the_experts_state_and_no_longer_fits_qwen3_30b_a3b(capsys
     assert "model: 30.53e9 parameters" in table
     assert "experts: 128 x width 768 in 48/48 layers" in table and "8 active a token" in table
     assert "does NOT fit" in table and "raise train.dp_size" in table
-    assert all(len(line) <= 100 for line in table.splitlines())
+    # the prose wraps at 100 columns; a path is printed whole, however deep the checkout
+    assert all(len(line.replace(str(FIXTURES), "")) <= 100 for line in table.splitlines())
     cfg = _cfg("Qwen3-30B-A3B")
     budget = budget_for(cfg, "cuda", DEFAULT_DEVICE_MEMORY_BYTES["cuda"])
     n, dp = budget.shape.num_params, cfg.train.dp_size
