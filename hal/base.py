@@ -351,6 +351,14 @@ class DeviceBackend(CollectiveFaults):
     vllm_layerwise_reload: bool = True
     #: vLLM (or its platform plugin) has batch-invariant kernels here (``VLLM_BATCH_INVARIANT``).
     vllm_batch_invariant: bool = False
+    #: The weight-transfer engine vLLM's workers take pushes through on this device type
+    #: (``WeightTransferConfig.backend``; the CPU's is crossrl's own, ``rollout.engines.transfer``)
+    #: and the class whose static ``trainer_init`` / ``trainer_send_weights`` the trainer calls.
+    weight_transfer_engine: str = "crossrl_gloo"
+    weight_transfer_trainer: tuple[str, str] = ("rollout.engines.transfer", "GlooWeightTransfer")
+    #: Device bytes one process's communicator of that transfer group takes (its buffers and
+    #: channels; counted in the memory budget on each side).
+    weight_transfer_communicator_bytes: int = 0
 
     def vllm_engine_options(self) -> dict:
         """Extra ``vllm.LLM`` keyword arguments a colocated engine needs on this device (none

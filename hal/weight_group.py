@@ -1,10 +1,13 @@
-"""A process group of its own, outside ``torch.distributed``'s default one: the weight push
-between the training ranks and engines on devices of their own (``trainer.loop.weights.
-weight_group``) joins processes that share no default group (the engines have none), so each
-member builds the group's backend directly on a store they all reach: gloo on the CPU, NCCL on
-CUDA, HCCL on Ascend (``torch_npu``'s ``ProcessGroupHCCL``, the class its own ``hccl`` backend
-registration builds). The group is used through the backend's own calls (``broadcast``), never
-through ``torch.distributed``'s functions, which know only registered groups."""
+"""A process group of its own, outside ``torch.distributed``'s default one, for crossrl's own
+weight transport (``rollout.engines.transfer``: the CPU lane's vLLM engine and the HF engine
+anywhere; vLLM's engines on accelerators use their own transfer engines, named by
+``DeviceBackend.weight_transfer_engine``). Its members share no default group (an engine has
+none), so each builds the group's backend directly on a store they all reach: gloo on the CPU,
+NCCL on CUDA, HCCL on Ascend (``torch_npu``'s ``ProcessGroupHCCL``, the class its own ``hccl``
+backend registration builds; given a group name and its global ranks, as torch_npu's own
+``new_group`` does, and built on the caller's current device, which the caller sets). The group
+is used through the backend's own calls (``broadcast``), never through
+``torch.distributed``'s functions, which know only registered groups."""
 
 from __future__ import annotations
 
@@ -36,6 +39,10 @@ def new_process_group(backend, store, rank: int, size: int, timeout_s: float):
 
         options = ProcessGroupHCCL.Options()
         options._timeout = timeout
+        if hasattr(options, "global_ranks_in_group"):  # not the global group: its own ranks
+            options.global_ranks_in_group = list(range(size))
+        if hasattr(options, "group_id"):
+            options.group_id = f"crossrl_transfer_{size}"
         return ProcessGroupHCCL(store, rank, size, options)
     raise ValueError(f"no weight group for process-group backend {kind!r}")
 

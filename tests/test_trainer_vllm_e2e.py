@@ -88,9 +88,10 @@ def test_a_vllm_engine_of_its_own_takes_host_memory_snapshots(tmp_path):
 
 
 def test_a_tp_2_vllm_engine_of_its_own_takes_the_collective_push_as_it_takes_snapshots(tmp_path):
-    """Two CPUs of its own, one vLLM replica at tensor parallel 2, a step behind: the weight
-    group reaches the replica's process and vLLM hands the weights to its two workers; the run
-    is the one the host-memory snapshots give, fingerprint for fingerprint."""
+    """Two CPUs of its own, one vLLM replica at tensor parallel 2, a step behind: training
+    rank 0 broadcasts to both of its workers through vLLM's ``update_weights`` (crossrl's gloo
+    engine, each worker receiving in its own process); the run is the one the host-memory
+    snapshots give, fingerprint for fingerprint."""
     import os
     import subprocess
     import sys
@@ -120,8 +121,6 @@ def test_a_tp_2_vllm_engine_of_its_own_takes_the_collective_push_as_it_takes_sna
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         prints[transport] = read_jsonl(run_dir / "fingerprint.jsonl")
-        metrics = read_jsonl(run_dir / "metrics.jsonl")
-        assert ("rollout/pushes_held" in metrics[-1]) == (transport == "collective")
     assert len(prints["collective"]) == 3
     assert prints["collective"] == prints["host"]
 

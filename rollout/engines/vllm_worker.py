@@ -148,18 +148,7 @@ class VLLMWorkerExtension:
         if api is not None:
             with self._crossrl_context():
                 api[1](model, self.vllm_config.model_config)
-        # A tied lm_head is skipped by load_weights, so the reload never re-runs its post-load
-        # step. On the CPU that step prepacks the matrix for oneDNN, so without this the logits
-        # keep the old embedding (measured: logprob error ~7 after an update). Elsewhere the
-        # step is a no-op for unquantized heads.
-        lm_head = getattr(model, "lm_head", None)
-        head_w = getattr(lm_head, "weight", None)
-        tied = head_w is not None and any(
-            getattr(mod, "weight", None) is head_w for mod in model.modules() if mod is not lm_head
-        )
-        method = getattr(lm_head, "quant_method", None)
-        if tied and method is not None:
-            method.process_weights_after_loading(lm_head)
+        refresh_after_load(model)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(self.model_runner, reset, None)
             if fn is not None:
@@ -180,3 +169,19 @@ class VLLMWorkerExtension:
             if handle[0] != "file" or os.path.exists(handle[1]):
                 close_shared_buffer(handle)
         self._crossrl_opened = []
+
+
+def refresh_after_load(model) -> None:
+    """Re-run a tied LM head's post-load step after new weights loaded: ``load_weights`` skips
+    a tied ``lm_head``, so no reload re-runs it. On the CPU that step prepacks the matrix for
+    oneDNN, so without this the logits keep the old embedding (measured: logprob error ~7
+    after an update); elsewhere it is a no-op for unquantized heads. Used by this extension
+    and by crossrl's weight-transfer engine (``rollout.engines.transfer``)."""
+    lm_head = getattr(model, "lm_head", None)
+    head_w = getattr(lm_head, "weight", None)
+    tied = head_w is not None and any(
+        getattr(mod, "weight", None) is head_w for mod in model.modules() if mod is not lm_head
+    )
+    method = getattr(lm_head, "quant_method", None)
+    if tied and method is not None:
+        method.process_weights_after_loading(lm_head)

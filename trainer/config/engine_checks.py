@@ -44,6 +44,15 @@ def engine_problems(cfg: Config) -> list[Problem]:
                 "host (or auto), or rollout.device=null",
             )
         )
+    elif transport == "collective" and cfg.model.lora.enabled:
+        p.append(
+            problem(
+                "rollout.weight_transport",
+                transport,
+                "LoRA adapters reach the engines through their LoRA load, not their weight "
+                "transfer (model.lora.enabled): set rollout.weight_transport=auto (or host)",
+            )
+        )
     p += _streaming_problems(cfg)
     lag = cfg.train.rollout_lag
     if not lag:

@@ -29,6 +29,7 @@ from trainer.loop.cluster.startup import Phases, process_start_time
 from trainer.loop.engines.rollout_meta import batch_metadata, combine_rollout_metrics
 from trainer.loop.engines.sampling import run_config_rollouts
 from trainer.loop.engines.stream_host import StreamingHost
+from trainer.loop.plan.layout import weight_transport_rule
 from trainer.loop.weights.weight_group import PUSHED
 
 
@@ -89,6 +90,7 @@ class EngineHost:
         self.startup.done("tokenizer")
         roll = cfg.rollout
         invariance = engine_batch_invariance(cfg, backend)
+        pushed = weight_transport_rule(cfg) == "collective"  # through the engine's own API
         if roll.engine == "hf":
             model = load_model(
                 model_path, dtype=cfg.model.dtype, seed=cfg.seed, device=backend.device(0)
@@ -120,6 +122,7 @@ class EngineHost:
                 layerwise_reload=backend.vllm_layerwise_reload,
                 engine_kwargs={**quiet, **backend.vllm_engine_options()},
                 lora=_served_adapters(cfg),
+                weight_transfer=backend.weight_transfer_engine if pushed else None,
             )
             if cfg.run.deterministic:
                 # At tp > 1 each device has a worker process of its own, and the
@@ -194,27 +197,22 @@ class EngineHost:
         return count
 
     def join_weight_group(self, address) -> None:
-        """Join the weight group at ``address`` as this replica and start receiving pushes
-        beside generation (``trainer.loop.weights.weight_group``)."""
-        from trainer.loop.weights.weight_group import WeightReceiver, join
+        """Join the push at ``address``: every worker of this replica's engine joins the
+        engines' transfer group (with training rank 0 and every other worker at once), and
+        this process reads the control store (``trainer.loop.weights.weight_group``)."""
+        from trainer.loop.weights.weight_group import connect_store
 
-        backend = hal.get_backend(self.cfg.engine_device())
-        membership = join(backend, address, replica=self.replica)
-        self.receiver = WeightReceiver(membership, backend.device(0))
-        self.pushes_held = 0  # pushes received and not loaded, after the last load
+        self.push_store = connect_store(address)
+        self.engine.init_weight_transfer(address.init_info(self.replica))
 
     def load_pushed(self, seq: int) -> int:
-        """Load push ``seq`` of the weight group into the engine, bucket by bucket as it
-        arrives (a push not yet here is waited for, at most ``run.collective_timeout_s`` per
-        bucket). Returns the tensor count."""
+        """Load push ``seq`` into the engine through its transfer API (the sender starts
+        once every replica is here, ``weight_group.receive_push``). Returns the tensor
+        count."""
+        from trainer.loop.weights.weight_group import receive_push
+
         self.engine.wake_up(["weights"])
-        count = 0
-        for named in self.receiver.take(seq, self.cfg.run.collective_timeout_s):
-            self.engine.update_weights(named)
-            count += len(named)
-        self.engine.finish_weight_update()
-        self.pushes_held = self.receiver.held_pushes()
-        return count
+        return receive_push(self.engine, self.push_store, self.replica, seq)
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load new weights handed over in this process (``ray.in_process``: the training
@@ -235,10 +233,7 @@ class EngineHost:
         return len(bucket)
 
     def shutdown(self) -> None:
-        """Release the engine (and stop receiving pushes)."""
-        receiver = getattr(self, "receiver", None)
-        if receiver is not None:
-            receiver.stop()
+        """Release the engine (its transfer engine with it)."""
         if self.engine is not None:
             self.engine.shutdown()
 
@@ -412,9 +407,6 @@ class RolloutHost(StreamingHost, EngineHost):
         lost = self.generator.take_lost() if self.peers else []
         meta["lost_replicas"] = lost
         meta["metrics"]["rollout/replicas_lost"] = float(len(lost))
-        receiver = getattr(self, "receiver", None)
-        if receiver is not None:  # pushed weights held here beside the engine's, not loaded
-            meta["metrics"]["rollout/pushes_held"] = float(self.pushes_held)
         if self.cfg.rollout.engine_devices:  # seconds this rollout waited for its weights
             meta["metrics"]["rollout/weight_load_s"] = self.weight_load_s
             self.weight_load_s = 0.0

@@ -78,6 +78,7 @@ class Layout:
     # How new weights reach engines of their own (``weight_transport_rule``): "collective"
     # or "host"; "" when colocated (through the devices' shared memory).
     weight_transport: str = ""
+    lora: bool = False  # the actor trains LoRA adapters (model.lora.enabled)
 
     @property
     def dp_size(self) -> int:
@@ -171,21 +172,23 @@ def _separate_layout(
         engine_device=engine[2] if engine else "",
         engine_nodes=engine[0] if engine else (),
         weight_transport=weight_transport_rule(cfg, other_device=engine is not None),
+        lora=cfg.model.lora.enabled,
     )
 
 
 def weight_transport_rule(cfg: Config, *, other_device: bool | None = None) -> str:
-    """How new weights reach engines of their own: ``collective`` (each training rank
-    broadcasts its own rows to every engine through a process group of the device's library,
-    ``trainer.loop.weights.weight_group``) unless ``rollout.weight_transport=host`` or the
+    """How new weights reach engines of their own: ``collective`` (through the engine's own
+    weight-transfer API, training rank 0 broadcasting to every engine worker,
+    ``trainer.loop.weights.weight_group``) unless ``rollout.weight_transport=host``, the
     engines run on another device type (``other_device``, None: ``rollout.device`` names
-    one other than ``device``; no collective joins two vendors), where a host-memory
-    snapshot in Ray's object store carries them; "" for colocated engines."""
+    one other than ``device``; no collective joins two vendors) or the actor trains LoRA
+    adapters (served through the engine's LoRA load, not its weight transfer), where a
+    host-memory snapshot in Ray's object store carries them; "" for colocated engines."""
     if not cfg.rollout.engine_devices:
         return ""
     if other_device is None:
         other_device = cfg.rollout.device not in (None, cfg.device)
-    if other_device or cfg.rollout.weight_transport == "host":
+    if other_device or cfg.rollout.weight_transport == "host" or cfg.model.lora.enabled:
         return "host"
     return "collective"
 
@@ -397,11 +400,19 @@ def format_layout(layout: Layout) -> str:
 def _transport_words(layout: Layout) -> str:
     """How new weights reach engines of their own, for ``format_layout``."""
     if layout.weight_transport == "collective":
+        import hal
+        from rollout.engines.transfer import ENGINE_NAME
+
+        backend = hal.get_backend(layout.device)
+        name = backend.weight_transfer_engine if layout.engine == "vllm" else ENGINE_NAME
         return (
-            "through a collective: each rank broadcasts its own rows to every engine "
-            "(rollout.weight_transport=collective; host = through Ray's object store)"
+            f"through the engines' weight-transfer API ({name!r}): training rank 0 "
+            "broadcasts to every engine worker (rollout.weight_transport=collective; host = "
+            "through Ray's object store)"
         )
-    why = "rollout.device" if layout.other_engine_device else "rollout.weight_transport=host"
+    why = "rollout.weight_transport=host"
+    if layout.other_engine_device or layout.lora:
+        why = "rollout.device" if layout.other_engine_device else "model.lora: adapters"
     return f"through a host-memory snapshot in Ray's object store ({why})"
 
 

@@ -1,203 +1,215 @@
-"""The collective weight push to engines on devices of their own (``rollout.engine_devices``,
-``rollout.weight_transport``): no rank-0 funnel, no object store.
+"""The push to engines of their own through the engines' weight-transfer API
+(``rollout.weight_transport=collective``; ``rollout.engines.transfer``).
 
-The members: the ``train.dp_size`` training ranks (the actor's) and the engine replicas' host
-processes. Training rank 0 serves a ``torch.distributed`` TCP store (the control channel);
-every member joins ``dp_size`` process groups over it (``hal.weight_group``: the device's own
-collective library), group r made of training rank r (its member 0) and every
-replica (member 1 + replica index). So each rank broadcasts only the rows it holds, straight to
-every engine, and no rank receives another's.
+The members: training rank 0 (the sender, member 0) and every worker of every engine replica
+(a vLLM engine's tp workers each, an HF engine as one), member ``1 + replica x workers +
+worker``. The transfer group is the engine's own (``hal`` ``DeviceBackend.weight_transfer_
+engine``: vLLM's on accelerators, crossrl's gloo engine on the CPU) and the trainer calls that
+engine module's static ``trainer_init`` / ``trainer_send_weights``, so both ends speak one
+packed format. One communicator per process, whatever the number of ranks and replicas.
 
-A push (``WeightSender.send``, on every rank at once) is numbered ``seq`` (0, 1, ...). The buckets
-are planned on the whole tensors (``plan_buckets``, never splitting a layer) so that bucket b
-of every rank holds its rows of the same tensors; each rank first writes its pieces' specs
-(names, shapes, offsets) of every bucket under ``weights/<seq>/<rank>`` in the store, then
-broadcasts its bucket b, b = 0, 1, ..., in the engine's dtype, in its own group. A replica's
-receiver thread (``WeightReceiver``) waits for every rank's specs, receives the ranks' bucket b
-at once (one broadcast per group), joins the pieces into whole tensors (``assemble_pieces``)
-and queues them under ``seq``; the engine loads push ``seq`` from that queue bucket by bucket
-(``WeightReceiver.take``) when a rollout or validation asks for it. The receiver runs beside
-the replica's generation, so with ``train.rollout_lag`` > 0 a push overlaps the rollouts still
-queued, and the pushed version waits, tagged by ``seq``, until the rollout that asks for it:
-an engine never mixes two versions in one rollout.
+Training rank 0 also serves a small control store (``serve_store``). A push is numbered
+``seq`` (0, 1, ...): every rank gathers each tensor whole in turn (FSDP2's all-gather, in
+the step, on the ranks' own stream: never a thread racing FSDP's collectives), rank 0 keeps a
+copy in the engine's dtype and writes the push's ``update_info`` (names, dtypes, shapes,
+packing) under ``weights/<seq>``; its sender thread then waits until every replica has said
+``ready/<seq>/<replica>`` (``receive_push``: a replica says it when the rollout that asks for
+that version loads it, between engine calls) and broadcasts the packed chunks (the engine
+module's producer: its own streams, a bounded number of chunks in flight). So with
+``train.rollout_lag`` > 0 the ranks train on while the engines finish older rollouts, and an
+engine never mixes two versions in one rollout.
 
-A rank packs a copy of its rows and sends them from a thread of its own (``WeightSender``), so
-its step ends once they are copied and the bytes travel while it trains on.
-
-Working set (the bound ``bench snapshot`` checks): a training rank holds, beyond its shard, a
-packed copy of its own rows in the engine's dtype (its shard again, plus the unsharded tensors
-rank 0 alone sends) until they are sent, freed bucket by bucket as they go, one push at a time;
-a replica holds, beyond its engine's weights, the buckets received and not yet loaded: one
-bucket while it loads as they arrive (lag 0), up to one whole model per push not yet loaded
-while it generates (``train.rollout_lag`` pushes at most).
+Working set: rank 0 holds the whole model in the engine's dtype from the gather until the
+engines took it (one push at a time), plus ``PACKED_NUM_BUFFERS`` chunks of
+``PACKED_BUFFER_BYTES`` while it sends; each worker holds the chunks in flight beside its
+engine (``trainer.loop.plan.snapshot_budget``).
 """
 
 from __future__ import annotations
 
+import importlib
 import pickle
-import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-#: Where ``RolloutHost.take_weights`` finds weights that came through the weight group
+from rollout.engines.transfer import (
+    ENGINE_NAME,
+    PACKED_BUFFER_BYTES,
+    PACKED_NUM_BUFFERS,
+    GlooWeightTransfer,
+    update_info,
+)
+
+#: Where ``RolloutHost.take_weights`` finds weights that came through the transfer group
 #: (``rollout.weight_transport``), in place of a snapshot's bucket refs.
 PUSHED = "pushed"
-#: Bytes per bucket of a collective push (the whole bucket, every rank's rows of it).
-PUSH_BUCKET_BYTES = 256 << 20
-#: Seconds between a receiver's looks for a new push (a store lookup; never blocking, so
-#: its stop flag is seen at once).
+#: Seconds between the sender's looks for the replicas' readiness (a store lookup).
 POLL_S = 0.02
 
 
 @dataclass(frozen=True)
 class WeightGroupAddress:
-    """Where the weight group meets: training rank 0's store at ``host:port``; ``ranks``
-    training ranks and ``replicas`` engine replicas; a collective not done in ``timeout_s``
-    seconds fails (``run.collective_timeout_s``)."""
+    """Where the push meets: training rank 0's control store at ``host:port`` and the
+    transfer group's store at ``host:transfer_port``; ``replicas`` engine replicas of
+    ``workers`` members each (a vLLM engine's tp workers); ``engine``: the weight-transfer
+    engine's name (``DeviceBackend.weight_transfer_engine``); a broadcast not done in
+    ``timeout_s`` seconds fails (``run.collective_timeout_s``)."""
 
     host: str
     port: int
-    ranks: int
+    transfer_port: int
     replicas: int
+    workers: int
+    engine: str
     timeout_s: float
+    layerwise: bool = True
 
+    @property
+    def world_size(self) -> int:
+        """Members of the transfer group: the sender and every engine worker."""
+        return 1 + self.replicas * self.workers
 
-@dataclass
-class Membership:
-    """One process's part of the weight group: the store and its groups by training rank."""
-
-    store: object
-    groups: dict[int, object]
-    address: WeightGroupAddress
+    def init_info(self, replica: int) -> dict:
+        """What replica ``replica``'s engine joins with (``init_weight_transfer``): vLLM's
+        own engines take exactly the first four keys; crossrl's also the timeout and how it
+        loads."""
+        info = {
+            "master_address": self.host,
+            "master_port": self.transfer_port,
+            "rank_offset": 1 + replica * self.workers,
+            "world_size": self.world_size,
+        }
+        if self.engine == ENGINE_NAME:
+            info.update(timeout_s=self.timeout_s, layerwise=self.layerwise)
+        return info
 
 
 def serve_store(host: str, port: int, members: int, timeout_s: float):
-    """The weight group's store, served by this process (training rank 0) on ``port``."""
+    """The control store, served by this process (training rank 0) on ``port``."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     return dist.TCPStore(
-        host,
-        port,
-        members,
-        True,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
+        host, port, members, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
 
 
-def join(
-    backend,
-    address: WeightGroupAddress,
-    *,
-    rank: int | None = None,
-    replica: int | None = None,
-    store=None,
-) -> Membership:
-    """Join the weight group as training rank ``rank`` or engine replica ``replica`` (one of
-    the two), on device backend ``backend``; ``store``: the store itself on the process that
-    serves it. Every member must join at once (each group's creation waits for its members)."""
+def connect_store(address: WeightGroupAddress):
+    """A client of the control store at ``address``."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    from hal.weight_group import new_process_group
-
-    if store is None:
-        store = dist.TCPStore(
-            address.host,
-            address.port,
-            address.ranks + address.replicas,
-            False,
-            timeout=timedelta(seconds=address.timeout_s),
-        )
-    size = 1 + address.replicas
-    sources = [rank] if rank is not None else range(address.ranks)
-    member = 0 if rank is not None else 1 + int(replica)
-    groups = {
-        source: new_process_group(
-            backend, dist.PrefixStore(f"group/{source}", store), member, size, address.timeout_s
-        )
-        for source in sources
-    }
-    return Membership(store, groups, address)
+    return dist.TCPStore(
+        address.host,
+        address.port,
+        1 + address.replicas,
+        False,
+        timeout=timedelta(seconds=address.timeout_s),
+    )
 
 
-def _specs_key(seq: int, rank: int) -> str:
-    return f"weights/{seq}/{rank}"
+def trainer_transport(address: WeightGroupAddress, backend):
+    """The class whose static ``trainer_init`` / ``trainer_send_weights`` the sender calls:
+    the HAL's for a vLLM engine's own transfer engine, crossrl's over ``backend``'s library
+    otherwise (the HF engine)."""
+    if address.engine == backend.weight_transfer_engine and address.engine != ENGINE_NAME:
+        module, name = backend.weight_transfer_trainer
+        return getattr(importlib.import_module(module), name)
+    if backend.device_type == "cpu":
+        return GlooWeightTransfer
+    return GlooWeightTransfer.for_backend(backend)
+
+
+def _weights_key(seq: int) -> str:
+    return f"weights/{seq}"
+
+
+def _ready_key(seq: int, replica: int) -> str:
+    return f"ready/{seq}/{replica}"
 
 
 class WeightSender:
-    """A training rank's side of the weight group (rank ``rank``, its buckets packed on
-    ``device``, ``backend``'s). ``send`` copies this rank's rows of every bucket (the next
-    update may change the weights at once) and a thread of its own broadcasts them, freeing
-    each as it goes: the rank goes on with the next step while its rows travel. One push at a
-    time: ``send`` first waits for the one before (``wait``)."""
+    """A training rank's side of the push. Every rank gathers (``send``); rank 0 (``group``
+    not None: ``trainer_init``'s) keeps the copy and sends it from a thread of its own once
+    the engines are ready. One push at a time: ``send`` first waits for the one before."""
 
     def __init__(
         self,
-        membership: Membership,
-        rank: int,
-        device,
+        address: WeightGroupAddress,
+        store,
+        transport,
+        group,
         backend,
-        bucket_bytes: int = PUSH_BUCKET_BYTES,
+        device_index: int = 0,
     ) -> None:
-        self.membership = membership
-        self.rank = rank
-        self.device = device
+        self.address = address
+        self.store = store
+        self.transport = transport
+        self.group = group
         self.backend = backend
-        self.bucket_bytes = bucket_bytes
+        self.device_index = device_index
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
-    def send(self, pieces_of, shapes: list[tuple[str, tuple[int, ...]]], dtype, seq: int) -> int:
-        """Start push ``seq``: for each bucket planned on the model's ``shapes`` (name, whole
-        shape), this rank's pieces (``pieces_of(planned)``: ``(name, rows)`` of the bucket's
-        tensors it holds rows of, in the bucket's order), packed in ``dtype``; their specs go
-        to the store at once, the bytes follow from the sending thread. Returns the buckets
-        this rank sends (those it holds rows of)."""
-        from rollout.engines.buckets import pack_pieces, piece_specs, plan_buckets
-
+    def send(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype, seq: int) -> int:
+        """Start push ``seq`` of ``state`` (name -> tensor, FSDP2 shards as they are) in
+        ``dtype``: every rank gathers each tensor whole in turn; rank 0 keeps a copy, writes
+        the push's ``update_info`` and starts sending. Returns the tensors rank 0 sends (0 on
+        the other ranks)."""
         self.wait()
-        buckets, _ = plan_buckets(shapes, dtype, self.bucket_bytes)
-        mine = [pieces_of(planned) for planned in buckets]  # views: nothing copied yet
-        layout = []
-        for pieces in mine:
-            specs, nbytes = piece_specs(pieces, dtype)
-            layout.append(([tuple(s) for s in specs], nbytes))
-        store = self.membership.store
-        store.set(_specs_key(seq, self.rank), pickle.dumps(layout))
-        if seq > 0:  # every replica read the last push's specs before it could receive it
-            store.delete_key(_specs_key(seq - 1, self.rank))
-        packed = [
-            pack_pieces(pieces, dtype, self.device)[0]
-            for pieces, (_, nbytes) in zip(mine, layout)
-            if nbytes
-        ]
+        staged: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in state.items():
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if self.group is not None:  # the next update changes the weights: a copy
+                staged.append((name, full.detach().to(dtype=dtype, copy=True)))
+            del full
+        if self.group is None:
+            return 0
+        info = update_info(staged, None, PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS)
+        self.store.set(_weights_key(seq), pickle.dumps(info))
+        if seq > 0:  # every replica read the last push's info before it could receive it
+            self.store.delete_key(_weights_key(seq - 1))
         self.backend.synchronize()  # the copies are done before another thread sends them
         self._thread = threading.Thread(
-            target=self._send_all, args=(packed,), name="weight-sender", daemon=True
+            target=self._send_all, args=(staged, seq), name="weight-sender", daemon=True
         )
         self._thread.start()
-        return len(packed)
+        return len(info["names"])
 
-    def _send_all(self, packed: list[torch.Tensor]) -> None:
-        from hal.weight_group import broadcast
-
-        group = self.membership.groups[self.rank]
+    def _send_all(self, staged: list[tuple[str, torch.Tensor]], seq: int) -> None:
         try:
-            while packed:
-                flat = packed.pop(0)
-                broadcast(group, flat).wait()
-                del flat  # freed as soon as every replica has it
+            if self.backend.is_accelerator:  # a thread starts on device 0
+                self.backend.set_device(self.device_index)
+            keys = [_ready_key(seq, r) for r in range(self.address.replicas)]
+            while not self.store.check(keys):
+                if self._stop.wait(POLL_S):
+                    return
+
+            def items():
+                while staged:  # each tensor freed once packed
+                    yield staged.pop(0)
+
+            self.transport.trainer_send_weights(
+                items(),
+                {
+                    "group": self.group,
+                    "packed": True,
+                    "packed_buffer_size_bytes": PACKED_BUFFER_BYTES,
+                    "packed_num_buffers": PACKED_NUM_BUFFERS,
+                },
+            )
+            for key in keys:
+                self.store.delete_key(key)
         except BaseException as err:  # noqa: BLE001 - raised by the rank's next wait
             self.error = err
         finally:
-            packed.clear()
+            staged.clear()
 
     def wait(self) -> None:
         """Wait for the push being sent, if any; raise what broke it (a replica that died)."""
@@ -208,103 +220,15 @@ class WeightSender:
             err, self.error = self.error, None
             raise RuntimeError(f"the weight push broke: {err}") from err
 
-
-class WeightReceiver:
-    """An engine replica's side of the weight group: a thread that receives every push as it
-    comes (``seq`` 0, 1, ...), bucket by bucket, into a queue per push that ``take`` drains.
-    ``device``: where a bucket is received (the engine's device, which the device's collective
-    library needs); each is then held in host memory until loaded, so the device holds one
-    bucket beyond the engine's own memory."""
-
-    def __init__(self, membership: Membership, device: torch.device | str = "cpu") -> None:
-        self.membership = membership
-        self.device = device
-        self.error: BaseException | None = None
-        self._queues: dict[int, queue.Queue] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
-        self._thread.start()
-
-    def _queue(self, seq: int) -> queue.Queue:
-        with self._lock:
-            return self._queues.setdefault(seq, queue.Queue())
-
-    def _run(self) -> None:
-        seq = 0
-        try:
-            while not self._stop.is_set():
-                if self._announced(seq):
-                    self._receive(seq)
-                    seq += 1
-                else:
-                    self._stop.wait(POLL_S)
-        except BaseException as err:  # noqa: BLE001 - handed to the loader, which raises it
-            self.error = err
-            self._queue(seq).put(err)
-
-    def _announced(self, seq: int) -> bool:
-        """Whether every rank has written push ``seq``'s specs (never blocks)."""
-        ranks = self.membership.address.ranks
-        return self.membership.store.check([_specs_key(seq, r) for r in range(ranks)])
-
-    def _receive(self, seq: int) -> None:
-        from hal.weight_group import broadcast
-        from rollout.engines.buckets import TensorSpec, assemble_pieces, unpack_bucket
-
-        store, groups = self.membership.store, self.membership.groups
-        ranks = range(self.membership.address.ranks)
-        layouts = [pickle.loads(store.get(_specs_key(seq, r))) for r in ranks]
-        out = self._queue(seq)
-        for bucket in range(len(layouts[0])):
-            parts = [layouts[r][bucket] for r in ranks]  # (specs, nbytes) of each rank
-            flats = [torch.empty(n, dtype=torch.uint8, device=self.device) for _, n in parts]
-            works = [broadcast(groups[r], flats[r]) for r in ranks if parts[r][1]]
-            for work in works:
-                work.wait()
-            if torch.device(self.device).type != "cpu":  # held in host memory, not beside
-                flats = [flat.cpu() for flat in flats]  # the engine's weights and KV cache
-            out.put(
-                assemble_pieces(
-                    [
-                        unpack_bucket(flat, [TensorSpec(*s) for s in specs])
-                        for flat, (specs, _) in zip(flats, parts)
-                    ]
-                )
-            )
-        out.put(None)  # the push is whole
-
-    def take(self, seq: int, timeout_s: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Push ``seq``'s buckets, whole named tensors, in order as they arrive (each waited
-        for at most ``timeout_s`` seconds); pushes before it that nothing took are dropped.
-        Raises what broke the receiver (a rank that died mid-push)."""
-        with self._lock:
-            for old in [s for s in self._queues if s < seq]:
-                del self._queues[old]
-        pending = self._queue(seq)
-        while True:
-            try:
-                item = pending.get(timeout=timeout_s)
-            except queue.Empty:
-                raise TimeoutError(
-                    f"weight push {seq} did not reach this engine in {timeout_s:g} s "
-                    "(run.collective_timeout_s)"
-                ) from None
-            if item is None:
-                break
-            if isinstance(item, BaseException):
-                raise RuntimeError(f"weight push {seq} broke: {item}") from item
-            yield item
-        with self._lock:
-            self._queues.pop(seq, None)
-
-    def held_pushes(self) -> int:
-        """Pushes arriving or received that nothing has taken yet (each up to a whole model
-        of buckets in this process's memory)."""
-        with self._lock:
-            return len(self._queues)
-
     def stop(self) -> None:
-        """End the thread (it looks at its stop flag between pushes)."""
+        """Give up a push no engine will take (shutdown)."""
         self._stop.set()
-        self._thread.join(timeout=2 * POLL_S)
+
+
+def receive_push(engine, store, replica: int, seq: int) -> int:
+    """Replica ``replica``'s side of push ``seq``: read its ``update_info`` (waited for, at
+    most the store's timeout), say this replica is ready, and take it through the engine's
+    transfer API (``Engine.receive_weights``). Returns the tensor count."""
+    info = pickle.loads(store.get(_weights_key(seq)))
+    store.set(_ready_key(seq, replica), b"1")
+    return engine.receive_weights(info)

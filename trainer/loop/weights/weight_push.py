@@ -303,45 +303,64 @@ class WeightPush:
         full = tensor.full_tensor()
         return full if first else None
 
-    # ---------------------------------------------------------------- the weight group
+    # ---------------------------------------------------------------- the transfer group
     def weight_group_address(self, replicas: int, timeout_s: float):
-        """Serve the weight group's store (training rank 0 only) for ``replicas`` engine
-        replicas, collectives failing past ``timeout_s`` seconds; returns its
-        ``WeightGroupAddress`` for every member's ``join_weight_group``."""
+        """Serve the push's control store (training rank 0 only) for ``replicas`` engine
+        replicas, broadcasts failing past ``timeout_s`` seconds; returns the
+        ``WeightGroupAddress`` every member joins (``join_weight_group``)."""
+        from rollout.engines.transfer import ENGINE_NAME
+        from trainer.loop.cluster.group import free_port
         from trainer.loop.weights.weight_group import WeightGroupAddress, serve_store
 
+        cfg = self.spec.cfg
         host, port = self.rendezvous_address()
-        world = self.spec.world_size
-        self._weight_store = serve_store(host, port, world + replicas, timeout_s)
-        return WeightGroupAddress(host, port, world, replicas, timeout_s)
+        self._weight_store = serve_store(host, port, 1 + replicas, timeout_s)
+        vllm = cfg.rollout.engine == "vllm"
+        return WeightGroupAddress(
+            host=host,
+            port=port,
+            transfer_port=free_port(""),
+            replicas=replicas,
+            workers=cfg.rollout.tensor_parallel_size if vllm else 1,
+            engine=self.backend.weight_transfer_engine if vllm else ENGINE_NAME,
+            timeout_s=timeout_s,
+            layerwise=self.backend.vllm_layerwise_reload,
+        )
 
     def join_weight_group(self, address) -> None:
-        """Join the weight group at ``address`` (``trainer.loop.weights.weight_group``); every
-        rank and every engine replica at once."""
-        from trainer.loop.weights.weight_group import WeightSender, join
+        """Join the push at ``address`` (``trainer.loop.weights.weight_group``): rank 0 joins
+        the engines' transfer group as its sender (with every engine worker at once); the
+        other ranks only gather."""
+        from trainer.loop.weights.weight_group import WeightSender, trainer_transport
 
-        store = getattr(self, "_weight_store", None)
-        membership = join(self.backend, address, rank=self.spec.rank, store=store)
-        self._weight_sender = WeightSender(membership, self.spec.rank, self.device, self.backend)
+        transport = trainer_transport(address, self.backend)
+        group = None
+        if self.spec.rank == 0:
+            init = {
+                "master_address": address.host,
+                "master_port": address.transfer_port,
+                "world_size": address.world_size,
+                "timeout_s": address.timeout_s,
+            }
+            group = transport.trainer_init(init)
+        self._weight_sender = WeightSender(
+            address,
+            getattr(self, "_weight_store", None),
+            transport,
+            group,
+            self.backend,
+            self.local_index,
+        )
 
     def broadcast_weights(self, seq: int) -> int:
-        """Push ``seq`` of the new weights through the weight group: this rank's own rows of
-        every tensor (``_own_rows``), in the engine's dtype, bucket by bucket straight to every
-        engine replica (``weight_group.WeightSender``): returns once they are copied, the
-        bytes going out from a thread while the rank trains on. Returns the buckets sent."""
+        """Push ``seq`` of the new weights: every rank gathers each tensor whole, rank 0
+        keeps a copy in the engine's dtype and its sender thread broadcasts it to every engine
+        worker once they are ready (``weight_group.WeightSender``). Returns the tensors rank 0
+        sends (0 elsewhere)."""
         from rollout.models import parse_dtype
 
-        state = self.push_state()
-
-        def pieces_of(planned) -> list:
-            rows = ((spec.name, self._own_rows(state[spec.name])) for spec in planned)
-            return [(name, held) for name, held in rows if held is not None]
-
         return self._weight_sender.send(
-            pieces_of,
-            [(name, tuple(t.shape)) for name, t in state.items()],
-            parse_dtype(self.spec.cfg.model.dtype),
-            seq,
+            self.push_state(), parse_dtype(self.spec.cfg.model.dtype), seq
         )
 
     # ---------------------------------------------------------------- object store (bench)
