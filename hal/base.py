@@ -356,9 +356,6 @@ class DeviceBackend(CollectiveFaults):
     #: and the class whose static ``trainer_init`` / ``trainer_send_weights`` the trainer calls.
     weight_transfer_engine: str = "crossrl_gloo"
     weight_transfer_trainer: tuple[str, str] = ("rollout.engines.transfer", "GlooWeightTransfer")
-    #: Device bytes one process's communicator of that transfer group takes (its buffers and
-    #: channels; counted in the memory budget on each side).
-    weight_transfer_communicator_bytes: int = 0
 
     def vllm_engine_options(self) -> dict:
         """Extra ``vllm.LLM`` keyword arguments a colocated engine needs on this device (none

@@ -139,14 +139,12 @@ class CudaBackend(DeviceBackend):
     # vLLM 0.24's batch_invariant.py: its own matmul/softmax/mean kernels, one-split attention
     vllm_batch_invariant = True
     # vLLM 0.24's own engine (vllm/distributed/weight_transfer/nccl_engine.py): PyNccl over a
-    # StatelessProcessGroup; about 0.5 GB of buffers per communicator (NCCL_BUFFSIZE 4 MiB x
-    # channels x peers, measured by peers at 8 GPUs a node).
+    # StatelessProcessGroup, one communicator per process.
     weight_transfer_engine = "nccl"
     weight_transfer_trainer = (
         "vllm.distributed.weight_transfer.nccl_engine",
         "NCCLWeightTransferEngine",
     )
-    weight_transfer_communicator_bytes = 512 << 20
 
     def collective_timeout_env(self, timeout_s: float, environ=None) -> dict[str, str]:
         """NCCL's watchdog tears the process down when a collective passes the process

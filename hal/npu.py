@@ -219,13 +219,12 @@ class NpuBackend(DeviceBackend):
     vllm_batch_invariant = True
     # vllm-ascend 0.26.0rc1's own engine (vllm_ascend/distributed/weight_transfer/
     # hccl_engine.py, registered as "hccl" by its general plugin): PyHccl over a
-    # StatelessProcessGroup; about 0.4 GB per communicator (HCCL_BUFFSIZE 200 MB x 2).
+    # StatelessProcessGroup, one communicator per process (2 x HCCL_BUFFSIZE in the budget).
     weight_transfer_engine = "hccl"
     weight_transfer_trainer = (
         "vllm_ascend.distributed.weight_transfer.hccl_engine",
         "HCCLWeightTransferEngine",
     )
-    weight_transfer_communicator_bytes = 400 << 20
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}

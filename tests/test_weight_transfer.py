@@ -93,7 +93,7 @@ def test_an_update_info_with_lists_of_other_lengths_is_refused_in_one_line():
 
 
 class _Replica:
-    """An engine of its own in a thread: a dict of tensors that takes pushes through
+    """An engine of its own: a dict of tensors that takes pushes through
     ``Engine.receive_weights`` (the HF engine's path: ``update_weights`` by name)."""
 
     def __init__(self) -> None:
@@ -114,98 +114,131 @@ class _Replica:
 
 
 def _joined(replicas: int, timeout_s: float = 60.0):
-    """The sender (``WeightSender`` of a single training rank) and ``replicas`` engines
-    joined to one transfer group and its control store, each member in a thread."""
+    """The sender (``WeightSender`` of a single training rank, serving the control store)
+    and a ``PushReceiver`` and engine per replica, as ``join_weight_group`` makes them."""
     from trainer.loop.weights.weight_group import (
+        PushReceiver,
         WeightGroupAddress,
         WeightSender,
         connect_store,
         serve_store,
+        start_membership,
         trainer_transport,
     )
 
     address = WeightGroupAddress(
         host="127.0.0.1",
         port=free_port(),
-        transfer_port=free_port(),
         replicas=replicas,
         workers=1,
         engine=ENGINE_NAME,
         timeout_s=timeout_s,
     )
     server = serve_store(address.host, address.port, 1 + replicas, timeout_s)
+    start_membership(server, replicas)
     transport = trainer_transport(address, CPU)
     assert transport is GlooWeightTransfer
-    engines = [_Replica().engine for _ in range(replicas)]
-    stores = [connect_store(address) for _ in range(replicas)]
-    out = {}
+    sender = WeightSender(address, server, transport, CPU)
+    receivers = [PushReceiver(connect_store(address), address, r) for r in range(replicas)]
+    return sender, [_Replica().engine for _ in range(replicas)], receivers
 
-    def trainer():
-        init = {
-            "master_address": address.host,
-            "master_port": address.transfer_port,
-            "world_size": address.world_size,
-            "timeout_s": timeout_s,
-        }
-        out["group"] = transport.trainer_init(init)
 
-    threads = [threading.Thread(target=trainer)]
-    threads += [
-        threading.Thread(target=e.init_weight_transfer, args=(address.init_info(r),))
-        for r, e in enumerate(engines)
+def _receive_all(pairs, seq: int) -> list[int]:
+    """Every (receiver, engine) takes push ``seq`` at once, each in a thread (each is its own
+    process in a job); the tensor counts."""
+    done: list[int] = []
+    threads = [
+        threading.Thread(target=lambda r=r, e=e: done.append(r.receive(e, seq))) for r, e in pairs
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
-    sender = WeightSender(address, server, transport, out["group"], CPU)
-    return sender, engines, stores
+    return done
+
+
+def _holds(engine, state: dict, dtype=torch.float32) -> bool:
+    return all(
+        engine.state[n].dtype == dtype and torch.equal(engine.state[n], t.to(dtype))
+        for n, t in state.items()
+    )
 
 
 def test_one_sender_reaches_every_replica_and_pushes_wait_their_turn():
-    """Two replicas; push 0, then push 1 staged while nothing has taken push 0 (a lagged
-    engine still sampling): the sender waits for every replica's readiness, each replica takes
-    push 0 then push 1, whole and bit for bit, in the dtype the trainer chose."""
-    from trainer.loop.weights.weight_group import receive_push
-
-    sender, engines, stores = _joined(replicas=2)
+    """Two replicas; push 0 staged while nothing takes it (a lagged engine still sampling):
+    the sender holds it and sends nothing; each replica takes push 0, then push 1, whole and
+    bit for bit, in the dtype the trainer chose; the group formed once."""
+    sender, engines, receivers = _joined(replicas=2)
     pushes = [_state(10), _state(11)]
     assert sender.send(pushes[0], torch.float32, 0) == 5
-    # nobody is ready: the sender holds push 0 and sends nothing yet
-    assert sender._thread.is_alive()
+    assert sender._thread.is_alive() and sender.generation is None  # waits for the engines
     for seq, state in enumerate(pushes):
         if seq:
-            sender.send(state, torch.float32, seq)  # waits for push 0 to be taken
-        done: list[int] = []
-
-        def take(replica: int, seq: int = seq, done: list = done) -> None:
-            done.append(receive_push(engines[replica], stores[replica], replica, seq))
-
-        threads = [threading.Thread(target=take, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert done == [5, 5]
-        for engine in engines:
-            for name, want in state.items():
-                got = engine.state[name]
-                assert got.dtype == torch.float32 and torch.equal(got, want.float()), name
+            sender.send(state, torch.float32, seq)  # waits for push 0 to be taken first
+        assert _receive_all(zip(receivers, engines), seq) == [5, 5]
+        assert all(_holds(e, state) for e in engines)
     sender.wait()
+    assert sender.generation == 0 and [r.generation for r in receivers] == [0, 0]
 
 
 def test_the_sender_sends_in_the_engines_dtype_and_keeps_a_copy_of_its_own():
-    from trainer.loop.weights.weight_group import receive_push
-
-    sender, (engine,), (store,) = _joined(replicas=1)
+    sender, (engine,), (receiver,) = _joined(replicas=1)
     state = _state(3)
     sender.send(state, torch.bfloat16, 0)
     for tensor in state.values():  # the next update changes the weights at once
         tensor.add_(1)
-    assert receive_push(engine, store, 0, 0) == 5
+    assert receiver.receive(engine, 0) == 5
     sender.wait()
-    for name, tensor in _state(3).items():
-        assert torch.equal(engine.state[name], tensor.to(torch.bfloat16)), name
+    assert _holds(engine, _state(3), torch.bfloat16)
+
+
+def test_a_replica_lost_before_a_push_is_replaced_in_a_rebuilt_group():
+    """Replica 1 dies after push 0; push 1 is staged and replica 0 is ready for it, waiting
+    for the sender's go, which never comes while replica 1 is missing. The driver leaves
+    replica 1 out: the sender builds generation 1 of replica 0 alone, which replica 0 joins
+    and takes push 1 from. The replacement is let in when the rollout host connects it: both
+    join generation 2 and take push 2. The sender never restarted."""
+    from trainer.loop.weights.weight_group import PushReceiver, connect_store, current_group
+
+    sender, engines, receivers = _joined(replicas=2)
+    sender.send(_state(20), torch.float32, 0)
+    assert _receive_all(zip(receivers, engines), 0) == [5, 5]
+    sender.send(_state(21), torch.float32, 1)
+    waiting = threading.Thread(target=lambda: receivers[0].receive(engines[0], 1))
+    waiting.start()
+    waiting.join(timeout=0.5)
+    assert waiting.is_alive()  # ready, and held at the go: never inside a broadcast
+    sender.exclude([1])
+    waiting.join(timeout=60)
+    assert not waiting.is_alive() and _holds(engines[0], _state(21))
+    assert current_group(sender.store).members == (0,)
+    replacement = PushReceiver(connect_store(sender.address), sender.address, 1)
+    receivers[0].include([1])  # the rollout host connects it, before anyone loads
+    fresh = _Replica().engine
+    sender.send(_state(22), torch.float32, 2)
+    assert _receive_all([(receivers[0], engines[0]), (replacement, fresh)], 2) == [5, 5]
+    sender.wait()
+    assert _holds(engines[0], _state(22)) and _holds(fresh, _state(22))
+    assert sender.generation == 2 and current_group(sender.store).members == (0, 1)
+
+
+def test_a_replica_lost_before_the_group_first_forms_never_blocks_the_others():
+    """Replica 1 dies before the first push: replica 0 says it is joining generation 0 and
+    waits for the sender's word, never inside a rendezvous with a dead member; left out, the
+    group forms as generation 1 of replica 0 alone and push 0 goes through."""
+    from trainer.loop.weights.weight_group import current_group
+
+    sender, engines, receivers = _joined(replicas=2)
+    sender.send(_state(30), torch.float32, 0)
+    waiting = threading.Thread(target=lambda: receivers[0].receive(engines[0], 0))
+    waiting.start()
+    waiting.join(timeout=0.5)
+    assert waiting.is_alive() and receivers[0].generation is None
+    sender.exclude([1])
+    waiting.join(timeout=60)
+    sender.wait()
+    assert not waiting.is_alive() and _holds(engines[0], _state(30))
+    assert receivers[0].generation == sender.generation == current_group(sender.store).number == 1
 
 
 # ----------------------------------------------------------------------------- the rule
@@ -284,9 +317,9 @@ def test_the_names_called_on_accelerators_are_the_pinned_wheels_own(device):
     assert pinned["class"] == name
     assert backend.weight_transfer_engine in pinned["registered_as"]
     assert {"trainer_init", "trainer_send_weights"} <= set(pinned["static_methods"])
-    address = WeightGroupAddress("h", 1, 2, 2, 4, backend.weight_transfer_engine, 9.0)
-    assert set(address.init_info(1)) == set(pinned["init_info"])
-    assert address.init_info(1)["rank_offset"] == 5 and address.world_size == 9
+    address = WeightGroupAddress("h", 1, 2, 4, backend.weight_transfer_engine, 9.0)
+    assert set(address.init_info(1, 7, 2)) == set(pinned["init_info"])
+    assert address.init_info(1, 7, 2)["rank_offset"] == 5 and address.world_size(2) == 9
     assert set(update_info(_state(1).items())) <= set(pinned["update_info"])
     assert {"group", "packed", "packed_buffer_size_bytes", "packed_num_buffers"} <= set(
         pinned["trainer_args"]

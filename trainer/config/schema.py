@@ -165,9 +165,10 @@ class RolloutConfig(BaseModel):
     weight_transport: Literal["auto", "host", "collective"] = Field(
         "auto",
         description="how new weights reach engines of their own (rollout.engine_devices): "
-        "collective = each training rank broadcasts its rows straight to every engine (the "
-        "device's collective library); host = a snapshot in Ray's object store (the only way across device "
-        "types, rollout.device); auto = collective unless rollout.device differs",
+        "collective = through the engines' weight-transfer API, training rank 0 broadcasting "
+        "to every engine worker (vLLM's update_weights); host = a snapshot in Ray's object "
+        "store (the only way across device types, rollout.device, and for LoRA adapters); "
+        "auto = collective unless rollout.device differs or model.lora is on",
     )
     engine_log_level: Literal["debug", "info", "warning", "error"] = Field(
         "error",

@@ -197,22 +197,17 @@ class EngineHost:
         return count
 
     def join_weight_group(self, address) -> None:
-        """Join the push at ``address``: every worker of this replica's engine joins the
-        engines' transfer group (with training rank 0 and every other worker at once), and
-        this process reads the control store (``trainer.loop.weights.weight_group``)."""
-        from trainer.loop.weights.weight_group import connect_store
+        """Take part in the push at ``address`` as this replica (``trainer.loop.weights.
+        weight_group``): its engine joins the transfer group at its first push."""
+        from trainer.loop.weights.weight_group import PushReceiver, connect_store
 
-        self.push_store = connect_store(address)
-        self.engine.init_weight_transfer(address.init_info(self.replica))
+        self.push_receiver = PushReceiver(connect_store(address), address, self.replica)
 
     def load_pushed(self, seq: int) -> int:
-        """Load push ``seq`` into the engine through its transfer API (the sender starts
-        once every replica is here, ``weight_group.receive_push``). Returns the tensor
-        count."""
-        from trainer.loop.weights.weight_group import receive_push
-
+        """Load push ``seq`` into the engine through its transfer API (``PushReceiver``).
+        Returns the tensor count."""
         self.engine.wake_up(["weights"])
-        return receive_push(self.engine, self.push_store, self.replica, seq)
+        return self.push_receiver.receive(self.engine, seq)
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load new weights handed over in this process (``ray.in_process``: the training
@@ -296,6 +291,8 @@ class RolloutHost(StreamingHost, EngineHost):
 
         self.peers = list(peers)
         self.waiting = sorted(waiting or [])
+        if self.waiting and getattr(self, "push_receiver", None) is not None:
+            self.push_receiver.include(self.waiting)  # members of the next transfer group
         if peers:
             remotes = [RemoteEngine(h, i) for i, h in enumerate(peers, start=1)]
             self.generator = ReplicaRouter([self.engine, *remotes], self.waiting)

@@ -403,8 +403,8 @@ def _transport_words(layout: Layout) -> str:
         import hal
         from rollout.engines.transfer import ENGINE_NAME
 
-        backend = hal.get_backend(layout.device)
-        name = backend.weight_transfer_engine if layout.engine == "vllm" else ENGINE_NAME
+        named = hal.backend_class(layout.device).weight_transfer_engine  # no device needed
+        name = named if layout.engine == "vllm" else ENGINE_NAME
         return (
             f"through the engines' weight-transfer API ({name!r}): training rank 0 "
             "broadcasts to every engine worker (rollout.weight_transport=collective; host = "

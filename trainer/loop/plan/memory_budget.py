@@ -392,14 +392,18 @@ def estimate_memory(
 
     phases = [Phase("rollout", rollout), Phase("update", update), Phase("weight push", push)]
     if separate:
+        # Through the engines' transfer API (trainer.loop.weights.weight_group): rank 0 keeps
+        # the whole model in the engine's dtype until the engines take it, plus the chunks in
+        # flight and one communicator more; each engine worker one communicator and its chunks.
+        pushed = transfer_bytes(cfg, model_bytes, comm) if not lora else (0.0, 0.0)
         phases = _separate_phases(
             per_memory(_add(actor, *others)),
             per_memory(resident(offloaded=True)),
             engine=awake,
             # the snapshot: one gathered tensor on the device, the whole model on the host
-            snapshot=model_bytes if host else shape.largest_tensor_params * 4,
+            snapshot=(model_bytes if host else shape.largest_tensor_params * 4) + pushed[0],
             ctx=0.0 if host else (processes - ranks_per_memory) * context + training_comms,
-            engine_ctx=context + (comm if tp > 1 else 0.0),
+            engine_ctx=context + (comm if tp > 1 else 0.0) + pushed[1],
             host=host,
             # engines of another device type (rollout.device) are not on this device's budget
             own_phase=roll.device in (None, device),
@@ -415,6 +419,20 @@ def estimate_memory(
         ranks_per_memory=ranks_per_memory,
         before_fixes=before_fixes,
     )
+
+
+def transfer_bytes(cfg: Config, model_bytes: float, comm: float) -> tuple[float, float]:
+    """Bytes the push through the engines' transfer API (``rollout.weight_transport``
+    resolving to ``collective``) adds on training rank 0 (the staged model, its packed chunks
+    in flight, one communicator) and on each engine worker (one communicator, its chunks);
+    (0, 0) for host snapshots or colocated engines."""
+    from rollout.engines.transfer import PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS
+    from trainer.loop.plan.layout import weight_transport_rule
+
+    if weight_transport_rule(cfg) != "collective":
+        return 0.0, 0.0
+    chunks = float(PACKED_NUM_BUFFERS * PACKED_BUFFER_BYTES)
+    return model_bytes + chunks + comm, chunks + comm
 
 
 def _separate_phases(

@@ -223,13 +223,16 @@ def format_snapshots(cfg: Config, shape: ModelShape | None) -> str | None:
     None when no snapshot is taken or the model's shape is unknown."""
     count = live_snapshots(cfg)
     if shape is not None and cfg.rollout.engine_devices and not count:
-        key, held = _ahead(cfg)
+        from rollout.engines.transfer import PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS
+
         one = snapshot_bytes(shape, cfg.model.dtype)
+        chunks = f"{PACKED_NUM_BUFFERS} chunks of {PACKED_BUFFER_BYTES >> 20} MiB"
         return (
-            "weights pushed through a collective (rollout.weight_transport): no snapshot in "
-            f"Ray's object store; each engine replica holds, beside its weights, up to {held} "
-            f"({key}) pushes not yet loaded, {_gb(one)} each ({cfg.model.dtype}), "
-            "in its host memory, plus the bucket it loads"
+            "weights pushed through the engines' transfer API (rollout.weight_transport): no "
+            f"snapshot in Ray's object store; training rank 0 holds one copy, {_gb(one)} "
+            f"({cfg.model.dtype}), on its device until the engines take it (one push at a "
+            f"time), and sends {chunks} at once; each engine worker receives {chunks} at once "
+            "(the weight push's row of the table)"
         )
     if not count or shape is None:
         return None

@@ -21,9 +21,10 @@ Engines on devices of their own: the rollout host is busy with queued rollouts, 
 ``connect`` is queued behind them (not waited for) and names the replacement ``waiting``: it
 serves only after the host has loaded the next snapshot into it (``take_weights``), which the
 rollout queued right after it carries; until then the others serve its prompts. In one
-process (``ray.in_process``) there is one replica and nothing to replace. With the collective
-weight push (``rollout.weight_transport``) a lost replica broke the weight group, whose members
-are fixed: the run restarts its workers instead (``trainer.loop.start.restarts``).
+process (``ray.in_process``) there is one replica and nothing to replace. With the push
+through the engines' transfer API (``rollout.weight_transport``) training rank 0 names the
+transfer group's next generation and every member, the replacement included, joins it before
+its next push (``trainer.loop.weights.driver.rejoin_weight_group``): no worker restarts.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainer.loop.cluster.group import WorkerFailedError, agree_on_settings, wait_all
+from trainer.loop.weights.driver import rejoin_weight_group
 
 
 class ReplicaReplacer:
@@ -53,15 +55,6 @@ class ReplicaReplacer:
             raise WorkerFailedError(
                 f"engine replica(s) {lost} lost; {self.lost_total} lost in this run, more than "
                 f"rollout.max_replica_failures={bound}; raise it to replace more"
-            )
-        if self.job.layout.weight_transport == "collective":
-            # The weight group's members are fixed when it forms: a new process cannot join.
-            raise WorkerFailedError(
-                f"engine replica(s) {lost} lost, and with them members of the weight group "
-                "(rollout.weight_transport=collective); the workers start again "
-                "(run.max_restarts), or set rollout.weight_transport=host to replace "
-                "replicas without a restart",
-                kind="died",
             )
         import ray
 
@@ -100,6 +93,8 @@ class ReplicaReplacer:
             job.replica_info[index] = info
         self.pending = {}
         if job.layout.separate:
+            # The transfer group rebuilt without the dead (nothing without one).
+            rejoin_weight_group(job, indices)
             # Queued behind the host's rollouts: the replacement serves from its next snapshot.
             job.rollout.connect.remote(job.replicas[1:], indices)
             return

@@ -1,8 +1,9 @@
 """The weight push's driver side: what the controller asks of the ranks and the engines so that
 the actor's new weights reach every engine replica.
 
-- ``join_weight_group``: at start-up, with the collective push (``rollout.weight_transport``),
-  every training rank and engine replica join the weight group (``weight_group``);
+- ``join_weight_group``: at start-up, with the push through the engines' transfer API
+  (``rollout.weight_transport``), every training rank and engine replica take the push's
+  address (``weight_group``); ``rejoin_weight_group``: after a lost replica is replaced;
 - ``snapshot_weights``: after an update, for engines on devices of their own: the ranks push
   through the weight group, or put a host-memory snapshot in the object store
   (``WeightPush.snapshot_weights``); the pipeline hands it to the rollout host;
@@ -20,14 +21,16 @@ import time
 
 from trainer.loop.cluster.group import wait_all
 
-__all__ = ["join_weight_group", "snapshot_weights", "sync_weights"]
+__all__ = ["join_weight_group", "rejoin_weight_group", "snapshot_weights", "sync_weights"]
 
 
 def join_weight_group(job) -> None:
-    """With the collective push (``Layout.weight_transport``): every training rank and every
-    engine replica join the weight group at once, training rank 0 serving its store
-    (``trainer.loop.weights.weight_group``); pushes are numbered from 0 again."""
+    """With the push through the engines' transfer API (``Layout.weight_transport``):
+    training rank 0 serves the push's control store, every rank and every engine replica
+    take its address (``job.weight_address``; the transfer group forms at the first push,
+    ``trainer.loop.weights.weight_group``); pushes are numbered from 0 again."""
     job.pushes = 0
+    job.weight_address = None
     if job.layout.weight_transport != "collective" or job.replay_dir is not None:
         return
     cfg, limits = job.cfg, job.limits
@@ -41,17 +44,31 @@ def join_weight_group(job) -> None:
         timeout_s=limits.setup_s,
         what="actor.weight_group_address",
     )
+    job.weight_address = address
     refs = job.actor.submit("join_weight_group", address)
     refs += [h.join_weight_group.remote(address) for h in job.replicas]
     names = job.actor.names + [f"engine replica {i}" for i in range(len(job.replicas))]
     wait_all(refs, names, timeout_s=limits.setup_s, what="join_weight_group")
 
 
+def rejoin_weight_group(job, indices: list[int]) -> None:
+    """Replicas ``indices`` replaced: training rank 0 leaves the dead ones out of the transfer
+    group (its sender builds the next generation without them) and the replacements take the
+    push's address; the rollout host lets them in when it connects them, before they load
+    (``RolloutHost.connect``). Nothing to do with host snapshots."""
+    if getattr(job, "weight_address", None) is None:
+        return
+    calls = [job.actor.handles[0].exclude_from_weight_group.remote(list(indices))]
+    calls += [job.replicas[i].join_weight_group.remote(job.weight_address) for i in indices]
+    names = ["actor rank 0"] + [f"engine replica {i} (replacement)" for i in indices]
+    wait_all(calls, names, timeout_s=job.limits.setup_s, what="rejoin_weight_group")
+
+
 def snapshot_weights(job) -> list | None:
     """The actor's new weights for engines of their own, as ``RolloutHost.take_weights``
-    finds them: pushed through the weight group (``rollout.weight_transport``: every
-    rank broadcasts its own rows to every engine, which queues them until a rollout
-    loads them), ``[PUSHED, push number]``; else in host memory, ``[bucket refs, bucket
+    finds them: pushed through the engines' transfer API (``rollout.weight_transport``:
+    every rank gathers, rank 0 keeps a copy and broadcasts it to every engine worker when
+    the rollout that asks for it loads it), ``[PUSHED, push number]``; else in host memory, ``[bucket refs, bucket
     specs]``, each indexed by rank, then bucket (every rank publishes its own rows,
     ``WeightPush.snapshot_weights``); None when replaying (no engine)."""
     if job.replay_dir is not None:

@@ -8,14 +8,29 @@ engine``: vLLM's on accelerators, crossrl's gloo engine on the CPU) and the trai
 engine module's static ``trainer_init`` / ``trainer_send_weights``, so both ends speak one
 packed format. One communicator per process, whatever the number of ranks and replicas.
 
-Training rank 0 also serves a small control store (``serve_store``). A push is numbered
-``seq`` (0, 1, ...): every rank gathers each tensor whole in turn (FSDP2's all-gather, in
-the step, on the ranks' own stream: never a thread racing FSDP's collectives), rank 0 keeps a
-copy in the engine's dtype and writes the push's ``update_info`` (names, dtypes, shapes,
-packing) under ``weights/<seq>``; its sender thread then waits until every replica has said
-``ready/<seq>/<replica>`` (``receive_push``: a replica says it when the rollout that asks for
-that version loads it, between engine calls) and broadcasts the packed chunks (the engine
-module's producer: its own streams, a bounded number of chunks in flight). So with
+Training rank 0 also serves a small control store (``serve_store``). The group forms at the
+first push and again whenever its members change: ``wanted`` names the replicas that should be
+members and a version bumped at each change (a lost replica left out by the driver,
+``exclude``; its replacement let in by the rollout host when it connects it, ``include``);
+``group`` names the generation, its port, its members and the version it was built from. The
+sender builds a new generation, on a fresh port, as soon as it finds ``wanted`` newer than
+``group`` (``announce_group``). Every member says ``joining/<generation>/<replica>`` before it
+takes part in a push, and joins (vLLM's ``init_weight_transfer_engine``, which blocks until
+every member has) only once the sender, having seen every member say so, says
+``form/<generation>``: a member that died never says so, so nobody waits inside a rendezvous
+for it, and the next generation leaves it out. So a replacement joins a group rebuilt without
+the dead member, and nothing restarts.
+
+A push is numbered ``seq`` (0, 1, ...): every rank gathers each tensor whole in turn (FSDP2's
+all-gather, in the step, on the ranks' own stream: never a thread racing FSDP's collectives),
+rank 0 keeps a copy in the engine's dtype and writes the push's ``update_info`` (names, dtypes,
+shapes, packing) under ``weights/<seq>``. A replica that loads it (``receive_push``: when the
+rollout that asks for that version starts, between engine calls) says
+``ready/<seq>/<generation>/<replica>`` and waits for ``go``; rank 0's sender thread, once
+every replica is ready, says ``go`` and broadcasts the packed chunks (the engine module's
+producer: its own streams, a bounded number of chunks in flight). No member enters a
+broadcast before every member is ready, so a replica lost before a push never leaves the
+others blocked in it: they see the next generation and join that instead. With
 ``train.rollout_lag`` > 0 the ranks train on while the engines finish older rollouts, and an
 engine never mixes two versions in one rollout.
 
@@ -52,35 +67,33 @@ POLL_S = 0.02
 
 @dataclass(frozen=True)
 class WeightGroupAddress:
-    """Where the push meets: training rank 0's control store at ``host:port`` and the
-    transfer group's store at ``host:transfer_port``; ``replicas`` engine replicas of
+    """Where the push meets: training rank 0's control store at ``host:port`` (which names
+    the transfer group's port, ``announce_group``); ``replicas`` engine replicas of
     ``workers`` members each (a vLLM engine's tp workers); ``engine``: the weight-transfer
     engine's name (``DeviceBackend.weight_transfer_engine``); a broadcast not done in
     ``timeout_s`` seconds fails (``run.collective_timeout_s``)."""
 
     host: str
     port: int
-    transfer_port: int
     replicas: int
     workers: int
     engine: str
     timeout_s: float
     layerwise: bool = True
 
-    @property
-    def world_size(self) -> int:
-        """Members of the transfer group: the sender and every engine worker."""
-        return 1 + self.replicas * self.workers
+    def world_size(self, replicas: int) -> int:
+        """Members of a transfer group of ``replicas`` replicas: the sender and every worker."""
+        return 1 + replicas * self.workers
 
-    def init_info(self, replica: int) -> dict:
-        """What replica ``replica``'s engine joins with (``init_weight_transfer``): vLLM's
-        own engines take exactly the first four keys; crossrl's also the timeout and how it
-        loads."""
+    def init_info(self, position: int, transfer_port: int, replicas: int) -> dict:
+        """What the replica at ``position`` among a generation's ``replicas`` members joins
+        it on ``transfer_port`` with (``init_weight_transfer``): vLLM's own engines take
+        exactly the first four keys; crossrl's also the timeout and how it loads."""
         info = {
             "master_address": self.host,
-            "master_port": self.transfer_port,
-            "rank_offset": 1 + replica * self.workers,
-            "world_size": self.world_size,
+            "master_port": int(transfer_port),
+            "rank_offset": 1 + position * self.workers,
+            "world_size": self.world_size(replicas),
         }
         if self.engine == ENGINE_NAME:
             info.update(timeout_s=self.timeout_s, layerwise=self.layerwise)
@@ -125,34 +138,95 @@ def trainer_transport(address: WeightGroupAddress, backend):
     return GlooWeightTransfer.for_backend(backend)
 
 
+#: The control store's keys: the transfer group as built, and the members it should have.
+GROUP_KEY, WANTED_KEY = "group", "wanted"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One build of the transfer group: its number, the port its members meet on, its
+    replicas in member order, and the ``wanted`` version it was built from."""
+
+    number: int
+    port: int
+    members: tuple[int, ...]
+    built_from: int
+
+
+def start_membership(store, replicas: int) -> None:
+    """Every replica wanted, version 0, generation 0 built from it (training rank 0, at
+    start-up)."""
+    store.set(WANTED_KEY, pickle.dumps((0, tuple(range(replicas)))))
+    announce_group(store, Generation(0, 0, tuple(range(replicas)), 0))
+
+
+def announce_group(store, generation: Generation) -> Generation:
+    """Name ``generation`` of the transfer group, on a port free on this host (training rank
+    0's) now; returns it with that port."""
+    from dataclasses import replace
+
+    from trainer.loop.cluster.group import free_port
+
+    generation = replace(generation, port=free_port(""))
+    store.set(GROUP_KEY, pickle.dumps(generation))
+    return generation
+
+
+def current_group(store) -> Generation:
+    """The transfer group as the store names it now."""
+    return pickle.loads(store.get(GROUP_KEY))
+
+
+def wanted(store) -> tuple[int, tuple[int, ...]]:
+    """The version and the replicas the transfer group should have now."""
+    return pickle.loads(store.get(WANTED_KEY))
+
+
+def change_members(store, change) -> None:
+    """Set the wanted members to ``change(members)``, bumping the version (atomic against
+    another change: the store's compare-and-set)."""
+    while True:
+        raw = store.get(WANTED_KEY)
+        version, members = pickle.loads(raw)
+        new = pickle.dumps((version + 1, tuple(sorted(change(set(members))))))
+        if store.compare_set(WANTED_KEY, raw, new) == new:
+            return
+
+
 def _weights_key(seq: int) -> str:
     return f"weights/{seq}"
 
 
-def _ready_key(seq: int, replica: int) -> str:
-    return f"ready/{seq}/{replica}"
+def _ready_key(seq: int, generation: int, replica: int) -> str:
+    return f"ready/{seq}/{generation}/{replica}"
+
+
+def _go_key(seq: int, generation: int) -> str:
+    return f"go/{seq}/{generation}"
+
+
+def _joining_key(generation: int, replica: int) -> str:
+    return f"joining/{generation}/{replica}"
+
+
+def _form_key(generation: int) -> str:
+    return f"form/{generation}"
 
 
 class WeightSender:
-    """A training rank's side of the push. Every rank gathers (``send``); rank 0 (``group``
-    not None: ``trainer_init``'s) keeps the copy and sends it from a thread of its own once
-    the engines are ready. One push at a time: ``send`` first waits for the one before."""
+    """A training rank's side of the push. Every rank gathers (``send``); rank 0 (``store``
+    not None) keeps the copy and sends it from a thread of its own once the engines are ready,
+    joining the transfer group's current generation first. One push at a time: ``send`` first
+    waits for the one before."""
 
-    def __init__(
-        self,
-        address: WeightGroupAddress,
-        store,
-        transport,
-        group,
-        backend,
-        device_index: int = 0,
-    ) -> None:
+    def __init__(self, address: WeightGroupAddress, store, transport, backend, device_index=0):
         self.address = address
         self.store = store
         self.transport = transport
-        self.group = group
         self.backend = backend
         self.device_index = device_index
+        self.generation: int | None = None  # the group generation joined (None: none yet)
+        self.group = None
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -166,10 +240,10 @@ class WeightSender:
         staged: list[tuple[str, torch.Tensor]] = []
         for name, tensor in state.items():
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            if self.group is not None:  # the next update changes the weights: a copy
+            if self.store is not None:  # the next update changes the weights: a copy
                 staged.append((name, full.detach().to(dtype=dtype, copy=True)))
             del full
-        if self.group is None:
+        if self.store is None:
             return 0
         info = update_info(staged, None, PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS)
         self.store.set(_weights_key(seq), pickle.dumps(info))
@@ -182,14 +256,54 @@ class WeightSender:
         self._thread.start()
         return len(info["names"])
 
+    def exclude(self, lost: list[int]) -> None:
+        """Leave replicas ``lost`` out of the transfer group (they died): the sender builds
+        its next generation without them before it sends again."""
+        change_members(self.store, lambda members: members - set(lost))
+
+    def _current(self) -> Generation:
+        """The transfer group's current generation, a new one built first if the wanted
+        members changed since it was (a fresh port, the wanted members)."""
+        generation = current_group(self.store)
+        version, members = wanted(self.store)
+        if version != generation.built_from:
+            generation = announce_group(
+                self.store, Generation(generation.number + 1, 0, members, version)
+            )
+        return generation
+
+    def _join(self, generation: Generation) -> bool:
+        """Join ``generation`` once every member has said it is joining (a member that died
+        never says so, and the next generation leaves it out); False while one has not."""
+        keys = [_joining_key(generation.number, r) for r in generation.members]
+        if not self.store.check(keys):
+            return False
+        self.store.set(_form_key(generation.number), b"1")
+        init = {
+            "master_address": self.address.host,
+            "master_port": generation.port,
+            "world_size": self.address.world_size(len(generation.members)),
+            "timeout_s": self.address.timeout_s,
+        }
+        self.group = self.transport.trainer_init(init)  # blocks until every member joined
+        self.generation = generation.number
+        return True
+
     def _send_all(self, staged: list[tuple[str, torch.Tensor]], seq: int) -> None:
         try:
             if self.backend.is_accelerator:  # a thread starts on device 0
                 self.backend.set_device(self.device_index)
-            keys = [_ready_key(seq, r) for r in range(self.address.replicas)]
-            while not self.store.check(keys):
+            while True:
+                generation = self._current()
+                joined = generation.number == self.generation or self._join(generation)
+                keys = [_ready_key(seq, generation.number, r) for r in generation.members]
+                # every member ready, and no change of members since (or a new generation)
+                if joined and self.store.check(keys):
+                    if wanted(self.store)[0] == generation.built_from:
+                        break
                 if self._stop.wait(POLL_S):
                     return
+            self.store.set(_go_key(seq, generation.number), b"1")
 
             def items():
                 while staged:  # each tensor freed once packed
@@ -204,7 +318,7 @@ class WeightSender:
                     "packed_num_buffers": PACKED_NUM_BUFFERS,
                 },
             )
-            for key in keys:
+            for key in [*keys, _go_key(seq, generation.number)]:
                 self.store.delete_key(key)
         except BaseException as err:  # noqa: BLE001 - raised by the rank's next wait
             self.error = err
@@ -225,10 +339,54 @@ class WeightSender:
         self._stop.set()
 
 
-def receive_push(engine, store, replica: int, seq: int) -> int:
-    """Replica ``replica``'s side of push ``seq``: read its ``update_info`` (waited for, at
-    most the store's timeout), say this replica is ready, and take it through the engine's
-    transfer API (``Engine.receive_weights``). Returns the tensor count."""
-    info = pickle.loads(store.get(_weights_key(seq)))
-    store.set(_ready_key(seq, replica), b"1")
-    return engine.receive_weights(info)
+@dataclass
+class PushReceiver:
+    """An engine replica's side of the push: the control store, the address and the group
+    generation its engine joined (None: none yet)."""
+
+    store: object
+    address: WeightGroupAddress
+    replica: int
+    generation: int | None = None
+
+    def include(self, replicas: list[int]) -> None:
+        """Let replicas ``replicas`` (replacements, connected by the rollout host before any
+        of them loads) into the transfer group: the sender builds its next generation with
+        them before it sends again."""
+        change_members(self.store, lambda members: members | set(replicas))
+
+    def receive(self, engine, seq: int) -> int:
+        """Take push ``seq`` into ``engine`` (``Engine.receive_weights``): join the current
+        generation if this replica is a member and has not joined it, say ready once the
+        members are the wanted ones, and enter the broadcast once the sender says go; a
+        generation that changes meanwhile is joined instead. Returns the tensor count."""
+        import time
+
+        info = pickle.loads(self.store.get(_weights_key(seq)))  # waited for: the store timeout
+        while True:
+            generation = current_group(self.store)
+            if self.replica not in generation.members:  # let in by the next generation
+                time.sleep(POLL_S)
+                continue
+            if generation.number != self.generation:
+                # say so, and join once the sender has seen every member say so (it blocks
+                # until every member joined)
+                self.store.set(_joining_key(generation.number, self.replica), b"1")
+                if not self.store.check([_form_key(generation.number)]):
+                    time.sleep(POLL_S)
+                    continue
+                position = generation.members.index(self.replica)
+                engine.init_weight_transfer(
+                    self.address.init_info(position, generation.port, len(generation.members))
+                )
+                self.generation = generation.number
+            if wanted(self.store)[0] != generation.built_from:  # a new generation comes
+                time.sleep(POLL_S)
+                continue
+            self.store.set(_ready_key(seq, generation.number, self.replica), b"1")
+            while not self.store.check([_go_key(seq, generation.number)]):
+                if current_group(self.store).number != generation.number:
+                    break
+                time.sleep(POLL_S)
+            else:
+                return engine.receive_weights(info)

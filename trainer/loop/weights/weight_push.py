@@ -306,20 +306,24 @@ class WeightPush:
     # ---------------------------------------------------------------- the transfer group
     def weight_group_address(self, replicas: int, timeout_s: float):
         """Serve the push's control store (training rank 0 only) for ``replicas`` engine
-        replicas, broadcasts failing past ``timeout_s`` seconds; returns the
-        ``WeightGroupAddress`` every member joins (``join_weight_group``)."""
+        replicas, naming the transfer group's first generation, broadcasts failing past
+        ``timeout_s`` seconds; returns the ``WeightGroupAddress`` every member takes
+        (``join_weight_group``)."""
         from rollout.engines.transfer import ENGINE_NAME
-        from trainer.loop.cluster.group import free_port
-        from trainer.loop.weights.weight_group import WeightGroupAddress, serve_store
+        from trainer.loop.weights.weight_group import (
+            WeightGroupAddress,
+            serve_store,
+            start_membership,
+        )
 
         cfg = self.spec.cfg
         host, port = self.rendezvous_address()
         self._weight_store = serve_store(host, port, 1 + replicas, timeout_s)
+        start_membership(self._weight_store, replicas)
         vllm = cfg.rollout.engine == "vllm"
         return WeightGroupAddress(
             host=host,
             port=port,
-            transfer_port=free_port(""),
             replicas=replicas,
             workers=cfg.rollout.tensor_parallel_size if vllm else 1,
             engine=self.backend.weight_transfer_engine if vllm else ENGINE_NAME,
@@ -328,29 +332,23 @@ class WeightPush:
         )
 
     def join_weight_group(self, address) -> None:
-        """Join the push at ``address`` (``trainer.loop.weights.weight_group``): rank 0 joins
-        the engines' transfer group as its sender (with every engine worker at once); the
+        """Take part in the push at ``address`` (``trainer.loop.weights.weight_group``):
+        rank 0 as its sender, which joins the engines' transfer group at its first push; the
         other ranks only gather."""
         from trainer.loop.weights.weight_group import WeightSender, trainer_transport
 
-        transport = trainer_transport(address, self.backend)
-        group = None
-        if self.spec.rank == 0:
-            init = {
-                "master_address": address.host,
-                "master_port": address.transfer_port,
-                "world_size": address.world_size,
-                "timeout_s": address.timeout_s,
-            }
-            group = transport.trainer_init(init)
         self._weight_sender = WeightSender(
             address,
             getattr(self, "_weight_store", None),
-            transport,
-            group,
+            trainer_transport(address, self.backend),
             self.backend,
             self.local_index,
         )
+
+    def exclude_from_weight_group(self, lost: list[int]) -> None:
+        """Rank 0: leave the lost replicas ``lost`` out of the transfer group; the sender
+        builds its next generation without them (``WeightSender.exclude``)."""
+        self._weight_sender.exclude(lost)
 
     def broadcast_weights(self, seq: int) -> int:
         """Push ``seq`` of the new weights: every rank gathers each tensor whole, rank 0
