@@ -3,7 +3,7 @@ transport (``rollout.weight_transport``: the collective push, the host-memory sn
 against another checkout (the code before a change), measured side by side.
 
     python -m bench.snapshot [--before DIR] [--rounds N] [--shape qwen2.5-0.5b] [--steps N]
-                             [--nodes 2]
+                             [--nodes 2] [--engine vllm --tp 2]
 
 A lagged job (``rollout.engine_devices=1``, ``train.rollout_lag=1``) on ``builtin:small``
 at ``train.dp_size=2``: each step ends with the push of the new weights to the engine
@@ -17,7 +17,10 @@ the engine: ``memory/actor_rank0_peak_gb``, ``memory/actor_others_peak_gb``,
 ``memory/engine_peak_gb``; a checkout without them reports the largest rank's), and the
 seconds the rollout host spent loading the push into the engines before sampling
 (``rollout/weight_load_s``: the engine's side, which a host snapshot pays when the engine pulls
-it from the ranks' object stores). Nothing here asserts a time.
+it from the ranks' object stores). ``--engine vllm``: the vLLM engine (run with the vLLM
+lane's python, ``.venv-vllm``) of its own at ``--tp`` CPUs, one replica at tensor parallel
+``--tp``: the push reaches its workers through vLLM's ``update_weights``. Nothing here asserts
+a time.
 """
 
 from __future__ import annotations
@@ -60,15 +63,27 @@ def measure(
     shape: str | None = None,
     steps: int = 6,
     ray_address: str | None = None,
+    engine: str = "hf",
+    tp: int = 1,
 ) -> dict:
     """Per variant (``collective`` and ``host``: this checkout with that transport;
     ``before``: the checkout at ``before``, as it pushes), the medians of ``KEYS`` (module
     docstring). ``shape``: a ``rollout.models.SHAPES`` name (e.g. ``qwen2.5-0.5b``) whose
     random weights replace ``builtin:small``; ``steps``: per run; ``ray_address``: a cluster
-    to run on."""
+    to run on; ``engine``, ``tp``: the engine of its own and its tensor-parallel CPUs."""
     from bench.e2e import run_job
 
     job = [*SNAPSHOT_JOB, f"train.total_steps={steps}"]
+    if engine == "vllm":  # one replica on tp CPUs of its own; a small KV cache each
+        import os
+
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # one NUMA node here
+        job += [
+            "rollout.engine=vllm",
+            f"rollout.engine_devices={tp}",
+            f"rollout.tensor_parallel_size={tp}",
+            "rollout.memory_fraction=0.05",
+        ]
     if ray_address is not None:
         job.append(f"ray.address={ray_address}")
     if shape is not None:
@@ -150,6 +165,8 @@ def main() -> None:
     parser.add_argument("--shape", help="random weights of this shape (e.g. qwen2.5-0.5b)")
     parser.add_argument("--steps", type=int, default=6, help="steps per run")
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="local Ray nodes")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the engine")
+    parser.add_argument("--tp", type=int, default=1, help="the vLLM engine's tensor parallel")
     args = parser.parse_args()
     if args.before and args.nodes == 2:  # the cluster's workers would run this checkout
         parser.error("--before needs --nodes 1: a joined cluster runs its own workers' code")
@@ -157,7 +174,16 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="crossrl-snapshot-") as tmp:
             address = cluster.address if cluster is not None else None
-            result = measure(Path(tmp), args.before, args.rounds, args.shape, args.steps, address)
+            result = measure(
+                Path(tmp),
+                args.before,
+                args.rounds,
+                args.shape,
+                args.steps,
+                address,
+                engine=args.engine,
+                tp=args.tp,
+            )
             print(format_table(result))
     finally:
         if cluster is not None:
