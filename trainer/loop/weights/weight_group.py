@@ -21,10 +21,11 @@ every member has) only once the sender, having seen every member say so, says
 for it, and the next generation leaves it out. So a replacement joins a group rebuilt without
 the dead member, and nothing restarts.
 
-A push is numbered ``seq`` (0, 1, ...): every rank gathers each tensor whole in turn (FSDP2's
-all-gather, in the step, on the ranks' own stream: never a thread racing FSDP's collectives),
-rank 0 keeps a copy in the engine's dtype and writes the push's ``update_info`` (names, dtypes,
-shapes, packing) under ``weights/<seq>``. A replica that loads it (``receive_push``: when the
+A push is numbered ``seq`` (0, 1, ...): every rank gathers the tensors whole, cast to the
+engine's dtype first, a bucket of shards per all-gather (``gather.whole_tensors``; in the step,
+on the ranks' own stream: never a thread racing FSDP's collectives), rank 0 keeps the copy and
+writes the push's ``update_info`` (names, dtypes, shapes, packing) under ``weights/<seq>``. A
+replica that loads it (``PushReceiver.receive``: when the
 rollout that asks for that version starts, between engine calls) says
 ``ready/<seq>/<generation>/<replica>`` and waits for ``go``; rank 0's sender thread, once
 every replica is ready, says ``go`` and broadcasts the packed chunks (the engine module's
@@ -233,16 +234,17 @@ class WeightSender:
 
     def send(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype, seq: int) -> int:
         """Start push ``seq`` of ``state`` (name -> tensor, FSDP2 shards as they are) in
-        ``dtype``: every rank gathers each tensor whole in turn; rank 0 keeps a copy, writes
-        the push's ``update_info`` and starts sending. Returns the tensors rank 0 sends (0 on
-        the other ranks)."""
+        ``dtype``: every rank gathers the tensors whole (``gather.whole_tensors``); rank 0
+        keeps them, writes the push's ``update_info`` and starts sending. Returns the tensors
+        rank 0 sends (0 on the other ranks)."""
+        from trainer.loop.weights.gather import whole_tensors
+
         self.wait()
         staged: list[tuple[str, torch.Tensor]] = []
-        for name, tensor in state.items():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            if self.store is not None:  # the next update changes the weights: a copy
-                staged.append((name, full.detach().to(dtype=dtype, copy=True)))
-            del full
+        for name, whole in whole_tensors(state, dtype, PACKED_BUFFER_BYTES):
+            if self.store is not None:  # a copy of its own: the next update changes the weights
+                staged.append((name, whole))
+            del whole
         if self.store is None:
             return 0
         info = update_info(staged, None, PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS)
