@@ -16,11 +16,14 @@ from datetime import timedelta
 import torch
 
 
-def new_process_group(backend, store, rank: int, size: int, timeout_s: float):
+def new_process_group(
+    backend, store, rank: int, size: int, timeout_s: float, name: str = "crossrl_transfer"
+):
     """A ``size``-member process group in which this process is ``rank``, met through
     ``store`` (a ``torch.distributed`` store, prefixed per group), for device backend
     ``backend`` (a ``hal.DeviceBackend``); a collective not done in ``timeout_s`` seconds
-    fails. Accelerators: the process's current device is the group's."""
+    fails; ``name``: the group's name, the same on every member (HCCL's ``group_id``).
+    Accelerators: the process's current device is the group's."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=float(timeout_s))
@@ -41,8 +44,8 @@ def new_process_group(backend, store, rank: int, size: int, timeout_s: float):
         options._timeout = timeout
         if hasattr(options, "global_ranks_in_group"):  # not the global group: its own ranks
             options.global_ranks_in_group = list(range(size))
-        if hasattr(options, "group_id"):
-            options.group_id = f"crossrl_transfer_{size}"
+        if hasattr(options, "group_id"):  # the same on every member, one per group
+            options.group_id = name
         return ProcessGroupHCCL(store, rank, size, options)
     raise ValueError(f"no weight group for process-group backend {kind!r}")
 

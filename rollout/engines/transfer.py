@@ -182,7 +182,8 @@ def meet(backend, address: str, port: int, rank: int, world_size: int, timeout_s
         address, int(port), int(world_size), rank == 0, timeout=timeout, wait_for_workers=False
     )
     prefixed = dist.PrefixStore(GROUP_PREFIX, store)
-    group = new_process_group(backend, prefixed, int(rank), int(world_size), timeout_s)
+    name = f"{GROUP_PREFIX}_{int(port)}"  # every member's, and one per group (a fresh port)
+    group = new_process_group(backend, prefixed, int(rank), int(world_size), timeout_s, name)
     here = "cpu" if backend.device_type == "cpu" else backend.device_module().current_device()
     return TransferGroup(
         store,
