@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.utils.deterministic
 
 from hal.collectives import CollectiveFaults
+from hal.handoff import WeightHandoff
 from hal.sdpa import prefix_sdpa, segmented_sdpa
 
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
@@ -27,7 +28,7 @@ class DeviceNotAvailableError(RuntimeError):
     """Raised by `hal.get_backend` when the asked-for device type is absent on this machine."""
 
 
-class DeviceBackend(CollectiveFaults):
+class DeviceBackend(CollectiveFaults, WeightHandoff):
     """One device type (cpu, cuda, npu). Subclasses set the class attributes below.
 
     Instances are cheap and never touch the device when created: `hal.get_backend` checks that
@@ -272,30 +273,6 @@ class DeviceBackend(CollectiveFaults):
         target = self.device(index)
         walk_tensors(obj, lambda t: t.to(target, non_blocking=True))
 
-    # ---- weight handoff to a colocated engine --------------------------------------------
-
-    def shared_buffer(self, nbytes: int, local_index: int = 0) -> tuple[torch.Tensor, tuple]:
-        """A flat uint8 buffer of ``nbytes`` bytes on device ``local_index`` that another process
-        on the same device can map, and its picklable handle (``open_shared_buffer``).
-
-        Accelerators: device memory shared by IPC handle (``torch.multiprocessing``'s
-        reductions). Keep the tensor alive while a reader may use it; after writing, call
-        ``synchronize`` before handing the handle over."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        buf = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device(local_index))
-        return buf, ("ipc", reduce_tensor(buf))
-
-    def release_shared_buffer(self, handle: tuple) -> None:
-        """Drop the name of a shared buffer once every reader has mapped it (mappings stay
-        valid; the memory goes when the last process lets go). IPC handles have no name:
-        blocks that readers have let go of are returned to the allocator instead."""
-        collect = (
-            getattr(self.device_module(), "ipc_collect", None) if self.is_accelerator else None
-        )
-        if collect is not None:
-            collect()
-
     def engine_env(self, device_ids: list[str]) -> dict[str, str]:
         """Environment of an engine replica's process that runs on the node's devices
         ``device_ids`` (its tp group's, in tp rank order): it sees exactly those, in that
@@ -351,11 +328,6 @@ class DeviceBackend(CollectiveFaults):
     vllm_layerwise_reload: bool = True
     #: vLLM (or its platform plugin) has batch-invariant kernels here (``VLLM_BATCH_INVARIANT``).
     vllm_batch_invariant: bool = False
-    #: The weight-transfer engine vLLM's workers take pushes through on this device type
-    #: (``WeightTransferConfig.backend``; the CPU's is crossrl's own, ``rollout.engines.transfer``)
-    #: and the class whose static ``trainer_init`` / ``trainer_send_weights`` the trainer calls.
-    weight_transfer_engine: str = "crossrl_gloo"
-    weight_transfer_trainer: tuple[str, str] = ("rollout.engines.transfer", "GlooWeightTransfer")
 
     def vllm_engine_options(self) -> dict:
         """Extra ``vllm.LLM`` keyword arguments a colocated engine needs on this device (none
@@ -397,40 +369,6 @@ class DeviceBackend(CollectiveFaults):
         (``hal.sdpa.prefix_sdpa``); accelerators run their fused kernel with separate query
         and key offsets (``hal.shared_prefix``)."""
         return prefix_sdpa(q, k, v, offsets, parents, scale=scale, dropout=dropout)
-
-
-def ipc_rebuild_args(args: tuple, device_index: int) -> list:
-    """``torch.multiprocessing.reductions.reduce_tensor``'s rebuild arguments for a reader
-    whose device index differs from the writer's (another visible-devices list): the storage
-    device is argument 6 of ``rebuild_cuda_tensor`` (and of torch_npu's ``rebuild_npu_tensor``).
-    """
-    out = list(args)
-    out[6] = int(device_index)
-    return out
-
-
-def open_shared_buffer(handle: tuple, device_index: int = 0) -> torch.Tensor:
-    """Map a buffer another process made with ``DeviceBackend.shared_buffer``: the flat uint8
-    tensor, the same memory (no copy), on this process's device ``device_index``."""
-    kind = handle[0]
-    if kind == "file":
-        from hal.shm import open_shm_file
-
-        return open_shm_file(handle[1], handle[2])
-    if kind == "ipc":
-        rebuild, args = handle[1]
-        return rebuild(*ipc_rebuild_args(args, device_index))
-    raise ValueError(f"shared buffer handle of kind {kind!r}: expected 'file' or 'ipc'")
-
-
-def close_shared_buffer(handle: tuple) -> None:
-    """This process is done with a buffer it mapped with ``open_shared_buffer``: drop the
-    mapping it keeps for later buckets (a file's; the memory goes once no tensor views it).
-    IPC handles keep nothing here (torch's own ref-counted cache holds them)."""
-    if handle[0] == "file":
-        from hal.shm import close_shm_file
-
-        close_shm_file(handle[1])
 
 
 # ---- tensor walking for offload/onload (device-free logic, tested on cpu) ----------------------

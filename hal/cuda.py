@@ -145,6 +145,13 @@ class CudaBackend(DeviceBackend):
         "vllm.distributed.weight_transfer.nccl_engine",
         "NCCLWeightTransferEngine",
     )
+    # ... and its engine for a colocated trainer (ipc_engine.py): CUDA IPC handles of one
+    # packed buffer per GPU, keyed by the GPU's UUID.
+    colocated_transfer_engine = "ipc"
+    colocated_transfer_trainer = (
+        "vllm.distributed.weight_transfer.ipc_engine",
+        "IPCWeightTransferEngine",
+    )
 
     def collective_timeout_env(self, timeout_s: float, environ=None) -> dict[str, str]:
         """NCCL's watchdog tears the process down when a collective passes the process

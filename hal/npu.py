@@ -225,6 +225,13 @@ class NpuBackend(DeviceBackend):
         "vllm_ascend.distributed.weight_transfer.hccl_engine",
         "HCCLWeightTransferEngine",
     )
+    # ... and its engine for a colocated trainer (npu_ipc_engine.py, registered as "npu_ipc"):
+    # NPU IPC handles (torch_npu's reductions) keyed by host IP and physical chip.
+    colocated_transfer_engine = "npu_ipc"
+    colocated_transfer_trainer = (
+        "vllm_ascend.distributed.weight_transfer.npu_ipc_engine",
+        "NPUIPCWeightTransferEngine",
+    )
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}

@@ -47,6 +47,7 @@ class _RecordingBackend:
     is_accelerator = True
     vllm_layerwise_reload = False
     vllm_batch_invariant = True  # vllm-ascend's, as hal.NpuBackend says
+    colocated_transfer_engine = "npu_ipc"  # hal.NpuBackend's, for a colocated vLLM engine
 
     def __init__(self, calls: list, where: str = "host") -> None:
         self.calls, self.where = calls, where

@@ -1,8 +1,9 @@
 """The streamed weight push's corners (issue 32, item 4), each through the shipped push:
 
-(a) an engine that keeps what it was handed past ``load_shared_bucket`` (vLLM's layerwise
-    reload holds a padded parameter until ``finalize``) still gets the right weights when a
-    later bucket refills its slot;
+(a) an engine that keeps what it was handed past a bucket or chunk (vLLM's layerwise reload
+    holds a padded parameter until ``finalize``) still gets the right weights when a later
+    bucket refills its slot (the streamed push) or a later chunk its buffer (vLLM's transfer
+    API, ``push_transfer``);
 (b) an engine that fails mid-stream fails the push at once with its own error, and a rank's
     failure stops the engine's wait (the doorbell's ``abort``);
 (c) the mappings and files a push opens go with it: many pushes, the same few live;
@@ -18,9 +19,7 @@ import contextlib
 import fcntl
 import gc
 import os
-import sys
 import threading
-import types
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -159,69 +158,59 @@ class FakeVllmModel:
         self.deferring = False
 
 
-def _fake_vllm(monkeypatch) -> None:
-    """The two vLLM modules the worker extension imports, as fakes in ``sys.modules``."""
+class FakeLLM:
+    """``vllm.LLM``'s weight-transfer calls as vLLM's worker runs them for a checkpoint-format
+    update, with crossrl's ``crossrl_shm`` engine receiving (``shm_transfer.load_chunk``):
+    ``start_weight_update`` opens the layerwise reload, each ``update_weights`` loads one
+    chunk, ``finish_weight_update`` finalizes."""
 
-    def initialize_layerwise_reload(model):
-        model.deferring = True
+    def __init__(self, model: FakeVllmModel) -> None:
+        self.model, self.chunks = model, 0
 
-    def finalize_layerwise_reload(model, model_config):
-        model.finalize()
+    def start_weight_update(self) -> None:
+        self.model.deferring = True
 
-    modules = {
-        "vllm": {},
-        "vllm.config": {"set_current_vllm_config": lambda config: contextlib.nullcontext()},
-        "vllm.model_executor": {},
-        "vllm.model_executor.model_loader": {},
-        "vllm.model_executor.model_loader.reload": {},
-        "vllm.model_executor.model_loader.reload.layerwise": {
-            "initialize_layerwise_reload": initialize_layerwise_reload,
-            "finalize_layerwise_reload": finalize_layerwise_reload,
-        },
-    }
-    for name, attrs in modules.items():
-        module = types.ModuleType(name)
-        module.__dict__.update(attrs)
-        monkeypatch.setitem(sys.modules, name, module)
+    def update_weights(self, request: dict) -> None:
+        from rollout.engines.shm_transfer import SharedUpdateInfo, load_chunk
+
+        load_chunk(SharedUpdateInfo(**request["update_info"]), self.model.load_weights)
+        self.chunks += 1
+
+    def finish_weight_update(self) -> None:
+        self.model.finalize()
+
+    def reset_prefix_cache(self) -> None:
+        pass
 
 
 def _vllm_engine(model: FakeVllmModel):
-    """The shipped ``VLLMEngine`` around one in-process worker (``VLLMWorkerExtension``), with
-    vLLM's ``LLM`` replaced by its collective_rpc, which calls the worker by method name."""
+    """The shipped ``VLLMEngine`` (its ``VLLMTransfer`` calls) around ``FakeLLM``."""
     from rollout.engines.vllm_engine import VLLMEngine
-    from rollout.engines.vllm_worker import VLLMWorkerExtension
-
-    worker = VLLMWorkerExtension()
-    worker.rank, worker.device = 0, torch.device("cpu")
-    worker.model_runner = types.SimpleNamespace(get_model=lambda: model)
-    worker.vllm_config = types.SimpleNamespace(model_config=None)
-
-    class LLM:
-        def collective_rpc(self, method, args=()):
-            return [getattr(worker, method)(*args)]
-
-        def reset_prefix_cache(self):
-            pass
 
     engine = VLLMEngine.__new__(VLLMEngine)
-    engine.llm, engine.layerwise_reload, engine.in_process = LLM(), True, True
-    engine.sleep_mode, engine._awake = False, set(WAKE_TAGS)
+    engine.llm, engine.layerwise_reload, engine.in_process = FakeLLM(model), True, True
+    engine.sleep_mode, engine._awake, engine.adapter = False, set(WAKE_TAGS), None
     engine._updating = engine._weights_discarded = False
-    return engine, worker
+    return engine
 
 
-def test_a_deferring_engine_gets_the_right_weights_from_two_slots(worker, monkeypatch):
-    _fake_vllm(monkeypatch)
+def test_a_deferring_engine_gets_the_right_weights_from_a_refilled_buffer(worker):
+    """The colocated vLLM push (``WeightPush.push_transfer`` through ``crossrl_shm``) in
+    chunks of one buffer, refilled chunk after chunk, into an engine that holds what it is
+    handed until a layer is whole and the padded vocabulary until it finalizes."""
     want = _expected(worker)
     model = FakeVllmModel({n: tuple(t.shape) for n, t in want.items()})
-    engine, _ = _vllm_engine(model)
-    sent = worker.push_weights_streamed(_host(worker, engine), SMALL_BUCKET_BYTES)
-    assert sent > 2  # two slots, each refilled
+    engine = _vllm_engine(model)
+    sent = worker.push_transfer([_host(worker, engine)], SMALL_BUCKET_BYTES)
+    assert sent > 2 and engine.llm.chunks == sent  # one buffer, refilled
     assert model.finalized_padded == 2  # the embedding and the head waited for finalize
     assert not model.deferring
     for name, tensor in want.items():
         got = model.params[name][: tensor.shape[0]]
         assert torch.equal(got, tensor), name
+    from hal import shm
+
+    assert not any("crossrl-weights" in path for path in shm._MAPPED)  # nothing left mapped
 
 
 def test_the_hf_engine_gets_the_right_weights_from_two_slots(worker):
@@ -234,38 +223,6 @@ def test_the_hf_engine_gets_the_right_weights_from_two_slots(worker):
     want = _expected(worker)
     for name, tensor in engine.model.state_dict().items():
         assert torch.equal(tensor, want[name].to(tensor.dtype)), name
-
-
-def test_a_vllm_worker_closes_a_push_buffer_and_keeps_one_whose_name_is_gone(monkeypatch):
-    """After an update the worker drops its mapping of a buffer that still has its name (a
-    streamed push's slot), and keeps one whose name is gone: the CPU ranks' host buffer,
-    unlinked after its first push and refilled in place, can never be mapped again."""
-    from hal import shm
-    from rollout.engines.buckets import pack_tensor, plan_buckets
-
-    _fake_vllm(monkeypatch)
-    shapes = {"w.weight": (4, 3)}
-    model = FakeVllmModel(shapes)
-    engine, _ = _vllm_engine(model)
-    (specs,), nbytes = plan_buckets(shapes.items(), torch.float32, 1 << 20)
-    # The writer is another process: its mapping is not this process's.
-    path = os.path.join(shm.shm_dir(), f"crossrl-weights-test-{os.getpid()}")
-    buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    handle = ("file", path, nbytes)
-    try:
-        for update in range(3):
-            value = torch.full((4, 3), float(update + 1))
-            pack_tensor(buf, specs[0], value)
-            engine.load_shared_bucket(hal.open_shared_buffer, [handle], specs)
-            if update == 1:
-                os.unlink(path)  # the host-buffer push drops the name after its first push
-            engine.finish_weight_update()
-            assert torch.equal(model.params["w.weight"], value), update
-            assert (path in shm._MAPPED) == (update >= 1), update
-    finally:
-        shm.close_shm_file(path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
 
 # ------------------------------------------------------------------ (b) a side that fails

@@ -156,7 +156,7 @@ def receive_weight_stream(
     (``close_bucket``, default ``hal.close_shared_buffer``). Returns the number of tensors
     loaded."""
     if close_bucket is None:
-        from hal.base import close_shared_buffer as close_bucket
+        from hal.handoff import close_shared_buffer as close_bucket
     bell = Doorbell.open(doorbell)
     loaded = 0
     try:

@@ -304,35 +304,23 @@ def _worker_rank(parallel_config) -> int:
     return dp * int(parallel_config.world_size) + int(parallel_config.rank)
 
 
-_ENGINE_CLASS: list[type] = []
+_ENGINE_CLASSES: dict[str, type] = {}
 
 
-def engine_class() -> type:
-    """crossrl's ``WeightTransferEngine`` for vLLM (built once; imports vLLM). It fits both
-    engine APIs: vLLM 0.24's (constructor ``(config, parallel_config, model)``, the worker
-    runs the layerwise reload, ``receive_weights(info, load_weights)``) and the CPU lane's
-    0.32 (``(config, vllm_config, device, model)``, the engine runs it in
+def reload_engine_base() -> type:
+    """The base of crossrl's ``WeightTransferEngine`` classes for vLLM (imports vLLM): it fits
+    both engine APIs, vLLM 0.24's (constructor ``(config, parallel_config, model)``, the
+    worker runs the layerwise reload, ``receive_weights(info, load_weights)``) and the CPU
+    lane's 0.32 (``(config, vllm_config, device, model)``, the engine runs it in
     ``start_weight_update`` / ``finish_weight_update``, ``receive_weights(info)``)."""
-    if _ENGINE_CLASS:
-        return _ENGINE_CLASS[0]
+    if "base" in _ENGINE_CLASSES:
+        return _ENGINE_CLASSES["base"]
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    class CrossrlGlooEngine(WeightTransferEngine):
-        """Receives crossrl's packed pushes over gloo (``TransferReceiver``) into the model."""
+    class CrossrlEngine(WeightTransferEngine):
+        """Loads through vLLM's layerwise reload (``layerwise``) and refreshes a tied LM head."""
 
-        init_info_cls = TransferInitInfo
-        update_info_cls = TransferUpdateInfo
-
-        def __init__(self, config, *rest) -> None:
-            super().__init__(config, *rest)
-            import hal
-
-            self.receiver = TransferReceiver(hal.get_backend("cpu"))
-            self.layerwise = True
-
-        def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
-            self.layerwise = bool(init_info.layerwise)
-            self.receiver.join(init_info, _worker_rank(self.parallel_config))
+        layerwise = True
 
         def start_weight_update(self) -> None:
             if self.layerwise:
@@ -349,6 +337,31 @@ def engine_class() -> type:
                 finalize_layerwise_reload(self.model, self.model_config)
             refresh_after_load(self.model)
 
+    _ENGINE_CLASSES["base"] = CrossrlEngine
+    return CrossrlEngine
+
+
+def engine_class() -> type:
+    """crossrl's ``crossrl_gloo`` engine for vLLM (built once; ``reload_engine_base``)."""
+    if ENGINE_NAME in _ENGINE_CLASSES:
+        return _ENGINE_CLASSES[ENGINE_NAME]
+
+    class CrossrlGlooEngine(reload_engine_base()):
+        """Receives crossrl's packed pushes over gloo (``TransferReceiver``) into the model."""
+
+        init_info_cls = TransferInitInfo
+        update_info_cls = TransferUpdateInfo
+
+        def __init__(self, config, *rest) -> None:
+            super().__init__(config, *rest)
+            import hal
+
+            self.receiver = TransferReceiver(hal.get_backend("cpu"))
+
+        def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
+            self.layerwise = bool(init_info.layerwise)
+            self.receiver.join(init_info, _worker_rank(self.parallel_config))
+
         def receive_weights(self, update_info: TransferUpdateInfo, load_weights=None) -> None:
             # Each chunk is a buffer of its own (never refilled), so the layerwise reload may
             # keep views of it until their layer is whole.
@@ -360,17 +373,24 @@ def engine_class() -> type:
         trainer_init = GlooWeightTransfer.trainer_init
         trainer_send_weights = staticmethod(GlooWeightTransfer.trainer_send_weights)
 
-    _ENGINE_CLASS.append(CrossrlGlooEngine)
+    _ENGINE_CLASSES[ENGINE_NAME] = CrossrlGlooEngine
     return CrossrlGlooEngine
 
 
 def register() -> None:
     """vLLM's plugin hook (entry point ``vllm.general_plugins: crossrl_weight_transfer``): add
-    ``crossrl_gloo`` to vLLM's ``WeightTransferEngineFactory`` (once per process; a vLLM
-    without the weight-transfer API is left alone)."""
+    crossrl's engines, ``crossrl_gloo`` and ``crossrl_shm`` (``rollout.engines.shm_transfer``),
+    to vLLM's ``WeightTransferEngineFactory`` (once per process; a vLLM without the
+    weight-transfer API is left alone)."""
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:
         return
-    if ENGINE_NAME not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(ENGINE_NAME, engine_class())
+    from rollout.engines import shm_transfer
+
+    for name, build in (
+        (ENGINE_NAME, engine_class),
+        (shm_transfer.ENGINE_NAME, shm_transfer.engine_class),
+    ):
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, build())

@@ -414,18 +414,6 @@ class VLLMEngine(VLLMTransfer, Engine):
             self.llm.collective_rpc("crossrl_begin_weight_update", args=(self.layerwise_reload,))
             self._updating = True
 
-    def load_shared_bucket(self, open_bucket, handles, specs) -> None:
-        """Load a bucket from shared memory: each vLLM worker maps its own device's copy
-        (``VLLMWorkerExtension.crossrl_load_shared_bucket``); only the handles and specs
-        travel. Out of process, vLLM's worker broadcast takes these small tuples too. LoRA:
-        the adapters are read here (megabytes), as every engine reads a bucket."""
-        if self.adapter is not None:
-            return Engine.load_shared_bucket(self, open_bucket, handles, specs)
-        self._begin_weight_update()
-        self.llm.collective_rpc(
-            "crossrl_load_shared_bucket", args=(list(handles), [tuple(s) for s in specs])
-        )
-
     def finish_weight_update(self) -> None:
         """Complete the weight update begun by ``update_weights`` (no-op when none is open)."""
         if not self._updating:

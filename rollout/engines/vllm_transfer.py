@@ -16,21 +16,25 @@ from typing import Any
 
 def transfer_options(backend: str | None) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments that give every worker the weight-transfer engine
-    ``backend`` (``DeviceBackend.weight_transfer_engine``; None: none). crossrl's own engine
-    is registered in this process too (vLLM's plugin loader registers it in the workers)."""
+    ``backend`` (``DeviceBackend.weight_transfer_engine`` or ``colocated_transfer_engine``;
+    None: none). crossrl's own engines are registered in this process too (vLLM's plugin
+    loader registers them in the workers)."""
     if backend is None:
         return {}
-    from rollout.engines.transfer import ENGINE_NAME, register
+    from rollout.engines import shm_transfer, transfer
 
-    if backend == ENGINE_NAME:
-        register()
+    if backend in (transfer.ENGINE_NAME, shm_transfer.ENGINE_NAME):
+        transfer.register()
     return {"weight_transfer_config": {"backend": backend}}
 
 
 class VLLMTransfer:
-    """``init_weight_transfer`` once, then ``receive_weights`` per push, while the trainer's
-    sender broadcasts (``trainer.loop.weights.weight_group``). ``self.llm``, ``self._awake``,
-    ``finish_weight_update`` and the update flags are ``VLLMEngine``'s."""
+    """Engines of their own: ``init_weight_transfer`` once, then ``receive_weights`` per push,
+    while the trainer's sender broadcasts (``trainer.loop.weights.weight_group``); colocated
+    engines: ``begin_transfer``, ``receive_chunk`` per chunk, ``end_transfer``, called by
+    training rank 0 (``trainer.loop.weights.weight_push.WeightPush.push_transfer``).
+    ``self.llm``, ``self._awake``, ``finish_weight_update`` and the update flags are
+    ``VLLMEngine``'s."""
 
     def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
         """Every worker joins the transfer group (blocks until the trainer's sender and every
@@ -39,17 +43,34 @@ class VLLMTransfer:
 
     def receive_weights(self, update_info: dict[str, Any]) -> int:
         """Take one whole push (``update_info``: names, dtype names, shapes, packing) through
-        vLLM's ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``: each
-        worker receives on its own device and loads as the chunks arrive. The prefix cache is
-        reset (its blocks came from the old weights). Returns the tensor count."""
+        one update (``begin_transfer`` / ``receive_chunk`` / ``end_transfer``): each worker
+        receives every chunk the trainer broadcasts on its own device and loads it as it
+        arrives. Returns the tensor count."""
+        self.begin_transfer()
+        count = self.receive_chunk(update_info)
+        self.end_transfer()
+        return count
+
+    def begin_transfer(self) -> None:
+        """``start_weight_update`` on every worker (an update begun another way is closed
+        first); the weights must be awake."""
         if "weights" not in self._awake:
             raise RuntimeError(
                 "VLLMEngine: weights received while they sleep; call wake_up(['weights']) first"
             )
-        self.finish_weight_update()  # an update begun another way is closed first
+        self.finish_weight_update()
         self.llm.start_weight_update()
+
+    def receive_chunk(self, update_info: dict[str, Any]) -> int:
+        """``update_weights`` with ``update_info`` on every worker: each takes the chunk on its
+        own device, the way the engine's backend carries it (a broadcast it joins, a buffer it
+        maps by handle). Returns the tensor count."""
         self.llm.update_weights({"update_info": dict(update_info)})
+        return len(update_info["names"])
+
+    def end_transfer(self) -> None:
+        """``finish_weight_update`` on every worker; the prefix cache is reset (its blocks came
+        from the old weights)."""
         self.llm.finish_weight_update()
         self.llm.reset_prefix_cache()
         self._weights_discarded = False
-        return len(update_info["names"])

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from rollout.engines.base import wait_for_device
-from rollout.engines.buckets import TensorSpec, unpack_bucket
-
 
 class VLLMWorkerExtension:
     """Methods vLLM mixes into each of its workers (``worker_extension_cls``), so the engine can
@@ -75,37 +72,6 @@ class VLLMWorkerExtension:
             self.model_runner.get_model().load_weights(weights)
         return len(weights)
 
-    def crossrl_load_shared_bucket(self, handles: list, specs: list) -> int:
-        """Load a bucket from shared memory: this worker maps the copy of the training rank on
-        its own device (``handles[tp rank]``) and reads it; the mapping is kept for the
-        update's later buckets and closed by ``crossrl_finish_weight_update``.
-
-        The bucket's memory is refilled with a later bucket once this returns, so nothing of
-        it may be kept past the call. The model's own loaders copy at once, so they get views
-        (no copy on the way). vLLM's layerwise reload (0.32.0,
-        ``model_loader/reload/layerwise.py``) instead keeps what it is handed, by reference,
-        until the layer's parameters are complete, and a padded one (a vocabulary padded to
-        the embedding's multiple) until ``finalize_layerwise_reload``: so it gets copies, each
-        made as the loader asks for it, which costs one layer plus the held padded tensors."""
-        from hal import open_shared_buffer
-
-        rank = int(getattr(self, "rank", 0)) % len(handles)
-        device = getattr(self, "device", None)
-        index = device.index if isinstance(device, torch.device) and device.index else 0
-        handle = tuple(handles[rank])
-        flat = open_shared_buffer(handle, index)
-        opened = getattr(self, "_crossrl_opened", [])
-        if handle not in opened:
-            self._crossrl_opened = [*opened, handle]
-        views = unpack_bucket(flat, [TensorSpec(*s) for s in specs])
-        weights = views
-        if getattr(self, "_crossrl_deferring", False):
-            weights = ((name, view.clone()) for name, view in views)
-        with self._crossrl_context():
-            self.model_runner.get_model().load_weights(weights)
-        wait_for_device()  # the copies out of the bucket are done: its writer may reuse it
-        return len(views)
-
     def crossrl_load_weights_from_file(self, path: str) -> int:
         """``crossrl_load_weights`` for a bucket saved as a safetensors file."""
         from safetensors.torch import load_file
@@ -153,22 +119,6 @@ class VLLMWorkerExtension:
             fn = getattr(self.model_runner, reset, None)
             if fn is not None:
                 fn()
-        self._crossrl_close_buckets()
-
-    def _crossrl_close_buckets(self) -> None:
-        """The update's buckets are all loaded: drop this worker's mappings of those whose
-        file still has its name (a streamed push's slots, which their ranks unlink after the
-        push and never refill). A file whose name is already gone cannot be mapped again, so
-        its mapping stays: the CPU ranks' one host buffer, unlinked after its first push and
-        refilled in place every step (``WeightPush._push_weights_host_buffer``)."""
-        import os
-
-        from hal.base import close_shared_buffer
-
-        for handle in getattr(self, "_crossrl_opened", ()):
-            if handle[0] != "file" or os.path.exists(handle[1]):
-                close_shared_buffer(handle)
-        self._crossrl_opened = []
 
 
 def refresh_after_load(model) -> None:

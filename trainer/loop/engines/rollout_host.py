@@ -14,7 +14,6 @@ import os
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 import hal
@@ -26,6 +25,7 @@ from trainer.config.schema import Config
 from trainer.loop.cluster.group import agree_on_settings
 from trainer.loop.cluster.local import put
 from trainer.loop.cluster.startup import Phases, process_start_time
+from trainer.loop.engines.engine_weights import EngineWeights
 from trainer.loop.engines.rollout_meta import batch_metadata, combine_rollout_metrics
 from trainer.loop.engines.sampling import run_config_rollouts
 from trainer.loop.engines.stream_host import StreamingHost
@@ -55,10 +55,10 @@ def engine_batch_invariance(cfg: Config, backend) -> dict[str, str]:
     return {"VLLM_BATCH_INVARIANT": "1"} if backend.vllm_batch_invariant else {}
 
 
-class EngineHost:
+class EngineHost(EngineWeights):
     """One engine replica's process: the engine on its tp group's devices, sharing them with
     that group's training ranks. Generates what the rollout host deals it, sleeps while the
-    ranks train, and takes new weights straight from its own ranks (``load_shared_bucket``)."""
+    ranks train, and takes new weights from its ranks (``EngineWeights``)."""
 
     def __init__(self, cfg: Config, threads: int = 1, replica: int = 0) -> None:
         """``cfg``: the typed job config (it pickles into Ray); ``threads``: CPU threads;
@@ -90,7 +90,6 @@ class EngineHost:
         self.startup.done("tokenizer")
         roll = cfg.rollout
         invariance = engine_batch_invariance(cfg, backend)
-        pushed = weight_transport_rule(cfg) == "collective"  # through the engine's own API
         if roll.engine == "hf":
             model = load_model(
                 model_path, dtype=cfg.model.dtype, seed=cfg.seed, device=backend.device(0)
@@ -122,7 +121,7 @@ class EngineHost:
                 layerwise_reload=backend.vllm_layerwise_reload,
                 engine_kwargs={**quiet, **backend.vllm_engine_options()},
                 lora=_served_adapters(cfg),
-                weight_transfer=backend.weight_transfer_engine if pushed else None,
+                weight_transfer=_transfer_engine(cfg, backend),
             )
             if cfg.run.deterministic:
                 # At tp > 1 each device has a worker process of its own, and the
@@ -156,76 +155,6 @@ class EngineHost:
     def awake_tags(self) -> list[str]:
         """What of the engine is awake (``weights``, ``kv_cache``)."""
         return list(getattr(self.engine, "awake_tags", ()))
-
-    def load_shared_bucket(self, handles: list, specs: list) -> int:
-        """Load one bucket of new weights that this replica's training ranks put in memory
-        shared with this process (``trainer.loop.ranks.policy.PolicyWorker.push_weights``);
-        returns the tensor count. The weights are woken first when they sleep, so the sync
-        needs no call of its own for that (the KV cache stays asleep)."""
-        from rollout.engines.buckets import TensorSpec
-
-        specs = [TensorSpec(*s) for s in specs]
-        self.engine.wake_up(["weights"])
-        self.engine.load_shared_bucket(hal.open_shared_buffer, handles, specs)
-        return len(specs)
-
-    def load_weight_stream(self, slots: list, doorbell: tuple, buckets: list) -> int:
-        """Load a whole streamed weight push in this one call (``rollout.engines.stream``):
-        ``buckets`` in order from the staging ``slots`` this replica's training ranks fill on
-        their devices, each once every tp rank has written it. Wakes the weights first;
-        returns the tensor count."""
-        from rollout.engines.stream import receive_weight_stream
-
-        self.engine.wake_up(["weights"])
-        return receive_weight_stream(self.engine, hal.open_shared_buffer, slots, doorbell, buckets)
-
-    def load_host_buckets(self, refs: list, specs: list) -> int:
-        """Load a host-memory snapshot of the weights (``Trainer.snapshot_weights``: per
-        training rank, ``refs`` to its flat byte buckets in Ray's object store and each
-        bucket's tensor specs), one bucket at a time: every rank's bucket b, read here from
-        this node's copy, joined into whole tensors (``assemble_pieces``). Returns the tensor
-        count."""
-        from trainer.loop.engines.remote_engine import read_snapshot_bucket
-
-        self.engine.wake_up(["weights"])
-        count = 0
-        for bucket in range(len(refs[0])):
-            named = read_snapshot_bucket(refs, specs, bucket)
-            self.engine.update_weights(named)
-            count += len(named)
-        self.engine.finish_weight_update()
-        return count
-
-    def join_weight_group(self, address) -> None:
-        """Take part in the push at ``address`` as this replica (``trainer.loop.weights.
-        weight_group``): its engine joins the transfer group at its first push."""
-        from trainer.loop.weights.weight_group import PushReceiver, connect_store
-
-        self.push_receiver = PushReceiver(connect_store(address), address, self.replica)
-
-    def load_pushed(self, seq: int) -> int:
-        """Load push ``seq`` into the engine through its transfer API (``PushReceiver``).
-        Returns the tensor count."""
-        self.engine.wake_up(["weights"])
-        return self.push_receiver.receive(self.engine, seq)
-
-    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Load new weights handed over in this process (``ray.in_process``: the training
-        rank's own tensors, copied once into the engine); wakes them first, as
-        ``load_shared_bucket`` does. Returns the tensor count."""
-        self.engine.wake_up(["weights"])
-        self.engine.update_weights(named_tensors)
-        return len(named_tensors)
-
-    def update_weights(self, bucket: dict[str, np.ndarray]) -> int:
-        """Load one bucket of new weights (HF names -> arrays) sent through Ray's object
-        store: the path before in-node sync, kept for ``bench e2e``'s comparison only. Wakes
-        the weights first, as ``load_shared_bucket`` does."""
-        self.engine.wake_up(["weights"])
-        self.engine.update_weights(
-            (name, torch.from_numpy(array)) for name, array in bucket.items()
-        )
-        return len(bucket)
 
     def shutdown(self) -> None:
         """Release the engine (its transfer engine with it)."""
@@ -472,6 +401,16 @@ class RolloutHost(StreamingHost, EngineHost):
     def set_prompts_consumed(self, count: int) -> None:
         """Resume the prompt stream after ``count`` prompts (from a checkpoint)."""
         self.prompts_consumed = int(count)
+
+
+def _transfer_engine(cfg: Config, backend) -> str | None:
+    """The weight-transfer engine a vLLM replica's workers take pushes through
+    (``weight_transport_rule``): the backend's collective one for engines of their own, its
+    colocated one (IPC) beside the ranks; None where pushes take another way."""
+    rule = weight_transport_rule(cfg)
+    if rule == "collective":
+        return backend.weight_transfer_engine
+    return backend.colocated_transfer_engine if rule == "ipc" else None
 
 
 def _served_adapters(cfg) -> dict | None:

@@ -75,8 +75,9 @@ class Layout:
     engine_resource: str = ""
     engine_device: str = ""
     engine_nodes: tuple[int, ...] = ()
-    # How new weights reach engines of their own (``weight_transport_rule``): "collective"
-    # or "host"; "" when colocated (through the devices' shared memory).
+    # How new weights reach the engines (``weight_transport_rule``): "collective" or "host"
+    # for engines of their own; "ipc" (vLLM's transfer API) or "" (crossrl's shared buckets)
+    # for colocated ones.
     weight_transport: str = ""
     lora: bool = False  # the actor trains LoRA adapters (model.lora.enabled)
 
@@ -177,15 +178,18 @@ def _separate_layout(
 
 
 def weight_transport_rule(cfg: Config, *, other_device: bool | None = None) -> str:
-    """How new weights reach engines of their own: ``collective`` (through the engine's own
-    weight-transfer API, training rank 0 broadcasting to every engine worker,
+    """How new weights reach the engines. Engines of their own: ``collective`` (through the
+    engine's own weight-transfer API, training rank 0 broadcasting to every engine worker,
     ``trainer.loop.weights.weight_group``) unless ``rollout.weight_transport=host``, the
     engines run on another device type (``other_device``, None: ``rollout.device`` names
     one other than ``device``; no collective joins two vendors) or the actor trains LoRA
     adapters (served through the engine's LoRA load, not its weight transfer), where a
-    host-memory snapshot in Ray's object store carries them; "" for colocated engines."""
+    host-memory snapshot in Ray's object store carries them. Colocated engines: ``ipc`` for
+    vLLM (its weight-transfer API, each worker mapping the buffer its own device's rank
+    packed: ``WeightPush.push_transfer``), else "" (crossrl's shared buckets, which the HF
+    engine and LoRA adapters take)."""
     if not cfg.rollout.engine_devices:
-        return ""
+        return "ipc" if cfg.rollout.engine == "vllm" and not cfg.model.lora.enabled else ""
     if other_device is None:
         other_device = cfg.rollout.device not in (None, cfg.device)
     if other_device or cfg.rollout.weight_transport == "host" or cfg.model.lora.enabled:
@@ -286,6 +290,7 @@ def plan_layout(
         engine=cfg.rollout.engine,
         engine_memory_fraction=cfg.rollout.memory_fraction,
         shares={role: RAY_SHARES[role] for role in (*roles, "rollout")},
+        weight_transport=weight_transport_rule(cfg),
     )
 
 
@@ -371,7 +376,8 @@ def format_layout(layout: Layout) -> str:
             "; it stays awake, generating while the ranks train; new weights reach it "
             + _transport_words(layout)
             if layout.separate
-            else " while awake and sleeps while the ranks train"
+            else " while awake and sleeps while the ranks train; new weights reach it "
+            + _colocated_words(layout)
         ),
         "Ray shares of a device: "
         + ", ".join(f"{role} {share:g}" for role, share in layout.shares.items()),
@@ -414,6 +420,20 @@ def _transport_words(layout: Layout) -> str:
     if layout.other_engine_device or layout.lora:
         why = "rollout.device" if layout.other_engine_device else "model.lora: adapters"
     return f"through a host-memory snapshot in Ray's object store ({why})"
+
+
+def _colocated_words(layout: Layout) -> str:
+    """How new weights reach colocated engines, for ``format_layout``."""
+    if layout.weight_transport == "ipc":
+        import hal
+
+        named = hal.backend_class(layout.device).colocated_transfer_engine  # no device needed
+        return (
+            f"through vLLM's weight-transfer API ({named!r}): each engine worker maps the "
+            "buffer its own device's rank packs"
+        )
+    why = "model.lora: adapters" if layout.lora else f"the {layout.engine} engine"
+    return f"in buffers its tp group's ranks share with it ({why})"
 
 
 def _rank_line(layout: Layout, rank: int) -> str:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from hal import DEFAULT_DEVICE_MEMORY_BYTES, DEFAULT_DEVICE_NAMES  # noqa: F401 - re-exported
 from hal.device_memory import communicator_buffer_bytes, process_bytes
 from trainer.config.schema import Config
+from trainer.loop.plan.layout import weight_transport_rule
 from trainer.loop.plan.lora_layout import adapter_params, base_copy_params
 from trainer.loop.plan.model_shape import ModelShape, model_shape
 
@@ -385,6 +386,11 @@ def estimate_memory(
         room = device_memory_bytes - sum(state.values()) - ctx["ctx"] - engine_weights
         room -= gathered + STAGING_SLACK_BYTES
         staging = model_bytes if room >= model_bytes else 2 * max(room // 2, largest_layer)
+        if weight_transport_rule(cfg) == "ipc":
+            # vLLM's transfer API: one buffer the engine copies each chunk out of before it
+            # loads it (WeightPush.push_transfer): the buffer and the copy within the room
+            chunk = model_bytes if room >= 2 * model_bytes else max(room // 2, largest_layer)
+            staging = 2 * chunk
     if lora:  # the push carries what trains alone (model.lora): no whole tensor gathered
         staging = min(staging, n_trained * eb)  # but the embedding, when it trains
         gathered = gathered if cfg.model.lora.train_embeddings else 0.0
@@ -427,7 +433,6 @@ def transfer_bytes(cfg: Config, model_bytes: float, comm: float) -> tuple[float,
     in flight, one communicator) and on each engine worker (one communicator, its chunks);
     (0, 0) for host snapshots or colocated engines."""
     from rollout.engines.transfer import PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS
-    from trainer.loop.plan.layout import weight_transport_rule
 
     if weight_transport_rule(cfg) != "collective":
         return 0.0, 0.0

@@ -7,7 +7,8 @@ the actor's new weights reach every engine replica.
 - ``snapshot_weights``: after an update, for engines on devices of their own: the ranks push
   through the weight group, or put a host-memory snapshot in the object store
   (``WeightPush.snapshot_weights``); the pipeline hands it to the rollout host;
-- ``sync_weights``: load the new weights into the engines now: colocated engines take them
+- ``sync_weights``: load the new weights into the engines now: colocated vLLM engines
+  through vLLM's weight-transfer API (``WeightPush.push_transfer``), other colocated engines
   from their own tp group's ranks (``WeightPush.push_weights``), engines of their own load a
   snapshot.
 
@@ -84,9 +85,10 @@ def snapshot_weights(job) -> list | None:
 
 
 def sync_weights(job, *, via_object_store: bool = False) -> None:
-    """Load the actor's new weights into the engines: every tp group's ranks hand them to
-    their own replica on the same devices, which wakes its weights (not its KV cache) as
-    it loads them (nothing to push when replaying); engines of their own load a snapshot
+    """Load the actor's new weights into the engines: colocated engines take them from the
+    ranks on their own devices (vLLM's through its weight-transfer API, rank 0 driving every
+    replica; the others from their tp group's ranks) and wake their weights (not their KV
+    cache) as they load them (nothing to push when replaying); engines of their own load a snapshot
     of them from host memory. ``via_object_store``: the earlier path through Ray's object
     store, for ``bench e2e``. The push's seconds set later pushes' limit
     (``CallLimits.observe``)."""
@@ -100,6 +102,10 @@ def sync_weights(job, *, via_object_store: bool = False) -> None:
             timeout_s=job.limits.push_s,
             what="rollout.take_weights",
         )
+    elif job.layout.weight_transport == "ipc" and not via_object_store:
+        # colocated vLLM engines, through vLLM's weight-transfer API: rank 0 drives every
+        # replica; each replica's workers map the buffers their own devices' ranks pack
+        job.actor.call("push_transfer", list(job.replicas), timeout_s=job.limits.push_s)
     else:
         owner = [job.replicas[job.layout.replica_of_rank(r)] for r in range(job.cfg.train.dp_size)]
         job.actor.call(

@@ -165,13 +165,15 @@ class WeightPush:
                 self.backend.empty_cache()
         return len(buckets) if tp_rank == 0 else 0
 
-    def _stream_bucket_bytes(self, shapes, dtype: torch.dtype) -> tuple[int, int]:
+    def _stream_bucket_bytes(self, shapes, dtype: torch.dtype, copies: int = 1) -> tuple[int, int]:
         """``(bucket_bytes, slots)`` for this push (``rollout.engines.buckets.stream_buckets``)
         from the least free device memory over all ranks (a collective), so every rank plans
-        the same buckets."""
+        the same buckets. ``copies``: of each bucket the push holds at once (2 where the
+        engine copies a chunk out of the buffer before loading it)."""
         from rollout.engines.buckets import plan_buckets, stream_buckets
 
         _, model_bytes = plan_buckets(shapes, dtype, 1 << 62)
+        model_bytes *= copies
         layers, _ = plan_buckets(shapes, dtype, 0)  # one bucket per layer or tensor
         floor = max(b[-1].offset + tensor_nbytes(b[-1].shape, dtype) for b in layers)
         largest_fp32 = max(tensor_nbytes(shape, torch.float32) for _, shape in shapes)
@@ -189,6 +191,68 @@ class WeightPush:
             reserve_bytes=largest_fp32 + (1 << 30),  # one gathered tensor, allocator slack
             floor_bytes=floor,
         )
+
+    # ---------------------------------------------------------------- colocated vLLM
+    def push_transfer(self, replicas: list, buffer_bytes: int | None = None) -> int:
+        """Push the new weights to colocated vLLM engines through vLLM's weight-transfer API
+        (``Layout.weight_transport == "ipc"``), by the trainer helper of the backend's own
+        colocated engine (``DeviceBackend.colocated_transfer_trainer``: vLLM's ``ipc``,
+        vllm-ascend's ``npu_ipc``, the CPU's ``crossrl_shm``): every rank gathers each tensor
+        whole in the engine's dtype, the first rank on each device packs them into one buffer
+        of ``buffer_bytes`` (None: sized from the free device memory) that its engine workers
+        map, and rank 0 opens the update on every replica of ``replicas``, hands each chunk to
+        all of them and closes it. Returns the chunks sent (0 on the other ranks)."""
+        import importlib
+        from dataclasses import asdict
+
+        from rollout.engines.transfer import PACKED_BUFFER_BYTES
+        from rollout.models import parse_dtype
+        from trainer.loop.weights.gather import whole_tensors
+
+        state = self.push_state()
+        dtype = parse_dtype(self.spec.cfg.model.dtype)
+        if buffer_bytes is None:  # room for the buffer and the engine's copy of a chunk
+            shapes = [(name, tuple(t.shape)) for name, t in state.items()]
+            bucket, _ = self._stream_bucket_bytes(shapes, dtype, copies=2)
+            buffer_bytes = min(bucket, sum(tensor_nbytes(shape, dtype) for _, shape in shapes))
+        module, name = self.backend.colocated_transfer_trainer
+        sender = getattr(importlib.import_module(module), name)
+        sent: list[int] = []
+
+        def send(info) -> None:  # rank 0: one chunk to every replica, read before it refills
+            payload = asdict(info)
+            for reply in [r.receive_chunk.remote(payload) for r in replicas]:
+                fetch(reply)
+            sent.append(len(payload["names"]))
+
+        self._on_every_replica(replicas, "start_transfer")
+        args = {"send_mode": send, "packed": True, "packed_buffer_size_bytes": buffer_bytes}
+        try:
+            gathered = whole_tensors(state, dtype, min(buffer_bytes, PACKED_BUFFER_BYTES))
+            sender.trainer_send_weights(gathered, args)
+        finally:
+            if self.backend.is_accelerator:
+                self.backend.empty_cache()  # the buffer goes back before the KV cache wakes
+        self._on_every_replica(replicas, "finish_transfer")
+        return len(sent)
+
+    def _on_every_replica(self, replicas: list, method: str) -> None:
+        """Rank 0 calls ``method`` on every replica and waits; every rank learns whether it
+        failed (a broadcast), so none goes on into the push's collectives alone."""
+        error = None
+        if self.spec.rank == 0:
+            try:
+                for reply in [getattr(r, method).remote() for r in replicas]:
+                    fetch(reply)
+            except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+                error = err
+        if self.spec.world_size > 1:
+            told = [None if error is None else f"{type(error).__name__}: {error}"]
+            torch.distributed.broadcast_object_list(told, src=0)
+            if told[0] is not None and error is None:
+                raise RuntimeError(f"engine replica {method} failed on rank 0: {told[0]}")
+        if error is not None:
+            raise error
 
     # ---------------------------------------------------------------- CPU, one host
     def _ranks_share_a_host(self) -> bool:
