@@ -1,6 +1,6 @@
 """Record the weight-transfer names crossrl calls on the GPU and NPU lanes from the pinned
 wheels themselves (CI has neither engine): for each trainer module the HAL names
-(``DeviceBackend.weight_transfer_trainer``), its engine class, static methods, the fields of
+(``DeviceBackend.weight_transfer_trainer`` and ``colocated_transfer_trainer``), its engine class, static methods, the fields of
 its init info, update info and trainer arguments, the keys ``trainer_init`` reads, and the
 names the wheel registers the engine under. Writes ``tests/fixtures/weight_transfer_api.json``,
 which ``tests/test_weight_transfer.py`` checks crossrl's calls against.
@@ -20,21 +20,33 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "weight_transfer_api.json"
 #: trainer module -> (where the engine is registered: files of the wheel to read)
+_VLLM_REGISTRY = ["vllm/distributed/weight_transfer/factory.py"]
+_ASCEND_REGISTRY = [
+    "vllm_ascend/distributed/weight_transfer/__init__.py",
+    "vllm_ascend/patch/platform/patch_weight_transfer_engine.py",
+]
 MODULES = {
-    "vllm.distributed.weight_transfer.nccl_engine": ["vllm/distributed/weight_transfer/factory.py"],
-    "vllm_ascend.distributed.weight_transfer.hccl_engine": [
-        "vllm_ascend/distributed/weight_transfer/__init__.py",
-        "vllm_ascend/patch/platform/patch_weight_transfer_engine.py",
-    ],
+    "vllm.distributed.weight_transfer.nccl_engine": _VLLM_REGISTRY,
+    "vllm.distributed.weight_transfer.ipc_engine": _VLLM_REGISTRY,
+    "vllm_ascend.distributed.weight_transfer.hccl_engine": _ASCEND_REGISTRY,
+    "vllm_ascend.distributed.weight_transfer.npu_ipc_engine": _ASCEND_REGISTRY,
 }
 
 
-def _fields(cls: ast.ClassDef) -> list[str]:
-    return [
+def _fields(cls: ast.ClassDef, known: dict[str, ast.ClassDef]) -> list[str]:
+    """A dataclass's fields, its bases' first (a base found among ``known`` classes by name:
+    vllm-ascend's NPU IPC classes inherit vLLM's)."""
+    inherited = []
+    for base in cls.bases:
+        name = getattr(base, "id", None) or getattr(base, "attr", None)
+        if name in known and known[name] is not cls:
+            inherited += _fields(known[name], known)
+    own = [
         n.target.id
         for n in cls.body
         if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id != "_"
     ]
+    return inherited + [f for f in own if f not in inherited]
 
 
 def _registered(tree: ast.Module, cls_name: str, module: str) -> list[str]:
@@ -58,6 +70,12 @@ def record(wheels: list[str]) -> dict:
             for name in zf.namelist():
                 if name.endswith(".py") and "weight_transfer" in name:
                     files[name] = zf.read(name).decode()
+    known = {
+        n.name: n
+        for text in files.values()
+        for n in ast.parse(text).body
+        if isinstance(n, ast.ClassDef)
+    }
     out = {}
     for module, registries in MODULES.items():
         tree = ast.parse(files[module.replace(".", "/") + ".py"])
@@ -75,11 +93,11 @@ def record(wheels: list[str]) -> dict:
             if isinstance(f, ast.FunctionDef)
             and any(getattr(d, "id", "") == "staticmethod" for d in f.decorator_list)
         ]
-        init = next(f for f in engine.body if getattr(f, "name", "") == "trainer_init")
+        init = next((f for f in engine.body if getattr(f, "name", "") == "trainer_init"), None)
         keys = sorted(
             {
                 n.slice.value
-                for n in ast.walk(init)
+                for n in ast.walk(init or ast.Module(body=[], type_ignores=[]))
                 if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant)
             }
         )
@@ -93,9 +111,9 @@ def record(wheels: list[str]) -> dict:
         out[module] = {
             "class": engine.name,
             "static_methods": statics,
-            "init_info": _fields(pick("InitInfo")),
-            "update_info": _fields(pick("UpdateInfo")),
-            "trainer_args": _fields(pick("TrainerSendWeightsArgs")),
+            "init_info": _fields(pick("InitInfo"), known),
+            "update_info": _fields(pick("UpdateInfo"), known),
+            "trainer_args": _fields(pick("TrainerSendWeightsArgs"), known),
             "trainer_init_keys": keys,
             "registered_as": sorted(set(registered)),
         }

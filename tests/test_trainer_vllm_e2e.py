@@ -125,6 +125,39 @@ def test_a_tp_2_vllm_engine_of_its_own_takes_the_collective_push_as_it_takes_sna
     assert prints["collective"] == prints["host"]
 
 
+def test_a_colocated_tp_2_vllm_engine_takes_the_ipc_push_as_an_engine_of_its_own_does(tmp_path):
+    """One vLLM replica at tensor parallel 2 colocated on two training ranks: training rank 0
+    drives vLLM's ``update_weights`` (crossrl's ``crossrl_shm`` engine, the CPU's ``ipc``),
+    each of the replica's workers, in its own process, mapping the buffer the host's first
+    rank packed; the run is the one an engine of its own gives at lag 0, through the
+    collective push, fingerprint for fingerprint."""
+    import os
+    import subprocess
+    import sys
+
+    from trainer.records.metrics import read_jsonl
+
+    keys = [
+        *VLLM_JOB,
+        "train.dp_size=2",
+        "rollout.tensor_parallel_size=2",
+        "rollout.memory_fraction=0.05",  # each CPU worker's KV cache: a share of host memory
+        "train.total_steps=3",
+    ]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")  # one NUMA node here
+    prints = {}
+    for name, extra in (("ipc", []), ("own", ["rollout.engine_devices=2"])):
+        run_dir = tmp_path / name
+        cmd = [sys.executable, "-m", "trainer.cli", "train", *keys, *extra, f"run.dir={run_dir}"]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        prints[name] = read_jsonl(run_dir / "fingerprint.jsonl")
+        metrics = read_jsonl(run_dir / "metrics.jsonl")
+        assert all(m["rollout/logprob_abs_diff"] < 1e-3 for m in metrics)  # the new weights
+    assert len(prints["ipc"]) == 3
+    assert prints["ipc"] == prints["own"]
+
+
 @pytest.mark.parametrize("engine_devices", [1, 0], ids=["own", "colocated"])
 def test_a_streamed_run_with_partial_rollouts_on_a_vllm_engine(tmp_path, engine_devices):
     """Streaming (``train.max_staleness=1``) with partial rollouts on the vllm-cpu engine, of
