@@ -3,7 +3,7 @@ transport (``rollout.weight_transport``: the collective push, the host-memory sn
 against another checkout (the code before a change), measured side by side.
 
     python -m bench.snapshot [--before DIR] [--rounds N] [--shape qwen2.5-0.5b] [--steps N]
-                             [--nodes 2] [--engine vllm --tp 2]
+                             [--nodes 2] [--engine vllm --tp 2 [--colocated]]
 
 A lagged job (``rollout.engine_devices=1``, ``train.rollout_lag=1``) on ``builtin:small``
 at ``train.dp_size=2``: each step ends with the push of the new weights to the engine
@@ -19,8 +19,10 @@ seconds the rollout host spent loading the push into the engines before sampling
 (``rollout/weight_load_s``: the engine's side, which a host snapshot pays when the engine pulls
 it from the ranks' object stores). ``--engine vllm``: the vLLM engine (run with the vLLM
 lane's python, ``.venv-vllm``) of its own at ``--tp`` CPUs, one replica at tensor parallel
-``--tp``: the push reaches its workers through vLLM's ``update_weights``. Nothing here asserts
-a time.
+``--tp``: the push reaches its workers through vLLM's ``update_weights``. ``--colocated``:
+the vLLM replica on the two ranks' CPUs instead, at lag 0 (the push, through vLLM's API over
+``crossrl_shm``, is the ``sync`` phase; one variant here, ``ipc``, beside ``--before``).
+Nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -65,12 +67,14 @@ def measure(
     ray_address: str | None = None,
     engine: str = "hf",
     tp: int = 1,
+    colocated: bool = False,
 ) -> dict:
     """Per variant (``collective`` and ``host``: this checkout with that transport;
     ``before``: the checkout at ``before``, as it pushes), the medians of ``KEYS`` (module
     docstring). ``shape``: a ``rollout.models.SHAPES`` name (e.g. ``qwen2.5-0.5b``) whose
     random weights replace ``builtin:small``; ``steps``: per run; ``ray_address``: a cluster
-    to run on; ``engine``, ``tp``: the engine of its own and its tensor-parallel CPUs."""
+    to run on; ``engine``, ``tp``: the engine of its own and its tensor-parallel CPUs;
+    ``colocated``: the vLLM engine on the ranks' CPUs at lag 0 (variant ``ipc``)."""
     from bench.e2e import run_job
 
     job = [*SNAPSHOT_JOB, f"train.total_steps={steps}"]
@@ -80,10 +84,12 @@ def measure(
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # one NUMA node here
         job += [
             "rollout.engine=vllm",
-            f"rollout.engine_devices={tp}",
+            f"rollout.engine_devices={0 if colocated else tp}",
             f"rollout.tensor_parallel_size={tp}",
-            "rollout.memory_fraction=0.05",
         ]
+        job += ["train.rollout_lag=0"] if colocated else []  # colocated engines: lag 0
+        if not colocated or tp > 1:  # one replica: a small KV cache of each CPU's share
+            job += ["rollout.memory_fraction=0.05"]
     if ray_address is not None:
         job.append(f"ray.address={ray_address}")
     if shape is not None:
@@ -91,6 +97,8 @@ def measure(
 
         job.append(f"model.path={write_random_model(workdir / 'model', shape)}")
     variants = {name: ([f"rollout.weight_transport={t}"], None) for name, t in TRANSPORTS.items()}
+    if colocated:
+        variants = {"ipc": ([], None)}
     if before:
         variants["before"] = ([], before)
     order = []
@@ -134,13 +142,14 @@ def format_table(result: dict) -> str:
     def push(row) -> float:  # the ranks' side, then the engine's, of one push
         return row["timing/sync_s"] + row["rollout/weight_load_s"]
 
-    base = result["host"]
+    base_name = "host" if "host" in result else "before"
+    base = result.get(base_name)
     for name in result:
-        if name != "host":
+        if base is not None and name != base_name:
             lines.append(
-                f"\nranks' push {name} / host: "
+                f"\nranks' push {name} / {base_name}: "
                 f"{result[name]['timing/sync_s'] / base['timing/sync_s']:.2f}; "
-                f"push + load {name} / host: {push(result[name]) / push(base):.2f}"
+                f"push + load {name} / {base_name}: {push(result[name]) / push(base):.2f}"
             )
     return "\n".join(lines)
 
@@ -167,7 +176,12 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="local Ray nodes")
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the engine")
     parser.add_argument("--tp", type=int, default=1, help="the vLLM engine's tensor parallel")
+    parser.add_argument(
+        "--colocated", action="store_true", help="the vLLM engine on the ranks' CPUs, lag 0"
+    )
     args = parser.parse_args()
+    if args.colocated and args.engine != "vllm":
+        parser.error("--colocated measures the vLLM engine's push: add --engine vllm")
     if args.before and args.nodes == 2:  # the cluster's workers would run this checkout
         parser.error("--before needs --nodes 1: a joined cluster runs its own workers' code")
     cluster = two_node_cluster() if args.nodes == 2 else None
@@ -183,6 +197,7 @@ def main() -> None:
                 address,
                 engine=args.engine,
                 tp=args.tp,
+                colocated=args.colocated,
             )
             print(format_table(result))
     finally:

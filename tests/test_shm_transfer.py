@@ -50,7 +50,7 @@ class _Model(torch.nn.Module):
         self.head = torch.nn.Parameter(torch.randn(5, 4, generator=gen))
 
 
-def _pushes(rank: int, port: int, buffer_bytes: int, dtype: torch.dtype) -> None:
+def _pushes(rank: int, port: int, buffer_bytes: int, dtype: torch.dtype, shards: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -70,9 +70,12 @@ def _pushes(rank: int, port: int, buffer_bytes: int, dtype: torch.dtype) -> None
             chunks.append(load_chunk(info, lambda named: got.update(dict(named))))
 
         args = {"send_mode": send, "packed_buffer_size_bytes": buffer_bytes}
-        SharedMemoryTransfer.trainer_send_weights(
-            whole_tensors(model.state_dict(), dtype, 64), args
-        )
+        state = model.state_dict()
+        if shards:  # FSDP2's shards as they are: each rank writes its rows into the one buffer
+            items = ((n, t.detach().to(dtype)) for n, t in state.items())
+        else:
+            items = whole_tensors(state, dtype, 64)
+        SharedMemoryTransfer.trainer_send_weights(items, args)
         if rank == 0:
             # fp32 bytes 112 | 4 + 72 | 80; bf16 56 + 2 + 36 | 40 (a chunk holds 112)
             small = [1, 2, 1] if dtype == torch.float32 else [3, 1]
@@ -86,11 +89,15 @@ def _pushes(rank: int, port: int, buffer_bytes: int, dtype: torch.dtype) -> None
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("shards", [False, True], ids=["whole", "shards"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_two_ranks_push_a_sharded_model_in_chunks_of_one_buffer(dtype):
+def test_two_ranks_push_a_sharded_model_in_chunks_of_one_buffer(dtype, shards):
+    """Whole tensors (gathered first, the GPU's way) or each rank's rows of its shards (the
+    embedding's 7 rows split 4 + 3, the norm's 1 row held by rank 0 alone)."""
     # 1 MiB: the whole model in one chunk; 112 bytes: the embedding's in fp32
     for buffer_bytes in (1 << 20, 7 * 4 * 4):
-        mp.spawn(_pushes, args=(free_port(), buffer_bytes, dtype), nprocs=WORLD, join=True)
+        args = (free_port(), buffer_bytes, dtype, shards)
+        mp.spawn(_pushes, args=args, nprocs=WORLD, join=True)
 
 
 def test_a_chunk_closes_before_the_tensor_that_would_not_fit():

@@ -192,6 +192,29 @@ def test_the_sender_sends_in_the_engines_dtype_and_keeps_a_copy_of_its_own():
     assert _holds(engine, _state(3), torch.bfloat16)
 
 
+def test_a_push_no_engine_takes_is_given_up_at_shutdown():
+    """The job ends while push 0 waits for engines that never come (a lagged engine still
+    sampling, then stopped): the rank's shutdown stops its sender thread at once."""
+    from trainer.loop.weights.weight_push import WeightPush
+
+    sender, _, _ = _joined(replicas=1)
+    sender.send(_state(4), torch.float32, 0)
+    assert sender._thread.is_alive()
+
+    class Base:
+        def shutdown(self) -> None:
+            self.ended = True
+
+    class Rank(WeightPush, Base):  # a PolicyWorker's order: the push's side, then FSDPWorker
+        pass
+
+    rank = Rank()
+    rank._weight_sender = sender
+    rank.shutdown()
+    sender._thread.join(timeout=10)
+    assert not sender._thread.is_alive() and rank.ended
+
+
 def test_a_replica_lost_before_a_push_is_replaced_in_a_rebuilt_group():
     """Replica 1 dies after push 0; push 1 is staged and replica 0 is ready for it, waiting
     for the sender's go, which never comes while replica 1 is missing. The driver leaves

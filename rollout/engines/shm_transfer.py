@@ -12,7 +12,10 @@ own ``update_weights`` path for colocated engines too:
   collective every rank joins);
 - the first rank on each device (on the CPU: on each host, whose processes all map /dev/shm)
   packs them, in order, into one buffer of ``packed_buffer_size_bytes`` its engine workers
-  map; a chunk closes when the next tensor would not fit (vLLM's ``packed_ipc_producer``);
+  map; a chunk closes when the next tensor would not fit (vLLM's ``packed_ipc_producer``).
+  On the CPU, when every rank runs on one host, the ranks yield their FSDP2 shards instead
+  and each writes its own rows into the one buffer (``SharedMemoryTransfer.takes_shards``):
+  shared memory replaces the gather;
 - per chunk the ranks gather every device's handle, rank 0 hands the chunk's update info to
   ``send_mode`` (crossrl: every replica's ``update_weights``), and a barrier keeps every rank
   from refilling its buffer before every engine has read it.
@@ -121,13 +124,18 @@ def ipc_chunks(
 
 class SharedMemoryTransfer:
     """The trainer's side of ``crossrl_shm``, by the name of vLLM's ``ipc`` engine's static
-    helper, so the trainer calls every colocated backend alike."""
+    helper, so the trainer calls every colocated backend alike. It also takes FSDP2 shards
+    (``takes_shards``): when every rank runs on one host, each writes its own rows of a
+    ``Shard(0)`` tensor into the one buffer they all map, so shared memory replaces the
+    gather; across hosts a shard is gathered whole first."""
+
+    takes_shards = True
 
     @staticmethod
     def trainer_send_weights(iterator: Iterator[tuple[str, torch.Tensor]], trainer_args) -> None:
-        """Send the tensors ``iterator`` yields (whole, on every rank) chunk by chunk (module
-        docstring): ``trainer_args`` holds ``send_mode`` (a callable taking each chunk's
-        ``SharedUpdateInfo``, called on rank 0) and ``packed_buffer_size_bytes``."""
+        """Send the tensors ``iterator`` yields (whole, or FSDP2 shards, on every rank) chunk
+        by chunk (module docstring): ``trainer_args`` holds ``send_mode`` (a callable taking
+        each chunk's ``SharedUpdateInfo``, called on rank 0) and ``packed_buffer_size_bytes``."""
         import hal
 
         args = dict(trainer_args)
@@ -141,21 +149,25 @@ class SharedMemoryTransfer:
         if world > 1:
             keys = [None] * world
             dist.all_gather_object(keys, key)
-        packer = keys.index(key) == rank  # the first rank on this device fills its buffer
-        buf, handle = hal.get_backend("cpu").shared_buffer(buffer_bytes) if packer else (None, None)
+        packer = keys.index(key) == rank  # the first rank on this device makes its buffer
+        one_host = len(set(keys)) == 1  # then every rank writes its rows into rank 0's
+        made = hal.get_backend("cpu").shared_buffer(buffer_bytes) if packer else (None, None)
+        handle = made[1]
+        if one_host and world > 1:
+            shared = [handle]
+            dist.broadcast_object_list(shared, src=0)
+            handle = shared[0]
+        buf = made[0] if packer else hal.open_shared_buffer(handle) if one_host else None
         try:
             for chunk in ipc_chunks(iterator, buffer_bytes):
-                sizes, offset = [], 0
-                for _, tensor in chunk:
-                    flat = tensor.detach().contiguous().view(torch.uint8).view(-1)
-                    if packer:
-                        buf[offset : offset + flat.numel()].copy_(flat)
-                    sizes.append(flat.numel())
-                    offset += flat.numel()
+                sizes = _pack(buf, chunk, rank, world, one_host)
                 handles = [{key: handle} if packer else {}]
                 if world > 1:
-                    handles = [None] * world
-                    dist.all_gather_object(handles, {key: handle} if packer else {})
+                    if one_host:
+                        dist.barrier()  # every rank's rows are in the buffer
+                    else:
+                        handles = [None] * world
+                        dist.all_gather_object(handles, {key: handle} if packer else {})
                 if rank == 0:
                     send(
                         SharedUpdateInfo(
@@ -169,9 +181,40 @@ class SharedMemoryTransfer:
                 if world > 1:
                     dist.barrier()  # every engine has read this chunk: the buffers refill
         finally:
+            del buf, made
             if packer:
-                del buf
                 hal.get_backend("cpu").release_shared_buffer(handle)
+            elif one_host:
+                hal.close_shared_buffer(handle)
+
+
+def _pack(buf, chunk: list, rank: int, world: int, one_host: bool) -> list[int]:
+    """Write ``chunk``'s tensors into ``buf`` in order (``buf`` None: this rank writes none,
+    another rank on its device does); returns their byte sizes. A ``Shard(0)`` DTensor: on
+    one host each rank writes its own rows (FSDP2's ``torch.chunk`` split), else it is
+    gathered whole; any other DTensor is gathered whole (a collective every rank joins)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    sizes, offset = [], 0
+    for _, tensor in chunk:
+        size = tensor.numel() * tensor.element_size()
+        if isinstance(tensor, DTensor):
+            if one_host and tuple(tensor.placements) == (Shard(0),):
+                local = tensor.to_local().detach().contiguous()
+                row = size // max(1, tensor.shape[0])
+                start = offset + rank * -(-tensor.shape[0] // world) * row
+                flat = local.view(torch.uint8).view(-1)
+                buf[start : start + flat.numel()].copy_(flat)
+                sizes.append(size)
+                offset += size
+                continue
+            tensor = tensor.full_tensor()
+        if buf is not None and (rank == 0 or not one_host):
+            flat = tensor.detach().contiguous().view(torch.uint8).view(-1)
+            buf[offset : offset + size].copy_(flat)
+        sizes.append(size)
+        offset += size
+    return sizes
 
 
 def engine_class() -> type:

@@ -228,8 +228,11 @@ class WeightPush:
         self._on_every_replica(replicas, "start_transfer")
         args = {"send_mode": send, "packed": True, "packed_buffer_size_bytes": buffer_bytes}
         try:
-            gathered = whole_tensors(state, dtype, min(buffer_bytes, PACKED_BUFFER_BYTES))
-            sender.trainer_send_weights(gathered, args)
+            if getattr(sender, "takes_shards", False):  # the CPU's: shards on one host
+                items = ((name, t.detach().to(dtype)) for name, t in state.items())
+            else:
+                items = whole_tensors(state, dtype, min(buffer_bytes, PACKED_BUFFER_BYTES))
+            sender.trainer_send_weights(items, args)
         finally:
             if self.backend.is_accelerator:
                 self.backend.empty_cache()  # the buffer goes back before the KV cache wakes
@@ -408,6 +411,14 @@ class WeightPush:
             self.backend,
             self.local_index,
         )
+
+    def shutdown(self) -> None:
+        """Give up a push no engine will take any more (the sender thread stops waiting for
+        its engines), then end the worker as ``FSDPWorker.shutdown`` does."""
+        sender = getattr(self, "_weight_sender", None)
+        if sender is not None:
+            sender.stop()
+        super().shutdown()
 
     def exclude_from_weight_group(self, lost: list[int]) -> None:
         """Rank 0: leave the lost replicas ``lost`` out of the transfer group; the sender
