@@ -19,7 +19,9 @@ weights written once with ``rollout.models.write_random_model``:
   peak device memory. MFU = model FLOPs / seconds / peak, with model FLOPs = 3 x forward
   (6 per matmul parameter per token, lm_head included, plus causal attention
   6 * sum(len^2) * heads * head_dim per layer); the forward that activation checkpointing
-  recomputes is not counted, so it shows as a lower MFU.
+  recomputes is not counted, so it shows as a lower MFU. The shipped setting (checkpointing
+  on) is timed twice more with the reference kernel set (``train.kernels=reference``): the
+  fused set's gain, measured side by side (``UPDATES``).
 - ``rollout``: the rollout host's engine (``trainer.loop.engines.rollout_host.RolloutHost.setup``):
   the model loaded in bf16 with its default attention, ``make_engine("hf", ...)``, sampling
   ``new_tokens`` for a batch of random prompts; generated tokens per second.
@@ -71,6 +73,13 @@ UPDATE_OVERRIDES = (
     "algorithm.kl_coef=0.0",
     "algorithm.entropy_coef=0.0",
     "run.deterministic=false",
+)
+#: The timed updates: (key, activation checkpointing, train.kernels). The shipped setting,
+#: checkpointing on, runs with the device's fused kernels and with the reference set.
+UPDATES = (
+    ("ac_on", True, "auto"),
+    ("ac_off", False, "auto"),
+    ("ac_on_reference", True, "reference"),
 )
 #: Rows per GRPO group (``rollout.n``): the batch's uids come in groups of this many rows.
 ROWS_PER_GROUP = 8
@@ -213,12 +222,15 @@ def measure_update(
     peak_tflops: float,
     *,
     activation_checkpointing: bool,
+    kernels: str = "auto",
     seed: int = 0,
     profile: bool = False,
 ) -> dict:
     """Time ``PolicyWorker.train_mini_batch`` on ``batch`` (one mini-batch) at dp 1: median
     seconds of ``sizes.update_repeats`` updates after one warm-up, tokens/s, MFU against
-    ``peak_tflops`` and the worker's peak memory (GB) over those updates. ``profile``: one
+    ``peak_tflops`` and the worker's peak memory (GB) over those updates. ``kernels``:
+    ``train.kernels`` (the fused set, ``auto``, or the ``reference``); what each op ran is
+    ``kernel_report``, read after the updates (a kernel that fell back shows). ``profile``: one
     more update under ``torch.profiler`` (the HAL's activities), its top operators by device
     time (host time where the profiler sees no device) as ``profile_table``."""
     from trainer.config import load_config
@@ -234,6 +246,7 @@ def measure_update(
             f"model.path={model_dir}",
             f"seed={seed}",
             f"train.activation_checkpointing={str(activation_checkpointing).lower()}",
+            f"train.kernels={kernels}",
         ],
     )
     worker = PolicyWorker(WorkerSpec(role="actor", rank=0, cfg=cfg))
@@ -256,6 +269,7 @@ def measure_update(
         seconds = [_timed(backend, update) for _ in range(sizes.update_repeats)]
         peak_memory_gb = worker.peak_memory_gb()
         table = _profiled(backend, update) if profile else None
+        kernel_report = worker.kernels.report()
         lens = [int(batch.seq_lens[r]) for mb in micro_batches for r in mb if r >= 0]
         config = worker.model.config
         flops = model_flops_per_update(_matmul_params(worker.model, config), config, lens)
@@ -267,6 +281,8 @@ def measure_update(
     upd_s = statistics.median(seconds)
     return {
         "activation_checkpointing": activation_checkpointing,
+        "kernels": kernels,
+        "kernel_report": kernel_report,
         "params": facts["num_params"],
         "rows": len(lens),
         "tokens": sum(lens),
@@ -347,11 +363,12 @@ def measure(
     model_dir: str | Path | None = None,
     profile: bool = False,
 ) -> dict:
-    """Peak, actor-update MFU (activation checkpointing on and off) and rollout tokens/s on
-    ``backend``'s device (no accelerator check: the caller decides; a CPU backend with a tiny
-    ``shape`` dict exercises the code). ``shape``: a ``rollout.models.SHAPES`` name or a
-    config.json dict; ``model_dir``: see ``_model_dir``; ``profile``: the profiler table of
-    the shipped setting's update (activation checkpointing on, ``measure_update``)."""
+    """Peak, actor-update MFU (``UPDATES``: activation checkpointing on and off with the fused
+    kernels, on with the reference set) and rollout tokens/s on ``backend``'s device (no
+    accelerator check: the caller decides; a CPU backend with a tiny ``shape`` dict
+    exercises the code). ``shape``: a ``rollout.models.SHAPES`` name or a config.json dict;
+    ``model_dir``: see ``_model_dir``; ``profile``: the profiler table of the shipped
+    setting's updates (activation checkpointing on, both kernel sets, ``measure_update``)."""
     peak = measure_peak(backend, sizes.matmul_n, sizes.matmul_iters)
     threads = torch.get_num_threads()  # the worker sets its own thread count; restored below
     try:
@@ -366,10 +383,11 @@ def measure(
                     sizes,
                     peak["tflops"],
                     activation_checkpointing=on,
+                    kernels=kernels,
                     seed=seed,
                     profile=profile and on,
                 )
-                for key, on in (("ac_on", True), ("ac_off", False))
+                for key, on, kernels in UPDATES
             }
             _free(backend)  # the update's memory, before the engine loads
             rollout = measure_rollout(backend, directory, sizes, seed)
@@ -427,15 +445,18 @@ def format_table(res: dict) -> str:
     ]
     for u in res["update"].values():
         ac = "on: " if u["activation_checkpointing"] else "off:"
+        ops = ", ".join(f"{op} {name}" for op, name in u["kernel_report"].items())
         lines.append(
-            f"  activation checkpointing {ac} median {u['median_s']:.3f} s, "
+            f"  activation checkpointing {ac} kernels {u['kernels']} ({ops}): "
+            f"median {u['median_s']:.3f} s, "
             f"{u['tokens_per_s']:,.0f} tokens/s, {u['achieved_tflops']:.1f} TFLOP/s, "
             f"MFU {u['mfu']:.1%}, peak memory {u['peak_memory_gb']:.1f} GB"
         )
     for u in res["update"].values():
         if u.get("profile_table"):
             lines += [
-                "torch.profiler, one update with activation checkpointing on:",
+                f"torch.profiler, one update with activation checkpointing on, kernels "
+                f"{u['kernels']}:",
                 u["profile_table"],
             ]
     lines.append(

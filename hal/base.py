@@ -11,6 +11,7 @@ import os
 import random
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ import torch.utils.deterministic
 
 from hal.collectives import CollectiveFaults
 from hal.handoff import WeightHandoff
+from hal.kernels import Provider
 from hal.sdpa import prefix_sdpa, segmented_sdpa
 
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
@@ -292,6 +294,12 @@ class DeviceBackend(CollectiveFaults, WeightHandoff):
         A variable already set in ``environ`` (this process's environment by default) is left
         to it. None here: this device's collectives need no ports of their own per process."""
         return {}
+
+    # ---- the update's kernels ----------------------------------------------------------------
+
+    #: The fused kernel of each op of the update (``hal.kernels.choose_kernels``; empty: the
+    #: eager reference everywhere, the CPU's golden).
+    kernel_providers: Mapping[str, Provider] = MappingProxyType({})
 
     # ---- attention --------------------------------------------------------------------------
 

@@ -15,6 +15,12 @@ def format_devices(info: dict) -> str:
     rows += [
         ("process group", info.get("process_group_backend", "?")),
         ("attention", info.get("attention_impl", "?")),
+    ]
+    kernels = info.get("kernels", {})
+    if kernels:
+        rows.append(("kernels (train.kernels=auto)", ""))
+        rows += [(f"  {op}", name) for op, name in kernels.items()]
+    rows += [
         ("visible-devices env", info.get("visible_devices_env") or "-"),
         ("ray resource", info.get("ray_resource", "?")),
     ]

@@ -15,6 +15,7 @@ import torch
 
 from hal import RAY_RESOURCES
 from hal.base import DeviceBackend
+from hal.kernels import LIGER
 from hal.shared_prefix import LAST_LAYOUT
 
 #: Dtypes the fused varlen kernels take.
@@ -138,6 +139,8 @@ class CudaBackend(DeviceBackend):
     )
     # vLLM 0.24's batch_invariant.py: its own matmul/softmax/mean kernels, one-split attention
     vllm_batch_invariant = True
+    # Liger-Kernel's RMSNorm and SwiGLU, torch's fused AdamW (hal.kernels)
+    kernel_providers = LIGER
     # vLLM 0.24's own engine (vllm/distributed/weight_transfer/nccl_engine.py): PyNccl over a
     # StatelessProcessGroup, one communicator per process.
     weight_transfer_engine = "nccl"

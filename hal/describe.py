@@ -6,6 +6,7 @@ import importlib.metadata
 
 import torch
 
+from hal.kernels import choose_kernels
 from hal.registry import available_backends, get_backend
 
 VERSIONED_PACKAGES = (
@@ -31,7 +32,8 @@ def describe(name: str = "auto") -> dict:
     """Facts about the backend `name` picks here, as plain JSON-able values.
 
     Keys: backend, available_backends, device_type, device_count, device_names,
-    process_group_backend, attention_impl, visible_devices_env, ray_resource, versions.
+    process_group_backend, attention_impl, kernels, visible_devices_env, ray_resource,
+    versions.
     """
     backend = get_backend(name)
     try:
@@ -46,6 +48,8 @@ def describe(name: str = "auto") -> dict:
         "device_names": names,
         "process_group_backend": backend.process_group_backend,
         "attention_impl": backend.attention_impl_name,
+        # what train.kernels=auto runs here (hal.kernels), loaded as a training rank would
+        "kernels": choose_kernels(backend.kernel_providers).report(),
         "visible_devices_env": backend.visible_devices_env,
         "ray_resource": backend.ray_resource,
         # torch's own string carries the build (+cu130, +cpu) that distribution metadata

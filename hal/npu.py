@@ -16,6 +16,7 @@ import torch
 
 from hal import RAY_RESOURCES
 from hal.base import DeviceBackend
+from hal.kernels import TORCH_NPU
 from hal.npu_versions import (
     INSTALL_HINT,
     PINNED_VLLM_ASCEND,
@@ -217,6 +218,9 @@ class NpuBackend(DeviceBackend):
     )
     # vllm-ascend 0.26.0rc1's batch_invariant.py: AscendC ops, else triton-ascend's kernels
     vllm_batch_invariant = True
+    # torch_npu's npu_rms_norm and npu_swiglu, its fused AdamW (hal.kernels); MindSpeed
+    # calls the same ops (docs/hal.md, "The kernel set")
+    kernel_providers = TORCH_NPU
     # vllm-ascend 0.26.0rc1's own engine (vllm_ascend/distributed/weight_transfer/
     # hccl_engine.py, registered as "hccl" by its general plugin): PyHccl over a
     # StatelessProcessGroup, one communicator per process (2 x HCCL_BUFFSIZE in the budget).

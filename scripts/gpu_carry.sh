@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Pack vLLM 0.24.0 and TRL 1.16 for the lent GPU machine (Python 3.12, torch 2.11.0+cu130,
+# Pack vLLM 0.24.0, TRL 1.16 and Liger-Kernel 0.8.5 (hal.kernels) for the lent GPU machine (Python 3.12, torch 2.11.0+cu130,
 # no network), in parts small enough to ride along with the checkout on each `run` call.
 #
 #   bash scripts/gpu_carry.sh            # here, with network: download, pack, split, print
@@ -28,13 +28,13 @@ mkdir -p "$wheels" .carry/dropped .carry/slimmed
 mv .carry/slimmed/*.whl "$wheels"/ 2>/dev/null || true  # a rerun starts from the whole set
 if ! python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --abi cp312 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform any -d "$wheels" vllm==0.24.0 trl==1.16.0; then
+    --platform manylinux2014_x86_64 --platform any -d "$wheels" vllm==0.24.0 trl==1.16.0 liger-kernel==0.8.5; then
     # The index cannot meet every pin at once (vLLM 0.24.0 wants llguidance >= 1.7, newer than
     # the index's newest): one package at a time, relaxing such pins; they are listed in
     # .carry/relaxed.txt, and the set installs with --no-deps there.
     echo "gpu_carry: the set does not resolve at once; fetching package by package" >&2
     python3 scripts/carry.py fetch-relaxed "$wheels" scripts/gpu_image_packages.txt \
-        vllm==0.24.0 trl==1.16.0 | tee .carry/relaxed.txt || exit 1
+        vllm==0.24.0 trl==1.16.0 liger-kernel==0.8.5 | tee .carry/relaxed.txt || exit 1
 fi
 norm() { echo "$1" | tr 'A-Z_.' 'a-z--'; }
 declare -A image=()

@@ -62,10 +62,11 @@ def test_both_activation_checkpointing_settings_train_the_whole_batch(result):
         max_tokens=TINY_SIZES.max_row_tokens,
     )
     tokens = sum(int(r["input_ids"].numel()) for r in rows)
-    assert set(result["update"]) == {"ac_on", "ac_off"}
-    for key, on in (("ac_on", True), ("ac_off", False)):
+    assert set(result["update"]) == {"ac_on", "ac_off", "ac_on_reference"}
+    for key, on, kernels in gpu.UPDATES:
         u = result["update"][key]
-        assert u["activation_checkpointing"] is on
+        assert u["activation_checkpointing"] is on and u["kernels"] == kernels
+        assert set(u["kernel_report"].values()) == {"reference"}  # the CPU has no fused set
         assert u["rows"] == TINY_SIZES.rows and u["tokens"] == tokens  # one mini-batch: all rows
         assert u["micro_batches"] >= math.ceil(tokens / TINY_SIZES.budget_tokens)
         assert len(u["seconds"]) == TINY_SIZES.update_repeats
@@ -88,14 +89,17 @@ def test_rollout_generates_every_requested_token(result):
 def test_table_shows_both_updates_and_the_rollout(result):
     table = gpu.format_table(result)
     assert "activation checkpointing on" in table and "activation checkpointing off" in table
-    assert table.count("MFU") == 2 and table.count("peak memory") == 3
+    assert table.count("MFU") == 3 and table.count("peak memory") == 4
+    assert "kernels reference (rms_norm reference" in table
     assert "HF engine rollout" in table
 
 
 def test_the_shipped_settings_update_is_profiled_once(result):
-    """``--profile``: the activation-checkpointing update (the shipped setting) gets torch's
-    profiler table, with the operators the update runs; the other setting is not profiled."""
-    table = result["update"]["ac_on"]["profile_table"]
-    assert "aten::" in table and "Self CPU" in table
+    """``--profile``: the activation-checkpointing updates (the shipped setting, with each
+    kernel set) get torch's profiler table, with the operators the update runs; the other
+    setting is not profiled."""
+    for key in ("ac_on", "ac_on_reference"):
+        table = result["update"][key]["profile_table"]
+        assert "aten::" in table and "Self CPU" in table
+        assert table in gpu.format_table(result)
     assert result["update"]["ac_off"]["profile_table"] is None
-    assert table in gpu.format_table(result)

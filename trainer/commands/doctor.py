@@ -86,9 +86,18 @@ def device_check(requested: str):
     how = " (device=auto)" if requested == "auto" else ""
     detail = (
         f"{backend.name}{how}: {backend.device_count()} x {', '.join(names)}; "
-        f"{backend.process_group_backend}; attention: {backend.attention_impl_name}"
+        f"{backend.process_group_backend}; attention: {backend.attention_impl_name}; "
+        f"kernels: {_kernel_words(backend)}"
     )
     return backend, backend.name, Check("device", OK, detail)
+
+
+def _kernel_words(backend) -> str:
+    """What ``train.kernels=auto`` runs on ``backend`` (``hal.kernels``), op by op."""
+    from hal.kernels import choose_kernels
+
+    report = choose_kernels(backend.kernel_providers).report()
+    return ", ".join(f"{op} {name}" for op, name in report.items())
 
 
 def visible_devices_check(backend, device: str, dp_size: int) -> Check:

@@ -172,6 +172,8 @@ class FSDPWorker(BatchStore, CheckpointPieces):
         # Built on the meta device, sharded, then loaded: a node's host memory holds at most
         # one full copy of the weights (rank 0's), whatever the dp size.
         model = self.build_model()
+        self.kernels = self._choose_kernels()
+        self.kernels.apply(model)  # on this instance, before checkpointing and sharding
         self.startup.done("build")
         # What the role built for real, not on meta (the critic's value head), keeps its values.
         own = {k: v.detach().clone() for k, v in model.state_dict().items() if not v.is_meta}
@@ -192,6 +194,7 @@ class FSDPWorker(BatchStore, CheckpointPieces):
                 total_steps=cfg.optimizer_steps_per_step() * cfg.train.total_steps,
                 schedule=cfg.train.lr_schedule,
                 min_lr_ratio=cfg.train.min_lr_ratio,
+                options=self.kernels.optimizer_options(),
             )
         else:
             model.requires_grad_(False)
@@ -204,8 +207,24 @@ class FSDPWorker(BatchStore, CheckpointPieces):
             "rank": spec.rank,
             "num_params": int(num_params),
             "deterministic": self.deterministic_settings,
+            "kernels": self.kernels.report(),
             "startup": self.startup.seconds,
         }
+
+    def _choose_kernels(self):
+        """The update's kernel of each op on this device (``hal.kernels``, ``train.kernels``):
+        the reference where the key, ``run.deterministic`` or an offloaded optimizer asks
+        for it."""
+        from hal.kernels import choose_kernels
+
+        cfg = self.spec.cfg
+        return choose_kernels(
+            self.backend.kernel_providers,
+            mode=cfg.train.kernels,
+            reference_ops=tuple(cfg.train.reference_kernels),
+            deterministic=cfg.run.deterministic,
+            optimizer_offload=cfg.train.optimizer_offload or cfg.train.param_offload,
+        )
 
     def local_rank(self) -> int:
         """This process's device index among the devices it can see

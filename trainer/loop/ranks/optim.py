@@ -35,10 +35,14 @@ def build_optimizer(
     total_steps: int,
     schedule: str,
     min_lr_ratio: float,
+    options: dict[str, bool] | None = None,
 ):
-    """AdamW with a ``LambdaLR`` over :func:`lr_factor`; returns ``(optimizer, scheduler)``."""
+    """AdamW with a ``LambdaLR`` over :func:`lr_factor`; returns ``(optimizer, scheduler)``.
+    ``options``: its kernel (``hal.kernels.KernelSet.optimizer_options``: ``fused`` or, the
+    reference, ``foreach``)."""
+    kernel = options or {"foreach": True}
     optimizer = torch.optim.AdamW(
-        params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8, foreach=True
+        params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8, **kernel
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,

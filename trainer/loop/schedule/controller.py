@@ -75,6 +75,7 @@ class Trainer:
         self.ref: WorkerGroup | None = None
         self.critic: WorkerGroup | None = None
         self.deterministic_settings: dict[str, str] = {}
+        self.kernels: dict[str, dict[str, str]] = {}  # role -> op -> kernel (launch.start)
         self.nonfinite = NonfiniteStreak(cfg.run.max_nonfinite_steps)
         self.limits = limits or CallLimits.for_config(cfg)  # seconds each call may take
         # Where the steps' rollouts come from (trainer.loop.schedule.rollouts: the fixed-lag

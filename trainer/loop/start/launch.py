@@ -69,6 +69,8 @@ def start(job) -> None:
         CLOCK.add_worker(group.role, group.setup_info[0].get("startup", {}))
     CLOCK.done("actors_setup")
     job.deterministic_settings = _agreed_deterministic_settings(job)
+    # what each role's kernels are (rank 0's; every rank chose alike), for config.yaml
+    job.kernels = {g.role: g.setup_info[0].get("kernels", {}) for g in job.all_groups()}
     resume(job)
     CLOCK.done("resume")
     _start_rollouts(job)

@@ -31,15 +31,25 @@ DRIVER_MODULES = (
 )
 
 
-def write_run_config(cfg: Config, run_dir: Path, deterministic: dict[str, str]) -> None:
+def write_run_config(
+    cfg: Config,
+    run_dir: Path,
+    deterministic: dict[str, str],
+    kernels: dict[str, dict[str, str]] | None = None,
+) -> None:
     """``config.yaml``: the resolved config, plus the deterministic settings the workers
-    applied (as comments, so the file still loads as a config)."""
+    applied and the kernel each role's ops ran (``hal.kernels``; as comments, so the file
+    still loads as a config)."""
     from rollout.files import atomic_write_text
 
     lines = [cfg.to_yaml().rstrip("\n")]
     if deterministic:
         lines.append("# run.deterministic applied on every worker:")
         lines += [f"#   {key}={value}" for key, value in sorted(deterministic.items())]
+    if kernels:
+        lines.append("# kernels (train.kernels), per role, as its ranks chose them:")
+        for role, ops in kernels.items():
+            lines.append(f"#   {role}: " + ", ".join(f"{op}={name}" for op, name in ops.items()))
     atomic_write_text(run_dir / "config.yaml", "\n".join(lines) + "\n")
 
 
@@ -207,7 +217,7 @@ def _attempts(
         try:
             launch.start(trainer)
             if not restarts.done:
-                write_run_config(cfg, run_dir, trainer.deterministic_settings)
+                write_run_config(cfg, run_dir, trainer.deterministic_settings, trainer.kernels)
                 CLOCK.done("config_yaml")
             started = time.monotonic()
             rewards = _train_loop(

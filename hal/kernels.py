@@ -1,0 +1,227 @@
+"""The training kernels of one device type (``train.kernels``): which implementation each op of
+the update runs, and the per-model-instance patch that puts it in place.
+
+Ops (``OPS``):
+
+- ``rms_norm``: the decoder's RMSNorms (Llama's formula: fp32 normalisation, cast back, times
+  the weight; the HF classes in ``RMS_NORM_CLASSES``);
+- ``swiglu``: the gated MLP's ``silu(gate(x)) * up(x)`` (modules with ``gate_proj`` /
+  ``up_proj`` / ``down_proj`` and a SiLU);
+- ``optimizer``: AdamW's step, torch's ``fused`` kernel over each parameter's (DTensor)
+  shard instead of ``foreach`` (torch registers ``_fused_adamw_`` for DTensor; torch_npu
+  2.10.0.post4 implements it for NPU tensors, ``wrapper_NPU___fused_adamw_`` in its library).
+
+``reference`` is today's eager code, the golden, and the CPU's set. CUDA takes Liger-Kernel's
+Triton functions (``LigerRMSNormFunction`` in Llama casting mode, ``LigerSiLUMulFunction``),
+the NPU torch_npu's own ops (``npu_rms_norm``, ``npu_swiglu`` on ``cat(gate, up)``), as verl's
+NPU patch and MindSpeed's FSDP2 path call them. Each is patched onto the model **instance**
+(its modules' ``forward``), before ``fully_shard``, never on a class or module at import, so
+a reference model in the same process is untouched. A kernel that fails to load is never
+chosen; one that fails to run falls back to the reference for the rest of the process,
+reported once (``KernelSet.fall_back``). ``run.deterministic`` keeps the reference for an op
+whose fused kernel has no deterministic mode (``Provider.deterministic``).
+
+Left to the reference, with the reason: RoPE (transformers 5 applies it through a
+module-level function inside each attention class's forward, patchable only globally, which
+Liger's own ``apply_liger_kernel_to_*`` does), the LM head's log-prob + entropy (the lean
+path's chunks, ``trainer.loop.ranks.forward``; no pinned library ships it with temperature)
+and per-block compilation (not yet measured against the reference on a device).
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+#: The ops a kernel set chooses for, in report order.
+OPS = ("rms_norm", "swiglu", "optimizer")
+REFERENCE = "reference"
+#: HF RMSNorm classes whose forward is Llama's formula (the fused kernels compute exactly it).
+RMS_NORM_CLASSES = frozenset(
+    {
+        "LlamaRMSNorm",
+        "MistralRMSNorm",
+        "MixtralRMSNorm",
+        "Qwen2RMSNorm",
+        "Qwen2MoeRMSNorm",
+        "Qwen3RMSNorm",
+        "Qwen3MoeRMSNorm",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Provider:
+    """A fused implementation of one op: its name (what ``crossrl devices`` prints), how to
+    load its function (``module``, ``attr``; None: nothing to load, e.g. a torch option),
+    the calling convention of that function (``liger``: an autograd function's ``apply``;
+    ``torch_npu``: the op) and whether it runs deterministically (element-wise, or reduced
+    in a fixed order)."""
+
+    name: str
+    module: str | None = None
+    attr: str | None = None
+    deterministic: bool = True
+    convention: str = "liger"
+
+
+#: Per provider family, the fused kernel of each op (``DeviceBackend.kernel_providers``).
+LIGER = {
+    "rms_norm": Provider("liger", "liger_kernel.ops.rms_norm", "LigerRMSNormFunction"),
+    "swiglu": Provider("liger", "liger_kernel.ops.swiglu", "LigerSiLUMulFunction"),
+    "optimizer": Provider("fused-adamw"),
+}
+TORCH_NPU = {
+    # aclnnRmsNorm's gradient of gamma is reduced by the kernel in an order it does not
+    # document as fixed: under run.deterministic the reference runs instead
+    "rms_norm": Provider(
+        "torch_npu.npu_rms_norm", "torch_npu", "npu_rms_norm", False, convention="torch_npu"
+    ),
+    "swiglu": Provider("torch_npu.npu_swiglu", "torch_npu", "npu_swiglu", convention="torch_npu"),
+    "optimizer": Provider("fused-adamw"),
+}
+
+
+def _rms_norm_call(provider: Provider, fn) -> Callable:
+    """``(x, weight, eps) -> y`` through ``provider``'s function."""
+    if provider.convention == "torch_npu":
+        return lambda x, weight, eps: fn(x, weight, epsilon=eps)[0]
+    # Liger: offset 0, Llama casting (fp32 normalisation, cast back, times the weight); the
+    # incoming gradient is not overwritten in place (activation checkpointing reruns forward)
+    return lambda x, weight, eps: fn.apply(x, weight, eps, 0.0, "llama", False)
+
+
+def _swiglu_call(provider: Provider, fn) -> Callable:
+    """``(gate, up) -> silu(gate) * up`` through ``provider``'s function."""
+    if provider.convention == "torch_npu":  # halves of one tensor: Swish(first) * second
+        return lambda gate, up: fn(torch.cat((gate, up), dim=-1), dim=-1)
+    return lambda gate, up: fn.apply(gate, up)
+
+
+@dataclass
+class KernelSet:
+    """The kernel each op runs in this process (``chosen``: op -> name), why an op runs the
+    reference where a fused kernel exists (``reasons``), and the loaded functions."""
+
+    chosen: dict[str, str]
+    reasons: dict[str, str] = field(default_factory=dict)
+    calls: dict[str, Callable] = field(default_factory=dict)
+
+    def report(self) -> dict[str, str]:
+        """op -> kernel, with the reason after the reference where one was passed over."""
+        return {
+            op: self.chosen[op] + (f" ({self.reasons[op]})" if op in self.reasons else "")
+            for op in OPS
+        }
+
+    def fall_back(self, op: str, err: BaseException) -> None:
+        """``op``'s kernel failed to run: the reference from now on, said once."""
+        if self.chosen[op] == REFERENCE:
+            return
+        failed = self.chosen[op]
+        self.chosen[op] = REFERENCE
+        self.reasons[op] = f"{failed} failed: {type(err).__name__}: {err}".splitlines()[0][:200]
+        warnings.warn(
+            f"crossrl: the {op} kernel {failed} failed ({self.reasons[op]}); the reference "
+            "runs instead (same results, slower). `crossrl devices` shows the kernels.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def optimizer_options(self) -> dict[str, bool]:
+        """``torch.optim.AdamW`` keyword arguments for the chosen optimizer kernel."""
+        return {"fused": True} if self.chosen["optimizer"] != REFERENCE else {"foreach": True}
+
+    def apply(self, model: torch.nn.Module) -> dict[str, int]:
+        """Patch ``model``'s own modules (their instance ``forward``) with the chosen kernels,
+        before ``fully_shard``; returns the modules patched per op. Each patched forward runs
+        the module's own forward once its op has fallen back."""
+        patched = {"rms_norm": 0, "swiglu": 0}
+        for module in model.modules():
+            if "rms_norm" in self.calls and type(module).__name__ in RMS_NORM_CLASSES:
+                _patch(module, self, "rms_norm", _fused_rms_norm)
+                patched["rms_norm"] += 1
+            elif "swiglu" in self.calls and _is_swiglu_mlp(module):
+                _patch(module, self, "swiglu", _fused_swiglu)
+                patched["swiglu"] += 1
+        return patched
+
+
+def _is_swiglu_mlp(module: torch.nn.Module) -> bool:
+    """A gated MLP whose activation is SiLU: ``down(act(gate(x)) * up(x))``."""
+    if not all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return False
+    return isinstance(module.act_fn, torch.nn.SiLU) or type(module.act_fn).__name__ in (
+        "SiLUActivation",
+        "SiLU",
+    )
+
+
+def _fused_rms_norm(module, call, hidden_states: torch.Tensor) -> torch.Tensor:
+    return call(hidden_states, module.weight, module.variance_epsilon)
+
+
+def _fused_swiglu(module, call, x: torch.Tensor) -> torch.Tensor:
+    return module.down_proj(call(module.gate_proj(x), module.up_proj(x)))
+
+
+def _patch(module: torch.nn.Module, kernels: KernelSet, op: str, fused: Callable) -> None:
+    """``module.forward`` = ``fused`` with ``kernels.calls[op]`` while ``op`` runs its kernel,
+    else the module's own forward (after a failure: ``KernelSet.fall_back``)."""
+    own = module.forward
+    call = kernels.calls[op]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if kernels.chosen[op] != REFERENCE:
+            try:
+                return fused(module, call, x)
+            except Exception as err:  # noqa: BLE001 - reported once, then the reference
+                kernels.fall_back(op, err)
+        return own(x)
+
+    module.forward = forward
+
+
+def choose_kernels(
+    providers: dict[str, Provider],
+    *,
+    mode: str = "auto",
+    reference_ops: tuple[str, ...] = (),
+    deterministic: bool = False,
+    optimizer_offload: bool = False,
+) -> KernelSet:
+    """The kernel set from a device's ``providers`` (op -> ``Provider``; absent: none fused):
+    ``mode`` ``reference`` takes the reference everywhere; ``reference_ops`` for those ops
+    alone; ``deterministic`` for ops whose kernel is not deterministic; ``optimizer_offload``
+    keeps the reference optimizer (its step runs on the host's state)."""
+    chosen, reasons, calls = {}, {}, {}
+    for op in OPS:
+        chosen[op] = REFERENCE
+        provider = providers.get(op)
+        if provider is None:
+            continue
+        if mode == "reference" or op in reference_ops:
+            reasons[op] = "train.kernels" if mode == "reference" else "train.reference_kernels"
+            continue
+        if deterministic and not provider.deterministic:
+            reasons[op] = "run.deterministic: the fused kernel has no deterministic mode"
+            continue
+        if op == "optimizer":
+            if optimizer_offload:
+                reasons[op] = "train.optimizer_offload: the step runs on the host"
+                continue
+            chosen[op] = provider.name
+            continue
+        try:
+            fn = getattr(importlib.import_module(provider.module), provider.attr)
+        except Exception as err:  # noqa: BLE001 - not installed, or broken: never chosen
+            reasons[op] = f"{provider.name} did not load: {type(err).__name__}: {err}"
+            reasons[op] = reasons[op].splitlines()[0][:200]
+            continue
+        make = _rms_norm_call if op == "rms_norm" else _swiglu_call
+        chosen[op], calls[op] = provider.name, make(provider, fn)
+    return KernelSet(chosen, reasons, calls)

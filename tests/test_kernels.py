@@ -1,0 +1,242 @@
+"""The HAL's kernel set (``hal.kernels``, ``train.kernels``), parity by construction on the CPU.
+
+Liger-Kernel's functions are Triton and torch_npu's ops need an NPU, so each is stood in for
+here by its documented formula behind its exact calling convention, in a module of the tests'
+own loaded under the provider's names (Liger 0.8.5's
+``LigerRMSNormFunction.apply(X, W, eps, offset, casting_mode, in_place)`` in Llama casting
+mode and ``LigerSiLUMulFunction.apply(a, b)``; torch_npu 2.10's ``npu_rms_norm(input, gamma,
+epsilon)`` returning ``(y, rstd)`` and ``npu_swiglu(input, dim)`` = Swish(first half) x second
+half), installed where the shipped code imports them. The shipped patch then runs on a tiny
+Qwen2 model, whose values and gradients must equal the reference model's in fp32: an argument
+out of place (gate and up swapped, an offset, the wrong casting) shows. The conventions
+themselves are read from the pinned wheels (``tests/fixtures/kernel_api.json``,
+``scripts/record_kernel_api.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import hal
+from hal.kernels import LIGER, OPS, REFERENCE, TORCH_NPU, Provider, choose_kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+API = json.loads((ROOT / "tests" / "fixtures" / "kernel_api.json").read_text())
+
+
+def _llama_rms_norm(x, weight, eps):
+    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+class _LigerRMSNormFunction:
+    @staticmethod
+    def apply(X, W, eps, offset=0.0, casting_mode="llama", in_place=True, row_mode=None):
+        assert offset == 0.0 and casting_mode == "llama" and in_place is False
+        return _llama_rms_norm(X, W + offset, eps)
+
+
+class _LigerSiLUMulFunction:
+    @staticmethod
+    def apply(a, b, gate_multiplier=1.0, down_multiplier=1.0):
+        return torch.nn.functional.silu(a) * b
+
+
+def _npu_rms_norm(input, gamma, epsilon=1e-6):  # noqa: A002 - torch_npu's own name
+    rstd = torch.rsqrt(input.float().pow(2).mean(-1, keepdim=True) + epsilon)
+    return gamma * (input.float() * rstd).to(input.dtype), rstd
+
+
+def _npu_swiglu(input, dim=-1):  # noqa: A002
+    first, second = input.chunk(2, dim=dim)
+    return torch.nn.functional.silu(first) * second
+
+
+#: Where the stand-ins live: a module name of their own (a fake ``torch_npu`` in
+#: ``sys.modules`` would fool transformers' and accelerate's own NPU checks).
+STAND_IN = "crossrl_test_kernel_stand_ins"
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """The providers' functions, as their documented formulas, in module ``STAND_IN``."""
+    module = types.ModuleType(STAND_IN)
+    module.__dict__.update(
+        LigerRMSNormFunction=_LigerRMSNormFunction,
+        LigerSiLUMulFunction=_LigerSiLUMulFunction,
+        npu_rms_norm=_npu_rms_norm,
+        npu_swiglu=_npu_swiglu,
+    )
+    monkeypatch.setitem(sys.modules, STAND_IN, module)
+
+
+def _here(providers: dict[str, Provider]) -> dict[str, Provider]:
+    """``providers`` with their functions loaded from the stand-ins (same names, same calling
+    conventions)."""
+    return {
+        op: replace(p, module=STAND_IN) if p.module is not None else p
+        for op, p in providers.items()
+    }
+
+
+def _tiny(seed: int = 0) -> torch.nn.Module:
+    from rollout.models import load_model
+
+    model = load_model("builtin:tiny", dtype=torch.float32, seed=1)
+    with torch.no_grad():  # norms away from 1, so a wrong weight or offset shows
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _run(model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ids = torch.arange(3, 19)[None]
+    logits = model(input_ids=ids).logits
+    logits.float().pow(2).mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("providers", [LIGER, TORCH_NPU], ids=["liger", "torch_npu"])
+def test_each_fused_op_gives_the_references_values_and_gradients(stand_ins, providers):
+    kernels = choose_kernels(_here(providers))
+    assert kernels.chosen == {op: providers[op].name for op in OPS}
+    reference, fused = _tiny(), _tiny()
+    patched = kernels.apply(fused)
+    layers = fused.config.num_hidden_layers
+    assert patched == {"rms_norm": 2 * layers + 1, "swiglu": layers}
+    want, want_grads = _run(reference)
+    got, got_grads = _run(fused)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert fused.state_dict().keys() == reference.state_dict().keys()  # nothing added
+
+
+def test_the_patch_is_the_instances_own(stand_ins):
+    """Another model of the same classes, in the same process, keeps the eager forward."""
+    kernels = choose_kernels(_here(LIGER))
+    fused, other = _tiny(), _tiny()
+    classes = {type(m): vars(type(m)).get("forward") for m in other.modules()}
+    kernels.apply(fused)
+    assert "forward" in vars(fused.model.norm) and "forward" not in vars(other.model.norm)
+    assert {c: vars(c).get("forward") for c in classes} == classes  # no class is touched
+
+
+def test_a_kernel_that_fails_to_run_falls_back_once_reported(stand_ins, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("triton: no kernel for this GPU\nsecond line")
+
+    monkeypatch.setattr(_LigerSiLUMulFunction, "apply", staticmethod(broken))
+    kernels = choose_kernels(_here(LIGER))
+    reference, fused = _tiny(), _tiny()
+    kernels.apply(fused)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, _ = _run(fused)
+        _run(fused)
+    said = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1 and "swiglu kernel liger failed" in str(said[0].message)
+    torch.testing.assert_close(got, _run(reference)[0])
+    assert kernels.chosen["swiglu"] == REFERENCE and kernels.chosen["rms_norm"] == "liger"
+    assert kernels.report()["swiglu"].startswith("reference (liger failed: RuntimeError: triton")
+
+
+def test_a_kernel_that_does_not_load_is_never_chosen():
+    missing = {"swiglu": Provider("liger", "crossrl_no_such_module", "X")}
+    kernels = choose_kernels(missing)
+    assert kernels.chosen["swiglu"] == REFERENCE
+    assert "did not load: ModuleNotFoundError" in kernels.reasons["swiglu"]
+    assert kernels.apply(_tiny()) == {"rms_norm": 0, "swiglu": 0}
+
+
+def test_the_keys_and_settings_that_keep_the_reference(stand_ins):
+    everything = choose_kernels(_here(TORCH_NPU), mode="reference")
+    assert set(everything.chosen.values()) == {REFERENCE}
+    assert everything.reasons == dict.fromkeys(OPS, "train.kernels")
+    some = choose_kernels(_here(LIGER), reference_ops=("rms_norm",))
+    assert some.chosen == {"rms_norm": REFERENCE, "swiglu": "liger", "optimizer": "fused-adamw"}
+    # aclnnRmsNorm documents no fixed reduction order: run.deterministic keeps the reference
+    fixed = choose_kernels(_here(TORCH_NPU), deterministic=True)
+    assert (
+        fixed.chosen["rms_norm"] == REFERENCE and "run.deterministic" in fixed.reasons["rms_norm"]
+    )
+    assert fixed.chosen["swiglu"] == "torch_npu.npu_swiglu"  # element-wise: deterministic
+    offloaded = choose_kernels(_here(LIGER), optimizer_offload=True)
+    assert offloaded.optimizer_options() == {"foreach": True}
+    assert choose_kernels(_here(LIGER)).optimizer_options() == {"fused": True}
+
+
+def test_the_cpu_runs_the_reference_and_the_accelerators_name_their_kernels():
+    assert hal.get_backend("cpu").kernel_providers == {}
+    assert hal.backend_class("cuda").kernel_providers is LIGER
+    assert hal.backend_class("npu").kernel_providers is TORCH_NPU
+    cpu = choose_kernels(hal.get_backend("cpu").kernel_providers)
+    assert set(cpu.chosen.values()) == {REFERENCE} and cpu.reasons == {}
+
+
+def test_the_fused_optimizer_step_is_adamws():
+    """torch's fused AdamW (what the accelerators take) against foreach (the reference) on the
+    same parameters and gradients, several steps: equal within rounding."""
+    torch.manual_seed(0)
+    params = [torch.randn(33, 7), torch.randn(5)]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(4)]
+    out = {}
+    for options in ({"foreach": True}, {"fused": True}):
+        copies = [p.clone().requires_grad_() for p in params]
+        opt = torch.optim.AdamW(copies, lr=1e-2, weight_decay=0.1, **options)
+        for step in grads:
+            for p, g in zip(copies, step):
+                p.grad = g.clone()
+            opt.step()
+        out[next(iter(options))] = [p.detach() for p in copies]
+    for a, b in zip(out["foreach"], out["fused"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- pinned wheels
+
+
+def test_the_calls_match_the_pinned_wheels():
+    """Liger 0.8.5's function arguments in the order crossrl passes them, and torch_npu
+    2.10.0.post4's op schemas (read from its library)."""
+    for provider in (LIGER["rms_norm"], LIGER["swiglu"]):  # the names the HAL imports
+        assert f"{provider.module}.{provider.attr}.forward" in API
+    for provider in (TORCH_NPU["rms_norm"], TORCH_NPU["swiglu"]):
+        assert API[f"{provider.module}.{provider.attr}"] is not None
+    rms = API["liger_kernel.ops.rms_norm.LigerRMSNormFunction.forward"]
+    assert rms[1:7] == ["X", "W", "eps", "offset", "casting_mode", "in_place"]
+    silu = API["liger_kernel.ops.swiglu.LigerSiLUMulFunction.forward"]
+    assert silu[1:3] == ["a", "b"]
+    assert API["torch_npu.npu_rms_norm"] == (
+        "npu_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)"
+    )
+    assert API["torch_npu.npu_swiglu"] == "npu_swiglu(Tensor input, int dim=-1) -> Tensor"
+    assert API["torch_npu._fused_adamw_"] is True  # the NPU's fused AdamW kernel
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "configs").glob("[gn]pu/*.yaml")), ids=lambda p: p.parent.name + p.stem
+)
+def test_the_shipped_device_configs_take_their_devices_fused_set(path):
+    """Every GPU and NPU config runs ``train.kernels=auto`` (device files set only layout keys;
+    the kernel set is the device's own), the optimizer kernel fused unless it is offloaded."""
+    from trainer.config import load_config
+
+    cfg = load_config(str(path), [], check_environment=False)
+    assert cfg.train.kernels == "auto" and cfg.train.reference_kernels == []
+    device = path.parent.name.replace("gpu", "cuda")
+    providers = hal.backend_class(device).kernel_providers
+    assert providers is (LIGER if device == "cuda" else TORCH_NPU)
+    offloaded = cfg.train.optimizer_offload or cfg.train.param_offload
+    chosen = choose_kernels({"optimizer": providers["optimizer"]}, optimizer_offload=offloaded)
+    assert chosen.optimizer_options() == ({"foreach": True} if offloaded else {"fused": True})

@@ -1,0 +1,116 @@
+"""The ``train`` section of the typed config (``trainer.config.schema`` nests it in
+``Config``): batch sizes in prompts and tokens, parallelism, the optimizer, memory switches,
+the update's kernels, and how rollouts meet training (lag, staleness)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from trainer.config.schema_base import SECTION as _SECTION
+
+__all__ = ["TrainConfig", "TrainDtype"]
+
+TrainDtype = Literal["float32", "bfloat16"]
+
+
+class TrainConfig(BaseModel):
+    """Batch sizes, parallelism and the optimizer."""
+
+    model_config = _SECTION
+
+    batch_size: int = Field(8, ge=1, description="prompts per training step")
+    mini_batch_size: int = Field(
+        4, ge=1, description="prompts per mini-batch (one optimizer step); divides batch_size"
+    )
+    dp_size: int = Field(1, ge=1, description="data-parallel ranks (devices) of the trainer")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=2,
+        description="tokens per micro-batch per rank (a longer row goes alone); "
+        "null = one micro-batch per rank",
+    )
+    total_steps: int = Field(30, ge=1, description="training steps (rollout + update)")
+    lr: float = Field(1e-6, gt=0, description="actor learning rate (peak)")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear lr warm-up")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="lr after warm-up: constant, or cosine down to min_lr_ratio * lr"
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: final lr as a fraction of lr")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float | None = Field(
+        1.0, gt=0, description="max global grad norm; null = no clipping"
+    )
+    ppo_epochs: int = Field(1, ge=1, description="passes over each step's batch")
+    param_offload: bool = Field(
+        False,
+        description="keep sharded parameters, their gradients and the optimizer step in host "
+        "memory, gathered onto the device per use (FSDP2's CPU-offload policy)",
+    )
+    optimizer_offload: bool = Field(
+        False, description="keep optimizer state in host memory between optimizer steps"
+    )
+    param_dtype: TrainDtype = Field(
+        "float32",
+        description="compute dtype of forward/backward (FSDP2 mixed precision); parameters "
+        "and optimizer state stay float32",
+    )
+    reduce_dtype: TrainDtype = Field(
+        "float32", description="dtype in which gradients are reduced across ranks"
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer's activations in backward instead of "
+        "keeping them (less memory, about a third more compute)",
+    )
+    lean_logprobs: bool = Field(
+        True,
+        description="log-probs and entropy from the hidden states through the LM head a chunk "
+        "of tokens at a time, recomputed in backward (no [tokens, vocab] logits kept); false = "
+        "from the full logits (more memory, same values)",
+    )
+    old_logprobs_from_update: bool = Field(
+        True,
+        description="the step's first mini-batch trains on the weights that sampled it, so "
+        "its old log-probs are its update's own forward (detached) instead of a separate "
+        "pass (one forward less per step; off by itself with algorithm.rollout_correction "
+        "or a KL reward penalty, which need them before the update)",
+    )
+    rollout_lag: int = Field(
+        0,
+        ge=0,
+        description="training steps between the policy that samples a step and the one that "
+        "trains on it: step t is sampled by the weights after step t - 1 - rollout_lag, so "
+        "the engines generate ahead while the ranks train (needs rollout.engine_devices and "
+        "algorithm.rollout_correction); 0 = synchronous",
+    )
+    max_staleness: int | None = Field(
+        None,
+        ge=1,
+        description="streaming rollouts: the engines sample groups without step boundaries and "
+        "a step trains on the first train.batch_size groups to finish whose oldest token came "
+        "from a policy at most this many steps behind (older ones are dropped), so runs differ "
+        "run to run and every batch is recorded for replay (needs "
+        "algorithm.rollout_correction; colocated engines hold the stream while they sleep for "
+        "the update); at most train.total_steps - 1 (no group can be older), and its groups "
+        "in flight must fit half the rollout host's memory; null = off",
+    )
+    share_prompts: bool = Field(
+        True,
+        description="rows of a micro-batch with the same prompt (a group's samples) run it "
+        "through the model once, their responses attending to it (fewer tokens; the same "
+        "values up to float rounding); false = every row carries its own copy",
+    )
+    kernels: Literal["auto", "reference"] = Field(
+        "auto",
+        description="the update's kernels (hal.kernels): auto = the device's fused set "
+        "(CUDA: Liger-Kernel's RMSNorm and SwiGLU, torch's fused AdamW; Ascend: torch_npu's "
+        "npu_rms_norm and npu_swiglu, fused AdamW; the CPU has only the reference), each "
+        "falling back to the reference if it cannot load or run; reference = the eager "
+        "reference everywhere (the CPU's golden)",
+    )
+    reference_kernels: list[Literal["rms_norm", "swiglu", "optimizer"]] = Field(
+        default_factory=list,
+        description="ops that run the eager reference even under train.kernels=auto",
+    )
