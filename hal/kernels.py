@@ -7,25 +7,25 @@ Ops (``OPS``):
   the weight; the HF classes in ``RMS_NORM_CLASSES``);
 - ``swiglu``: the gated MLP's ``silu(gate(x)) * up(x)`` (modules with ``gate_proj`` /
   ``up_proj`` / ``down_proj`` and a SiLU);
+- ``rope``: the rotation of queries and keys in each attention module (``_patch_rope``);
 - ``optimizer``: AdamW's step, torch's ``fused`` kernel over each parameter's (DTensor)
   shard instead of ``foreach`` (torch registers ``_fused_adamw_`` for DTensor; torch_npu
   2.10.0.post4 implements it for NPU tensors, ``wrapper_NPU___fused_adamw_`` in its library).
 
 ``reference`` is today's eager code, the golden, and the CPU's set. CUDA takes Liger-Kernel's
-Triton functions (``LigerRMSNormFunction`` in Llama casting mode, ``LigerSiLUMulFunction``),
-the NPU torch_npu's own ops (``npu_rms_norm``, ``npu_swiglu`` on ``cat(gate, up)``), as verl's
-NPU patch and MindSpeed's FSDP2 path call them. Each is patched onto the model **instance**
+Triton functions (``LigerRMSNormFunction`` in Llama casting mode, ``LigerSiLUMulFunction``,
+``LigerRopeFunction``), the NPU torch_npu's own ops (``npu_rms_norm``, ``npu_swiglu`` on
+``cat(gate, up)``, ``npu_rotary_mul``), as verl's NPU patch and MindSpeed's FSDP2 path call
+them. Each is patched onto the model **instance**
 (its modules' ``forward``), before ``fully_shard``, never on a class or module at import, so
 a reference model in the same process is untouched. A kernel that fails to load is never
 chosen; one that fails to run falls back to the reference for the rest of the process,
 reported once (``KernelSet.fall_back``). ``run.deterministic`` keeps the reference for an op
 whose fused kernel has no deterministic mode (``Provider.deterministic``).
 
-Left to the reference, with the reason: RoPE (transformers 5 applies it through a
-module-level function inside each attention class's forward, patchable only globally, which
-Liger's own ``apply_liger_kernel_to_*`` does), the LM head's log-prob + entropy (the lean
-path's chunks, ``trainer.loop.ranks.forward``; no pinned library ships it with temperature)
-and per-block compilation (not yet measured against the reference on a device).
+Left to the reference, with the reason: the LM head's log-prob + entropy (the lean path's
+chunks, ``trainer.loop.ranks.forward``; no pinned library ships it with temperature) and
+per-block compilation (not yet measured against the reference on a device).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 #: The ops a kernel set chooses for, in report order.
-OPS = ("rms_norm", "swiglu", "optimizer")
+OPS = ("rms_norm", "swiglu", "rope", "optimizer")
 REFERENCE = "reference"
 #: HF RMSNorm classes whose forward is Llama's formula (the fused kernels compute exactly it).
 RMS_NORM_CLASSES = frozenset(
@@ -73,6 +73,7 @@ class Provider:
 LIGER = {
     "rms_norm": Provider("liger", "liger_kernel.ops.rms_norm", "LigerRMSNormFunction"),
     "swiglu": Provider("liger", "liger_kernel.ops.swiglu", "LigerSiLUMulFunction"),
+    "rope": Provider("liger", "liger_kernel.ops.rope", "LigerRopeFunction"),
     "optimizer": Provider("fused-adamw"),
 }
 TORCH_NPU = {
@@ -82,6 +83,9 @@ TORCH_NPU = {
         "torch_npu.npu_rms_norm", "torch_npu", "npu_rms_norm", False, convention="torch_npu"
     ),
     "swiglu": Provider("torch_npu.npu_swiglu", "torch_npu", "npu_swiglu", convention="torch_npu"),
+    "rope": Provider(
+        "torch_npu.npu_rotary_mul", "torch_npu", "npu_rotary_mul", convention="torch_npu"
+    ),
     "optimizer": Provider("fused-adamw"),
 }
 
@@ -100,6 +104,22 @@ def _swiglu_call(provider: Provider, fn) -> Callable:
     if provider.convention == "torch_npu":  # halves of one tensor: Swish(first) * second
         return lambda gate, up: fn(torch.cat((gate, up), dim=-1), dim=-1)
     return lambda gate, up: fn.apply(gate, up)
+
+
+def _rope_call(provider: Provider, fn) -> Callable:
+    """``(q, k, cos, sin) -> (q, k)`` rotated (q, k ``[B, H, S, D]``; cos, sin ``[B, S, D]``)
+    through ``provider``'s function."""
+    if provider.convention == "torch_npu":  # x * cos + rotate_half(x) * sin, one tensor a call
+
+        def rotate(q, k, cos, sin):
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            return fn(q, cos, sin).to(q.dtype), fn(k, cos, sin).to(k.dtype)
+
+        return rotate
+    return lambda q, k, cos, sin: fn.apply(q, k, cos, sin)
+
+
+_CALLS = {"rms_norm": _rms_norm_call, "swiglu": _swiglu_call, "rope": _rope_call}
 
 
 @dataclass
@@ -140,7 +160,7 @@ class KernelSet:
         """Patch ``model``'s own modules (their instance ``forward``) with the chosen kernels,
         before ``fully_shard``; returns the modules patched per op. Each patched forward runs
         the module's own forward once its op has fallen back."""
-        patched = {"rms_norm": 0, "swiglu": 0}
+        patched = {"rms_norm": 0, "swiglu": 0, "rope": 0}
         for module in model.modules():
             if "rms_norm" in self.calls and type(module).__name__ in RMS_NORM_CLASSES:
                 _patch(module, self, "rms_norm", _fused_rms_norm)
@@ -148,6 +168,8 @@ class KernelSet:
             elif "swiglu" in self.calls and _is_swiglu_mlp(module):
                 _patch(module, self, "swiglu", _fused_swiglu)
                 patched["swiglu"] += 1
+            elif "rope" in self.calls and _patch_rope(module, self):
+                patched["rope"] += 1
         return patched
 
 
@@ -186,6 +208,48 @@ def _patch(module: torch.nn.Module, kernels: KernelSet, op: str, fused: Callable
     module.forward = forward
 
 
+def _patch_rope(module: torch.nn.Module, kernels: KernelSet) -> bool:
+    """An attention module whose class's forward rotates q and k through its modeling
+    module's ``apply_rotary_pos_emb`` (transformers 5's Llama / Qwen2 / Qwen3 attention)
+    gets, as its own ``forward``, that very function with the fused rotation in that name's
+    place (a copy of the function object with other globals: nothing of transformers is
+    changed, no other instance sees it); the reference rotation again once the kernel has
+    fallen back. Returns whether ``module`` was patched."""
+    import inspect
+    import types
+
+    if not type(module).__name__.endswith("Attention"):
+        return False
+    raw = inspect.unwrap(type(module).forward)  # below transformers' kwarg-renaming wrapper
+    reference = raw.__globals__.get("apply_rotary_pos_emb")
+    if reference is None or "apply_rotary_pos_emb" not in raw.__code__.co_names:
+        return False
+    call = kernels.calls["rope"]
+
+    def rope(q, k, cos, sin, unsqueeze_dim=1):
+        if kernels.chosen["rope"] != REFERENCE and unsqueeze_dim == 1:
+            try:
+                return call(q, k, cos, sin)
+            except Exception as err:  # noqa: BLE001 - reported once, then the reference
+                kernels.fall_back("rope", err)
+        return reference(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    scope = {**raw.__globals__, "apply_rotary_pos_emb": rope}
+    rebuilt = types.FunctionType(
+        raw.__code__, scope, raw.__name__, raw.__defaults__, raw.__closure__
+    )
+    rebuilt.__kwdefaults__ = raw.__kwdefaults__
+    renamed = "cache" in inspect.signature(raw).parameters  # the wrapper's one job, kept
+
+    def forward(*args, **kwargs):
+        if renamed and "past_key_values" in kwargs:
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        return rebuilt(module, *args, **kwargs)
+
+    module.forward = forward
+    return True
+
+
 def choose_kernels(
     providers: dict[str, Provider],
     *,
@@ -222,6 +286,5 @@ def choose_kernels(
             reasons[op] = f"{provider.name} did not load: {type(err).__name__}: {err}"
             reasons[op] = reasons[op].splitlines()[0][:200]
             continue
-        make = _rms_norm_call if op == "rms_norm" else _swiglu_call
-        chosen[op], calls[op] = provider.name, make(provider, fn)
+        chosen[op], calls[op] = provider.name, _CALLS[op](provider, fn)
     return KernelSet(chosen, reasons, calls)

@@ -23,9 +23,10 @@ OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "kernel_api.j
 LIGER = [
     ("liger_kernel/ops/rms_norm.py", "LigerRMSNormFunction"),
     ("liger_kernel/ops/swiglu.py", "LigerSiLUMulFunction"),
+    ("liger_kernel/ops/rope.py", "LigerRopeFunction"),
 ]
 #: torch_npu ops whose schema crossrl relies on; ``_fused_adamw_``: whether the NPU has it.
-NPU_OPS = ("npu_rms_norm", "npu_swiglu")
+NPU_OPS = ("npu_rms_norm", "npu_swiglu", "npu_rotary_mul")
 
 
 def _forward_args(source: str, cls_name: str) -> list[str]:

@@ -50,6 +50,24 @@ class _LigerSiLUMulFunction:
         return torch.nn.functional.silu(a) * b
 
 
+def _rotate_half(x):
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class _LigerRopeFunction:
+    @staticmethod
+    def apply(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rotary_dim=None):
+        assert position_ids is None and unsqueeze_dim == 1 and cos.dim() == 3
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):  # noqa: A002
+    assert rotary_mode == "half" and r1.dim() == input.dim()  # cos, sin broadcast to [B, H, S, D]
+    return input * r1 + _rotate_half(input) * r2
+
+
 def _npu_rms_norm(input, gamma, epsilon=1e-6):  # noqa: A002 - torch_npu's own name
     rstd = torch.rsqrt(input.float().pow(2).mean(-1, keepdim=True) + epsilon)
     return gamma * (input.float() * rstd).to(input.dtype), rstd
@@ -72,8 +90,10 @@ def stand_ins(monkeypatch):
     module.__dict__.update(
         LigerRMSNormFunction=_LigerRMSNormFunction,
         LigerSiLUMulFunction=_LigerSiLUMulFunction,
+        LigerRopeFunction=_LigerRopeFunction,
         npu_rms_norm=_npu_rms_norm,
         npu_swiglu=_npu_swiglu,
+        npu_rotary_mul=_npu_rotary_mul,
     )
     monkeypatch.setitem(sys.modules, STAND_IN, module)
 
@@ -113,9 +133,10 @@ def test_each_fused_op_gives_the_references_values_and_gradients(stand_ins, prov
     reference, fused = _tiny(), _tiny()
     patched = kernels.apply(fused)
     layers = fused.config.num_hidden_layers
-    assert patched == {"rms_norm": 2 * layers + 1, "swiglu": layers}
+    assert patched == {"rms_norm": 2 * layers + 1, "swiglu": layers, "rope": layers}
     want, want_grads = _run(reference)
     got, got_grads = _run(fused)
+    assert kernels.chosen == {op: providers[op].name for op in OPS}, kernels.reasons  # none fell
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
@@ -129,7 +150,12 @@ def test_the_patch_is_the_instances_own(stand_ins):
     classes = {type(m): vars(type(m)).get("forward") for m in other.modules()}
     kernels.apply(fused)
     assert "forward" in vars(fused.model.norm) and "forward" not in vars(other.model.norm)
+    attention = fused.model.layers[0].self_attn
+    assert "forward" in vars(attention) and "forward" not in vars(other.model.layers[0].self_attn)
     assert {c: vars(c).get("forward") for c in classes} == classes  # no class is touched
+    from transformers.models.qwen2 import modeling_qwen2
+
+    assert modeling_qwen2.apply_rotary_pos_emb.__module__ == modeling_qwen2.__name__
 
 
 def test_a_kernel_that_fails_to_run_falls_back_once_reported(stand_ins, monkeypatch):
@@ -156,7 +182,7 @@ def test_a_kernel_that_does_not_load_is_never_chosen():
     kernels = choose_kernels(missing)
     assert kernels.chosen["swiglu"] == REFERENCE
     assert "did not load: ModuleNotFoundError" in kernels.reasons["swiglu"]
-    assert kernels.apply(_tiny()) == {"rms_norm": 0, "swiglu": 0}
+    assert kernels.apply(_tiny()) == {"rms_norm": 0, "swiglu": 0, "rope": 0}
 
 
 def test_the_keys_and_settings_that_keep_the_reference(stand_ins):
@@ -164,7 +190,12 @@ def test_the_keys_and_settings_that_keep_the_reference(stand_ins):
     assert set(everything.chosen.values()) == {REFERENCE}
     assert everything.reasons == dict.fromkeys(OPS, "train.kernels")
     some = choose_kernels(_here(LIGER), reference_ops=("rms_norm",))
-    assert some.chosen == {"rms_norm": REFERENCE, "swiglu": "liger", "optimizer": "fused-adamw"}
+    assert some.chosen == {
+        "rms_norm": REFERENCE,
+        "swiglu": "liger",
+        "rope": "liger",
+        "optimizer": "fused-adamw",
+    }
     # aclnnRmsNorm documents no fixed reduction order: run.deterministic keeps the reference
     fixed = choose_kernels(_here(TORCH_NPU), deterministic=True)
     assert (
@@ -209,14 +240,20 @@ def test_the_fused_optimizer_step_is_adamws():
 def test_the_calls_match_the_pinned_wheels():
     """Liger 0.8.5's function arguments in the order crossrl passes them, and torch_npu
     2.10.0.post4's op schemas (read from its library)."""
-    for provider in (LIGER["rms_norm"], LIGER["swiglu"]):  # the names the HAL imports
+    for provider in (LIGER["rms_norm"], LIGER["swiglu"], LIGER["rope"]):  # the HAL's imports
         assert f"{provider.module}.{provider.attr}.forward" in API
-    for provider in (TORCH_NPU["rms_norm"], TORCH_NPU["swiglu"]):
+    for provider in (TORCH_NPU["rms_norm"], TORCH_NPU["swiglu"], TORCH_NPU["rope"]):
         assert API[f"{provider.module}.{provider.attr}"] is not None
     rms = API["liger_kernel.ops.rms_norm.LigerRMSNormFunction.forward"]
     assert rms[1:7] == ["X", "W", "eps", "offset", "casting_mode", "in_place"]
     silu = API["liger_kernel.ops.swiglu.LigerSiLUMulFunction.forward"]
     assert silu[1:3] == ["a", "b"]
+    rope = API["liger_kernel.ops.rope.LigerRopeFunction.forward"]
+    assert rope[1:5] == ["q", "k", "cos", "sin"]
+    assert API["torch_npu.npu_rotary_mul"] == (
+        "npu_rotary_mul(Tensor input, Tensor r1, Tensor r2, str rotary_mode='half', "
+        "Tensor? rotate=None) -> Tensor"
+    )
     assert API["torch_npu.npu_rms_norm"] == (
         "npu_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)"
     )
@@ -240,3 +277,54 @@ def test_the_shipped_device_configs_take_their_devices_fused_set(path):
     offloaded = cfg.train.optimizer_offload or cfg.train.param_offload
     chosen = choose_kernels({"optimizer": providers["optimizer"]}, optimizer_offload=offloaded)
     assert chosen.optimizer_options() == ({"foreach": True} if offloaded else {"fused": True})
+
+
+def _sharded_pair(rank: int, port: int, checkpointing: bool) -> None:
+    """One rank of two: the patched model and the reference, each through FSDP2 (layers, then
+    the root) and optionally activation checkpointing, as ``FSDPWorker.setup`` builds them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from trainer.loop.ranks.fsdp_worker import enable_activation_checkpointing
+
+    module = types.ModuleType(STAND_IN)
+    module.__dict__.update(
+        LigerRMSNormFunction=_LigerRMSNormFunction,
+        LigerSiLUMulFunction=_LigerSiLUMulFunction,
+        LigerRopeFunction=_LigerRopeFunction,
+    )
+    sys.modules[STAND_IN] = module
+    backend = hal.get_backend("cpu")
+    backend.init_process_group(rank, 2, master_addr="127.0.0.1", master_port=port, timeout_s=60)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        kernels = choose_kernels(_here(LIGER))
+        out = {}
+        for name, patch in (("reference", False), ("fused", True)):
+            model = _tiny()
+            if patch:
+                kernels.apply(model)
+            if checkpointing:
+                enable_activation_checkpointing(model)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            logits, grads = _run(model)
+            out[name] = logits, {n: g.full_tensor() for n, g in grads.items()}
+        assert kernels.chosen["rope"] == "liger", kernels.reasons  # nothing fell back
+        torch.testing.assert_close(out["fused"][0], out["reference"][0], rtol=1e-5, atol=1e-6)
+        for name, grad in out["reference"][1].items():
+            torch.testing.assert_close(out["fused"][1][name], grad, rtol=1e-5, atol=1e-6)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
+def test_the_patch_holds_under_fsdp2_and_activation_checkpointing(checkpointing):
+    import torch.multiprocessing as mp
+
+    from trainer.loop.cluster.group import free_port
+
+    mp.spawn(_sharded_pair, args=(free_port(), checkpointing), nprocs=2, join=True)
