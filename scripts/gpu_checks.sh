@@ -110,13 +110,14 @@ part_peer() {
 
 part_cudatests() {
     # The CUDA-marked tests and the files that guard the fixed path (varlen and shared-prompt
-    # kernels against SDPA, packed rows, offload placement, the IPC bucket at tp 1); -rs lists
+    # kernels against SDPA, packed rows, offload placement, the IPC bucket at tp 1, the kernel
+    # set: Liger against the reference, hal.kernels); -rs lists
     # every skip, which must not be a CUDA test.
     "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)' ||
         { echo "cudatests: no CUDA device here (torch.cuda.is_available() is False)"; return 3; }
     "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 60 tests/test_hal_attention.py \
         tests/test_shared_prefix_kernels.py tests/test_trainer_offload.py \
-        tests/test_rollout_engine_handoff.py tests/test_hal_backends.py
+        tests/test_rollout_engine_handoff.py tests/test_hal_backends.py tests/test_kernels.py
 }
 
 part_job15() {
@@ -133,7 +134,8 @@ part_budget7b() {
 
 part_mfu() {
     # The shipped actor update at the 1.5B shape: MFU against the measured bf16 peak, with
-    # torch.profiler's top kernels (activation checkpointing on, the shipped setting).
+    # torch.profiler's top kernels (activation checkpointing on, the shipped setting), with
+    # the device's fused kernel set and, side by side, the reference set (hal.kernels).
     "$PY" -m bench.gpu --quick --shape qwen2.5-1.5b --model-dir "$WORK/qwen2.5-1.5b-random" \
         --profile --json "$OUT/mfu.json"
 }
@@ -181,7 +183,7 @@ part_bench() {
 }
 
 declare -A limit=([install]=60 [env]=20 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=110
-    [bench]=200 [vllmtests]=150 [vllmjob]=180 [peer]=200 [cudatests]=70 [job15]=170 [budget7b]=50 [mfu]=120
+    [bench]=200 [vllmtests]=150 [vllmjob]=180 [peer]=200 [cudatests]=70 [job15]=170 [budget7b]=50 [mfu]=150
     [vllmnew]=200)
 for part in "${parts[@]}"; do
     if [ -z "${limit[$part]:-}" ]; then

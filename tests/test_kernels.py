@@ -328,3 +328,35 @@ def test_the_patch_holds_under_fsdp2_and_activation_checkpointing(checkpointing)
     from trainer.loop.cluster.group import free_port
 
     mp.spawn(_sharded_pair, args=(free_port(), checkpointing), nprocs=2, join=True)
+
+
+# ----------------------------------------------------------------------------- on a device
+
+
+def _on_device(device: str, providers: dict[str, Provider]) -> None:
+    """The real fused set on ``device`` against the reference, fp32: the same values and
+    gradients up to the kernels' own summation order, and no op fell back."""
+    kernels = choose_kernels(providers)
+    assert set(kernels.chosen.values()) == {p.name for p in providers.values()}, kernels.reasons
+    reference, fused = _tiny().to(device), _tiny().to(device)
+    kernels.apply(fused)
+    want, want_grads = _run(reference)
+    got, got_grads = _run(fused)
+    assert kernels.chosen == {op: providers[op].name for op in OPS}, kernels.reasons
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_liger_on_cuda_gives_the_references_values_and_gradients():
+    pytest.importorskip("liger_kernel", reason="pip install -c constraints-gpu.txt -e '.[gpu]'")
+    _on_device("cuda", LIGER)
+
+
+@pytest.mark.npu
+def test_torch_npu_ops_give_the_references_values_and_gradients():
+    if "npu" not in hal.available_backends():
+        pytest.skip("needs an Ascend NPU and torch_npu")
+    _on_device(str(hal.get_backend("npu").device(0)), TORCH_NPU)
