@@ -95,9 +95,10 @@ job_15b() {
 }
 
 part_vllmjob() {
-    # Five steps with the vLLM engine colocated (sleep level 2, the streamed weight push) at
-    # job15's sizes, so the HF engine's figures stand beside it: generated tokens/s, push
-    # seconds and share of the step, each phase against the budget.
+    # Five steps with the vLLM engine colocated (sleep level 2, the push through vLLM's
+    # `ipc` weight-transfer engine, WeightPush.push_transfer) at job15's sizes, so the HF
+    # engine's figures stand beside it: generated tokens/s, push seconds and share of the
+    # step, each phase against the budget.
     job_15b vllm 5 vllm-1.5b
 }
 
