@@ -215,8 +215,8 @@ class WeightPush:
             shapes = [(name, tuple(t.shape)) for name, t in state.items()]
             bucket, _ = self._stream_bucket_bytes(shapes, dtype, copies=2)
             buffer_bytes = min(bucket, sum(tensor_nbytes(shape, dtype) for _, shape in shapes))
-        module, name = self.backend.colocated_transfer_trainer
-        sender = getattr(importlib.import_module(module), name)
+        module, helper = self.backend.colocated_transfer_trainer
+        sender = getattr(importlib.import_module(module), helper)
         sent: list[int] = []
 
         def send(info) -> None:  # rank 0: one chunk to every replica, read before it refills
@@ -229,7 +229,7 @@ class WeightPush:
         args = {"send_mode": send, "packed": True, "packed_buffer_size_bytes": buffer_bytes}
         try:
             if getattr(sender, "takes_shards", False):  # the CPU's: shards on one host
-                items = ((name, t.detach().to(dtype)) for name, t in state.items())
+                items = ((n, t.detach().to(dtype)) for n, t in state.items())
             else:
                 items = whole_tensors(state, dtype, min(buffer_bytes, PACKED_BUFFER_BYTES))
             sender.trainer_send_weights(items, args)
