@@ -27,6 +27,7 @@ import torch
 
 import hal
 from hal.kernels import LIGER, OPS, REFERENCE, TORCH_NPU, Provider, choose_kernels
+from tests.gloo_ranks import finish_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 API = json.loads((ROOT / "tests" / "fixtures" / "kernel_api.json").read_text())
@@ -317,8 +318,10 @@ def _sharded_pair(rank: int, port: int, checkpointing: bool) -> None:
         for name, grad in out["reference"][1].items():
             torch.testing.assert_close(out["fused"][1][name], grad, rtol=1e-5, atol=1e-6)
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    finish_rank()
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])

@@ -32,6 +32,7 @@ from rollout.engines.shm_transfer import (
     load_chunk,
     read_chunk,
 )
+from tests.gloo_ranks import finish_rank
 from trainer.config import load_config
 from trainer.loop.cluster.group import free_port
 
@@ -85,8 +86,10 @@ def _pushes(rank: int, port: int, buffer_bytes: int, dtype: torch.dtype, shards:
         dist.barrier()
         leftovers = [f for f in os.listdir(shm_dir()) if f"-{os.getpid()}-" in f]
         assert leftovers == [], leftovers  # the buffer's file went with the push
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    finish_rank()
 
 
 @pytest.mark.parametrize("shards", [False, True], ids=["whole", "shards"])

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hal
+from tests.gloo_ranks import finish_rank
 from trainer.loop.cluster.group import free_port
 
 WORLD = 2
@@ -44,9 +45,10 @@ def _worker(rank: int, port: int, bucket_bytes: int) -> None:
             assert [n for n, _ in got] == list(want), [n for n, _ in got]
             for name, tensor in got:
                 assert tensor.dtype == dtype and torch.equal(tensor, want[name].to(dtype)), name
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    finish_rank()
 
 
 def test_every_rank_gets_each_whole_tensor_in_the_engines_dtype():
