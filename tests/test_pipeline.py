@@ -9,7 +9,8 @@ import pytest
 
 from trainer.config import ConfigError, load_config
 from trainer.loop.cluster.local import LocalHandle, LocalRef
-from trainer.loop.plan.layout import LayoutError, format_layout, plan_layout, runs_in_process
+from trainer.loop.plan.layout import LayoutError, plan_layout, runs_in_process
+from trainer.loop.plan.layout_text import format_layout
 from trainer.loop.schedule.pipeline import RolloutPipeline, read_ahead, sampled_by
 
 LAGGED = ["rollout.engine_devices=1", "algorithm.rollout_correction=token"]

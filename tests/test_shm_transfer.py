@@ -137,7 +137,8 @@ def _cfg(*keys: str):
     ],
 )
 def test_colocated_vllm_engines_and_only_they_take_the_ipc_push(keys, rule):
-    from trainer.loop.plan.layout import format_layout, plan_layout, weight_transport_rule
+    from trainer.loop.plan.layout import plan_layout, weight_transport_rule
+    from trainer.loop.plan.layout_text import format_layout
 
     cfg = _cfg(*keys)
     assert weight_transport_rule(cfg) == rule

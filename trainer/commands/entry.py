@@ -22,12 +22,8 @@ def devices(args: argparse.Namespace) -> int:
 def layout(args: argparse.Namespace) -> int:
     """``crossrl layout``."""
     from trainer.config import ConfigError, load_config
-    from trainer.loop.plan.layout import (
-        LayoutError,
-        format_layout,
-        layout_for_cli,
-        prompt_sharing_rule,
-    )
+    from trainer.loop.plan.layout import LayoutError, layout_for_cli, prompt_sharing_rule
+    from trainer.loop.plan.layout_text import format_layout
     from trainer.loop.plan.memory_report import budget_for_cli, format_budget
 
     try:
