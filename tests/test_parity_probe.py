@@ -143,7 +143,10 @@ def test_deterministic_settings_recorded(probes):
     assert "#   torch.use_deterministic_algorithms=True" in text
     # and what each role's ops ran (hal.kernels): the CPU's reference set
     assert "# kernels (train.kernels), per role, as its ranks chose them:" in text
-    assert "#   actor: rms_norm=reference, swiglu=reference, optimizer=reference" in text
+    assert (
+        "#   actor: rms_norm=reference, swiglu=reference, rope=reference, optimizer=reference"
+        in text
+    )
     assert load_config(str(probes["dp2"] / "config.yaml"), []).run.deterministic is True
 
 
