@@ -1,7 +1,7 @@
 """Weights into a colocated engine through vLLM's weight-transfer API, by shared memory.
 
 A colocated engine's workers sit on the training ranks' own devices, so a push needs no
-collective to the engine: vLLM ships the ``ipc`` engine (CUDA IPC handles) and vllm-ascend
+collective to the engine: vLLM ships the ``ipc`` engine (device IPC handles) and vllm-ascend
 ``npu_ipc`` for it, with a static ``trainer_send_weights`` on the trainer's side. The HAL names
 them per device type (``DeviceBackend.colocated_transfer_engine`` / ``..._trainer``). This
 module is the CPU's counterpart, ``crossrl_shm`` (registered with vLLM's factory by
@@ -38,7 +38,7 @@ ENGINE_NAME = "crossrl_shm"
 
 def device_key() -> str:
     """This process's device as the update info's handles are keyed: the host (every process
-    on it maps the same /dev/shm files), as vLLM keys CUDA IPC handles by the GPU's UUID."""
+    on it maps the same /dev/shm files), as vLLM keys its IPC handles by the device's UUID."""
     return f"host:{socket.gethostname()}"
 
 

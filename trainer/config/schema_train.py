@@ -105,10 +105,9 @@ class TrainConfig(BaseModel):
     kernels: Literal["auto", "reference"] = Field(
         "auto",
         description="the update's kernels (hal.kernels): auto = the device's fused set "
-        "(CUDA: Liger-Kernel's RMSNorm and SwiGLU, torch's fused AdamW; Ascend: torch_npu's "
-        "npu_rms_norm and npu_swiglu, fused AdamW; the CPU has only the reference), each "
-        "falling back to the reference if it cannot load or run; reference = the eager "
-        "reference everywhere (the CPU's golden)",
+        "(RMSNorm, SwiGLU, RoPE and the AdamW step; the CPU has only the reference; `crossrl "
+        "devices` shows what each op runs here), each falling back to the reference if it "
+        "cannot load or run; reference = the eager reference everywhere (the CPU's golden)",
     )
     reference_kernels: list[Literal["rms_norm", "swiglu", "optimizer"]] = Field(
         default_factory=list,
