@@ -1,6 +1,6 @@
 """crossrl benchmarks: one table per benchmark, every result in one JSON file.
 
-    python -m bench [planner|stepwise|rollout|train|e2e|pipeline|faults|longtail|gpu|memory|peer|all ...] [--quick] [--out FILE]
+    python -m bench [planner|stepwise|rollout|train|e2e|pipeline|faults|longtail|gpu|memory|head|peer|all ...] [--quick] [--out FILE]
     crossrl bench [which ...] [--quick]
 
 ``peer`` (crossrl vs TRL's GRPOTrainer) needs the optional ``bench`` extra and is not part of
@@ -90,6 +90,12 @@ def _memory():
     return memory.run, memory.format_table
 
 
+def _head():
+    from bench import head
+
+    return head.run, head.format_table
+
+
 def _peer():
     from bench import peer
 
@@ -111,6 +117,7 @@ BENCHMARKS: dict[str, tuple[str, Callable]] = {
         "actor update memory: activation checkpointing and lean log-probs, alone and together",
         _memory,
     ),
+    "head": ("the LM head's log-prob + entropy: fused head vs reference chunks", _head),
     "peer": ("crossrl vs TRL's GRPOTrainer: seconds per step of the same job", _peer),
 }
 #: Benchmarks left out of ``all``, with why: they need an optional extra.

@@ -12,6 +12,7 @@ import torch
 
 from hal import RAY_RESOURCES
 from hal.base import DeviceBackend
+from hal.kernels import CPU as CPU_KERNELS
 from hal.shm import close_shm_file, open_shm_file, shm_dir
 
 
@@ -32,6 +33,8 @@ class CpuBackend(DeviceBackend):
     collective_error_patterns = (
         r"gloo/transport/\S+\] (Timed out|Read error|Write error|Connection)",
     )
+    # the eager reference for every op (the golden); per-block compilation when asked for
+    kernel_providers = CPU_KERNELS
 
     def device(self, local_rank: int = 0) -> torch.device:
         """Always `cpu`: every rank shares the host; local_rank is accepted and ignored."""

@@ -139,7 +139,8 @@ class CudaBackend(DeviceBackend):
     )
     # vLLM 0.24's batch_invariant.py: its own matmul/softmax/mean kernels, one-split attention
     vllm_batch_invariant = True
-    # Liger-Kernel's RMSNorm and SwiGLU, torch's fused AdamW (hal.kernels)
+    # Liger-Kernel's RMSNorm, SwiGLU and RoPE, crossrl's fused head, torch's fused AdamW
+    # (hal.kernels)
     kernel_providers = LIGER
     # vLLM 0.24's own engine (vllm/distributed/weight_transfer/nccl_engine.py): PyNccl over a
     # StatelessProcessGroup, one communicator per process.

@@ -23,9 +23,21 @@ chosen; one that fails to run falls back to the reference for the rest of the pr
 reported once (``KernelSet.fall_back``). ``run.deterministic`` keeps the reference for an op
 whose fused kernel has no deterministic mode (``Provider.deterministic``).
 
-Left to the reference, with the reason: the LM head's log-prob + entropy (the lean path's
-chunks, ``trainer.loop.ranks.forward``; no pinned library ships it with temperature) and
-per-block compilation (not yet measured against the reference on a device).
+- ``lm_head``: the lean path's log-prob + entropy through the LM head
+  (``trainer.loop.ranks.forward``): ``hal.fused_head``'s closed-form backward in place of the
+  reference's checkpointed chunks. Our own, device-neutral torch code: no pinned library ships
+  it with the entropy and a temperature (see that module). Set on the model instance as
+  ``HEAD_KERNEL`` (the lean forward looks it up there); a head that is not a plain
+  ``nn.Linear`` (LoRA on the head) takes the reference.
+
+- ``compile``: each decoder layer's ``forward`` through ``torch.compile`` (inductor), before
+  ``fully_shard`` (torchtitan's order: FSDP2's hooks stay outside it). The varlen attention
+  breaks each layer's graph in two (its cached ``cu_seqlens`` check is data-dependent);
+  torch runs a checkpointed region that has a graph break eagerly, and disables dynamo under
+  a checkpoint called outside it, so the config refuses it beside activation checkpointing. Every device offers it, none takes it
+  unasked: ``train.compile_blocks`` turns it on, until a device run has measured it against
+  the reference (a compile error at a layer's first call falls back to eager; one in a
+  backward's first call cannot, and stops the step).
 """
 
 from __future__ import annotations
@@ -38,8 +50,10 @@ from dataclasses import dataclass, field
 import torch
 
 #: The ops a kernel set chooses for, in report order.
-OPS = ("rms_norm", "swiglu", "rope", "optimizer")
+OPS = ("rms_norm", "swiglu", "rope", "lm_head", "optimizer", "compile")
 REFERENCE = "reference"
+#: The model instance's attribute holding its fused LM head (``KernelSet.apply``).
+HEAD_KERNEL = "crossrl_head_kernel"
 #: HF RMSNorm classes whose forward is Llama's formula (the fused kernels compute exactly it).
 RMS_NORM_CLASSES = frozenset(
     {
@@ -69,12 +83,23 @@ class Provider:
     convention: str = "liger"
 
 
+#: The fused head: one torch function for every device (``hal.fused_head``).
+FUSED_HEAD = Provider(
+    "crossrl-fused-head", "hal.fused_head", "linear_logprob_entropy", convention="crossrl"
+)
+#: Per-block compilation: torch's own, on every device, only with ``train.compile_blocks``
+#: (inductor's kernels are not run-to-run deterministic by default).
+COMPILE = Provider("torch.compile", deterministic=False)
+#: The CPU's: the eager reference for every op unless compilation is asked for.
+CPU = {"compile": COMPILE}
 #: Per provider family, the fused kernel of each op (``DeviceBackend.kernel_providers``).
 LIGER = {
     "rms_norm": Provider("liger", "liger_kernel.ops.rms_norm", "LigerRMSNormFunction"),
     "swiglu": Provider("liger", "liger_kernel.ops.swiglu", "LigerSiLUMulFunction"),
     "rope": Provider("liger", "liger_kernel.ops.rope", "LigerRopeFunction"),
+    "lm_head": FUSED_HEAD,
     "optimizer": Provider("fused-adamw"),
+    "compile": COMPILE,
 }
 TORCH_NPU = {
     # aclnnRmsNorm's gradient of gamma is reduced by the kernel in an order it does not
@@ -86,7 +111,9 @@ TORCH_NPU = {
     "rope": Provider(
         "torch_npu.npu_rotary_mul", "torch_npu", "npu_rotary_mul", convention="torch_npu"
     ),
+    "lm_head": FUSED_HEAD,
     "optimizer": Provider("fused-adamw"),
+    "compile": COMPILE,
 }
 
 
@@ -119,7 +146,19 @@ def _rope_call(provider: Provider, fn) -> Callable:
     return lambda q, k, cos, sin: fn.apply(q, k, cos, sin)
 
 
-_CALLS = {"rms_norm": _rms_norm_call, "swiglu": _swiglu_call, "rope": _rope_call}
+def _head_call(provider: Provider, fn) -> Callable:
+    """``(hidden, head, targets, temperature, chunk_tokens) -> (logprob, entropy)``."""
+    return lambda hidden, head, targets, temperature, chunk_tokens: fn(
+        hidden, head.weight, head.bias, targets, temperature=temperature, chunk_tokens=chunk_tokens
+    )
+
+
+_CALLS = {
+    "rms_norm": _rms_norm_call,
+    "swiglu": _swiglu_call,
+    "rope": _rope_call,
+    "lm_head": _head_call,
+}
 
 
 @dataclass
@@ -159,8 +198,12 @@ class KernelSet:
     def apply(self, model: torch.nn.Module) -> dict[str, int]:
         """Patch ``model``'s own modules (their instance ``forward``) with the chosen kernels,
         before ``fully_shard``; returns the modules patched per op. Each patched forward runs
-        the module's own forward once its op has fallen back."""
-        patched = {"rms_norm": 0, "swiglu": 0, "rope": 0}
+        the module's own forward once its op has fallen back. The fused head is set as the
+        model's ``HEAD_KERNEL`` (``head_kernel``)."""
+        patched = {"rms_norm": 0, "swiglu": 0, "rope": 0, "lm_head": 0}
+        if "lm_head" in self.calls:
+            model.__dict__[HEAD_KERNEL] = self.head_kernel
+            patched["lm_head"] = 1
         for module in model.modules():
             if "rms_norm" in self.calls and type(module).__name__ in RMS_NORM_CLASSES:
                 _patch(module, self, "rms_norm", _fused_rms_norm)
@@ -171,6 +214,42 @@ class KernelSet:
             elif "rope" in self.calls and _patch_rope(module, self):
                 patched["rope"] += 1
         return patched
+
+    def compile_layers(self, layers) -> int:
+        """Each of ``layers`` (the decoder layers, before ``fully_shard``) runs its ``forward``
+        through ``torch.compile`` while ``compile`` is chosen; a layer whose compiled call
+        raises runs eager from then on (``fall_back``). Returns the layers compiled."""
+        if self.chosen["compile"] == REFERENCE:
+            return 0
+        for layer in layers:
+            _compile_forward(layer, self)
+        return len(layers)
+
+    def head_kernel(self, hidden, head, targets, *, temperature, chunk_tokens, reference):
+        """The LM head's (log-prob, entropy) per token through the fused head while it runs
+        and ``head`` is a plain ``nn.Linear``; else (or once it failed) ``reference`` with the
+        same arguments."""
+        if self.chosen["lm_head"] != REFERENCE and type(head).forward is torch.nn.Linear.forward:
+            try:
+                return self.calls["lm_head"](hidden, head, targets, temperature, chunk_tokens)
+            except Exception as err:  # noqa: BLE001 - reported once, then the reference
+                self.fall_back("lm_head", err)
+        return reference(hidden, head, targets, temperature=temperature, chunk_tokens=chunk_tokens)
+
+
+def _compile_forward(layer: torch.nn.Module, kernels: KernelSet) -> None:
+    own = layer.forward
+    compiled = torch.compile(own)
+
+    def forward(*args, **kwargs):
+        if kernels.chosen["compile"] != REFERENCE:
+            try:
+                return compiled(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - reported once, then eager
+                kernels.fall_back("compile", err)
+        return own(*args, **kwargs)
+
+    layer.forward = forward
 
 
 def _is_swiglu_mlp(module: torch.nn.Module) -> bool:
@@ -257,11 +336,13 @@ def choose_kernels(
     reference_ops: tuple[str, ...] = (),
     deterministic: bool = False,
     optimizer_offload: bool = False,
+    compile_blocks: bool = False,
 ) -> KernelSet:
     """The kernel set from a device's ``providers`` (op -> ``Provider``; absent: none fused):
     ``mode`` ``reference`` takes the reference everywhere; ``reference_ops`` for those ops
     alone; ``deterministic`` for ops whose kernel is not deterministic; ``optimizer_offload``
-    keeps the reference optimizer (its step runs on the host's state)."""
+    keeps the reference optimizer (its step runs on the host's state); ``compile_blocks``
+    (``train.compile_blocks``) takes ``compile`` where offered."""
     chosen, reasons, calls = {}, {}, {}
     for op in OPS:
         chosen[op] = REFERENCE
@@ -271,11 +352,14 @@ def choose_kernels(
         if mode == "reference" or op in reference_ops:
             reasons[op] = "train.kernels" if mode == "reference" else "train.reference_kernels"
             continue
+        if op == "compile" and not compile_blocks:
+            reasons[op] = "train.compile_blocks=false"
+            continue
         if deterministic and not provider.deterministic:
             reasons[op] = "run.deterministic: the fused kernel has no deterministic mode"
             continue
-        if op == "optimizer":
-            if optimizer_offload:
+        if op in ("optimizer", "compile"):
+            if op == "optimizer" and optimizer_offload:
                 reasons[op] = "train.optimizer_offload: the step runs on the host"
                 continue
             chosen[op] = provider.name

@@ -218,7 +218,8 @@ class NpuBackend(DeviceBackend):
     )
     # vllm-ascend 0.26.0rc1's batch_invariant.py: AscendC ops, else triton-ascend's kernels
     vllm_batch_invariant = True
-    # torch_npu's npu_rms_norm and npu_swiglu, its fused AdamW (hal.kernels); MindSpeed
+    # torch_npu's npu_rms_norm, npu_swiglu and npu_rotary_mul, its fused AdamW, crossrl's
+    # fused head (hal.kernels); MindSpeed
     # calls the same ops (docs/hal.md, "The kernel set")
     kernel_providers = TORCH_NPU
     # vllm-ascend 0.26.0rc1's own engine (vllm_ascend/distributed/weight_transfer/

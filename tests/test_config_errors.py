@@ -214,3 +214,14 @@ def test_legal_but_odd_settings_only_warn(caplog):
         cfg = load_config(None, ["train.max_tokens_per_micro_batch=16"])
     assert cfg.train.max_tokens_per_micro_batch == 16
     assert "gets a micro-batch alone" in caplog.text
+
+
+def test_compiled_blocks_refuse_activation_checkpointing():
+    """torch runs a checkpointed layer with a graph break (the varlen attention's) eagerly:
+    the pair would silently compile nothing, so it is refused naming both keys."""
+    both = ["train.compile_blocks=true", "train.activation_checkpointing=true"]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, both)
+    assert info.value.key == "train.compile_blocks"
+    assert "train.activation_checkpointing=true" in str(info.value)
+    assert load_config(None, both[:1]).train.compile_blocks is True

@@ -26,7 +26,17 @@ import pytest
 import torch
 
 import hal
-from hal.kernels import LIGER, OPS, REFERENCE, TORCH_NPU, Provider, choose_kernels
+from hal.kernels import (
+    COMPILE,
+    FUSED_HEAD,
+    HEAD_KERNEL,
+    LIGER,
+    OPS,
+    REFERENCE,
+    TORCH_NPU,
+    Provider,
+    choose_kernels,
+)
 from tests.gloo_ranks import finish_rank
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,17 +111,26 @@ def stand_ins(monkeypatch):
 
 def _here(providers: dict[str, Provider]) -> dict[str, Provider]:
     """``providers`` with their functions loaded from the stand-ins (same names, same calling
-    conventions)."""
+    conventions); the fused head is crossrl's own torch code, run as it ships."""
     return {
-        op: replace(p, module=STAND_IN) if p.module is not None else p
+        op: replace(p, module=STAND_IN) if p.module not in (None, FUSED_HEAD.module) else p
         for op, p in providers.items()
     }
+
+
+def _fused(providers: dict[str, Provider]) -> dict[str, str]:
+    """What ``auto`` chooses from ``providers`` with every kernel loading: each op's
+    provider, but compilation only when asked for (``train.compile_blocks``)."""
+    return {op: providers[op].name if op != "compile" else REFERENCE for op in OPS}
 
 
 def _tiny(seed: int = 0) -> torch.nn.Module:
     from rollout.models import load_model
 
-    model = load_model("builtin:tiny", dtype=torch.float32, seed=1)
+    hal.register_attention()
+    model = load_model(
+        "builtin:tiny", dtype=torch.float32, seed=1, attn_implementation=hal.ATTN_IMPLEMENTATION
+    )
     with torch.no_grad():  # norms away from 1, so a wrong weight or offset shows
         gen = torch.Generator().manual_seed(seed)
         for name, p in model.named_parameters():
@@ -121,23 +140,37 @@ def _tiny(seed: int = 0) -> torch.nn.Module:
 
 
 def _run(model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    ids = torch.arange(3, 19)[None]
+    """The model's logits, and the lean path's log-probs and entropies (the LM head's op, at a
+    temperature, chunks of 5 tokens over two packed rows), all in one loss; the outputs
+    stacked, and every parameter's gradient."""
+    from trainer.loop.ranks.forward import packed_token_logprobs
+
+    device = next(model.parameters()).device
+    ids = torch.arange(3, 19, device=device)[None]
     logits = model(input_ids=ids).logits
-    logits.float().pow(2).mean().backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    cu_seqlens = torch.tensor([0, 7, 16], dtype=torch.int32, device=device)
+    positions = torch.cat([torch.arange(7), torch.arange(9)]).to(device)
+    logprobs, entropy = packed_token_logprobs(
+        model, ids[0], positions, cu_seqlens, temperature=0.7, entropy_grad=True, chunk_tokens=5
+    )
+    weights = torch.linspace(-1, 1, 16, device=device)
+    loss = logits.float().pow(2).mean() + (weights * logprobs).sum() + (weights * entropy).sum()
+    loss.backward()
+    out = torch.cat([logits.detach().flatten(), logprobs.detach(), entropy.detach()])
+    return out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("providers", [LIGER, TORCH_NPU], ids=["liger", "torch_npu"])
 def test_each_fused_op_gives_the_references_values_and_gradients(stand_ins, providers):
     kernels = choose_kernels(_here(providers))
-    assert kernels.chosen == {op: providers[op].name for op in OPS}
+    assert kernels.chosen == _fused(providers)
     reference, fused = _tiny(), _tiny()
     patched = kernels.apply(fused)
     layers = fused.config.num_hidden_layers
-    assert patched == {"rms_norm": 2 * layers + 1, "swiglu": layers, "rope": layers}
+    assert patched == {"rms_norm": 2 * layers + 1, "swiglu": layers, "rope": layers, "lm_head": 1}
     want, want_grads = _run(reference)
     got, got_grads = _run(fused)
-    assert kernels.chosen == {op: providers[op].name for op in OPS}, kernels.reasons  # none fell
+    assert kernels.chosen == _fused(providers), kernels.reasons  # none fell
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
@@ -183,7 +216,7 @@ def test_a_kernel_that_does_not_load_is_never_chosen():
     kernels = choose_kernels(missing)
     assert kernels.chosen["swiglu"] == REFERENCE
     assert "did not load: ModuleNotFoundError" in kernels.reasons["swiglu"]
-    assert kernels.apply(_tiny()) == {"rms_norm": 0, "swiglu": 0, "rope": 0}
+    assert kernels.apply(_tiny()) == {"rms_norm": 0, "swiglu": 0, "rope": 0, "lm_head": 0}
 
 
 def test_the_keys_and_settings_that_keep_the_reference(stand_ins):
@@ -195,7 +228,9 @@ def test_the_keys_and_settings_that_keep_the_reference(stand_ins):
         "rms_norm": REFERENCE,
         "swiglu": "liger",
         "rope": "liger",
+        "lm_head": "crossrl-fused-head",
         "optimizer": "fused-adamw",
+        "compile": REFERENCE,
     }
     # aclnnRmsNorm documents no fixed reduction order: run.deterministic keeps the reference
     fixed = choose_kernels(_here(TORCH_NPU), deterministic=True)
@@ -209,11 +244,141 @@ def test_the_keys_and_settings_that_keep_the_reference(stand_ins):
 
 
 def test_the_cpu_runs_the_reference_and_the_accelerators_name_their_kernels():
-    assert hal.get_backend("cpu").kernel_providers == {}
+    assert hal.get_backend("cpu").kernel_providers == {"compile": COMPILE}
     assert hal.backend_class("cuda").kernel_providers is LIGER
     assert hal.backend_class("npu").kernel_providers is TORCH_NPU
     cpu = choose_kernels(hal.get_backend("cpu").kernel_providers)
-    assert set(cpu.chosen.values()) == {REFERENCE} and cpu.reasons == {}
+    assert set(cpu.chosen.values()) == {REFERENCE}
+    assert cpu.reasons == {"compile": "train.compile_blocks=false"}
+    asked = choose_kernels(hal.get_backend("cpu").kernel_providers, compile_blocks=True)
+    assert asked.chosen["compile"] == "torch.compile"
+    # inductor is not deterministic by default: run.deterministic keeps every layer eager
+    fixed = choose_kernels(LIGER, compile_blocks=True, deterministic=True)
+    assert fixed.chosen["compile"] == REFERENCE and "run.deterministic" in fixed.reasons["compile"]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("entropy_grad", [True, False], ids=["entropy-grad", "entropy-detached"])
+def test_the_fused_head_gives_the_reference_chunks_values_and_gradients(
+    temperature, bias, entropy_grad
+):
+    """``hal.fused_head`` against the lean path's checkpointed chunks: log-probs, entropies and
+    the gradients of hidden states, weight and bias, with chunks that do not divide the tokens."""
+    from hal.fused_head import linear_logprob_entropy
+    from trainer.loop.ranks.forward import head_logprobs_entropy
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(12, 40, bias=bias)
+    targets = torch.randint(0, 40, (23,))
+    upstream = torch.randn(2, 23)
+    out = {}
+    for name in ("reference", "fused"):
+        head.zero_grad()
+        hidden = torch.randn(23, 12, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        if name == "reference":
+            lp, ent = head_logprobs_entropy(
+                hidden, head, targets, temperature=temperature, chunk_tokens=6
+            )
+        else:
+            lp, ent = linear_logprob_entropy(
+                hidden, head.weight, head.bias, targets, temperature=temperature, chunk_tokens=6
+            )
+        if not entropy_grad:
+            ent = ent.detach()
+        (upstream[0] * lp + upstream[1] * ent).sum().backward()
+        grads = [hidden.grad] + [p.grad for p in head.parameters()]
+        out[name] = [lp.detach(), ent.detach(), *grads]
+    for got, want in zip(out["fused"], out["reference"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_head_that_is_not_a_plain_linear_takes_the_reference():
+    """LoRA on the LM head (a wrapper module) runs the reference chunks; the model instance
+    alone holds the fused head, nothing is added to its state."""
+
+    class Wrapped(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    kernels = choose_kernels({"lm_head": FUSED_HEAD})
+    model = _tiny()
+    assert kernels.apply(model)["lm_head"] == 1 and HEAD_KERNEL in vars(model)
+    assert HEAD_KERNEL not in vars(_tiny()) and HEAD_KERNEL not in model.state_dict()
+    calls = []
+
+    def reference(hidden, head, targets, *, temperature, chunk_tokens):
+        calls.append(type(head).__name__)
+        return hidden.sum(-1), hidden.sum(-1)
+
+    hidden, targets = torch.randn(4, 8), torch.zeros(4, dtype=torch.long)
+    args = {"temperature": 1.0, "chunk_tokens": 2, "reference": reference}
+    model.crossrl_head_kernel(hidden, Wrapped(8, 5), targets, **args)
+    model.crossrl_head_kernel(hidden, torch.nn.Linear(8, 5), targets, **args)
+    assert calls == ["Wrapped"] and kernels.chosen["lm_head"] == FUSED_HEAD.name
+
+
+def _micro_batches(model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Two packed micro-batches of different lengths, each its own forward and backward
+    (as the update runs them; the second shape makes dynamo recompile), gradients summed."""
+    from trainer.loop.ranks.forward import packed_token_logprobs
+
+    outputs = []
+    for lengths in ((7, 9), (5, 11, 4)):
+        ids = torch.arange(3, 3 + sum(lengths))
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0)], dtype=torch.int32)
+        logprobs, entropy = packed_token_logprobs(
+            model, ids, positions, cu_seqlens, temperature=0.7, entropy_grad=True
+        )
+        weights = torch.linspace(-1, 1, ids.numel())
+        ((weights * logprobs).sum() + (weights * entropy).sum()).backward()
+        outputs += [logprobs.detach(), entropy.detach()]
+    return torch.cat(outputs), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_compiled_blocks_give_the_references_values_and_gradients():
+    """``train.compile_blocks``: every decoder layer through ``torch.compile`` (inductor, the
+    CPU's C++ backend here) against the eager model in fp32, over two micro-batches of the
+    lean path; nothing fell back."""
+    from torch._dynamo.utils import counters
+
+    from trainer.loop.ranks.fsdp_worker import FSDPWorker
+
+    kernels = choose_kernels(hal.get_backend("cpu").kernel_providers, compile_blocks=True)
+    reference, compiled = _tiny(), _tiny()
+    reference.train(), compiled.train()
+    layers = FSDPWorker._layers(compiled)
+    assert kernels.compile_layers(layers) == len(layers) > 0
+    want, want_grads = _micro_batches(reference)
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    got, got_grads = _micro_batches(compiled)
+    assert counters["stats"]["unique_graphs"] > graphs  # dynamo did capture the layers
+    assert kernels.chosen["compile"] == "torch.compile", kernels.reasons
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_layer_whose_compilation_fails_runs_eager_reported(monkeypatch):
+    def no_compiler(fn, **kwargs):
+        def compiled(*args, **kwargs):
+            raise RuntimeError("InductorError: CppCompileError: C++ compile error")
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    kernels = choose_kernels({"compile": COMPILE}, compile_blocks=True)
+    reference, compiled = _tiny(), _tiny()
+    assert kernels.compile_layers(compiled.model.layers) == len(compiled.model.layers)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, _ = _run(compiled)
+    assert sum("compile kernel torch.compile failed" in str(w.message) for w in caught) == 1
+    assert kernels.report()["compile"].startswith("reference (torch.compile failed: Runtime")
+    torch.testing.assert_close(got, _run(reference)[0])
 
 
 def test_the_fused_optimizer_step_is_adamws():
@@ -314,6 +479,7 @@ def _sharded_pair(rank: int, port: int, checkpointing: bool) -> None:
             logits, grads = _run(model)
             out[name] = logits, {n: g.full_tensor() for n, g in grads.items()}
         assert kernels.chosen["rope"] == "liger", kernels.reasons  # nothing fell back
+        assert kernels.chosen["lm_head"] == FUSED_HEAD.name, kernels.reasons
         torch.testing.assert_close(out["fused"][0], out["reference"][0], rtol=1e-5, atol=1e-6)
         for name, grad in out["reference"][1].items():
             torch.testing.assert_close(out["fused"][1][name], grad, rtol=1e-5, atol=1e-6)
@@ -340,12 +506,12 @@ def _on_device(device: str, providers: dict[str, Provider]) -> None:
     """The real fused set on ``device`` against the reference, fp32: the same values and
     gradients up to the kernels' own summation order, and no op fell back."""
     kernels = choose_kernels(providers)
-    assert set(kernels.chosen.values()) == {p.name for p in providers.values()}, kernels.reasons
+    assert kernels.chosen == _fused(providers), kernels.reasons
     reference, fused = _tiny().to(device), _tiny().to(device)
     kernels.apply(fused)
     want, want_grads = _run(reference)
     got, got_grads = _run(fused)
-    assert kernels.chosen == {op: providers[op].name for op in OPS}, kernels.reasons
+    assert kernels.chosen == _fused(providers), kernels.reasons
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)

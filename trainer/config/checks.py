@@ -55,6 +55,15 @@ def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
                 "optimizer step sees the same number of prompts",
             )
         )
+    if tr.compile_blocks and tr.activation_checkpointing:
+        p.append(
+            problem(
+                "train.compile_blocks",
+                tr.compile_blocks,
+                "cannot go with train.activation_checkpointing=true (torch runs a checkpointed "
+                "layer eagerly when the varlen attention breaks its graph); set one of them false",
+            )
+        )
     if alg.adv_estimator == "gae" and not cfg.critic.enable:
         p.append(
             problem(

@@ -105,11 +105,18 @@ class TrainConfig(BaseModel):
     kernels: Literal["auto", "reference"] = Field(
         "auto",
         description="the update's kernels (hal.kernels): auto = the device's fused set "
-        "(RMSNorm, SwiGLU, RoPE and the AdamW step; the CPU has only the reference; `crossrl "
-        "devices` shows what each op runs here), each falling back to the reference if it "
-        "cannot load or run; reference = the eager reference everywhere (the CPU's golden)",
+        "(RMSNorm, SwiGLU, RoPE, the LM head's log-prob + entropy and the AdamW step; the CPU "
+        "has only the reference; `crossrl devices` shows what each op runs here), each "
+        "falling back to the reference if it cannot load or run; reference = the eager "
+        "reference everywhere (the CPU's golden)",
     )
-    reference_kernels: list[Literal["rms_norm", "swiglu", "optimizer"]] = Field(
+    reference_kernels: list[Literal["rms_norm", "swiglu", "rope", "lm_head", "optimizer"]] = Field(
         default_factory=list,
         description="ops that run the eager reference even under train.kernels=auto",
+    )
+    compile_blocks: bool = Field(
+        False,
+        description="compile each decoder layer with torch.compile (inductor) before sharding "
+        "(hal.kernels op compile); off until measured against the reference on a device; "
+        "run.deterministic keeps it off",
     )

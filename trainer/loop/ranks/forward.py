@@ -10,6 +10,8 @@ Two paths give the same numbers (``train.lean_logprobs``):
   final hidden states ``[T, H]``; the LM head runs on them a chunk of tokens at a time, and
   each chunk's logits, log-softmax and entropy are recomputed in backward instead of kept. No
   ``[T, V]`` tensor ever exists; the largest one is a chunk's ``[chunk, V]`` (``LEAN_CHUNK_BYTES``).
+  Where the kernel set chose the fused head (``hal.kernels`` op ``lm_head``), it computes the
+  same per chunk with a closed-form backward (``hal.fused_head``).
 - plain (``lean=False``): the model's full ``[T, V]`` logits, then ``token_logprobs`` /
   ``token_entropy`` chunk by chunk over them. The logits stay alive until backward.
 """
@@ -24,6 +26,7 @@ import torch
 
 import hal
 from batching import PromptSharing
+from hal.kernels import HEAD_KERNEL
 
 #: Largest float32 logits chunk of the lean path, in bytes: ``LEAN_CHUNK_BYTES // (4 * V)``
 #: tokens per chunk (220 tokens at Qwen2.5's 151,936-token vocabulary). Backward holds a few
@@ -203,12 +206,21 @@ def _lean_forward(
     hidden = self.base_model(**body_kwargs).last_hidden_state[0]
     if eval_index is not None:
         hidden = hidden.index_select(0, eval_index)
+    head = self.get_output_embeddings()
+    if chunk_tokens is None:
+        chunk_tokens = max(1, LEAN_CHUNK_BYTES // (4 * head.weight.shape[0]))
+    kernel = self.__dict__.get(HEAD_KERNEL)  # the fused head (hal.kernels), where chosen
+    if kernel is not None:
+        return kernel(
+            hidden,
+            head,
+            targets,
+            temperature=temperature,
+            chunk_tokens=chunk_tokens,
+            reference=head_logprobs_entropy,
+        )
     return head_logprobs_entropy(
-        hidden,
-        self.get_output_embeddings(),
-        targets,
-        temperature=temperature,
-        chunk_tokens=chunk_tokens,
+        hidden, head, targets, temperature=temperature, chunk_tokens=chunk_tokens
     )
 
 

@@ -180,6 +180,7 @@ class FSDPWorker(BatchStore, CheckpointPieces):
         own.update(self.starting_values(model))
         if cfg.train.activation_checkpointing and spec.trainable:
             enable_activation_checkpointing(model)
+        self.kernels.compile_layers(self._layers(model))  # before sharding
         self._shard(model)
         self.startup.done("shard")
         self._load_initial_weights(model, own)
@@ -214,7 +215,7 @@ class FSDPWorker(BatchStore, CheckpointPieces):
     def _choose_kernels(self):
         """The update's kernel of each op on this device (``hal.kernels``, ``train.kernels``):
         the reference where the key, ``run.deterministic`` or an offloaded optimizer asks
-        for it."""
+        for it; per-block compilation with ``train.compile_blocks``."""
         from hal.kernels import choose_kernels
 
         cfg = self.spec.cfg
@@ -224,6 +225,7 @@ class FSDPWorker(BatchStore, CheckpointPieces):
             reference_ops=tuple(cfg.train.reference_kernels),
             deterministic=cfg.run.deterministic,
             optimizer_offload=cfg.train.optimizer_offload or cfg.train.param_offload,
+            compile_blocks=cfg.train.compile_blocks,
         )
 
     def local_rank(self) -> int:
