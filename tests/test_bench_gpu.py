@@ -66,7 +66,8 @@ def test_both_activation_checkpointing_settings_train_the_whole_batch(result):
     for key, on, kernels in gpu.UPDATES:
         u = result["update"][key]
         assert u["activation_checkpointing"] is on and u["kernels"] == kernels
-        assert set(u["kernel_report"].values()) == {"reference"}  # the CPU has no fused set
+        # the CPU has no fused set; it compiles blocks only when asked (train.compile_blocks)
+        assert {v.split(" (")[0] for v in u["kernel_report"].values()} == {"reference"}
         assert u["rows"] == TINY_SIZES.rows and u["tokens"] == tokens  # one mini-batch: all rows
         assert u["micro_batches"] >= math.ceil(tokens / TINY_SIZES.budget_tokens)
         assert len(u["seconds"]) == TINY_SIZES.update_repeats

@@ -22,6 +22,7 @@ def devices(args: argparse.Namespace) -> int:
 def layout(args: argparse.Namespace) -> int:
     """``crossrl layout``."""
     from trainer.config import ConfigError, load_config
+    from trainer.loop.plan.auto_sizes import resolve_auto_sizes
     from trainer.loop.plan.layout import LayoutError, layout_for_cli, prompt_sharing_rule
     from trainer.loop.plan.layout_text import format_layout
     from trainer.loop.plan.memory_report import budget_for_cli, format_budget
@@ -30,11 +31,16 @@ def layout(args: argparse.Namespace) -> int:
         # The cluster's config is read on any machine: no check of this one's devices or files.
         cfg = load_config(args.config, args.overrides, check_environment=False)
         layout = layout_for_cli(cfg, nodes=args.nodes, devices_per_node=args.devices_per_node)
+        cfg, sized = resolve_auto_sizes(
+            cfg, lambda trial: budget_for_cli(trial, layout, args.device_memory_gb)
+        )
         budget = budget_for_cli(cfg, layout, args.device_memory_gb)
     except (ConfigError, LayoutError) as err:
         print(f"crossrl layout: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(format_layout(layout))
+    if sized:
+        print(sized)
     print(prompt_sharing_rule(cfg, layout.device))
     if cfg.model.lora.enabled:
         from trainer.loop.plan.lora_layout import format_lora

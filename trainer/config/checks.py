@@ -55,7 +55,7 @@ def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
                 "optimizer step sees the same number of prompts",
             )
         )
-    if tr.compile_blocks and tr.activation_checkpointing:
+    if tr.compile_blocks and tr.activation_checkpointing is True:
         p.append(
             problem(
                 "train.compile_blocks",
@@ -186,7 +186,7 @@ def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
             )
 
     if (
-        tr.max_tokens_per_micro_batch is not None
+        isinstance(tr.max_tokens_per_micro_batch, int)
         and tr.max_tokens_per_micro_batch < ro.max_input_len + ro.max_new_tokens
     ):
         warn.append(

@@ -203,6 +203,7 @@ def _field_description(key: str) -> str:
 def _pydantic_problems(err: ValidationError) -> list[Problem]:
     known = set(all_keys()) | set(SECTIONS) | set(SUBSECTIONS)
     problems = []
+    messages: dict[tuple[str, str], tuple[object, list[str]]] = {}
     for item in err.errors():
         loc = [str(p) for p in item["loc"]]
         # Keep the part of the location that names a config key (unions add member names).
@@ -224,10 +225,13 @@ def _pydantic_problems(err: ValidationError) -> list[Problem]:
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "missing":
             msg = "is required"
-        desc = _field_description(key)
         if key in SECTIONS or key in SUBSECTIONS:
-            msg, desc = f"must be a mapping of {key}.* keys (see docs/config.md)", ""
-        allowed = f"{msg[0].lower()}{msg[1:]}" + (f" [{desc}]" if desc else "")
+            msg = f"must be a mapping of {key}.* keys (see docs/config.md)"
+        messages.setdefault((key, repr(value)), (value, []))[1].append(msg[0].lower() + msg[1:])
+    for (key, _), (value, said) in messages.items():
+        # a union's members each say what they want of the one value: one problem, all of it
+        desc = "" if key in SECTIONS or key in SUBSECTIONS else _field_description(key)
+        allowed = ", or ".join(dict.fromkeys(said)) + (f" [{desc}]" if desc else "")
         problems.append(problem(key, value, allowed))
     return problems
 

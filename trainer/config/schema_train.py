@@ -4,7 +4,7 @@ the update's kernels, and how rollouts meet training (lag, staleness)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
@@ -25,11 +25,11 @@ class TrainConfig(BaseModel):
         4, ge=1, description="prompts per mini-batch (one optimizer step); divides batch_size"
     )
     dp_size: int = Field(1, ge=1, description="data-parallel ranks (devices) of the trainer")
-    max_tokens_per_micro_batch: int | None = Field(
+    max_tokens_per_micro_batch: Annotated[int, Field(ge=2)] | Literal["auto"] | None = Field(
         None,
-        ge=2,
         description="tokens per micro-batch per rank (a longer row goes alone); "
-        "null = one micro-batch per rank",
+        "null = one micro-batch per rank; auto = the largest that fits the device by the "
+        "memory budget, chosen before start-up (trainer/loop/plan/auto_sizes.py)",
     )
     total_steps: int = Field(30, ge=1, description="training steps (rollout + update)")
     lr: float = Field(1e-6, gt=0, description="actor learning rate (peak)")
@@ -59,10 +59,11 @@ class TrainConfig(BaseModel):
     reduce_dtype: TrainDtype = Field(
         "float32", description="dtype in which gradients are reduced across ranks"
     )
-    activation_checkpointing: bool = Field(
+    activation_checkpointing: bool | Literal["auto"] = Field(
         False,
         description="recompute each decoder layer's activations in backward instead of "
-        "keeping them (less memory, about a third more compute)",
+        "keeping them (less memory, about a third more compute); auto = on only where the "
+        "memory budget fits no efficient micro-batch without it, chosen before start-up",
     )
     lean_logprobs: bool = Field(
         True,

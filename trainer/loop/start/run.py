@@ -129,6 +129,7 @@ def run_training(
     CLOCK.start_run()
     run_dir = Path(cfg.run.dir)
     try:
+        cfg = _resolve_auto_sizes(cfg, command)
         preflight(cfg, command=command, replay=replay_dir is not None)
         CLOCK.done("preflight")
         with RunDirLock(run_dir, command) as lock:
@@ -148,6 +149,23 @@ def run_training(
     except (PreflightError, RunDirError, RayConnectError) as err:
         print(f"crossrl {command}: {err}", file=sys.stderr)
         return 2
+
+
+def _resolve_auto_sizes(cfg: Config, command: str) -> Config:
+    """``cfg`` with its ``auto`` sizes chosen by the memory budget of this machine
+    (``trainer.loop.plan.auto_sizes``), said in one line; a budget that cannot be made (a
+    bad environment setting it reads, a model it cannot count) is the preflight's to report."""
+    from trainer.loop.plan.auto_sizes import resolve_auto_sizes
+    from trainer.loop.plan.layout import LayoutError
+    from trainer.loop.start.preflight import PreflightError
+
+    try:
+        cfg, sized = resolve_auto_sizes(cfg)
+    except (LayoutError, ValueError) as err:
+        raise PreflightError(" ".join(str(err).split())) from None
+    if sized:
+        print(f"crossrl {command}: {sized}", file=sys.stderr)
+    return cfg
 
 
 def _run(
