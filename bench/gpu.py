@@ -81,6 +81,9 @@ UPDATES = (
     ("ac_off", False, "auto"),
     ("ac_on_reference", True, "reference"),
 )
+#: With ``--compile``, one more: checkpointing off (``train.compile_blocks`` refuses it on),
+#: the fused set and every decoder layer through ``torch.compile``.
+COMPILED = ("ac_off_compiled", False, "auto")
 #: Rows per GRPO group (``rollout.n``): the batch's uids come in groups of this many rows.
 ROWS_PER_GROUP = 8
 
@@ -225,6 +228,7 @@ def measure_update(
     kernels: str = "auto",
     seed: int = 0,
     profile: bool = False,
+    compile_blocks: bool = False,
 ) -> dict:
     """Time ``PolicyWorker.train_mini_batch`` on ``batch`` (one mini-batch) at dp 1: median
     seconds of ``sizes.update_repeats`` updates after one warm-up, tokens/s, MFU against
@@ -247,6 +251,7 @@ def measure_update(
             f"seed={seed}",
             f"train.activation_checkpointing={str(activation_checkpointing).lower()}",
             f"train.kernels={kernels}",
+            f"train.compile_blocks={str(compile_blocks).lower()}",
         ],
     )
     worker = PolicyWorker(WorkerSpec(role="actor", rank=0, cfg=cfg))
@@ -362,13 +367,15 @@ def measure(
     seed: int = 0,
     model_dir: str | Path | None = None,
     profile: bool = False,
+    compile_blocks: bool = False,
 ) -> dict:
     """Peak, actor-update MFU (``UPDATES``: activation checkpointing on and off with the fused
     kernels, on with the reference set) and rollout tokens/s on ``backend``'s device (no
     accelerator check: the caller decides; a CPU backend with a tiny ``shape`` dict
     exercises the code). ``shape``: a ``rollout.models.SHAPES`` name or a config.json dict;
     ``model_dir``: see ``_model_dir``; ``profile``: the profiler table of the shipped
-    setting's updates (activation checkpointing on, both kernel sets, ``measure_update``)."""
+    setting's updates (activation checkpointing on, both kernel sets, ``measure_update``);
+    ``compile_blocks``: the ``COMPILED`` update too."""
     peak = measure_peak(backend, sizes.matmul_n, sizes.matmul_iters)
     threads = torch.get_num_threads()  # the worker sets its own thread count; restored below
     try:
@@ -386,8 +393,9 @@ def measure(
                     kernels=kernels,
                     seed=seed,
                     profile=profile and on,
+                    compile_blocks=key == COMPILED[0],
                 )
-                for key, on, kernels in UPDATES
+                for key, on, kernels in UPDATES + ((COMPILED,) if compile_blocks else ())
             }
             _free(backend)  # the update's memory, before the engine loads
             rollout = measure_rollout(backend, directory, sizes, seed)
@@ -413,9 +421,11 @@ def run(
     shape: str = "qwen2.5-0.5b",
     model_dir: str | Path | None = None,
     profile: bool = False,
+    compile_blocks: bool = False,
 ) -> dict:
     """The accelerator benchmark on ``hal.get_backend("auto")``; ``{"skipped": True,
-    "reason": ...}`` when that is a CPU. ``shape``, ``model_dir``, ``profile``: ``measure``."""
+    "reason": ...}`` when that is a CPU. ``shape``, ``model_dir``, ``profile``,
+    ``compile_blocks``: ``measure``."""
     backend = hal.get_backend("auto")
     if not backend.is_accelerator:
         return {
@@ -426,7 +436,14 @@ def run(
                 "with an accelerator"
             ),
         }
-    return measure(backend, SIZES[quick], shape, model_dir=model_dir, profile=profile)
+    return measure(
+        backend,
+        SIZES[quick],
+        shape,
+        model_dir=model_dir,
+        profile=profile,
+        compile_blocks=compile_blocks,
+    )
 
 
 def format_table(res: dict) -> str:
@@ -474,8 +491,17 @@ def main() -> None:
     parser.add_argument("--model-dir", help="a model directory of that shape to reuse or fill")
     parser.add_argument("--profile", action="store_true", help="a torch.profiler table too")
     parser.add_argument("--json", type=Path, help="also write the result here")
+    parser.add_argument(
+        "--compile", action="store_true", help="one more update with train.compile_blocks"
+    )
     args = parser.parse_args()
-    res = run(quick=args.quick, shape=args.shape, model_dir=args.model_dir, profile=args.profile)
+    res = run(
+        quick=args.quick,
+        shape=args.shape,
+        model_dir=args.model_dir,
+        profile=args.profile,
+        compile_blocks=args.compile,
+    )
     print(format_table(res))
     if args.json is not None:
         args.json.write_text(json.dumps(res, indent=1))

@@ -4,6 +4,9 @@
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh [install] [env] [tests] [job] [probe] [bench] [vllm]
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier1   # = env cudatests job15 budget7b mfu probe
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier2   # = install vllmtests vllmjob peer (590 s)
+#   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier4   # = cudatests mfucompile jobauto probe
+#     (570 s): the kernel set's MFU, fused against reference and compiled, the budget's auto
+#     sizes on the 1.5B job, the fused set against the CPU golden
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier3   # = install vllmnew (260 s): LoRA and
 #     streaming on vLLM (adapters loaded in place, interrupted engine steps), kept out of
 #     tier 2's vllmtests so that tier still fits its window
@@ -40,6 +43,7 @@ for part in "$@"; do
         ;;
     tier2) parts+=(install vllmtests vllmjob peer) ;;  # after the carry's calls (gpu_carry.sh)
     tier3) parts+=(install vllmnew) ;;
+    tier4) parts+=(cudatests mfucompile jobauto probe) ;;  # the kernel set's (issue 48)
     vllm) parts+=(vllmtests vllmjob) ;;
     *) parts+=("$part") ;;
     esac
@@ -80,7 +84,8 @@ part_vllmnew() {
 
 job_15b() {
     # The 1.5B-shaped job at dp 1 (random weights, bf16 compute, fp32 master weights,
-    # activation checkpointing): engine $1, $2 steps, run directory $RUNS/$3; then its summary
+    # activation checkpointing): engine $1, $2 steps, run directory $RUNS/$3, further keys
+    # after them; then its summary
     # and each phase's device-wide peak (NVML, sampled by the controller) against `crossrl
     # layout`'s budget for the same keys (bench.phase_budget).
     local model=$WORK/qwen2.5-1.5b-random
@@ -89,7 +94,7 @@ job_15b() {
         rollout.engine="$1" train.dp_size=1 train.total_steps="$2" train.batch_size=16 \
         train.mini_batch_size=8 rollout.n=4 rollout.max_turns=2 rollout.max_input_len=1024 \
         rollout.max_new_tokens=256 train.warmup_steps=1 run.save_every=0 run.resume=never \
-        run.dir="$RUNS/$3" || return 1
+        run.dir="$RUNS/$3" "${@:4}" || return 1
     "$PY" scripts/summarize_run.py "$RUNS/$3"
     "$PY" -m bench.phase_budget "$RUNS/$3" --json "$OUT/phase_budget_$1.json"
 }
@@ -141,6 +146,21 @@ part_mfu() {
         --profile --json "$OUT/mfu.json"
 }
 
+part_mfucompile() {
+    # part_mfu with one more update: checkpointing off, every decoder layer through
+    # torch.compile (train.compile_blocks), beside the fused and the reference set.
+    "$PY" -m bench.gpu --quick --shape qwen2.5-1.5b --model-dir "$WORK/qwen2.5-1.5b-random" \
+        --profile --compile --json "$OUT/mfu-compile.json"
+}
+
+part_jobauto() {
+    # The 1.5B job with the budget's own sizes (train.max_tokens_per_micro_batch=auto,
+    # train.activation_checkpointing=auto): what it chose, and each phase's device peak
+    # against the budget that chose it.
+    job_15b hf 3 job-1.5b-auto train.max_tokens_per_micro_batch=auto \
+        train.activation_checkpointing=auto
+}
+
 part_env() {
     "$PY" -c 'import platform, pydantic; print("python", platform.python_version(), "pydantic", pydantic.__version__)'
     crossrl devices
@@ -185,7 +205,7 @@ part_bench() {
 
 declare -A limit=([install]=60 [env]=20 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=110
     [bench]=200 [vllmtests]=150 [vllmjob]=180 [peer]=200 [cudatests]=70 [job15]=170 [budget7b]=50 [mfu]=150
-    [vllmnew]=200)
+    [vllmnew]=200 [mfucompile]=220 [jobauto]=170)
 for part in "${parts[@]}"; do
     if [ -z "${limit[$part]:-}" ]; then
         echo "gpu_checks: no part '$part'; parts: tier1 tier2 vllm ${!limit[*]}" >&2

@@ -104,3 +104,21 @@ def test_the_shipped_settings_update_is_profiled_once(result):
         assert "aten::" in table and "Self CPU" in table
         assert table in gpu.format_table(result)
     assert result["update"]["ac_off"]["profile_table"] is None
+
+
+@pytest.mark.slow
+def test_the_compiled_update_runs_compiled_blocks(monkeypatch, tmp_path):
+    """``--compile``: one more update, checkpointing off, every decoder layer through
+    ``torch.compile`` (inductor's C++ backend on this CPU); it ran compiled, nothing fell back."""
+    monkeypatch.setattr(gpu, "UPDATES", ())  # the compiled update alone, to keep this short
+    result = gpu.measure(
+        hal.get_backend("cpu"),
+        TINY_SIZES,
+        shape=TINY_SHAPE,
+        model_dir=tmp_path / "model",
+        compile_blocks=True,
+    )
+    u = result["update"]["ac_off_compiled"]
+    assert u["activation_checkpointing"] is False and u["kernels"] == "auto"
+    assert u["kernel_report"]["compile"] == "torch.compile"
+    assert math.isfinite(u["grad_norm"]) and u["grad_norm"] > 0
