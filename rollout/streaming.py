@@ -3,26 +3,25 @@ to training as they complete, under a bound on how stale their tokens may be.
 
 Two pieces, both free of the trainer:
 
-- ``VersionedEngine``: an engine tagged with the policy version of the weights it holds, its
-  calls and weight loads one at a time; every token a call samples records its version (per
-  result, and per prompt: the request's ``group``). With partial rollouts a load interrupts
-  the call in flight after its current decode step (an ``interruptible`` engine: HF, vLLM) and
-  the requests still running continue from their prefix under the new weights; else it waits
-  for the call to end (a multi-turn trajectory still goes on under the new weights at its next
-  turn). Requests from outside the stream (validation) go through its ``untracked`` view: the
-  same turns, their tokens counted under none of the stream's prompts.
+- ``VersionedEngine`` (``rollout.versioned``): an engine tagged with the policy version of the
+  weights it holds, every live group's requests batched per replica, weight loads between
+  calls (with partial rollouts: between decode steps), every token tagged with its version,
+  and groups that can no longer be trained aborted (``GroupAborted``).
 - ``StreamSampler``: ``workers`` threads, each sampling one group at a time (``sample_group``,
   the caller's: a prompt's ``n`` trajectories through the agent loop), so up to ``workers``
   groups are in flight (``quiesced`` runs something once none is: a weight load without
-  partial rollouts); a new group starts only while the groups started (less those dropped)
-  stay under ``allowed()``, the caller's bound for the weights the engine holds (AReaL's rule:
-  with weights after step v, ``(v + s + 1) x batch_size`` groups, so what starts now can still
-  be trained on within the bound). A finished group waits in a queue with the oldest and newest
-  version its tokens came from. ``take(count, min_version)`` hands over the first ``count`` groups to
-  finish whose oldest version is at least ``min_version``; a group older than that is dropped
+  partial rollouts); a new group starts only while the groups started (less those dropped or
+  aborted) stay under ``allowed()``, the caller's bound for the weights the engine holds
+  (AReaL's rule: with weights after step v, ``(v + s + 1) x batch_size`` groups, so what
+  starts now can still be trained on within the bound). A finished group waits in a queue
+  with the oldest and newest version its tokens came from. ``take(count, min_version)`` first
+  aborts the groups in flight that sampled a token older than ``min_version`` (their
+  generation stops; ``retry`` puts their prompts back at the head of the queue, else they
+  count as dropped), then hands over ``count`` finished groups whose oldest version is at least
+  ``min_version``, oldest first (``admit``); a finished group older than that is dropped
   (never trained on) and counted; a group that sampled no token (every environment reset
-  failed) is never stale, and is taken in its turn with its faults. Groups are whole: a group
-  enters a batch only when every sample has ended (GRPO and RLOO normalise within it).
+  failed) is never stale, and is taken in its turn with its faults. Groups are whole: a
+  group enters a batch only when every sample has ended (GRPO and RLOO normalise within it).
 
 Which groups a step trains on depends on timing, so streamed runs are not identical run to
 run; the caller records every step's batch for replay.
@@ -30,7 +29,6 @@ run; the caller records every step's batch for replay.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import deque
@@ -38,175 +36,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.engines.base import GenerationRequest, GenerationResult
+from rollout.versioned import GroupAborted, UntrackedEngine, VersionedEngine
 
-__all__ = ["FinishedGroup", "StreamSampler", "UntrackedEngine", "VersionedEngine", "admit"]
-
-
-class VersionedEngine:
-    """``engine`` (an ``rollout.engines.base.Engine``) tagged with the policy ``version`` of the
-    weights it holds; one call or one weight load at a time. Forwards what the agent loop asks
-    of an engine; ``tokens_of(group)`` pops the per-version token counts recorded for prompt
-    ``group``; every result carries its tokens' versions (``extra["versions"]``).
-
-    ``partial``: a weight load does not wait for the call in flight to end. An
-    ``interruptible`` engine ends the call after its current decode step, the load runs, and
-    the requests still running go on from their prefix under the new weights (the prompt plus
-    the tokens so far prefilled again: their KV cache is recomputed, never kept from the old
-    weights, so every token's behaviour log-prob is the new policy's own). Without it, the
-    load waits for the call."""
-
-    def __init__(self, engine, version: int = 0, *, partial: bool = False) -> None:
-        self.engine = engine
-        self.version = version
-        self.partial = partial and bool(getattr(engine, "interruptible", False))
-        self._cond = threading.Condition()
-        self._busy = False  # a call or a load holds the engine
-        self._loads_waiting = 0  # loads wait first: a call in flight yields to them
-        self._tokens: dict[int, dict[int, int]] = {}  # group -> version -> tokens sampled
-        self.busy_s = 0.0  # seconds spent in generate calls, all told
-        self.interruptions = 0  # calls ended early for a weight load
-
-    def _hold(self, *, loading: bool) -> None:
-        with self._cond:
-            self._loads_waiting += loading
-            while self._busy or (not loading and self._loads_waiting):
-                self._cond.wait()
-            self._loads_waiting -= loading
-            self._busy = True
-
-    def _free(self) -> None:
-        with self._cond:
-            self._busy = False
-            self._cond.notify_all()
-
-    def _load_waiting(self) -> bool:
-        return self._loads_waiting > 0
-
-    def generate(self, requests, sampling):
-        """The engine's ``generate``, its calls and the loads one at a time; tokens counted per
-        prompt and version. With ``partial``, a call a load interrupts goes on after it."""
-        return self._generate(requests, sampling, track=True)
-
-    def untracked(self) -> UntrackedEngine:
-        """This engine for requests outside the stream (validation): their calls take turns
-        with the stream's and with the loads, but their tokens are counted under no prompt
-        (``tokens_of``), whatever ``group`` numbers they carry."""
-        return UntrackedEngine(self)
-
-    def _generate(self, requests, sampling, *, track: bool):
-        results = [GenerationResult([], [], "length", {"versions": []}) for _ in requests]
-        todo = list(range(len(requests)))
-        while todo:
-            room = sampling.max_new_tokens - len(results[todo[0]].token_ids)
-            batch = [i for i in todo if sampling.max_new_tokens - len(results[i].token_ids) == room]
-            todo = [i for i in todo if i not in batch]
-            asked = [_continued(requests[i], results[i].token_ids) for i in batch]
-            kwargs = {"interrupt": self._load_waiting} if self.partial else {}
-            self._hold(loading=False)
-            try:
-                started, version = time.perf_counter(), self.version
-                outs = self.engine.generate(
-                    asked, dataclasses.replace(sampling, max_new_tokens=room), **kwargs
-                )
-                self.busy_s += time.perf_counter() - started
-            finally:
-                self._free()
-            for i, out in zip(batch, outs):
-                into = results[i]
-                into.token_ids += out.token_ids
-                into.logprobs += out.logprobs
-                into.extra["versions"] += [version] * len(out.token_ids)
-                into.extra.update((k, v) for k, v in out.extra.items() if k != "versions")
-                into.finish_reason = out.finish_reason
-                if out.token_ids and track:
-                    with self._cond:
-                        counts = self._tokens.setdefault(requests[i].group, {})
-                        counts[version] = counts.get(version, 0) + len(out.token_ids)
-                if out.finish_reason == "interrupted":
-                    if len(into.token_ids) < sampling.max_new_tokens:
-                        todo.append(i)
-                    else:
-                        into.finish_reason = "length"
-            self.interruptions += any(out.finish_reason == "interrupted" for out in outs)
-        return results
-
-    def load(self, load: Callable[[], Any], version: int) -> Any:
-        """Run ``load()`` (new weights into the engine) between two engine calls (with
-        ``partial``: between two decode steps of the call in flight), then hold ``version``;
-        returns what ``load`` returned."""
-        self._hold(loading=True)
-        try:
-            out = load()
-            self.version = version
-        finally:
-            self._free()
-        return out
-
-    def hold(self) -> None:
-        """Take the engine until ``release``: no call runs meanwhile (with ``partial``, the
-        call in flight ends after its current decode step and goes on after ``release``). What
-        colocated engines do while the ranks train on their devices."""
-        self._hold(loading=True)
-
-    def release(self, version: int) -> None:
-        """Give the engine back after ``hold``, holding the weights of policy ``version``."""
-        self.version = version
-        self._free()
-
-    def tokens_of(self, group: int) -> dict[int, int]:
-        """Tokens sampled for prompt ``group``, by policy version (and forgets them)."""
-        with self._cond:
-            return self._tokens.pop(group, {})
-
-    def lanes(self) -> list:
-        """One lane: the calls take the engine one at a time anyway."""
-        return [self]
-
-    def lane_of(self, group: int) -> int:
-        """Every prompt's requests go to the one lane."""
-        return 0
-
-    def __getattr__(self, name: str):
-        return getattr(self.engine, name)
-
-
-class UntrackedEngine:
-    """A ``VersionedEngine`` for requests that are no prompt of the stream (``untracked``):
-    the same calls, one at a time with the stream's and the loads, each token tagged with its
-    version, none counted for ``tokens_of``. A validation's ``group`` numbers (its records'
-    indices) are the same numbers as the stream's prompt ordinals; counted, a prompt streamed
-    later would inherit the version validation sampled at and be dropped as stale."""
-
-    def __init__(self, versioned: VersionedEngine) -> None:
-        self.versioned = versioned
-
-    def generate(self, requests, sampling):
-        """``VersionedEngine.generate`` without counting tokens under any prompt."""
-        return self.versioned._generate(requests, sampling, track=False)
-
-    def lanes(self) -> list:
-        """One lane, as the ``VersionedEngine``'s."""
-        return [self]
-
-    def lane_of(self, group: int) -> int:
-        """Every request goes to the one lane."""
-        return 0
-
-    def __getattr__(self, name: str):
-        return getattr(self.versioned, name)
-
-
-def _continued(request: GenerationRequest, sampled: list[int]) -> GenerationRequest:
-    """``request`` continued after the tokens ``sampled`` so far: their prefix joins the prompt
-    and the seed moves on (the continuation draws fresh numbers, not the first ones again)."""
-    if not sampled:
-        return request
-    return dataclasses.replace(
-        request,
-        prompt_ids=[*request.prompt_ids, *sampled],
-        seed=(int(request.seed) * 1_000_003 + len(sampled)) % (2**63),
-    )
+__all__ = [
+    "FinishedGroup",
+    "GroupAborted",
+    "StreamSampler",
+    "UntrackedEngine",
+    "VersionedEngine",
+    "admit",
+]
 
 
 @dataclass
@@ -236,22 +75,20 @@ class FinishedGroup:
 def admit(
     ready: list[FinishedGroup], count: int, min_version: int
 ) -> tuple[list[FinishedGroup], list[FinishedGroup], list[FinishedGroup]]:
-    """Split the finished groups, in the order they finished, into those a step takes (the
-    first ``count`` whose oldest token is of version ``min_version`` or newer), those it drops
-    (older than that: they can never enter a batch again) and those left for later steps.
+    """Split the finished groups into those a step takes (``count`` whose oldest token is of
+    version ``min_version`` or newer, oldest first: by that version, then by their place in
+    the prompt stream, so the groups nearest to expiring train first and a long group is not
+    passed over for shorter ones that finished after it), those it drops (older than
+    ``min_version``: they can never enter a batch again) and those left for later steps, in
+    the order they finished.
     A group that sampled no token (every reset of its environment failed) holds nothing
     stale: it is taken in its turn, as a synchronous step takes a prompt whose resets all
     failed, so its faults reach the step's environment-fault check, never dropped unseen."""
-    taken: list[FinishedGroup] = []
-    dropped: list[FinishedGroup] = []
-    left: list[FinishedGroup] = []
-    for group in ready:
-        if group.tokens and group.oldest < min_version:
-            dropped.append(group)
-        elif len(taken) < count:
-            taken.append(group)
-        else:
-            left.append(group)
+    dropped = [g for g in ready if g.tokens and g.oldest < min_version]
+    fresh = [g for g in ready if not (g.tokens and g.oldest < min_version)]
+    chosen = {id(g) for g in sorted(fresh, key=lambda g: (g.oldest, g.ordinal))[:count]}
+    taken = sorted((g for g in fresh if id(g) in chosen), key=lambda g: (g.oldest, g.ordinal))
+    left = [g for g in fresh if id(g) not in chosen]
     return taken, dropped, left
 
 
@@ -259,7 +96,9 @@ class StreamSampler:
     """Samples groups on ``workers`` threads, forever, until ``stop``: worker threads take the
     next prompt ordinal (from ``first``) and call ``sample_group(ordinal)``; finished groups
     queue for ``take``. ``engine``: the ``VersionedEngine`` the groups sample through (for
-    their versions). An exception in ``sample_group`` stops the sampler; ``take`` raises it."""
+    their versions). An exception in ``sample_group`` stops the sampler; ``take`` raises it,
+    except ``GroupAborted``: the group is set aside (``take_aborted``) and, with ``retry``,
+    its prompt ordinal is sampled again before any new one."""
 
     def __init__(
         self,
@@ -269,6 +108,7 @@ class StreamSampler:
         workers: int,
         allowed: Callable[[], int],
         first: int = 0,
+        retry: bool = False,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: at least one group must be in flight")
@@ -280,7 +120,10 @@ class StreamSampler:
         self._paused = False  # quiesced: no group starts
         self.next_ordinal = first
         self.ready: deque[FinishedGroup] = deque()
-        self.dropped_total = 0
+        self.retry = retry
+        self._again: deque[int] = deque()  # aborted prompts to sample again (retry)
+        self._aborted: list[FinishedGroup] = []  # since the last take_aborted
+        self.dropped_total = 0  # dropped or aborted: room for new groups
         self.error: BaseException | None = None
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -300,12 +143,18 @@ class StreamSampler:
                     self._cond.wait(1.0)
                 if self._stop.is_set():
                     return
-                ordinal = self.next_ordinal
-                self.next_ordinal += 1
+                if self._again:
+                    ordinal = self._again.popleft()
+                else:
+                    ordinal = self.next_ordinal
+                    self.next_ordinal += 1
                 self.started += 1
                 self.in_flight += 1
             try:
                 output = self.sample_group(ordinal)
+            except GroupAborted:
+                self._set_aside(ordinal)
+                continue
             except BaseException as exc:  # noqa: BLE001 - handed to take(), which raises it
                 with self._cond:
                     self.in_flight -= 1
@@ -325,11 +174,37 @@ class StreamSampler:
                 self.ready.append(group)
                 self._cond.notify_all()
 
+    def _set_aside(self, ordinal: int) -> None:
+        """Group ``ordinal`` was aborted: its tokens so far are discarded, its start slot
+        freed, its prompt queued again with ``retry``."""
+        group = FinishedGroup(
+            ordinal, None, self.engine.tokens_of(ordinal), time.perf_counter(), self.engine.version
+        )
+        with self._cond:
+            self.in_flight -= 1
+            self.dropped_total += 1
+            self._aborted.append(group)
+            if self.retry:
+                self._again.append(ordinal)
+            self._cond.notify_all()
+
+    def take_aborted(self) -> list[FinishedGroup]:
+        """The groups aborted since the last call (``output`` None; ``tokens``: what they had
+        sampled, discarded)."""
+        with self._cond:
+            aborted, self._aborted = self._aborted, []
+        return aborted
+
     def take(
         self, count: int, min_version: int, timeout_s: float
     ) -> tuple[list[FinishedGroup], list[FinishedGroup], float]:
-        """Wait for ``count`` finished groups of version ``min_version`` or newer (``admit``);
-        returns ``(taken, dropped, waited seconds)``. TimeoutError after ``timeout_s``."""
+        """Abort the groups in flight that can no longer be taken (``VersionedEngine.
+        abort_older_than``), then wait for ``count`` finished groups of version
+        ``min_version`` or newer (``admit``); returns ``(taken, dropped, waited seconds)``.
+        TimeoutError after ``timeout_s``."""
+        abort = getattr(self.engine, "abort_older_than", None)
+        if abort is not None:
+            abort(min_version)
         started = time.perf_counter()
         deadline = started + timeout_s
         dropped: list[FinishedGroup] = []

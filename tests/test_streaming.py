@@ -1,6 +1,7 @@
 """Streaming rollouts (``train.max_staleness``): groups sampled without step boundaries, each
-step taking the first whole groups to finish within the staleness bound, weights loaded
-between engine calls; refused by name where it cannot run; end to end on the CPU, a streamed
+step taking whole groups within the staleness bound, oldest first, every live group's turns
+batched in one engine call per replica, groups that can no longer be taken aborted, weights
+loaded between engine calls; refused by name where it cannot run; end to end on the CPU, a streamed
 run keeps its bound, records every batch, and its replay agrees with it under
 ``crossrl parity``."""
 
@@ -35,11 +36,20 @@ def _group(ordinal: int, tokens: dict[int, int]) -> FinishedGroup:
     return FinishedGroup(ordinal, output=None, tokens=tokens)
 
 
-def test_a_step_takes_the_first_groups_in_the_bound_and_drops_older_ones():
-    ready = [_group(0, {0: 5}), _group(1, {2: 5}), _group(2, {1: 3, 2: 2}), _group(3, {3: 1})]
-    taken, dropped, left = admit(ready, 2, min_version=1)
-    assert [g.ordinal for g in taken] == [1, 2]  # finishing order, within the bound
-    assert [g.ordinal for g in dropped] == [0] and [g.ordinal for g in left] == [3]
+def test_a_step_takes_the_oldest_groups_in_the_bound_and_drops_older_ones():
+    ready = [
+        _group(0, {0: 5}),
+        _group(1, {2: 5}),
+        _group(2, {1: 3, 2: 2}),
+        _group(3, {3: 1}),
+        _group(5, {2: 1}),
+        _group(4, {2: 2}),
+    ]
+    taken, dropped, left = admit(ready, 3, min_version=1)
+    # oldest first within the bound: by oldest version, then by place in the prompt stream
+    assert [g.ordinal for g in taken] == [2, 1, 4]
+    assert [g.ordinal for g in dropped] == [0]
+    assert [g.ordinal for g in left] == [3, 5]  # finishing order kept for later steps
     assert ready[2].oldest == 1 and ready[2].newest == 2
 
 
@@ -67,7 +77,7 @@ def test_weights_load_between_engine_calls_and_tokens_carry_their_version():
     assert versioned.lanes() == [versioned] and versioned.lane_of(123) == 0
 
 
-def test_the_sampler_bounds_groups_in_flight_and_hands_over_in_finishing_order():
+def test_the_sampler_bounds_groups_in_flight_and_hands_over_what_finished():
     engine = VersionedEngine(_Engine())
     started: list[int] = []
     release = threading.Event()
@@ -92,6 +102,139 @@ def test_the_sampler_bounds_groups_in_flight_and_hands_over_in_finishing_order()
         assert sorted(started) == [0, 1, 2]
         with pytest.raises(TimeoutError, match="did not finish within"):
             sampler.take(50, min_version=0, timeout_s=0.2)
+    finally:
+        sampler.stop()
+
+
+class _Replica:
+    """Holds each call until ``gate`` opens (so callers pile up), records every call's
+    prompts; with ``interruptible``, polls ``interrupt`` while held."""
+
+    def __init__(self, name: str, gate: threading.Event, interruptible: bool = False) -> None:
+        self.name, self.gate, self.interruptible = name, gate, interruptible
+        self.first_gate = gate  # the first call's
+        self.calls: list[list[int]] = []
+
+    def generate(self, requests, sampling, interrupt=None):
+        self.calls.append([r.group for r in requests])
+        gate = self.first_gate if len(self.calls) == 1 else self.gate
+        while not gate.wait(0.01):
+            if interrupt is not None and interrupt():
+                return [GenerationResult([4], [0.0], "interrupted") for _ in requests]
+        return [GenerationResult([1, 2, 3], [0.0] * 3, "length") for _ in requests]
+
+
+class _Replicas:
+    """Two replicas behind one engine, prompt g on lane g % 2 (as the router deals them)."""
+
+    def __init__(self, replicas) -> None:
+        self.replicas = replicas
+
+    def lanes(self):
+        return self.replicas
+
+    def lane_of(self, group: int) -> int:
+        return group % len(self.replicas)
+
+
+def _ask(engine, group: int, out: dict) -> threading.Thread:
+    def run():
+        try:
+            out[group] = engine.generate(
+                [GenerationRequest([1], seed=group, group=group)] * 2, SamplingParams()
+            )
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out[group] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_every_live_groups_turns_go_in_one_call_per_replica():
+    """Groups asking at once while a replica is busy are sent together in its next call, each
+    replica (lane) on its own; every caller gets its own results back."""
+    gate = threading.Event()
+    a, b = _Replica("a", gate), _Replica("b", gate)
+    versioned = VersionedEngine(_Replicas([a, b]))
+    out: dict = {}
+    first = [_ask(versioned, 0, out), _ask(versioned, 1, out)]
+    _until(lambda: len(a.calls) == 1 and len(b.calls) == 1)  # both lanes busy at once
+    rest = [_ask(versioned, g, out) for g in (2, 3, 4, 5, 6)]
+    _until(lambda: sum(len(lane.pending) for lane in versioned._lanes) == 5)
+    gate.set()
+    for thread in first + rest:
+        thread.join(5)
+    assert a.calls == [[0, 0], [2, 2, 4, 4, 6, 6]] and b.calls == [[1, 1], [3, 3, 5, 5]]
+    assert versioned.call_sizes == [2, 2, 6, 4] or sorted(versioned.call_sizes) == [2, 2, 4, 6]
+    assert all(len(out[g]) == 2 and out[g][0].token_ids == [1, 2, 3] for g in range(7))
+    assert versioned.tokens_of(4) == {0: 6} and versioned.generated_tokens == 42
+
+
+def test_a_group_too_stale_for_any_step_is_aborted_mid_call_and_at_its_next_call():
+    """``abort_older_than``: the call holding an aborted group ends after its decode step
+    (an interruptible replica), the group's caller gets GroupAborted, the other group of that
+    call goes on; a later call of the aborted group raises at once."""
+    from rollout.streaming import GroupAborted
+
+    gate = threading.Event()
+    replica = _Replica("a", gate, interruptible=True)
+    replica.first_gate = threading.Event()
+    versioned = VersionedEngine(replica, version=0)
+    versioned._tokens[3] = {0: 5}  # group 3 sampled under version 0 before
+    out: dict = {}
+    threads = [_ask(versioned, 9, out)]  # the replica busy: the next two wait together
+    _until(lambda: len(replica.calls) == 1)
+    threads += [_ask(versioned, 3, out), _ask(versioned, 8, out)]
+    _until(lambda: len(versioned._lanes[0].pending) == 2)
+    replica.first_gate.set()
+    _until(lambda: len(replica.calls) == 2)
+    assert sorted(replica.calls[1]) == [3, 3, 8, 8]  # one call for both groups
+    threads[0].join(5)
+    assert versioned.tokens_of(9) == {0: 6}  # finished: its sampler took its counts
+    assert versioned.abort_older_than(1) == [3]
+    _until(lambda: len(replica.calls) == 3)  # ended early; group 8 goes on, 3 does not
+    gate.set()
+    for thread in threads:
+        thread.join(5)
+    assert isinstance(out[3], GroupAborted) and out[3].group == 3
+    assert [r.token_ids for r in out[8]] == [[4, 1, 2, 3]] * 2  # continued after the cut
+    assert replica.calls[2] == [8, 8] and versioned.interruptions == 1
+    with pytest.raises(GroupAborted):
+        versioned.generate([GenerationRequest([1], seed=0, group=3)], SamplingParams())
+    # its tokens, the cut call's two included, are what its sampler discards
+    assert versioned.tokens_of(3) == {0: 7} and versioned.tokens_of(8) == {0: 8}
+    assert versioned.abort_older_than(1) == []  # nothing in flight any more
+
+
+@pytest.mark.parametrize("retry", [False, True], ids=["drop", "retry"])
+def test_an_aborted_group_frees_its_slot_and_its_prompt_is_dropped_or_sampled_again(retry):
+    engine = VersionedEngine(_Engine())
+    stale = threading.Event()
+    attempts: list[int] = []
+
+    def sample_group(ordinal):
+        attempts.append(ordinal)
+        request = [GenerationRequest(prompt_ids=[1], seed=0, group=ordinal)]
+        engine.generate(request, SamplingParams())
+        if ordinal == 0 and attempts.count(0) == 1:
+            stale.wait(5)  # sampled under version 0, still running when version 2 is due
+            engine.generate(request, SamplingParams())
+        return f"group {ordinal}"
+
+    sampler = StreamSampler(sample_group, engine, workers=2, allowed=lambda: 2, retry=retry)
+    try:
+        taken, _, _ = sampler.take(1, min_version=0, timeout_s=10)
+        assert taken[0].ordinal == 1
+        engine.version = 2
+        _until(lambda: engine._tokens.get(0) == {0: 3})
+        threading.Timer(0.2, stale.set).start()
+        taken, dropped, _ = sampler.take(1, min_version=2, timeout_s=10)
+        aborted = sampler.take_aborted()
+        assert [g.ordinal for g in aborted] == [0] and aborted[0].tokens == {0: 3}
+        assert aborted[0].output is None and not dropped
+        assert taken[0].ordinal == (0 if retry else 2)  # the prompt again, or the next one
+        assert attempts.count(0) == (2 if retry else 1)
     finally:
         sampler.stop()
 

@@ -78,14 +78,15 @@ class ReplicaRouter(Engine):
         return results  # type: ignore[return-value]
 
     def serve_lane(
-        self, lane: int, requests: list[GenerationRequest], sampling: SamplingParams
+        self, lane: int, requests: list[GenerationRequest], sampling: SamplingParams, **kwargs
     ) -> list[GenerationResult]:
-        """The requests dealt to replica ``lane``: served by it, or, once it is lost (or while
-        it waits to join), dealt again over the surviving replicas."""
+        """The requests dealt to replica ``lane``: served by it (``kwargs``: its own, e.g. an
+        interruptible replica's ``interrupt``), or, once it is lost (or while it waits to
+        join), dealt again over the surviving replicas (without ``kwargs``)."""
         if lane not in self._out:
             try:
                 with self._locks[lane]:
-                    return self.replicas[lane].generate(requests, sampling)
+                    return self.replicas[lane].generate(requests, sampling, **kwargs)
             except ReplicaLostError:
                 self.mark_lost(lane)
         return self._redeal(requests, sampling)
@@ -159,10 +160,12 @@ class _Lane(Engine):
 
     def __init__(self, router: ReplicaRouter, index: int) -> None:
         self.router, self.index = router, index
+        # as interruptible as its replica (a local engine; a remote one's calls cannot be)
+        self.interruptible = bool(getattr(router.replicas[index], "interruptible", False))
 
-    def generate(self, requests, sampling):
-        """The router's ``serve_lane`` for this lane."""
-        return self.router.serve_lane(self.index, requests, sampling)
+    def generate(self, requests, sampling, **kwargs):
+        """The router's ``serve_lane`` for this lane (``kwargs``: the replica's own)."""
+        return self.router.serve_lane(self.index, requests, sampling, **kwargs)
 
     def update_weights(self, named_tensors) -> None:
         """Not routed (see ``ReplicaRouter.update_weights``)."""

@@ -90,12 +90,20 @@ class TrainConfig(BaseModel):
         None,
         ge=1,
         description="streaming rollouts: the engines sample groups without step boundaries and "
-        "a step trains on the first train.batch_size groups to finish whose oldest token came "
-        "from a policy at most this many steps behind (older ones are dropped), so runs differ "
+        "a step trains on train.batch_size finished groups whose oldest token came from a "
+        "policy at most this many steps behind, oldest first (older ones are dropped, and "
+        "those still sampling are aborted: train.stale_prompts), so runs differ "
         "run to run and every batch is recorded for replay (needs "
         "algorithm.rollout_correction; colocated engines hold the stream while they sleep for "
         "the update); at most train.total_steps - 1 (no group can be older), and its groups "
         "in flight must fit half the rollout host's memory; null = off",
+    )
+    stale_prompts: Literal["drop", "retry"] = Field(
+        "drop",
+        description="streaming: a group still sampling once no step can train on it any more "
+        "(a token older than train.max_staleness allows) is aborted at once; drop = its "
+        "prompt is counted as dropped (stream/groups_aborted), retry = the prompt is sampled "
+        "again, under newer weights, before any new one",
     )
     share_prompts: bool = Field(
         True,

@@ -26,7 +26,35 @@ from rollout.streaming import FinishedGroup, StreamSampler, VersionedEngine
 from trainer.loop.engines.rollout_meta import combine_rollout_metrics
 from trainer.loop.plan.call_limits import CallLimits
 
-__all__ = ["StreamingHost", "staleness_metrics"]
+__all__ = ["StreamingHost", "bias_metrics", "staleness_metrics"]
+
+
+def bias_metrics(
+    taken: list[FinishedGroup],
+    dropped: list[FinishedGroup],
+    aborted: list[FinishedGroup],
+    n: int,
+) -> dict[str, float]:
+    """What a step's choice of groups leans towards: the mean response length (tokens per
+    trajectory) and turns of the groups taken, and of those dropped (finished too stale) and
+    aborted (stopped while sampling, ``output`` None: length so far, no turns); 0 where there
+    are none. ``groups_aborted``; ``tokens_discarded``: every token the dropped and aborted
+    groups had sampled (generated, never trained on)."""
+
+    def mean(groups: list[FinishedGroup], key: str) -> float:
+        done = [g.output.metrics.get(key, 0.0) for g in groups if g.output is not None]
+        return sum(done) / len(done) if done else 0.0
+
+    sampled = [sum(g.tokens.values()) / n for g in aborted]
+    return {
+        "stream/taken_mean_length": mean(taken, "rollout/mean_response_length"),
+        "stream/taken_mean_turns": mean(taken, "rollout/mean_turns"),
+        "stream/dropped_mean_length": mean(dropped, "rollout/mean_response_length"),
+        "stream/dropped_mean_turns": mean(dropped, "rollout/mean_turns"),
+        "stream/aborted_mean_length": sum(sampled) / len(sampled) if sampled else 0.0,
+        "stream/groups_aborted": float(len(aborted)),
+        "stream/tokens_discarded": float(sum(sum(g.tokens.values()) for g in (*dropped, *aborted))),
+    }
 
 
 def staleness_metrics(groups: list[FinishedGroup], trained_version: int) -> dict[str, float]:
@@ -95,7 +123,12 @@ class StreamingHost:
 
         workers = size * min(bound + 1, steps_left)
         self.stream = StreamSampler(
-            sample_group, self.versioned, workers=workers, allowed=allowed, first=first
+            sample_group,
+            self.versioned,
+            workers=workers,
+            allowed=allowed,
+            first=first,
+            retry=cfg.train.stale_prompts == "retry",
         )
         self.stream_started_at, self.last_take = time.perf_counter(), None
         return first
@@ -110,6 +143,7 @@ class StreamingHost:
         taken, dropped, waited = self.stream.take(
             size, max(0, trained - self.stream_bound), timeout_s
         )
+        aborted = self.stream.take_aborted()
         # since the last step's batch was handed over: how much of it each side waited
         now, busy, cut = time.perf_counter(), self.versioned.busy_s, self.versioned.interruptions
         last_at, last_busy, last_cut = self.last_take or (self.stream_started_at, 0.0, 0)
@@ -130,6 +164,7 @@ class StreamingHost:
             ],
         )
         out.metrics.update(staleness_metrics(taken, trained))
+        out.metrics.update(bias_metrics(taken, dropped, aborted, n))
         out.metrics.update(
             {
                 "stream/groups_dropped": float(len(dropped)),
@@ -138,10 +173,19 @@ class StreamingHost:
                 "stream/trainer_idle_share": min(1.0, waited / interval),
                 "stream/engine_idle_share": max(0.0, 1.0 - (busy - last_busy) / interval),
                 "stream/calls_interrupted": float(self.versioned.interruptions - last_cut),
+                "stream/requests_per_call": self._requests_per_call(),
             }
         )
         sampled = [g.oldest for g in taken if g.tokens] or [g.oldest for g in taken]
         return self._batch_out(step, out, record_dir, min(sampled))
+
+    def _requests_per_call(self) -> float:
+        """Mean requests per engine call since the last step's batch (every live group's
+        turns batched together: ``rollout.versioned``)."""
+        sizes = self.versioned.call_sizes
+        since, self.calls_seen = getattr(self, "calls_seen", 0), len(sizes)
+        recent = sizes[since:]
+        return sum(recent) / len(recent) if recent else 0.0
 
     def stream_hold(self, timeout_s: float) -> None:
         """Colocated engines: stop sampling so the ranks can take the devices (the engines

@@ -1,0 +1,344 @@
+"""An engine tagged with the policy version of its weights, serving every live group of a
+stream in one continuous batch per replica (``VersionedEngine``; ``rollout.streaming`` runs
+the groups).
+
+Each group of a stream runs its own agent loop, whose turns arrive here as separate
+``generate`` calls from many threads at once. They are not served one call at a time: calls
+wait in a queue per **lane** (one per engine replica, ``Engine.lanes``; a prompt's requests go
+to ``Engine.lane_of`` its group, as the replica router deals them), and whichever waiting
+thread finds a lane free sends everything queued there, every group's requests with the same
+sampling settings, in **one** engine call; the results go back to each caller. So each
+replica decodes every live trajectory that waits for a turn together (HF: one padded batch;
+vLLM: its own scheduler over all of them), and the replicas run side by side.
+
+A weight load (``load``; ``hold``/``release`` for colocated engines) waits for the lanes'
+calls to end, none starting meanwhile, and raises the version once for every lane. With
+``partial``, a call in flight on an ``interruptible`` lane ends after its current decode step
+instead; its requests go on from their prefix under the new weights (the prompt plus the
+tokens so far, prefilled again: no KV cache is kept from older weights). Every token records
+the version it was sampled under (``extra["versions"]``), and per tracked prompt (the
+request's ``group``) the counts by version (``tokens_of``).
+
+Abort: a group that sampled a token older than what any later step may train on
+(``abort_older_than``) is stopped: its next call raises ``GroupAborted``, and a call of it in
+flight on an interruptible lane ends after its current decode step (the other requests of
+that call go on). Requests from outside the stream (validation) go through ``untracked``:
+the same lanes and batches, counted under no prompt, never aborted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
+
+__all__ = ["GroupAborted", "UntrackedEngine", "VersionedEngine"]
+
+
+class GroupAborted(Exception):
+    """Group ``group``'s generation was stopped: it can no longer be trained within the
+    staleness bound (``VersionedEngine.abort_older_than``)."""
+
+    def __init__(self, group: int) -> None:
+        super().__init__(f"group {group} aborted: too stale for any later step to train on")
+        self.group = group
+
+
+@dataclass(eq=False)
+class _Job:
+    """One caller's requests for one lane at one remaining length, and what came back."""
+
+    requests: list[GenerationRequest]
+    sampling: SamplingParams
+    groups: frozenset = frozenset()  # tracked prompts among them (abortable)
+    outs: list[GenerationResult] | None = None
+    version: int = 0
+    error: BaseException | None = None
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _Lane:
+    engine: Any
+    interruptible: bool
+    pending: list[_Job] = field(default_factory=list)
+    busy: bool = False
+
+
+class VersionedEngine:
+    """``engine`` (an ``rollout.engines.base.Engine``) tagged with the policy ``version`` of
+    the weights it holds, its callers' requests batched per lane (see the module docstring).
+    Forwards what the agent loop asks of an engine. ``busy_s``: seconds the lanes spent in
+    engine calls, averaged over the lanes; ``engine_s``: summed; ``call_sizes``: requests per
+    engine call; ``generated_tokens``: every token sampled, kept or not; ``interruptions``:
+    calls ended early for a load or an abort."""
+
+    def __init__(self, engine, version: int = 0, *, partial: bool = False) -> None:
+        self.engine = engine
+        self.version = version
+        lanes = engine.lanes() if callable(getattr(engine, "lanes", None)) else [engine]
+        self._lanes = [_Lane(e, bool(getattr(e, "interruptible", False))) for e in lanes]
+        self.partial = partial and any(lane.interruptible for lane in self._lanes)
+        self._cond = threading.Condition()
+        self._held = False  # a load, or a hold, has the engine
+        self._loads_waiting = 0  # loads wait first: calls in flight yield to them
+        self._tokens: dict[int, dict[int, int]] = {}  # group -> version -> tokens sampled
+        self._doomed: set[int] = set()  # groups aborted (abort_older_than)
+        self._doom_epoch = 0
+        self.busy_s = 0.0
+        self.engine_s = 0.0
+        self.call_sizes: list[int] = []
+        self.generated_tokens = 0
+        self.interruptions = 0
+
+    # ---------------------------------------------------------------- calls
+
+    def generate(self, requests, sampling):
+        """The engine's ``generate`` for ``requests`` (batched with the other callers' on each
+        lane); tokens counted per prompt and version. GroupAborted if a request's prompt was
+        aborted."""
+        return self._generate(requests, sampling, track=True)
+
+    def untracked(self) -> UntrackedEngine:
+        """This engine for requests outside the stream (validation): batched with the stream's,
+        taking turns with the loads, but counted under no prompt and never aborted."""
+        return UntrackedEngine(self)
+
+    def _lane_of(self, group: int) -> int:
+        return self.engine.lane_of(group) if len(self._lanes) > 1 else 0
+
+    def _generate(self, requests, sampling, *, track: bool):
+        results = [GenerationResult([], [], "length", {"versions": []}) for _ in requests]
+        todo = list(range(len(requests)))
+        while todo:
+            self._raise_if_aborted(requests, todo, track)
+            parts: dict[tuple[int, int], list[int]] = {}
+            for i in todo:
+                room = sampling.max_new_tokens - len(results[i].token_ids)
+                parts.setdefault((self._lane_of(requests[i].group), room), []).append(i)
+            jobs = [
+                (
+                    lane,
+                    batch,
+                    _Job(
+                        [_continued(requests[i], results[i].token_ids) for i in batch],
+                        dataclasses.replace(sampling, max_new_tokens=room),
+                        frozenset(requests[i].group for i in batch) if track else frozenset(),
+                    ),
+                )
+                for (lane, room), batch in parts.items()
+            ]
+            self._run([(lane, job) for lane, _, job in jobs])
+            todo = []
+            for _, batch, job in jobs:
+                if job.error is not None:
+                    raise job.error
+                for i, out in zip(batch, job.outs):
+                    self._add(results[i], out, job.version, requests[i].group if track else None)
+                    if out.finish_reason == "interrupted":
+                        if len(results[i].token_ids) < sampling.max_new_tokens:
+                            todo.append(i)
+                        else:
+                            results[i].finish_reason = "length"
+        return results
+
+    def _add(self, into: GenerationResult, out: GenerationResult, version: int, group) -> None:
+        into.token_ids += out.token_ids
+        into.logprobs += out.logprobs
+        into.extra["versions"] += [version] * len(out.token_ids)
+        into.extra.update((k, v) for k, v in out.extra.items() if k != "versions")
+        into.finish_reason = out.finish_reason
+        if out.token_ids and group is not None:
+            with self._cond:
+                counts = self._tokens.setdefault(group, {})
+                counts[version] = counts.get(version, 0) + len(out.token_ids)
+
+    def _raise_if_aborted(self, requests, todo: list[int], track: bool) -> None:
+        if not track:
+            return
+        with self._cond:
+            for i in todo:
+                if requests[i].group in self._doomed:
+                    raise GroupAborted(requests[i].group)
+
+    def _run(self, jobs: list[tuple[int, _Job]]) -> None:
+        """Queue ``jobs`` on their lanes and drive the lanes until every one has come back:
+        this thread sends a free lane's whole queue (``_call``) or waits for another's call."""
+        with self._cond:
+            for lane, job in jobs:
+                self._lanes[lane].pending.append(job)
+            self._cond.notify_all()
+        while True:
+            with self._cond:
+                while True:
+                    waiting = [lane for lane, job in jobs if not job.done]
+                    if not waiting:
+                        return
+                    free = [
+                        self._lanes[i]
+                        for i in dict.fromkeys(waiting)
+                        if self._lanes[i].pending and not self._lanes[i].busy
+                    ]
+                    if free and not (self._held or self._loads_waiting):
+                        break
+                    self._cond.wait()
+                lane = free[0]
+                sampling = lane.pending[0].sampling
+                batch = [job for job in lane.pending if job.sampling == sampling]
+                lane.pending = [job for job in lane.pending if job.sampling != sampling]
+                lane.busy = True
+                version, epoch = self.version, self._doom_epoch
+            self._call(lane, batch, version, epoch)
+
+    def _call(self, lane: _Lane, batch: list[_Job], version: int, epoch: int) -> None:
+        """One engine call for every job of ``batch`` on ``lane`` (one sampling setting)."""
+        requests = [r for job in batch for r in job.requests]
+        kwargs = {}
+        if lane.interruptible:
+            groups = frozenset().union(*(job.groups for job in batch))
+            partial = self.partial
+
+            def interrupt() -> bool:  # a load (partial rollouts), or a group of it aborted
+                if partial and self._loads_waiting:
+                    return True
+                return self._doom_epoch != epoch and not groups.isdisjoint(self._doomed)
+
+            kwargs["interrupt"] = interrupt
+        started = time.perf_counter()
+        outs, error = None, None
+        try:
+            outs = lane.engine.generate(requests, batch[0].sampling, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to each caller, which raises it
+            error = exc
+        seconds = time.perf_counter() - started
+        with self._cond:
+            self.engine_s += seconds
+            self.busy_s += seconds / len(self._lanes)
+            self.call_sizes.append(len(requests))
+            if outs is not None:
+                self.generated_tokens += sum(len(out.token_ids) for out in outs)
+                self.interruptions += any(out.finish_reason == "interrupted" for out in outs)
+            start = 0
+            for job in batch:
+                end = start + len(job.requests)
+                job.outs = None if outs is None else outs[start:end]
+                job.error, job.version, job.done = error, version, True
+                start = end
+            lane.busy = False
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------- loads and aborts
+
+    def _hold(self) -> None:
+        with self._cond:
+            self._loads_waiting += 1
+            while self._held or any(lane.busy for lane in self._lanes):
+                self._cond.wait()
+            self._loads_waiting -= 1
+            self._held = True
+
+    def _free(self) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+    def load(self, load: Callable[[], Any], version: int) -> Any:
+        """Run ``load()`` (new weights into every replica) once no lane is in a call (with
+        ``partial``: after the current decode step of those in flight), then hold ``version``;
+        returns what ``load`` returned."""
+        self._hold()
+        try:
+            out = load()
+            self.version = version
+        finally:
+            self._free()
+        return out
+
+    def hold(self) -> None:
+        """Take the engine until ``release``: no call runs meanwhile (with ``partial``, calls
+        in flight end after their current decode step and go on after ``release``). What
+        colocated engines do while the ranks train on their devices."""
+        self._hold()
+
+    def release(self, version: int) -> None:
+        """Give the engine back after ``hold``, holding the weights of policy ``version``."""
+        self.version = version
+        self._free()
+
+    def abort_older_than(self, min_version: int) -> list[int]:
+        """Stop every tracked group in flight that sampled a token of a policy older than
+        ``min_version`` (no later step may train on it): its next call raises
+        ``GroupAborted``, a call of it in flight on an interruptible lane ends after its
+        decode step. Returns the groups newly aborted."""
+        with self._cond:
+            new = [
+                g
+                for g, counts in self._tokens.items()
+                if counts and min(counts) < min_version and g not in self._doomed
+            ]
+            if new:
+                self._doomed.update(new)
+                self._doom_epoch += 1
+                self._cond.notify_all()
+        return new
+
+    def tokens_of(self, group: int) -> dict[int, int]:
+        """Tokens sampled for prompt ``group``, by policy version (and forgets the group)."""
+        with self._cond:
+            self._doomed.discard(group)
+            return self._tokens.pop(group, {})
+
+    def lanes(self) -> list:
+        """One lane for the agent loop's batcher: the batching across groups and replicas
+        happens here."""
+        return [self]
+
+    def lane_of(self, group: int) -> int:
+        """Every prompt's requests come to the one lane."""
+        return 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+
+class UntrackedEngine:
+    """A ``VersionedEngine`` for requests that are no prompt of the stream (``untracked``):
+    the same lanes and batches, each token tagged with its version, none counted for
+    ``tokens_of`` and none aborted. A validation's ``group`` numbers (its records' indices)
+    are the same numbers as the stream's prompt ordinals; counted, a prompt streamed later
+    would inherit the version validation sampled at and be dropped as stale."""
+
+    def __init__(self, versioned: VersionedEngine) -> None:
+        self.versioned = versioned
+
+    def generate(self, requests, sampling):
+        """``VersionedEngine.generate`` without counting tokens under any prompt."""
+        return self.versioned._generate(requests, sampling, track=False)
+
+    def lanes(self) -> list:
+        """One lane, as the ``VersionedEngine``'s."""
+        return [self]
+
+    def lane_of(self, group: int) -> int:
+        """Every request goes to the one lane."""
+        return 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.versioned, name)
+
+
+def _continued(request: GenerationRequest, sampled: list[int]) -> GenerationRequest:
+    """``request`` continued after the tokens ``sampled`` so far: their prefix joins the prompt
+    and the seed moves on (the continuation draws fresh numbers, not the first ones again)."""
+    if not sampled:
+        return request
+    return dataclasses.replace(
+        request,
+        prompt_ids=[*request.prompt_ids, *sampled],
+        seed=(int(request.seed) * 1_000_003 + len(sampled)) % (2**63),
+    )
