@@ -24,6 +24,24 @@ def test_the_summary_names_the_steps_rewards_directory_and_next_commands():
         "train", Path("r"), first_step=5, total_steps=4, rewards=[], wall_s=0.0
     )
     assert "nothing left to run" in resumed
+    streamed = closing_summary(
+        "train",
+        Path("r"),
+        first_step=1,
+        total_steps=2,
+        rewards=[0.1, 0.2],
+        wall_s=1.0,
+        stream={
+            "stream/groups_dropped": 3.0,
+            "stream/groups_aborted": 1.0,
+            "stream/tokens_discarded": 120.0,
+            "stream/tokens_generated": 1200.0,
+        },
+    )
+    assert (
+        "  stream: 3 groups dropped, 1 aborted, 120 tokens discarded (10.0% of 1,200 generated)"
+        in streamed
+    )
 
 
 def test_crossrl_train_ends_with_it(tmp_path, capsys):

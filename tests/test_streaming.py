@@ -346,6 +346,7 @@ RUNS = {
         "rollout.step_wise=true",
         "algorithm.adv_estimator=gae",
         "critic.enable=true",
+        "train.stale_prompts=retry",
     ],
     # colocated engines: the stream holds while they sleep for the update
     "colocated-partial": ["rollout.engine_devices=0", "rollout.partial_rollout=true"],
@@ -390,6 +391,13 @@ def test_a_streamed_run_keeps_its_bound_and_records_every_batch(streamed, name):
             assert 0.0 <= r[f"stream/{share}"] <= 1.0
         if "whole" in name:
             assert r["stream/partial_token_share"] == 0.0
+        # the bias made visible: what was taken, dropped and aborted, and the engine's batches
+        assert r["stream/taken_mean_length"] > 0 and r["stream/taken_mean_turns"] >= 1
+        assert r["stream/requests_per_call"] >= 1 and r["stream/groups_aborted"] >= 0
+        if r["stream/groups_dropped"] == 0:
+            assert r["stream/dropped_mean_length"] == 0.0
+    made = sum(r["stream/tokens_generated"] for r in records)
+    assert 0 <= sum(r["stream/tokens_discarded"] for r in records) <= made
     assert records[0]["stream/staleness_max"] == 0  # step 1: the initial weights train
     recorded = sorted(p.name for p in (run_dir / "rollouts").glob("step_*.npz"))
     assert recorded == [f"step_{s}.npz" for s in (1, 2, 3, 4)]

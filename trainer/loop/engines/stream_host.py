@@ -174,6 +174,7 @@ class StreamingHost:
                 "stream/engine_idle_share": max(0.0, 1.0 - (busy - last_busy) / interval),
                 "stream/calls_interrupted": float(self.versioned.interruptions - last_cut),
                 "stream/requests_per_call": self._requests_per_call(),
+                "stream/tokens_generated": self._tokens_generated(),
             }
         )
         sampled = [g.oldest for g in taken if g.tokens] or [g.oldest for g in taken]
@@ -186,6 +187,12 @@ class StreamingHost:
         since, self.calls_seen = getattr(self, "calls_seen", 0), len(sizes)
         recent = sizes[since:]
         return sum(recent) / len(recent) if recent else 0.0
+
+    def _tokens_generated(self) -> float:
+        """Tokens the engines sampled since the last step's batch, kept or discarded."""
+        made = self.versioned.generated_tokens
+        since, self.tokens_seen = getattr(self, "tokens_seen", 0), made
+        return float(made - since)
 
     def stream_hold(self, timeout_s: float) -> None:
         """Colocated engines: stop sampling so the ranks can take the devices (the engines

@@ -238,8 +238,15 @@ def _attempts(
                 write_run_config(cfg, run_dir, trainer.deterministic_settings, trainer.kernels)
                 CLOCK.done("config_yaml")
             started = time.monotonic()
+            stream: dict[str, float] = {}
             rewards = _train_loop(
-                cfg, trainer, run_dir, stop, restarts, save_checkpoints=save_checkpoints
+                cfg,
+                trainer,
+                run_dir,
+                stop,
+                restarts,
+                save_checkpoints=save_checkpoints,
+                stream=stream,
             )
             print(
                 closing_summary(
@@ -250,6 +257,7 @@ def _attempts(
                     rewards=rewards,
                     wall_s=time.monotonic() - started,
                     restarts=[r.summary() for r in restarts.done],
+                    stream=stream,
                 ),
                 file=sys.stderr,
             )
@@ -286,6 +294,15 @@ def _attempts(
             trainer.shutdown()
 
 
+#: A streamed run's per-step counts that the closing summary adds up.
+STREAM_TOTALS = (
+    "stream/groups_dropped",
+    "stream/groups_aborted",
+    "stream/tokens_discarded",
+    "stream/tokens_generated",
+)
+
+
 def closing_summary(
     command: str,
     run_dir: Path,
@@ -295,11 +312,13 @@ def closing_summary(
     rewards: list[float],
     wall_s: float,
     restarts: list[str] | None = None,
+    stream: dict[str, float] | None = None,
 ) -> str:
     """The lines ``crossrl train`` ends with: what this process ran (steps ``first_step`` to
     ``total_steps``; ``rewards``: each step's ``reward/mean``), the wall time in seconds, the
-    restarts on the way (``restarts``: a line each), where the run directory is, and what to
-    run next."""
+    restarts on the way (``restarts``: a line each), a streamed run's groups and tokens
+    thrown away (``stream``: ``STREAM_TOTALS`` summed over the steps), where the run
+    directory is, and what to run next."""
     ran = len(rewards)
     if ran:
         what = (
@@ -315,6 +334,15 @@ def closing_summary(
         nxt = f"crossrl plot {run_dir}    crossrl export {run_dir} OUT_DIR"
     lines = [f"crossrl {command}: done, {what}"]
     lines += [f"  {line}" for line in restarts or []]
+    if stream:
+        made = stream.get("stream/tokens_generated", 0.0)
+        gone = stream.get("stream/tokens_discarded", 0.0)
+        share = f" ({gone / made:.1%} of {made:,.0f} generated)" if made else ""
+        lines.append(
+            f"  stream: {stream.get('stream/groups_dropped', 0.0):.0f} groups dropped, "
+            f"{stream.get('stream/groups_aborted', 0.0):.0f} aborted, "
+            f"{gone:,.0f} tokens discarded{share}"
+        )
     lines += [f"  run directory: {run_dir}", f"  next: {nxt}"]
     return "\n".join(lines)
 
@@ -327,10 +355,12 @@ def _train_loop(
     restarts: Restarts,
     *,
     save_checkpoints: bool,
+    stream: dict[str, float] | None = None,
 ) -> list[float]:
     """Steps from where the trainer starts to ``train.total_steps``: train, log, checkpoint;
     ``restarts`` is told which step runs, and after a restart its record goes on the first
-    line. Returns each step's ``reward/mean``, in step order."""
+    line. Returns each step's ``reward/mean``, in step order; ``stream`` gets the steps'
+    ``STREAM_TOTALS`` summed."""
     from trainer.loop.cluster.startup import CLOCK, log_summary
     from trainer.loop.schedule.backlog import Backlog
     from trainer.loop.schedule.health import checkpoint_veto
@@ -360,6 +390,9 @@ def _train_loop(
                     metrics.update(restart.metrics())
                     restart = None
                 rewards.append(float(metrics.get("reward/mean", float("nan"))))
+                for key in STREAM_TOTALS if stream is not None else ():
+                    if key in metrics:
+                        stream[key] = stream.get(key, 0.0) + float(metrics[key])
                 metrics.update(CLOCK.metrics())  # the first step of this process only
                 validation = trainer.validate(step) if validation_due(cfg, step) else None
                 backlog.add_line(step, metrics, validation)
