@@ -7,7 +7,11 @@ Each group of a stream runs its own agent loop, whose turns arrive here as separ
 wait in a queue per **lane** (one per engine replica, ``Engine.lanes``; a prompt's requests go
 to ``Engine.lane_of`` its group, as the replica router deals them), and whichever waiting
 thread finds a lane free sends everything queued there, every group's requests with the same
-sampling settings, in **one** engine call; the results go back to each caller. So each
+sampling settings, in **one** engine call; the results go back to each caller. A lane whose
+call just came back waits a moment before the next (``LINGER_SHARE`` of that call, at most
+``LINGER_S``, none once as many requests wait as it carried), so the callers it answered,
+asking again at once, join the next call rather than alternate with the others in calls of
+their own. So each
 replica decodes every live trajectory that waits for a turn together (HF: one padded batch;
 vLLM: its own scheduler over all of them), and the replicas run side by side.
 
@@ -37,7 +41,15 @@ from typing import Any
 
 from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
 
-__all__ = ["GroupAborted", "UntrackedEngine", "VersionedEngine"]
+__all__ = ["LINGER_S", "LINGER_SHARE", "GroupAborted", "UntrackedEngine", "VersionedEngine"]
+
+#: How long a lane waits after a call came back before it sends the next, at most: this
+#: share of that call's seconds, and never more than ``LINGER_S``; it goes at once when as
+#: many requests wait as the call carried. The callers a call answered ask again within
+#: moments (an environment step later) and join the next call instead of alternating with
+#: the others in calls of their own.
+LINGER_SHARE = 0.05
+LINGER_S = 0.05
 
 
 class GroupAborted(Exception):
@@ -68,6 +80,9 @@ class _Lane:
     interruptible: bool
     pending: list[_Job] = field(default_factory=list)
     busy: bool = False
+    ended_at: float = 0.0  # when its last call came back (perf_counter)
+    last_s: float = 0.0  # how long it took
+    last_size: int = 0  # requests it carried
 
 
 class VersionedEngine:
@@ -185,7 +200,11 @@ class VersionedEngine:
                         if self._lanes[i].pending and not self._lanes[i].busy
                     ]
                     if free and not (self._held or self._loads_waiting):
-                        break
+                        linger = _linger(free[0])
+                        if linger <= 0:
+                            break
+                        self._cond.wait(linger)
+                        continue
                     self._cond.wait()
                 lane = free[0]
                 sampling = lane.pending[0].sampling
@@ -229,7 +248,8 @@ class VersionedEngine:
                 job.outs = None if outs is None else outs[start:end]
                 job.error, job.version, job.done = error, version, True
                 start = end
-            lane.busy = False
+            lane.busy, lane.ended_at = False, time.perf_counter()
+            lane.last_s, lane.last_size = seconds, len(requests)
             self._cond.notify_all()
 
     # ---------------------------------------------------------------- loads and aborts
@@ -330,6 +350,14 @@ class UntrackedEngine:
 
     def __getattr__(self, name: str):
         return getattr(self.versioned, name)
+
+
+def _linger(lane: _Lane) -> float:
+    """Seconds ``lane`` still waits before its next call (<= 0: go)."""
+    if sum(len(job.requests) for job in lane.pending) >= lane.last_size:
+        return 0.0
+    wait = min(LINGER_S, LINGER_SHARE * lane.last_s)
+    return wait - (time.perf_counter() - lane.ended_at)
 
 
 def _continued(request: GenerationRequest, sampled: list[int]) -> GenerationRequest:

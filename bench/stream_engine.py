@@ -1,0 +1,175 @@
+"""The stream's engine side: G groups of n requests, each group asking ``turns`` turns one
+after another from its own thread, all groups at once (as a streamed run's groups ask),
+served three ways on the HF engine:
+
+- ``serial``: one engine call at a time, each carrying one group's n requests (the stream's
+  engine before issue 49: a lock around the engine);
+- ``batched``: through ``rollout.versioned.VersionedEngine``, which sends every group waiting
+  on a replica in one call (what ships);
+- ``ceiling``: per turn one plain engine call with all G x n requests, no threads (the best
+  any batching of these requests can do).
+
+Every request samples ``new_tokens`` tokens (no stop token), so the modes generate the same
+tokens; the figure is generated tokens per second of wall time for the whole set, each mode
+timed alternately (A B C A B C), median of ``repeats``. With ``replicas=2`` the batched mode
+runs two HF engines behind a ``ReplicaRouter`` (one lane each) against one.
+
+    python -m bench.stream_engine [--groups 16] [--n 8] [--new-tokens 32] [--turns 4]
+        [--replicas 1]
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+__all__ = ["format_table", "run"]
+
+
+def _engine(model_seed: int = 0):
+    from rollout.engines import make_engine
+    from rollout.models import load_model
+    from rollout.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("builtin")
+    return make_engine("hf", load_model("builtin:tiny", seed=model_seed), tok), tok
+
+
+def _requests(tok, groups: int, n: int):
+    from rollout.engines import GenerationRequest
+
+    prompt = tok.encode("Compute 1234 * 5678 and explain every step.")
+    return [
+        [GenerationRequest(prompt_ids=prompt, seed=1000 * g + k, group=g) for k in range(n)]
+        for g in range(groups)
+    ]
+
+
+def _threads(call, per_group) -> float:
+    started = time.perf_counter()
+    threads = [threading.Thread(target=call, args=(requests,)) for requests in per_group]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
+
+
+def run(
+    groups: int = 16,
+    n: int = 8,
+    new_tokens: int = 32,
+    replicas: int = 1,
+    repeats: int = 3,
+    turns: int = 4,
+) -> dict:
+    """Tokens per second of each mode, their ratios, and the batched mode's requests per
+    engine call."""
+    import torch
+
+    from rollout.engines import SamplingParams
+    from rollout.engines.router import ReplicaRouter
+    from rollout.versioned import VersionedEngine
+
+    torch.manual_seed(0)
+    engines = [_engine()[0] for _ in range(replicas)]
+    engine, tok = engines[0], _engine()[1]
+    per_group = _requests(tok, groups, n)
+    sampling = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=())
+    lock = threading.Lock()
+
+    def serial(requests):
+        for _ in range(turns):
+            with lock:
+                engine.generate(requests, sampling)
+
+    def batched(versioned):
+        def each(requests):
+            for _ in range(turns):
+                versioned.generate(requests, sampling)
+
+        return each
+
+    def ceiling(everything):
+        for _ in range(turns):
+            engine.generate(everything, sampling)
+
+    def modes():
+        versioned = VersionedEngine(ReplicaRouter(engines) if replicas > 1 else engine)
+        yield "serial", lambda: _threads(serial, per_group), None
+        yield "batched", lambda: _threads(batched(versioned), per_group), versioned
+        everything = [r for requests in per_group for r in requests]
+        yield "ceiling", lambda: _timed(lambda: ceiling(everything)), None
+
+    engine.generate(per_group[0], sampling)  # warm-up
+    seconds: dict[str, list[float]] = {"serial": [], "batched": [], "ceiling": []}
+    sizes: list[float] = []
+    for _ in range(repeats):
+        for name, timed, versioned in modes():
+            seconds[name].append(timed())
+            if versioned is not None:
+                sizes.append(statistics.mean(versioned.call_sizes))
+    tokens = groups * n * new_tokens * turns
+    rate = {name: tokens / statistics.median(s) for name, s in seconds.items()}
+    return {
+        "groups": groups,
+        "n": n,
+        "new_tokens": new_tokens,
+        "replicas": replicas,
+        "repeats": repeats,
+        "turns": turns,
+        "tokens_per_s": rate,
+        "batched_over_serial": rate["batched"] / rate["serial"],
+        "batched_over_ceiling": rate["batched"] / rate["ceiling"],
+        "requests_per_call": statistics.median(sizes),
+    }
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def format_table(result: dict) -> str:
+    """One line per mode, and the ratios."""
+    lines = [
+        f"{result['groups']} groups x n {result['n']} x {result['turns']} turns x "
+        f"{result['new_tokens']} new tokens, "
+        f"{result['replicas']} replica(s), HF engine on builtin:tiny, median of "
+        f"{result['repeats']} (alternating)",
+        "| mode | generated tokens / s |",
+        "|---|---|",
+    ]
+    for name, rate in result["tokens_per_s"].items():
+        lines.append(f"| {name} | {rate:,.0f} |")
+    lines.append(
+        f"batched / serial: {result['batched_over_serial']:.2f}x; batched / ceiling: "
+        f"{result['batched_over_ceiling']:.2f}; requests per batched call: "
+        f"{result['requests_per_call']:.1f}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.stream_engine``: the table."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    result = run(
+        args.groups, args.n, args.new_tokens, args.replicas, args.repeats, turns=args.turns
+    )
+    print(format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
