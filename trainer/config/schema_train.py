@@ -98,12 +98,14 @@ class TrainConfig(BaseModel):
         "the update); at most train.total_steps - 1 (no group can be older), and its groups "
         "in flight must fit half the rollout host's memory; null = off",
     )
-    stale_prompts: Literal["drop", "retry"] = Field(
+    stale_prompts: Literal["drop", "retry", "keep"] = Field(
         "drop",
-        description="streaming: a group still sampling once no step can train on it any more "
-        "(a token older than train.max_staleness allows) is aborted at once; drop = its "
-        "prompt is counted as dropped (stream/groups_aborted), retry = the prompt is sampled "
-        "again, under newer weights, before any new one",
+        description="streaming: a group that no step can train on within train.max_staleness "
+        "any more (a token older than it allows); drop = aborted at once if still sampling "
+        "(stream/groups_aborted), dropped if finished (stream/groups_dropped); retry = "
+        "aborted, and its prompt sampled again under newer weights before any new one; keep "
+        "= trained anyway, its tokens weighed by algorithm.rollout_correction (AReaL's: the "
+        "bound limits what starts, not what finishes, so a batch may hold older tokens)",
     )
     share_prompts: bool = Field(
         True,

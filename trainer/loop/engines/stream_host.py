@@ -97,6 +97,7 @@ class StreamingHost:
         else:  # every group samples with one policy: the load waits for those in flight
             wait_s = CallLimits.for_config(self.cfg).rollout_s
             out = self.stream.quiesced(lambda: self.versioned.load(load, version), wait_s)
+        self._abort_stale()
         self.stream.wake()  # newer weights: more groups may start
         return out
 
@@ -140,9 +141,7 @@ class StreamingHost:
         cfg = self.cfg
         n, size = cfg.rollout.n, cfg.train.batch_size
         trained = step - 1  # the policy that trains on this batch
-        taken, dropped, waited = self.stream.take(
-            size, max(0, trained - self.stream_bound), timeout_s
-        )
+        taken, dropped, waited = self.stream.take(size, self._min_version(trained), timeout_s)
         aborted = self.stream.take_aborted()
         # since the last step's batch was handed over: how much of it each side waited
         now, busy, cut = time.perf_counter(), self.versioned.busy_s, self.versioned.interruptions
@@ -180,6 +179,19 @@ class StreamingHost:
         sampled = [g.oldest for g in taken if g.tokens] or [g.oldest for g in taken]
         return self._batch_out(step, out, record_dir, min(sampled))
 
+    def _min_version(self, trained: int) -> int:
+        """The oldest policy whose tokens the batch policy ``trained`` trains on may hold:
+        ``train.max_staleness`` behind it; any (0) with ``train.stale_prompts=keep``."""
+        if self.cfg.train.stale_prompts == "keep":
+            return 0
+        return max(0, trained - self.stream_bound)
+
+    def _abort_stale(self) -> None:
+        """New weights: the groups in flight that the next batch (trained by the policy now
+        in the engines) could no longer take stop now, not at that batch's take."""
+        if self.cfg.train.stale_prompts != "keep":
+            self.versioned.abort_older_than(self._min_version(self.versioned.version))
+
     def _requests_per_call(self) -> float:
         """Mean requests per engine call since the last step's batch (every live group's
         turns batched together: ``rollout.versioned``)."""
@@ -210,6 +222,7 @@ class StreamingHost:
         self.versioned.release(version)
         if not self.cfg.rollout.partial_rollout:
             self.stream.release()
+        self._abort_stale()
         self.stream.wake()  # newer weights: more groups may start
 
     def stream_stop(self) -> None:
