@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -139,6 +140,7 @@ def run_rollouts(
     env_timeout_s: float | None = None,
     env_concurrency: int = 64,
     deterministic: bool = True,
+    env_slots: threading.Semaphore | None = None,
 ) -> RolloutOutput:
     """Roll out ``n`` trajectories per prompt for up to ``max_turns`` turns.
 
@@ -153,7 +155,9 @@ def run_rollouts(
 
     Each trajectory is its own asyncio task (see the module docstring). ``env_timeout_s``
     (seconds, None = no limit) bounds each ``reset``/``step`` call; ``env_concurrency`` caps
-    the env calls running at once. ``deterministic``: engine calls hold every live
+    the env calls running at once; ``env_slots``: slots shared with rollouts running at the
+    same time on other threads (``rollout.env_calls.EnvCalls``: a streamed run's groups share
+    ``rollout.env_concurrency``). ``deterministic``: engine calls hold every live
     trajectory's turn (lockstep calls, logprobs repeat bit for bit); False: the engine takes
     whatever waits whenever it is free (``rollout/engines/batcher.py``). Rows come out in
     trajectory order either way. Runs its own event loop (on a helper thread when the caller's
@@ -212,7 +216,7 @@ def run_rollouts(
 
     async def roll_all() -> None:
         batcher = RequestBatcher(engine, params, waves=deterministic)
-        env_calls = EnvCalls(env_concurrency, env_timeout_s)
+        env_calls = EnvCalls(env_concurrency, env_timeout_s, env_slots)
         live = [t for t in trajs if not t.done]
         batcher.join([t.item.index for t in live])
         tasks = [asyncio.create_task(_roll_one(t, ctx, batcher, env_calls)) for t in live]

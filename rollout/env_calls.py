@@ -14,6 +14,7 @@ import concurrent.futures
 import inspect
 import math
 import numbers
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -122,15 +123,28 @@ class EnvTimeout(EnvError):
     """An environment call ran past ``rollout.env_timeout_s``; ends that trajectory."""
 
 
+#: Seconds between two looks at a shared slot (``EnvCalls.shared``) another rollout holds.
+SHARED_POLL_S = 0.002
+
+
 class EnvCalls:
     """Environment calls of one rollout: synchronous methods on a thread pool, ``async def``
     ones on the event loop; at most ``concurrency`` at once, each bounded by ``timeout_s``
     seconds (None: no bound). A call that overruns cannot be killed (a Python thread cannot
-    be): it is abandoned with its thread, and later calls get a fresh pool."""
+    be): it is abandoned with its thread, and later calls get a fresh pool. ``shared``: slots
+    this rollout shares with others running at once on other threads (a streamed run's
+    groups, each its own rollout): a call also takes one of them, so all of them together
+    run at most that many calls; its time limit counts from when it runs."""
 
-    def __init__(self, concurrency: int, timeout_s: float | None) -> None:
+    def __init__(
+        self,
+        concurrency: int,
+        timeout_s: float | None,
+        shared: threading.Semaphore | None = None,
+    ) -> None:
         self.concurrency, self.timeout_s = concurrency, timeout_s
         self._slots = asyncio.Semaphore(concurrency)
+        self._shared = shared
         self._pool = self._new_pool()
 
     def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -149,19 +163,30 @@ class EnvCalls:
                     )
                 return result
         async with self._slots:
-            if inspect.iscoroutinefunction(method):
-                task = asyncio.ensure_future(method(*args))
-            else:
-                task = asyncio.get_running_loop().run_in_executor(self._pool, method, *args)
-            done, _ = await asyncio.wait([task], timeout=self.timeout_s)
-            if not done:
-                task.cancel()
-                if not inspect.iscoroutinefunction(method):
-                    # The stuck call keeps its worker thread; later calls get fresh ones.
-                    self._pool.shutdown(wait=False)
-                    self._pool = self._new_pool()
-                raise EnvTimeout(f"took longer than rollout.env_timeout_s={self.timeout_s:g} s")
-            return task.result()
+            if self._shared is None:
+                return await self._run(method, args)
+            while not self._shared.acquire(blocking=False):  # held by another rollout's call
+                await asyncio.sleep(SHARED_POLL_S)
+            try:
+                return await self._run(method, args)
+            finally:
+                self._shared.release()
+
+    async def _run(self, method: Callable, args: tuple) -> object:
+        """``method(*args)`` on the pool or the loop, within ``timeout_s``."""
+        if inspect.iscoroutinefunction(method):
+            task = asyncio.ensure_future(method(*args))
+        else:
+            task = asyncio.get_running_loop().run_in_executor(self._pool, method, *args)
+        done, _ = await asyncio.wait([task], timeout=self.timeout_s)
+        if not done:
+            task.cancel()
+            if not inspect.iscoroutinefunction(method):
+                # The stuck call keeps its worker thread; later calls get fresh ones.
+                self._pool.shutdown(wait=False)
+                self._pool = self._new_pool()
+            raise EnvTimeout(f"took longer than rollout.env_timeout_s={self.timeout_s:g} s")
+        return task.result()
 
     def close(self) -> None:
         """Release the worker threads (an abandoned, still running call keeps its own)."""

@@ -56,12 +56,12 @@ def test_the_class_that_defines_the_method_decides():
     assert not runs_inline(quiet, "step")
 
 
-def _rollout(tok, env_timeout_s=None):  # noqa: F811 - tok is the fixture
+def _rollout(tok, env_timeout_s=None, env_slots=None, env=None):  # noqa: F811 - the fixture
     items = [PromptItem(i, 10 + i) for i in range(4)]
     return run_rollouts(
         ReplyEngine(tok),
         tok,
-        BlockingTool,
+        env or BlockingTool,
         items,
         n=2,
         max_turns=2,
@@ -71,6 +71,7 @@ def _rollout(tok, env_timeout_s=None):  # noqa: F811 - tok is the fixture
         max_new_tokens=6,
         env_timeout_s=env_timeout_s,
         env_concurrency=8,
+        env_slots=env_slots,
     )
 
 
@@ -91,3 +92,35 @@ def test_its_hung_call_times_out_and_the_batch_goes_on(tok):  # noqa: F811
     assert out.faults, "the hung calls were not timed out"
     assert all("rollout.env_timeout_s" in text for _, text in out.faults)
     assert out.rows  # the other prompts' trajectories finished
+
+
+def test_rollouts_on_several_threads_share_one_pool_of_env_calls(tok):  # noqa: F811
+    """A streamed run's groups, each its own rollout on its own thread, share the slots of
+    ``rollout.env_concurrency``: together they never run more environment calls at once."""
+
+    class Counted(RecallEnv):  # its own count: abandoned calls of other tests run on
+        lock, active, peak = threading.Lock(), 0, 0
+
+        def step(self, action_text: str):
+            with Counted.lock:
+                Counted.active += 1
+                Counted.peak = max(Counted.peak, Counted.active)
+            try:
+                time.sleep(0.05)
+                return super().step(action_text)
+            finally:
+                with Counted.lock:
+                    Counted.active -= 1
+
+    slots = threading.BoundedSemaphore(3)
+    outs = []
+    threads = [
+        threading.Thread(target=lambda: outs.append(_rollout(tok, env_slots=slots, env=Counted)))
+        for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(outs) == 3 and all(out.rows and not out.faults for out in outs)
+    assert 1 < Counted.peak <= 3  # each rollout alone would run up to 8

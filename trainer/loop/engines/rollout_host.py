@@ -340,9 +340,10 @@ class RolloutHost(StreamingHost, EngineHost):
         meta["metrics"]["memory/engine_peak_gb"] = peak / 1e9  # this replica's process
         return meta, [put(arrays)]
 
-    def _sample(self, step: int, items: list, engine=None) -> RolloutOutput:
+    def _sample(self, step: int, items: list, engine=None, env_slots=None) -> RolloutOutput:
         """One sampled batch: ``items`` x ``rollout.n`` trajectories, with reward shaping;
-        ``engine``: what generates (default: the replicas, ``self.generator``)."""
+        ``engine``: what generates (default: the replicas, ``self.generator``); ``env_slots``:
+        environment-call slots shared with other batches sampling at once (a stream's)."""
         from rollout.engines import SamplingParams
         from rollout.rewards import apply_overlong_penalty
 
@@ -363,6 +364,7 @@ class RolloutHost(StreamingHost, EngineHost):
             sampling=sampling,
             seed=cfg.seed,
             step=step,
+            env_slots=env_slots,
         )
         if cfg.reward.overlong_buffer_len:
             rows, shaped = apply_overlong_penalty(

@@ -7,11 +7,12 @@ from trainer.config.schema import Config
 
 
 def run_config_rollouts(
-    engine, tokenizer, env_factory, items, cfg: Config, *, n, sampling, seed, step
+    engine, tokenizer, env_factory, items, cfg: Config, *, n, sampling, seed, step, env_slots=None
 ):
     """``rollout.agent_loop.run_rollouts`` with the job's ``rollout.*`` settings: ``n`` samples
     per prompt, ``sampling``, the request ``seed`` stream and ``step`` are the caller's
-    (training and validation differ there and only there)."""
+    (training and validation differ there and only there); ``env_slots``: environment-call
+    slots shared with the other rollouts running at once (a stream's groups)."""
     from rollout.agent_loop import run_rollouts
 
     roll = cfg.rollout
@@ -33,4 +34,5 @@ def run_config_rollouts(
         env_timeout_s=roll.env_timeout_s,
         env_concurrency=roll.env_concurrency,
         deterministic=cfg.run.deterministic,
+        env_slots=env_slots,
     )

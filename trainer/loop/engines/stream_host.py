@@ -17,6 +17,7 @@ that no step would train on);
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -115,9 +116,13 @@ class StreamingHost:
         # The steps left take this many batches: no more groups start, nor threads for them.
         steps_left = max(1, cfg.train.total_steps - start)
 
+        # one pool of environment calls for every group in flight: rollout.env_concurrency
+        env_slots = threading.BoundedSemaphore(cfg.rollout.env_concurrency)
+
         def sample_group(ordinal: int) -> RolloutOutput:
             # ``step`` seeds the requests: the prompt's ordinal, unique in the run
-            return self._sample(ordinal, self.prompts.take(ordinal, 1), engine=self.versioned)
+            items = self.prompts.take(ordinal, 1)
+            return self._sample(ordinal, items, engine=self.versioned, env_slots=env_slots)
 
         def allowed() -> int:  # what starts under version v is trained by step v + s + 1
             return min(self.versioned.version - start + bound + 1, steps_left) * size
