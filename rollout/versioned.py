@@ -11,7 +11,7 @@ sampling settings, in **one** engine call; the results go back to each caller. A
 call just came back waits a moment before the next (``LINGER_SHARE`` of that call, at most
 ``LINGER_S``, none once as many requests wait as it carried), so the callers it answered,
 asking again at once, join the next call rather than alternate with the others in calls of
-their own. So each
+their own; its first call waits ``LINGER_S`` for the groups that start together. So each
 replica decodes every live trajectory that waits for a turn together (HF: one padded batch;
 vLLM: its own scheduler over all of them), and the replicas run side by side.
 
@@ -82,7 +82,8 @@ class _Lane:
     busy: bool = False
     ended_at: float = 0.0  # when its last call came back (perf_counter)
     last_s: float = 0.0  # how long it took
-    last_size: int = 0  # requests it carried
+    last_size: int = 0  # requests it carried (0: it has made no call yet)
+    queued_at: float = 0.0  # when its queue last went from empty to not
 
 
 class VersionedEngine:
@@ -186,6 +187,8 @@ class VersionedEngine:
         this thread sends a free lane's whole queue (``_call``) or waits for another's call."""
         with self._cond:
             for lane, job in jobs:
+                if not self._lanes[lane].pending:
+                    self._lanes[lane].queued_at = time.perf_counter()
                 self._lanes[lane].pending.append(job)
             self._cond.notify_all()
         while True:
@@ -353,11 +356,14 @@ class UntrackedEngine:
 
 
 def _linger(lane: _Lane) -> float:
-    """Seconds ``lane`` still waits before its next call (<= 0: go)."""
+    """Seconds ``lane`` still waits before its next call (<= 0: go). Its first call waits
+    ``LINGER_S`` from the first request queued: the groups of a stream's start ask together."""
+    now = time.perf_counter()
+    if not lane.last_size:
+        return LINGER_S - (now - lane.queued_at)
     if sum(len(job.requests) for job in lane.pending) >= lane.last_size:
         return 0.0
-    wait = min(LINGER_S, LINGER_SHARE * lane.last_s)
-    return wait - (time.perf_counter() - lane.ended_at)
+    return min(LINGER_S, LINGER_SHARE * lane.last_s) - (now - lane.ended_at)
 
 
 def _continued(request: GenerationRequest, sampled: list[int]) -> GenerationRequest:

@@ -97,9 +97,13 @@ def test_a_load_lands_mid_call_with_partial_rollouts_and_after_it_without(model,
 
 
 class _Plain:
-    """An engine without ``interrupt``: one token per call, slowly."""
+    """An engine without ``interrupt``: one token per call, slowly; ``called`` once in one."""
+
+    def __init__(self) -> None:
+        self.called = threading.Event()
 
     def generate(self, requests, sampling):
+        self.called.set()
         time.sleep(0.05)
         return [GenerationResult([5] * sampling.max_new_tokens, [0.0] * 3, "length")] * len(
             requests
@@ -107,10 +111,12 @@ class _Plain:
 
 
 def test_an_engine_that_cannot_be_interrupted_keeps_its_call_whole():
-    versioned = VersionedEngine(_Plain(), version=0, partial=True)
+    engine = _Plain()
+    versioned = VersionedEngine(engine, version=0, partial=True)
     assert not versioned.partial  # partial asked, but the engine cannot stop mid-call
     request = [GenerationRequest(prompt_ids=[1], seed=0, group=0)]
-    loader = threading.Thread(target=lambda: (time.sleep(0.01), versioned.load(lambda: 0, 1)))
+    # the load is asked while the call runs
+    loader = threading.Thread(target=lambda: (engine.called.wait(5), versioned.load(lambda: 0, 1)))
     loader.start()
     (out,) = versioned.generate(request, SamplingParams(max_new_tokens=3))
     loader.join(5)
