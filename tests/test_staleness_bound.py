@@ -92,7 +92,7 @@ def test_the_stream_starts_no_threads_nor_groups_past_the_steps_left(tmp_path):
         )
         generator, prompts, prompts_consumed = _Engine(), _Prompts(), 56
 
-        def _sample(self, ordinal, items, engine):
+        def _sample(self, ordinal, items, engine, env_slots=None):
             engine.generate([GenerationRequest([1], seed=0, group=ordinal)], SamplingParams())
             return RolloutOutput(rows=[], metrics={}, faults=[])
 
