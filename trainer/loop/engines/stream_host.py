@@ -149,9 +149,18 @@ class StreamingHost:
         taken, dropped, waited = self.stream.take(size, self._min_version(trained), timeout_s)
         aborted = self.stream.take_aborted()
         # since the last step's batch was handed over: how much of it each side waited
-        now, busy, cut = time.perf_counter(), self.versioned.busy_s, self.versioned.interruptions
-        last_at, last_busy, last_cut = self.last_take or (self.stream_started_at, 0.0, 0)
-        self.last_take = (now, busy, cut)
+        engine = self.versioned
+        now, busy, cut = time.perf_counter(), engine.busy_s, engine.interruptions
+        calls, made = len(engine.call_sizes), engine.generated_tokens
+        last_at, last_busy, last_cut, last_calls, last_made = self.last_take or (
+            self.stream_started_at,
+            0.0,
+            0,
+            0,
+            0,
+        )
+        self.last_take = (now, busy, cut, calls, made)
+        recent_calls = engine.call_sizes[last_calls:calls]
         interval = max(now - last_at, 1e-9)
         rows = []
         for j, group in enumerate(taken):  # renumbered: group j of this batch
@@ -177,8 +186,11 @@ class StreamingHost:
                 "stream/trainer_idle_share": min(1.0, waited / interval),
                 "stream/engine_idle_share": max(0.0, 1.0 - (busy - last_busy) / interval),
                 "stream/calls_interrupted": float(self.versioned.interruptions - last_cut),
-                "stream/requests_per_call": self._requests_per_call(),
-                "stream/tokens_generated": self._tokens_generated(),
+                # every live group's turns batched together (rollout.versioned)
+                "stream/requests_per_call": (
+                    sum(recent_calls) / len(recent_calls) if recent_calls else 0.0
+                ),
+                "stream/tokens_generated": float(made - last_made),
             }
         )
         sampled = [g.oldest for g in taken if g.tokens] or [g.oldest for g in taken]
@@ -196,20 +208,6 @@ class StreamingHost:
         in the engines) could no longer take stop now, not at that batch's take."""
         if self.cfg.train.stale_prompts != "keep":
             self.versioned.abort_older_than(self._min_version(self.versioned.version))
-
-    def _requests_per_call(self) -> float:
-        """Mean requests per engine call since the last step's batch (every live group's
-        turns batched together: ``rollout.versioned``)."""
-        sizes = self.versioned.call_sizes
-        since, self.calls_seen = getattr(self, "calls_seen", 0), len(sizes)
-        recent = sizes[since:]
-        return sum(recent) / len(recent) if recent else 0.0
-
-    def _tokens_generated(self) -> float:
-        """Tokens the engines sampled since the last step's batch, kept or discarded."""
-        made = self.versioned.generated_tokens
-        since, self.tokens_seen = getattr(self, "tokens_seen", 0), made
-        return float(made - since)
 
     def stream_hold(self, timeout_s: float) -> None:
         """Colocated engines: stop sampling so the ranks can take the devices (the engines

@@ -122,7 +122,7 @@ def choose_sizes(
         return max(row, low * STEP_TOKENS)
 
     chosen: tuple[int | None, bool] | None = None
-    enough = min(EFFICIENT_TOKENS, _tokens(cfg, None))
+    enough = min(EFFICIENT_TOKENS, whole)
     if False in checkpointing:
         off = largest(False)
         if off is not False and (not ckpt_auto or _tokens(cfg, off) >= enough):
