@@ -25,11 +25,11 @@ from trainer.config.schema import Config
 from trainer.loop.cluster.group import agree_on_settings
 from trainer.loop.cluster.local import put
 from trainer.loop.cluster.startup import Phases, process_start_time
-from trainer.loop.engines.engine_weights import EngineWeights
 from trainer.loop.engines.rollout_meta import batch_metadata, combine_rollout_metrics
 from trainer.loop.engines.sampling import run_config_rollouts
 from trainer.loop.engines.stream_host import StreamingHost
 from trainer.loop.plan.layout import weight_transport_rule
+from trainer.loop.weights.engine_weights import EngineWeights
 from trainer.loop.weights.weight_group import PUSHED
 
 
@@ -239,7 +239,7 @@ class RolloutHost(StreamingHost, EngineHost):
         held = weights is not None and weights[0] is not None and weights[0] == version
         if weights is None or (held and not waiting):
             return version
-        from trainer.loop.engines.remote_engine import load_into_peers
+        from trainer.loop.weights.engine_weights import load_into_peers
 
         target, source, detail = weights
         if source == PUSHED:  # through the weight group: push number ``detail``

@@ -1,2 +1,2 @@
-"""The weight path from the training ranks to the engines: the driver's side, push, weight group,
-the push's tags."""
+"""The weight path from the training ranks to the engines: the driver's side, the ranks' end
+(push, gather), the engines' end (``engine_weights``), the weight group, the push's tags."""

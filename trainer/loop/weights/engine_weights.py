@@ -10,6 +10,9 @@ needs no call of its own for that.
 - engines of their own: a push through the transfer group (``load_pushed``) or a host-memory
   snapshot (``load_host_buckets``);
 - the engine in the rank's own process (``ray.in_process``): its tensors, copied once.
+
+The host's calls into its peer replicas for a snapshot or a push (``load_into_peers``) and the
+reading of a snapshot's buckets (``read_snapshot_bucket``) are here too.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 
 import hal
+from trainer.loop.cluster.local import fetch
 
 
 class EngineWeights:
@@ -51,8 +55,6 @@ class EngineWeights:
         bucket's tensor specs), one bucket at a time: every rank's bucket b, read here from
         this node's copy, joined into whole tensors (``assemble_pieces``). Returns the tensor
         count."""
-        from trainer.loop.engines.remote_engine import read_snapshot_bucket
-
         self.engine.wake_up(["weights"])
         count = 0
         for bucket in range(len(refs[0])):
@@ -107,3 +109,48 @@ class EngineWeights:
     def finish_transfer(self) -> None:
         """Close the push: every layer post-processed, the prefix cache reset."""
         self.engine.end_transfer()
+
+
+def load_into_peers(
+    peers: list, router, replicas, method: str, args: tuple, meanwhile=None
+) -> None:
+    """Call ``method(*args)`` (a load of new weights: ``EngineHost.load_host_buckets`` for a
+    host-memory snapshot, ``EngineHost.load_pushed`` for a collective push) on peer replicas
+    ``replicas`` (indices; ``peers[i - 1]`` is replica i's handle) at once, run
+    ``meanwhile()`` (the host's own load), and wait. A replica the router (``ReplicaRouter``)
+    has lost is skipped; one whose process dies while loading is marked lost there, so its
+    prompts go to the others."""
+    import ray
+
+    live = [i for i in replicas if not router.is_lost(i)]
+    calls = [(i, getattr(peers[i - 1], method).remote(*args)) for i in live]
+    if meanwhile is not None:
+        meanwhile()
+    for i, call in calls:
+        try:
+            fetch(call)
+        except ray.exceptions.RayActorError:
+            router.mark_lost(i)
+
+
+def read_snapshot_bucket(refs: list, specs: list, bucket: int) -> list:
+    """Bucket ``bucket`` of a host-memory snapshot (``Trainer.snapshot_weights``: ``refs[r]``
+    and ``specs[r]``, training rank r's buckets and their tensor specs) as whole named tensors:
+    every rank's piece read from this node's copy, joined (``assemble_pieces``)."""
+    import warnings
+
+    import ray
+    import torch
+
+    from rollout.engines.buckets import TensorSpec, assemble_pieces, unpack_bucket
+
+    arrays = ray.get([rank_refs[bucket] for rank_refs in refs])
+    with warnings.catch_warnings():  # Ray's arrays are read-only; the engine copies
+        warnings.simplefilter("ignore", UserWarning)
+        flats = [torch.from_numpy(array) for array in arrays]
+    return assemble_pieces(
+        [
+            unpack_bucket(flat, [TensorSpec(*s) for s in rank_specs[bucket]])
+            for flat, rank_specs in zip(flats, specs)
+        ]
+    )
