@@ -4,9 +4,9 @@ A colocated engine's workers sit on the training ranks' own devices, so a push n
 collective to the engine: vLLM ships the ``ipc`` engine (device IPC handles) and vllm-ascend
 ``npu_ipc`` for it, with a static ``trainer_send_weights`` on the trainer's side. The HAL names
 them per device type (``DeviceBackend.colocated_transfer_engine`` / ``..._trainer``). This
-module is the CPU's counterpart, ``crossrl_shm`` (registered with vLLM's factory by
-``rollout.engines.transfer.register``), with the same protocol, so the CPU lane runs vLLM's
-own ``update_weights`` path for colocated engines too:
+module is the CPU's counterpart, ``crossrl_shm`` (its vLLM engine class registered with vLLM's
+factory by ``rollout.engines.transfer_engines.register``), with the same protocol, so the CPU
+lane runs vLLM's own ``update_weights`` path for colocated engines too:
 
 - every training rank yields each tensor whole, in the engine's dtype (gathering a shard is a
   collective every rank joins);
@@ -215,32 +215,3 @@ def _pack(buf, chunk: list, rank: int, world: int, one_host: bool) -> list[int]:
         sizes.append(size)
         offset += size
     return sizes
-
-
-def engine_class() -> type:
-    """crossrl's ``crossrl_shm`` engine for vLLM (built once; imports vLLM): each worker maps
-    its device's buffer and loads the chunk (``load_chunk``)."""
-    from rollout.engines import transfer
-
-    if ENGINE_NAME in transfer._ENGINE_CLASSES:
-        return transfer._ENGINE_CLASSES[ENGINE_NAME]
-
-    class CrossrlSharedMemoryEngine(transfer.reload_engine_base()):
-        """Loads chunks a colocated trainer packed in shared memory (``read_chunk``)."""
-
-        init_info_cls = dict  # nothing to join: the buffers' handles come with each chunk
-        update_info_cls = SharedUpdateInfo
-
-        def init_transfer_engine(self, init_info) -> None:
-            pass
-
-        def receive_weights(self, update_info: SharedUpdateInfo, load_weights=None) -> None:
-            load_chunk(update_info, load_weights or self.model.load_weights)
-
-        def shutdown(self) -> None:
-            pass
-
-        trainer_send_weights = staticmethod(SharedMemoryTransfer.trainer_send_weights)
-
-    transfer._ENGINE_CLASSES[ENGINE_NAME] = CrossrlSharedMemoryEngine
-    return CrossrlSharedMemoryEngine

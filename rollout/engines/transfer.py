@@ -19,9 +19,8 @@ flattened to bytes and concatenated, a chunk closed once it holds more than
 ``packed_buffer_size_bytes`` (``chunk_plan``; vLLM's ``pack_tensors`` and its consumer close
 chunks by the same rule), one broadcast per chunk from member 0.
 
-Nothing here imports vLLM at module level: the trainer's ranks and the HF engine use it
-without vLLM installed; ``register`` (run by vLLM's plugin loader in every vLLM process)
-builds the vLLM-facing engine class.
+Nothing here imports vLLM: the trainer's ranks and the HF engine use it without vLLM
+installed; the vLLM-facing engine class is built in ``rollout.engines.transfer_engines``.
 """
 
 from __future__ import annotations
@@ -295,102 +294,3 @@ class GlooWeightTransfer:
 
 
 # ----------------------------------------------------------------------- the vLLM engine
-
-
-def _worker_rank(parallel_config) -> int:
-    """A vLLM worker's rank among every worker of the engine (data-parallel index x tp x pp +
-    its rank), as vLLM's own engines count it."""
-    dp = int(getattr(parallel_config, "data_parallel_index", 0) or 0)
-    return dp * int(parallel_config.world_size) + int(parallel_config.rank)
-
-
-_ENGINE_CLASSES: dict[str, type] = {}
-
-
-def reload_engine_base() -> type:
-    """The base of crossrl's ``WeightTransferEngine`` classes for vLLM (imports vLLM): it fits
-    both engine APIs, vLLM 0.24's (constructor ``(config, parallel_config, model)``, the
-    worker runs the layerwise reload, ``receive_weights(info, load_weights)``) and the CPU
-    lane's 0.32 (``(config, vllm_config, device, model)``, the engine runs it in
-    ``start_weight_update`` / ``finish_weight_update``, ``receive_weights(info)``)."""
-    if "base" in _ENGINE_CLASSES:
-        return _ENGINE_CLASSES["base"]
-    from vllm.distributed.weight_transfer.base import WeightTransferEngine
-
-    class CrossrlEngine(WeightTransferEngine):
-        """Loads through vLLM's layerwise reload (``layerwise``) and refreshes a tied LM head."""
-
-        layerwise = True
-
-        def start_weight_update(self) -> None:
-            if self.layerwise:
-                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-                initialize_layerwise_reload(self.model)
-
-        def finish_weight_update(self) -> None:
-            from rollout.engines.vllm_worker import refresh_after_load
-
-            if self.layerwise:
-                from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-                finalize_layerwise_reload(self.model, self.model_config)
-            refresh_after_load(self.model)
-
-    _ENGINE_CLASSES["base"] = CrossrlEngine
-    return CrossrlEngine
-
-
-def engine_class() -> type:
-    """crossrl's ``crossrl_gloo`` engine for vLLM (built once; ``reload_engine_base``)."""
-    if ENGINE_NAME in _ENGINE_CLASSES:
-        return _ENGINE_CLASSES[ENGINE_NAME]
-
-    class CrossrlGlooEngine(reload_engine_base()):
-        """Receives crossrl's packed pushes over gloo (``TransferReceiver``) into the model."""
-
-        init_info_cls = TransferInitInfo
-        update_info_cls = TransferUpdateInfo
-
-        def __init__(self, config, *rest) -> None:
-            super().__init__(config, *rest)
-            import hal
-
-            self.receiver = TransferReceiver(hal.get_backend("cpu"))
-
-        def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
-            self.layerwise = bool(init_info.layerwise)
-            self.receiver.join(init_info, _worker_rank(self.parallel_config))
-
-        def receive_weights(self, update_info: TransferUpdateInfo, load_weights=None) -> None:
-            # Each chunk is a buffer of its own (never refilled), so the layerwise reload may
-            # keep views of it until their layer is whole.
-            self.receiver.receive(update_info, load_weights or self.model.load_weights)
-
-        def shutdown(self) -> None:
-            self.receiver.close()
-
-        trainer_init = GlooWeightTransfer.trainer_init
-        trainer_send_weights = staticmethod(GlooWeightTransfer.trainer_send_weights)
-
-    _ENGINE_CLASSES[ENGINE_NAME] = CrossrlGlooEngine
-    return CrossrlGlooEngine
-
-
-def register() -> None:
-    """vLLM's plugin hook (entry point ``vllm.general_plugins: crossrl_weight_transfer``): add
-    crossrl's engines, ``crossrl_gloo`` and ``crossrl_shm`` (``rollout.engines.shm_transfer``),
-    to vLLM's ``WeightTransferEngineFactory`` (once per process; a vLLM without the
-    weight-transfer API is left alone)."""
-    try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    except ImportError:
-        return
-    from rollout.engines import shm_transfer
-
-    for name, build in (
-        (ENGINE_NAME, engine_class),
-        (shm_transfer.ENGINE_NAME, shm_transfer.engine_class),
-    ):
-        if name not in WeightTransferEngineFactory._registry:
-            WeightTransferEngineFactory.register_engine(name, build())

@@ -21,10 +21,10 @@ def transfer_options(backend: str | None) -> dict[str, Any]:
     loader registers them in the workers)."""
     if backend is None:
         return {}
-    from rollout.engines import shm_transfer, transfer
+    from rollout.engines import transfer_engines
 
-    if backend in (transfer.ENGINE_NAME, shm_transfer.ENGINE_NAME):
-        transfer.register()
+    if backend in (transfer_engines.GLOO_ENGINE, transfer_engines.SHM_ENGINE):
+        transfer_engines.register()
     return {"weight_transfer_config": {"backend": backend}}
 
 
