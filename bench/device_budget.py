@@ -132,7 +132,7 @@ def measure(cfg, layers: int, root: Path) -> dict:
 
     import hal
     from trainer.loop.cluster.group import free_port
-    from trainer.loop.plan.memory_budget import micro_batch_tokens
+    from trainer.loop.plan.rank_memory import micro_batch_tokens
     from trainer.loop.ranks.memory_tracker import _batch, _shape_config
     from trainer.loop.ranks.policy import PolicyWorker
     from trainer.loop.ranks.spec import WorkerSpec

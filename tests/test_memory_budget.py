@@ -20,10 +20,10 @@ from trainer.loop.plan.memory_budget import (
     GB,
     budget_for,
     estimate_memory,
-    micro_batch_tokens,
 )
 from trainer.loop.plan.memory_report import format_budget, memory_problem
 from trainer.loop.plan.model_shape import PUBLISHED_SHAPES, ModelShape, model_shape
+from trainer.loop.plan.rank_memory import micro_batch_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(
@@ -244,7 +244,7 @@ def test_on_the_cpu_only_a_phase_beyond_the_hosts_ram_refuses():
 
 
 def test_lean_chunk_size_is_the_workers_own():
-    from trainer.loop.plan.memory_budget import LEAN_CHUNK_BYTES
+    from trainer.loop.plan.rank_memory import LEAN_CHUNK_BYTES
     from trainer.loop.ranks.forward import LEAN_CHUNK_BYTES as WORKERS
 
     assert LEAN_CHUNK_BYTES == WORKERS

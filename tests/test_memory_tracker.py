@@ -13,7 +13,7 @@ import pytest
 
 from trainer.cli import main
 from trainer.config import load_config
-from trainer.loop.plan.memory_budget import recompute_bytes
+from trainer.loop.plan.rank_memory import recompute_bytes
 from trainer.loop.ranks.memory_tracker import measured_update, track_step
 
 ROOT = Path(__file__).resolve().parents[1]

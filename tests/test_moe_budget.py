@@ -16,9 +16,10 @@ import ray
 
 from trainer.cli import main
 from trainer.config import load_config
-from trainer.loop.plan.memory_budget import DEFAULT_DEVICE_MEMORY_BYTES, budget_for, recompute_bytes
+from trainer.loop.plan.memory_budget import DEFAULT_DEVICE_MEMORY_BYTES, budget_for
 from trainer.loop.plan.model_shape import ModelShapeError, model_shape
 from trainer.loop.plan.moe_layout import COUNTED
+from trainer.loop.plan.rank_memory import recompute_bytes
 from trainer.loop.plan.snapshot_budget import snapshot_bytes
 from trainer.loop.ranks.memory_tracker import measured_update, track_step
 

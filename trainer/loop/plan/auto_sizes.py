@@ -28,7 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainer.config.schema import Config
-from trainer.loop.plan.memory_budget import GB, MemoryBudget, micro_batch_tokens
+from trainer.loop.plan.memory_budget import GB, MemoryBudget
+from trainer.loop.plan.rank_memory import micro_batch_tokens
 
 __all__ = [
     "AUTO",

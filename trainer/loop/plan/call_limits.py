@@ -66,7 +66,6 @@ GROWTH = 2.0
 """How much a limit grows for later attempts once a call has passed it."""
 ADAMW_STATE_BYTES = 12
 """Bytes of checkpointed state per trained parameter: fp32 weight, AdamW's two fp32 moments."""
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class Limit(float):
@@ -237,6 +236,7 @@ def model_bytes(cfg: Config) -> tuple[float | None, float | None]:
     both when the model's shape is unknown."""
     from trainer.loop.plan.lora_layout import adapter_params
     from trainer.loop.plan.model_shape import model_shape
+    from trainer.loop.plan.rank_memory import DTYPE_BYTES
 
     shape = model_shape(cfg.model.path)
     if shape is None:
@@ -245,5 +245,5 @@ def model_bytes(cfg: Config) -> tuple[float | None, float | None]:
     if cfg.critic.enable:
         critic = model_shape(cfg.model.critic_path) if cfg.model.critic_path else shape
         trained += (critic or shape).value_model_params
-    weights = shape.num_params * _DTYPE_BYTES.get(cfg.model.dtype, 4)
+    weights = shape.num_params * DTYPE_BYTES.get(cfg.model.dtype, 4)
     return float(trained * ADAMW_STATE_BYTES), float(weights)

@@ -15,13 +15,17 @@ step holds:
 - **weight push**: the ranks' state after offload, the engine's woken weights, the staging
   buffer the ranks pack the weights into and one gathered fp32 tensor.
 
-Every process on an accelerator adds what it holds beyond its tensors
-(``hal.process_bytes``: context, workspaces, allocator cache; measured on NVIDIA GPUs), and the buffers
-of each collective communicator it builds (``hal.communicator_buffer_bytes``: one per training
-process, its role's group; one per engine process whose tensor parallelism is above 1). ``crossrl layout``
-prints the table and ``trainer.loop.start.preflight`` refuses a job whose phase does not fit, naming
-the key to change (both in ``trainer.loop.plan.memory_report``). docs/cluster.md ("Memory budget")
-explains each term and shows the shipped configs' tables.
+What a training rank holds of each role (its state, a role's update at its peak) is counted in
+``trainer.loop.plan.rank_memory``; this module adds the engine, the push's staging and the
+processes' contexts around it.
+
+Every process on an accelerator adds what it holds beyond its tensors (``hal.process_bytes``:
+context, workspaces, allocator cache; measured on NVIDIA GPUs), and the buffers of each
+collective communicator it builds (``hal.communicator_buffer_bytes``: one per training process,
+its role's group; one per engine process whose tensor parallelism is above 1). ``crossrl
+layout`` prints the table and ``trainer.loop.start.preflight`` refuses a job whose phase does
+not fit, naming the key to change (both in ``trainer.loop.plan.memory_report``).
+docs/cluster.md ("Memory budget") explains each term and shows the shipped configs' tables.
 
 ``before_fixes=True`` is the model of the trainer before issue 24's fixes, kept to show what
 they bought: every rank held whole fp32 gradients through gradient accumulation (gradient
@@ -41,41 +45,21 @@ from hal import DEFAULT_DEVICE_MEMORY_BYTES, DEFAULT_DEVICE_NAMES  # noqa: F401 
 from hal.device_memory import communicator_buffer_bytes, process_bytes
 from trainer.config.schema import Config
 from trainer.loop.plan.layout import weight_transport_rule
-from trainer.loop.plan.lora_layout import adapter_params, base_copy_params
 from trainer.loop.plan.model_shape import ModelShape, model_shape
+from trainer.loop.plan.rank_memory import DTYPE_BYTES, RankState
 
-__all__ = [
-    "COMPONENTS",
-    "MemoryBudget",
-    "Phase",
-    "budget_for",
-    "estimate_memory",
-    "micro_batch_tokens",
-    "recompute_bytes",
-    "saved_bytes",
-]
+__all__ = ["COMPONENTS", "MemoryBudget", "Phase", "budget_for", "estimate_memory"]
 
 GB = 1e9
 #: A process's device context (the device runtime and its kernels), bytes, where nothing more
 #: is measured (Ascend: ``hal.process_bytes``); communicator buffers come on top
 #: (``hal.communicator_buffer_bytes``).
 CONTEXT_BYTES = 0.5e9
-#: Float32 logits of one lean log-prob chunk, bytes (``trainer.loop.ranks.forward``'s
-#: ``LEAN_CHUNK_BYTES``, which a test holds equal; that module imports torch).
-LEAN_CHUNK_BYTES = 128 * 2**20
-#: Tokens per chunk of the plain log-prob path (``token_logprobs``' default).
-PLAIN_CHUNK_TOKENS = 4096
-#: Tensors of a log-prob chunk alive at once in backward: logits, log-softmax, probabilities.
-CHUNK_COPIES = 3
 #: Allocator slack the streamed weight push leaves free beside its staging
 #: (``trainer.loop.weights.weight_push``'s reserve, with one gathered fp32 tensor).
 STAGING_SLACK_BYTES = 1 << 30
 #: The weight push's bucket before issue 24's streamed push (``push_weights(64 << 20)``).
 BEFORE_BUCKET_BYTES = 64 << 20
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: LoRA's update holds this many micro-batch x hidden tensors (param_dtype) beyond a full
-#: fine-tune's activations: input gradients summed from the base and the adapter paths.
-LORA_INPUT_GRADS = 3.5
 
 #: The columns of a phase, in table order, with what each counts.
 COMPONENTS: dict[str, str] = {
@@ -139,53 +123,6 @@ class MemoryBudget:
         raise KeyError(name)
 
 
-def micro_batch_tokens(cfg: Config) -> int:
-    """Tokens of the largest micro-batch a rank runs: ``train.max_tokens_per_micro_batch``,
-    or a row of ``rollout.max_input_len + rollout.max_new_tokens`` tokens when that is longer
-    (a longer row goes alone); null budget: all of a rank's rows of one mini-batch
-    (``train.mini_batch_size`` prompts x ``rollout.n`` samples x one row per turn when
-    step-wise, each as long as a row can be, over ``train.dp_size`` ranks)."""
-    roll, train = cfg.rollout, cfg.train
-    row = roll.max_input_len + roll.max_new_tokens
-    if train.max_tokens_per_micro_batch is not None:
-        return max(train.max_tokens_per_micro_batch, row)
-    rows = train.mini_batch_size * roll.n * (roll.max_turns if roll.step_wise else 1)
-    return math.ceil(rows / train.dp_size) * row
-
-
-def recompute_bytes(shape: ModelShape, tokens: int, param_bytes: int) -> float:
-    """Bytes one activation-checkpointed decoder layer holds at the peak of its backward, for a
-    micro-batch of ``tokens`` tokens computed in ``param_bytes``-byte floats: six ``[T, i]`` MLP
-    tensors (gate, up, their activation and product, and gradients), seven ``[T, h]`` (the
-    layer's input, attention projections and output, residuals and gradients) and the
-    RMSNorms' two float32 ``[T, h]`` copies. At bf16 that is ``T x (12 i + 22 h)`` bytes,
-    within a few percent of FSDPMemTracker's count of the same backward at Qwen2.5's shapes
-    (``tests/test_memory_tracker.py``); the budget before issue 32 counted
-    ``T x (4 h + 3 i) x 2``, half of it. A mixture of experts' sparse layer holds its experts'
-    instead of the six ``[T, i]`` (``Experts.backward_bytes``); the larger layer counts."""
-    h = shape.hidden_size
-    mlps = []
-    if shape.sparse_layers < shape.num_hidden_layers:
-        mlps.append(tokens * 6 * shape.intermediate_size * param_bytes)
-    if shape.experts is not None and shape.sparse_layers:
-        mlps.append(shape.experts.backward_bytes(tokens, h, param_bytes))
-    return float(tokens * (7 * h * param_bytes + 2 * h * 4) + max(mlps))
-
-
-def saved_bytes(shape: ModelShape, tokens: int, param_bytes: int) -> float:
-    """Bytes every decoder layer saves for its backward without activation checkpointing:
-    ``T x (4 h + 3 i)`` in param_dtype per dense layer, a sparse layer's experts
-    (``Experts.saved_bytes``) instead of its ``3 i``."""
-    h = shape.hidden_size
-    attention = tokens * 4 * h * param_bytes
-    dense = shape.num_hidden_layers - shape.sparse_layers
-    total = dense * (attention + tokens * 3 * shape.intermediate_size * param_bytes)
-    if shape.experts is not None:
-        moe = shape.experts.saved_bytes(tokens, h, param_bytes)
-        total += shape.sparse_layers * (attention + moe)
-    return float(total)
-
-
 def _zero() -> dict[str, float]:
     return dict.fromkeys(COMPONENTS, 0.0)
 
@@ -217,141 +154,26 @@ def estimate_memory(
     ``before_fixes``: the model of the trainer before issue 24's fixes.
     ``communicator_bytes``: device bytes of one communicator's buffers (default
     ``hal.communicator_buffer_bytes(device)``, which reads the environment)."""
-    train, roll = cfg.train, cfg.rollout
+    roll, tp = cfg.rollout, cfg.rollout.tensor_parallel_size
     host = device == "cpu"
-    dp, tp = train.dp_size, roll.tensor_parallel_size
-    pb, rb = DTYPE_BYTES[train.param_dtype], DTYPE_BYTES[train.reduce_dtype]
-    eb = DTYPE_BYTES[cfg.model.dtype]
-    tokens = micro_batch_tokens(cfg)
-    # FSDP2 pads each tensor's rows to a multiple of dp (``ModelShape.padded_params``).
-    n_actor = shape.padded_params(dp)
     critic = critic_shape or shape
-    pad = critic.padded_params(dp) - critic.num_params
-    n_critic = critic.value_model_params + pad if cfg.critic.enable else 0
+    ranks = RankState.of(cfg, shape, critic, host=host, before_fixes=before_fixes)
     lora = cfg.model.lora.enabled
-    # LoRA (model.lora): only the adapters (and the embeddings, when they train) have
-    # gradients and optimizer state; the reference is the actor with its adapters off.
-    n_adapters = adapter_params(cfg, shape) if lora else 0
-    n_trained = n_adapters if lora else n_actor
-    n_actor += n_adapters
-    n_ref = n_actor if cfg.algorithm.kl_coef > 0 and not lora else 0
-    # ... but keeps a frozen copy of the base embedding and LM head when those train whole
-    n_copy = base_copy_params(cfg, shape)
-    # Where the sharded state lives: the device, unless FSDP2's CPU offload keeps it on the
-    # host; the optimizer state between steps also goes to the host with optimizer_offload.
-    state_here = host or not train.param_offload
-    optim_between = state_here and (host or not train.optimizer_offload)
-    # With more than one optimizer step per step the state, brought back for the first one,
-    # stays on the device until the end of the step: offload does not lower the update.
-    optim_in_update = state_here and (optim_between or cfg.optimizer_steps_per_step() > 1)
 
-    def shard(count: int, nbytes: int) -> float:
-        return count * nbytes / dp
+    def per_memory(parts: dict[str, float]) -> dict[str, float]:
+        """A rank's parts times the ranks that share this memory."""
+        return {k: v * ranks_per_memory for k, v in parts.items()}
 
-    def resident(offloaded: bool) -> dict[str, float]:
-        """Every role's state between steps; ``offloaded``: after ``offload_states``."""
-        params = shard(n_actor + n_ref + n_copy + n_critic, 4) if state_here else 0.0
-        keep_optim = optim_between if offloaded else state_here
-        optim = shard(n_trained + n_critic, 8) if keep_optim else 0.0
-        # Before the fixes the last update's sharded gradients stayed until the next one.
-        grads = shard(n_trained + n_critic, 4) if before_fixes and state_here else 0.0
-        return {"params": params, "grads": grads, "optim": optim}
-
-    def role_peak(
-        role_shape: ModelShape, n: int, lm_head: bool, trained: int | None = None
-    ) -> dict[str, float]:
-        """One training role's update at its peak, the larger of its backward and its
-        optimizer step; ``trained``: the parameters with gradients (default all ``n``)."""
-        trained = n if trained is None else trained
-        h, layers = role_shape.hidden_size, role_shape.num_hidden_layers
-        # The head: the LM head (one tensor with the embedding when tied) or the critic's
-        # value head. FSDP2 keeps the root's parameters (embedding, final norm, head)
-        # gathered from the forward to the end of the backward.
-        head = role_shape.embedding_params if lm_head else h + 1
-        tied = lm_head and role_shape.tie_word_embeddings
-        root = role_shape.embedding_params + h + (0 if tied else head)
-        sharded_grads = shard(trained, 4) if state_here else 0.0
-        # Before the fixes gradient sync was off until the last micro-batch: FSDP2 kept every
-        # parameter's whole gradient in reduce_dtype through the accumulation.
-        grads = trained * rb if before_fixes else sharded_grads
-        if trained == n or cfg.model.lora.train_embeddings:
-            grads += head * pb  # the head's whole gradient exists from the start of backward
-        # a layer's reduce-scatter input: its gradients, which LoRA has for the adapters alone
-        layer = role_shape.padded_layer_params(dp)
-        scattered = layer if trained == n else trained / layers
-        gather = (2 * layer + root) * pb + scattered * rb
-        kept = tokens * h * pb
-        if train.activation_checkpointing:
-            # Each layer keeps its input; the one being recomputed holds, in its backward,
-            # what FSDPMemTracker sees there (tests/test_memory_tracker.py).
-            recompute = recompute_bytes(role_shape, tokens, pb)
-            activ = (layers + 1) * kept + recompute
-        else:
-            activ = saved_bytes(role_shape, tokens, pb) + kept
-        if trained != n:
-            # LoRA: a target's input gradient comes down two paths (the frozen weight and the
-            # adapters) and is summed; FSDPMemTracker measured 3.4 x T x H in param_dtype on
-            # top at the 7B shape (2 and 4 layers, 8k and 16k tokens): 3.5 is counted.
-            activ += LORA_INPUT_GRADS * tokens * h * pb
-        logits = 0.0
-        if lm_head:
-            vocab = role_shape.vocab_size
-            if train.lean_logprobs:
-                chunk = min(tokens, max(1, LEAN_CHUNK_BYTES // (4 * vocab)))
-                logits = CHUNK_COPIES * chunk * vocab * 4
-                if train.activation_checkpointing:
-                    # The head's chunk and a layer's recompute are never alive at once (the
-                    # head's backward ends before the last layer's begins): only the part of
-                    # the chunk beyond the recompute raises the peak.
-                    logits = max(0.0, logits - recompute)
-            else:  # the full logits stay for backward, chunks of them in fp32 on top
-                chunk = min(tokens, PLAIN_CHUNK_TOKENS)
-                logits = tokens * vocab * pb + CHUNK_COPIES * chunk * vocab * 4
-        params = shard(n, 4) if state_here else 0.0
-        backward = {
-            "params": params,
-            "grads": grads,
-            "optim": shard(trained, 8) if optim_in_update else 0.0,
-            "gather": gather,
-            "activ": activ,
-            "logits": logits,
-        }
-        # The optimizer step: no activations, but foreach AdamW's temporary of the second
-        # moment's square root (4 B per parameter shard) beside the state.
-        step = {
-            "params": params,
-            "grads": sharded_grads,
-            "optim": shard(trained, 12) if state_here else 0.0,
-        }
-        return backward if sum(backward.values()) >= sum(step.values()) else step
-
-    # The engine: vLLM takes memory_fraction of each device awake and drops its weights and
-    # KV cache asleep; on the CPU it has no sleep mode and the replicas split the fraction.
     # Engines of their own (rollout.engine_devices) never sleep, and on an accelerator sit on
     # devices of their own: a phase of their own below.
     separate = bool(roll.engine_devices) and not before_fixes
-    engine_replicas = (roll.engine_devices if separate else dp) // tp
-    replicas = (engine_replicas if separate else max(1, ranks_per_memory // tp)) if host else 1
-    model_bytes = (shape.num_params + n_adapters) * eb  # the engine's weights: no padding
-    if roll.engine == "vllm":
-        awake = roll.memory_fraction * device_memory_bytes
-        asleep = awake if host else 0.0
-    else:  # hf: its weights and the KV cache of its share of a step's rows
-        rows = math.ceil(cfg.train.batch_size / engine_replicas) * roll.n
-        kv = (
-            rows
-            * (roll.max_input_len + roll.max_new_tokens)
-            * shape.num_hidden_layers
-            * 2
-            * shape.num_key_value_heads
-            * shape.head_dim
-            * eb
-        )
-        awake = replicas * (model_bytes + kv)
-        asleep = replicas * model_bytes if host else 0.0
+    model_bytes = (shape.num_params + ranks.n_adapters) * DTYPE_BYTES[cfg.model.dtype]
+    awake, asleep = _engine_memory(
+        cfg, shape, device_memory_bytes, model_bytes, host, separate, ranks_per_memory
+    )
     engine_weights = asleep if host else model_bytes / tp
 
-    processes = (1 + (n_ref > 0) + (n_critic > 0) + 1) * ranks_per_memory
+    processes = (1 + (ranks.n_ref > 0) + (ranks.n_critic > 0) + 1) * ranks_per_memory
     # Each training process joins its role's group (one communicator); an engine builds one
     # for its tensor-parallel group when it has one.
     comm = communicator_buffer_bytes(device) if communicator_bytes is None else communicator_bytes
@@ -360,40 +182,17 @@ def estimate_memory(
     context = process_bytes(device)  # a process's memory beyond its tensors
     ctx = {"ctx": 0.0 if host else processes * context + training_comms + engine_comms}
 
-    def per_memory(parts: dict[str, float]) -> dict[str, float]:
-        """A rank's parts times the ranks that share this memory."""
-        return {k: v * ranks_per_memory for k, v in parts.items()}
+    rollout = _add(per_memory(ranks.resident(offloaded=True)), {"engine": awake}, ctx)
 
-    rollout = _add(per_memory(resident(offloaded=True)), {"engine": awake}, ctx)
-
-    actor = role_peak(shape, n_actor, lm_head=True, trained=n_trained)
-    others = [{"params": shard(n_ref + n_copy, 4) if state_here else 0.0}]
-    if n_critic:
-        others.append(role_peak(critic, n_critic, lm_head=False))
+    actor = ranks.role_peak(shape, ranks.n_actor, lm_head=True, trained=ranks.n_trained)
+    others = [{"params": ranks.shard(ranks.n_ref + ranks.n_copy, 4) if ranks.state_here else 0.0}]
+    if ranks.n_critic:
+        others.append(ranks.role_peak(critic, ranks.n_critic, lm_head=False))
     update = _add(per_memory(_add(actor, *others)), {"engine": asleep}, ctx)
 
-    # The weight push: after the fixes the ranks offload first, then stream the weights
-    # through a staging buffer sized from what is left (rollout.engines.buckets.
-    # stream_buckets): the whole model when it fits, else two slots of half the room.
-    state = per_memory(resident(offloaded=not before_fixes))
-    gathered = 0.0 if host else shape.largest_tensor_params * 4
-    largest_layer = max(shape.layer_params, shape.embedding_params) * eb
-    if host:  # one shared model buffer on the host, each rank writing its shards in place
-        staging = model_bytes
-    elif before_fixes:
-        staging = max(BEFORE_BUCKET_BYTES, shape.largest_tensor_params * eb)
-    else:
-        room = device_memory_bytes - sum(state.values()) - ctx["ctx"] - engine_weights
-        room -= gathered + STAGING_SLACK_BYTES
-        staging = model_bytes if room >= model_bytes else 2 * max(room // 2, largest_layer)
-        if weight_transport_rule(cfg) == "ipc":
-            # vLLM's transfer API: one buffer the engine copies each chunk out of before it
-            # loads it (WeightPush.push_transfer): the buffer and the copy within the room
-            chunk = model_bytes if room >= 2 * model_bytes else max(room // 2, largest_layer)
-            staging = 2 * chunk
-    if lora:  # the push carries what trains alone (model.lora): no whole tensor gathered
-        staging = min(staging, n_trained * eb)  # but the embedding, when it trains
-        gathered = gathered if cfg.model.lora.train_embeddings else 0.0
+    state = per_memory(ranks.resident(offloaded=not before_fixes))
+    room = device_memory_bytes - sum(state.values()) - ctx["ctx"] - engine_weights
+    staging, gathered = _push_staging(cfg, shape, model_bytes, ranks, room, host)
     push = _add(state, {"engine": engine_weights, "gather": staging + gathered}, ctx)
 
     phases = [Phase("rollout", rollout), Phase("update", update), Phase("weight push", push)]
@@ -404,7 +203,7 @@ def estimate_memory(
         pushed = transfer_bytes(cfg, model_bytes, comm) if not lora else (0.0, 0.0)
         phases = _separate_phases(
             per_memory(_add(actor, *others)),
-            per_memory(resident(offloaded=True)),
+            per_memory(ranks.resident(offloaded=True)),
             engine=awake,
             # the snapshot: one gathered tensor on the device, the whole model on the host
             snapshot=(model_bytes if host else shape.largest_tensor_params * 4) + pushed[0],
@@ -419,12 +218,74 @@ def estimate_memory(
         device_memory_bytes=float(device_memory_bytes),
         memory_source=memory_source,
         shape=shape,
-        micro_batch_tokens=tokens,
+        micro_batch_tokens=ranks.tokens,
         phases=tuple(phases),
         critic_shape=critic_shape,
         ranks_per_memory=ranks_per_memory,
         before_fixes=before_fixes,
     )
+
+
+def _engine_memory(
+    cfg: Config,
+    shape: ModelShape,
+    device_memory_bytes: float,
+    model_bytes: float,
+    host: bool,
+    separate: bool,
+    ranks_per_memory: int,
+) -> tuple[float, float]:
+    """The engine's bytes on this memory awake and asleep. vLLM takes
+    ``rollout.memory_fraction`` of each device awake and drops its weights and KV cache
+    asleep; on the CPU it has no sleep mode and the replicas split the fraction. The HF engine:
+    its weights (``model_bytes``) and the KV cache of its share of a step's rows, per replica
+    on this memory. ``separate``: engines of their own (``rollout.engine_devices``)."""
+    roll, tp = cfg.rollout, cfg.rollout.tensor_parallel_size
+    engine_replicas = (roll.engine_devices if separate else cfg.train.dp_size) // tp
+    replicas = (engine_replicas if separate else max(1, ranks_per_memory // tp)) if host else 1
+    if roll.engine == "vllm":
+        awake = roll.memory_fraction * device_memory_bytes
+        return awake, awake if host else 0.0
+    rows = math.ceil(cfg.train.batch_size / engine_replicas) * roll.n
+    kv = (
+        rows
+        * (roll.max_input_len + roll.max_new_tokens)
+        * shape.num_hidden_layers
+        * 2
+        * shape.num_key_value_heads
+        * shape.head_dim
+        * DTYPE_BYTES[cfg.model.dtype]
+    )
+    return replicas * (model_bytes + kv), replicas * model_bytes if host else 0.0
+
+
+def _push_staging(
+    cfg: Config, shape: ModelShape, model_bytes: float, ranks: RankState, room: float, host: bool
+) -> tuple[float, float]:
+    """The weight push's staging buffer and its one gathered fp32 tensor, bytes; ``room``: what
+    the device has left beside the ranks' state, the contexts and the engine's weights. After
+    the fixes the ranks offload first, then stream the weights through a staging buffer sized
+    from what is left (``rollout.engines.buckets.stream_buckets``): the whole model when it
+    fits, else two slots of half the room."""
+    eb = DTYPE_BYTES[cfg.model.dtype]
+    gathered = 0.0 if host else shape.largest_tensor_params * 4
+    largest_layer = max(shape.layer_params, shape.embedding_params) * eb
+    if host:  # one shared model buffer on the host, each rank writing its shards in place
+        staging = model_bytes
+    elif ranks.before_fixes:
+        staging = max(BEFORE_BUCKET_BYTES, shape.largest_tensor_params * eb)
+    else:
+        room -= gathered + STAGING_SLACK_BYTES
+        staging = model_bytes if room >= model_bytes else 2 * max(room // 2, largest_layer)
+        if weight_transport_rule(cfg) == "ipc":
+            # vLLM's transfer API: one buffer the engine copies each chunk out of before it
+            # loads it (WeightPush.push_transfer): the buffer and the copy within the room
+            chunk = model_bytes if room >= 2 * model_bytes else max(room // 2, largest_layer)
+            staging = 2 * chunk
+    if cfg.model.lora.enabled:  # the push carries what trains alone: no whole tensor gathered
+        staging = min(staging, ranks.n_trained * eb)  # but the embedding, when it trains
+        gathered = gathered if cfg.model.lora.train_embeddings else 0.0
+    return staging, gathered
 
 
 def transfer_bytes(cfg: Config, model_bytes: float, comm: float) -> tuple[float, float]:

@@ -15,9 +15,9 @@ from trainer.loop.plan.memory_budget import (
     MemoryBudget,
     budget_for,
     estimate_memory,
-    micro_batch_tokens,
 )
 from trainer.loop.plan.model_shape import PUBLISHED_SHAPES, ModelShape, ModelShapeError
+from trainer.loop.plan.rank_memory import micro_batch_tokens
 from trainer.loop.plan.snapshot_budget import format_snapshots
 from trainer.loop.plan.stream_budget import format_in_flight
 

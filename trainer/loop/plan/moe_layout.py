@@ -57,7 +57,7 @@ class Experts:
     def backward_bytes(self, tokens: int, hidden: int, param_bytes: int) -> float:
         """Bytes a sparse layer's MLP holds at the peak of its backward, for ``tokens`` tokens
         in ``param_bytes``-byte floats (where a dense MLP holds six ``[T, i]`` tensors,
-        ``memory_budget.recompute_bytes``): the router's float32 probabilities ``[T, E]``, and
+        ``rank_memory.recompute_bytes``): the router's float32 probabilities ``[T, E]``, and
         the routed experts' peak, the largest of three moments FSDPMemTracker sees in
         transformers' grouped experts (``tests/test_moe_budget.py``), with the shared experts'
         three saved ``[T, s]`` beside it (they run first, so their backward comes last and

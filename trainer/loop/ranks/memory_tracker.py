@@ -49,8 +49,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from trainer.config.schema import Config
-from trainer.loop.plan.memory_budget import GB, MemoryBudget, estimate_memory, micro_batch_tokens
+from trainer.loop.plan.memory_budget import GB, MemoryBudget, estimate_memory
 from trainer.loop.plan.model_shape import ModelShape, model_shape
+from trainer.loop.plan.rank_memory import micro_batch_tokens
 
 __all__ = ["TrackedStep", "format_comparison", "measured_update", "track_step"]
 
