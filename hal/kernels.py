@@ -191,6 +191,23 @@ class KernelSet:
             stacklevel=3,
         )
 
+    def guarded(
+        self, op: str, fused: Callable, reference: Callable, when: Callable | None = None
+    ) -> Callable:
+        """A call that runs ``fused`` while ``op`` runs its kernel (and ``when``, given the same
+        arguments, holds), else ``reference``; a ``fused`` that raises makes ``op`` fall back
+        (``fall_back``: said once) and this call runs ``reference``."""
+
+        def call(*args, **kwargs):
+            if self.chosen[op] != REFERENCE and (when is None or when(*args, **kwargs)):
+                try:
+                    return fused(*args, **kwargs)
+                except Exception as err:  # noqa: BLE001 - reported once, then the reference
+                    self.fall_back(op, err)
+            return reference(*args, **kwargs)
+
+        return call
+
     def optimizer_options(self) -> dict[str, bool]:
         """``torch.optim.AdamW`` keyword arguments for the chosen optimizer kernel."""
         return {"fused": True} if self.chosen["optimizer"] != REFERENCE else {"foreach": True}
@@ -229,27 +246,19 @@ class KernelSet:
         """The LM head's (log-prob, entropy) per token through the fused head while it runs
         and ``head`` is a plain ``nn.Linear``; else (or once it failed) ``reference`` with the
         same arguments."""
-        if self.chosen["lm_head"] != REFERENCE and type(head).forward is torch.nn.Linear.forward:
-            try:
-                return self.calls["lm_head"](hidden, head, targets, temperature, chunk_tokens)
-            except Exception as err:  # noqa: BLE001 - reported once, then the reference
-                self.fall_back("lm_head", err)
-        return reference(hidden, head, targets, temperature=temperature, chunk_tokens=chunk_tokens)
+        return self.guarded(
+            "lm_head",
+            lambda: self.calls["lm_head"](hidden, head, targets, temperature, chunk_tokens),
+            lambda: reference(
+                hidden, head, targets, temperature=temperature, chunk_tokens=chunk_tokens
+            ),
+            when=lambda: type(head).forward is torch.nn.Linear.forward,
+        )()
 
 
 def _compile_forward(layer: torch.nn.Module, kernels: KernelSet) -> None:
     own = layer.forward
-    compiled = torch.compile(own)
-
-    def forward(*args, **kwargs):
-        if kernels.chosen["compile"] != REFERENCE:
-            try:
-                return compiled(*args, **kwargs)
-            except Exception as err:  # noqa: BLE001 - reported once, then eager
-                kernels.fall_back("compile", err)
-        return own(*args, **kwargs)
-
-    layer.forward = forward
+    layer.forward = kernels.guarded("compile", torch.compile(own), own)
 
 
 def _is_swiglu_mlp(module: torch.nn.Module) -> bool:
@@ -273,18 +282,8 @@ def _fused_swiglu(module, call, x: torch.Tensor) -> torch.Tensor:
 def _patch(module: torch.nn.Module, kernels: KernelSet, op: str, fused: Callable) -> None:
     """``module.forward`` = ``fused`` with ``kernels.calls[op]`` while ``op`` runs its kernel,
     else the module's own forward (after a failure: ``KernelSet.fall_back``)."""
-    own = module.forward
     call = kernels.calls[op]
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if kernels.chosen[op] != REFERENCE:
-            try:
-                return fused(module, call, x)
-            except Exception as err:  # noqa: BLE001 - reported once, then the reference
-                kernels.fall_back(op, err)
-        return own(x)
-
-    module.forward = forward
+    module.forward = kernels.guarded(op, lambda x: fused(module, call, x), module.forward)
 
 
 def _patch_rope(module: torch.nn.Module, kernels: KernelSet) -> bool:
@@ -304,15 +303,12 @@ def _patch_rope(module: torch.nn.Module, kernels: KernelSet) -> bool:
     if reference is None or "apply_rotary_pos_emb" not in raw.__code__.co_names:
         return False
     call = kernels.calls["rope"]
-
-    def rope(q, k, cos, sin, unsqueeze_dim=1):
-        if kernels.chosen["rope"] != REFERENCE and unsqueeze_dim == 1:
-            try:
-                return call(q, k, cos, sin)
-            except Exception as err:  # noqa: BLE001 - reported once, then the reference
-                kernels.fall_back("rope", err)
-        return reference(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-
+    rope = kernels.guarded(
+        "rope",
+        lambda q, k, cos, sin, unsqueeze_dim=1: call(q, k, cos, sin),
+        reference,
+        when=lambda q, k, cos, sin, unsqueeze_dim=1: unsqueeze_dim == 1,
+    )
     scope = {**raw.__globals__, "apply_rotary_pos_emb": rope}
     rebuilt = types.FunctionType(
         raw.__code__, scope, raw.__name__, raw.__defaults__, raw.__closure__

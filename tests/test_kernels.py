@@ -210,6 +210,32 @@ def test_a_kernel_that_fails_to_run_falls_back_once_reported(stand_ins, monkeypa
     assert kernels.report()["swiglu"].startswith("reference (liger failed: RuntimeError: triton")
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "swiglu", "rope", "lm_head"])
+def test_each_patched_op_falls_back_alone_with_the_references_values(stand_ins, op):
+    """Whichever op's kernel raises, that op alone runs the reference from then on, said once,
+    and the model's values are the reference's (``KernelSet.guarded``)."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"{op}: no kernel here")
+
+    kernels = choose_kernels(_here(LIGER))
+    kernels.calls[op] = broken
+    reference, fused = _tiny(), _tiny()
+    kernels.apply(fused)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, got_grads = _run(fused)
+        _run(fused)
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    kernel = _fused(LIGER)[op]  # liger's, or crossrl's own fused head
+    assert len(said) == 1 and f"the {op} kernel {kernel} failed" in said[0], said
+    want, want_grads = _run(reference)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert kernels.chosen == {**_fused(LIGER), op: REFERENCE}
+
+
 def test_a_kernel_that_does_not_load_is_never_chosen():
     missing = {"swiglu": Provider("liger", "crossrl_no_such_module", "X")}
     kernels = choose_kernels(missing)
