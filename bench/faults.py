@@ -140,7 +140,7 @@ def _train(run_dir: Path, overrides: list[str]) -> dict:
     """One run in this process: its wall seconds, fingerprints and metrics."""
     from trainer.config import load_config
     from trainer.loop.start.run import run_training
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     cfg = load_config(None, [*overrides, f"run.dir={run_dir}"])
     started = time.monotonic()

@@ -16,7 +16,7 @@ from trainer.cli import main
 from trainer.config import load_config
 from trainer.loop.start.run import run_training
 from trainer.records.checkpoint import find_latest, read_model_weights
-from trainer.records.metrics import read_jsonl
+from trainer.records.jsonl_files import read_jsonl
 
 pytestmark = pytest.mark.slow
 

@@ -122,7 +122,7 @@ def _cfg(run_dir: Path, *overrides: str):
 
 
 def _fingerprints(run_dir: Path) -> list[dict]:
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     return read_jsonl(run_dir / "fingerprint.jsonl")
 
@@ -312,7 +312,7 @@ def test_a_worker_s_own_error_while_checkpointing_stops_in_one_line(
 @pytest.mark.slow
 def test_the_rollout_host_lost_during_validation_restarts(local_ray, monkeypatch, tmp_path, capsys):
     from trainer.loop.start.run import run_training
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     val = tmp_path / "val.jsonl"
     val.write_text("".join(f'{{"prompt": "say {i}", "answer": "{i}"}}\n' for i in range(3)))
@@ -366,7 +366,7 @@ def test_a_checkpoint_past_its_limit_restarts_with_the_limit_doubled(
 
     from trainer.loop.start import launch
     from trainer.loop.start.run import run_training
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     monkeypatch.setattr(call_limits, "MOVE_BASE_S", 20.0)
     original_start, starts = launch.start, []

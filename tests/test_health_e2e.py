@@ -15,7 +15,7 @@ from trainer.config import load_config
 from trainer.loop.cluster.group import start_ray
 from trainer.loop.start.run import run_training
 from trainer.records.checkpoint import find_latest, list_checkpoints
-from trainer.records.metrics import read_jsonl
+from trainer.records.jsonl_files import read_jsonl
 
 pytestmark = pytest.mark.slow
 

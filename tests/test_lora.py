@@ -307,7 +307,7 @@ def test_a_lora_run_resumes_exactly_from_adapters_alone_and_agrees_across_dp(lor
     from torch.distributed.checkpoint import FileSystemReader
 
     from trainer.commands.parity import compare_runs
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     for other in ("resumed", "dp2"):
         report = compare_runs(lora_runs / "straight", lora_runs / other)

@@ -10,7 +10,7 @@ import ray
 
 from bench.faults import FAULT_JOB
 from trainer.config import load_config
-from trainer.records.metrics import read_jsonl
+from trainer.records.jsonl_files import read_jsonl
 
 pytestmark = pytest.mark.slow
 

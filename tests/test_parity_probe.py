@@ -15,7 +15,7 @@ from trainer.commands.parity import DEFAULT_TOLERANCES, compare_runs, read_run
 from trainer.commands.probe import probe_config, run_probe
 from trainer.config import load_config
 from trainer.loop.cluster.group import WorkerFailedError, agree_on_settings, start_ray
-from trainer.records.metrics import read_jsonl
+from trainer.records.jsonl_files import read_jsonl
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 GOLDEN = GOLDEN_DIR / "tiny_cpu_fp32"

@@ -17,7 +17,7 @@ from hal.device_memory import _visible_indices, device_used_reader
 from trainer.config import load_config
 from trainer.loop.schedule.phase_memory import PhaseMemory, measured
 from trainer.loop.start.run import run_training
-from trainer.records.metrics import StepTimer
+from trainer.records.timings import StepTimer
 
 SHORT = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4", "train.total_steps=2"]
 

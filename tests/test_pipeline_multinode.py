@@ -18,7 +18,7 @@ from trainer.loop.cluster.group import cluster_node_ids
 from trainer.loop.schedule.controller import Trainer
 from trainer.loop.start import launch
 from trainer.loop.start.run import run_training
-from trainer.records.metrics import read_jsonl
+from trainer.records.jsonl_files import read_jsonl
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from trainer.loop.cluster.local import LocalRef
 from trainer.loop.schedule.backlog import Backlog, PendingCheckpoint
 from trainer.loop.start.preflight import PreflightError, _check_resumed_lag
 from trainer.loop.start.run import run_training
-from trainer.records.metrics import read_jsonl
+from trainer.records.jsonl_files import read_jsonl
 
 LAG2 = [
     "train.rollout_lag=2",

@@ -212,7 +212,7 @@ def test_a_replica_killed_mid_rollout_is_replaced_and_the_run_repeats(
     local_ray, tmp_path, monkeypatch
 ):
     from trainer.loop.start.run import run_training
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     straight, faulted = tmp_path / "straight", tmp_path / "faulted"
     assert run_training(_cfg(straight, "train.total_steps=4")) == 0
@@ -276,7 +276,7 @@ def test_a_lost_replica_of_the_lagged_pipeline_comes_back_with_current_weights(
     from trainer.loop.schedule.pipeline import RolloutPipeline
     from trainer.loop.start import launch
     from trainer.loop.start.run import run_training
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     job = [*OWN_LAG1, f"rollout.weight_transport={transport}", "train.total_steps=4"]
     straight, faulted = tmp_path / "straight", tmp_path / "faulted"

@@ -139,7 +139,7 @@ def straight(local_ray, tmp_path_factory):
 
 
 def _fingerprints(run_dir: Path) -> list[dict]:
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     return read_jsonl(run_dir / "fingerprint.jsonl")
 
@@ -156,7 +156,7 @@ def test_a_lost_or_hung_worker_is_restarted_and_the_run_is_exact(
     """A training rank killed mid-update, the rollout host killed mid-rollout, a rank hung
     (``bench.faults.FAULTS`` less the lost replica), each in step 3."""
     from trainer.loop.start.run import run_training
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     target, phase, extra = FAULTS[name]
     fault = Fault(monkeypatch.setattr, step=3, phase=phase, target=target, seed=3)

@@ -88,7 +88,7 @@ def test_a_streamed_run_with_sequence_correction_reports_its_mixed_rows(local_ra
     ``policy_version`` column reaches the weights)."""
     from rollout.replay import load_rollout
     from trainer.loop.start.run import run_training
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     run_dir = tmp_path / "run"
     keys = [

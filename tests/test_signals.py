@@ -14,7 +14,7 @@ import time
 import pytest
 
 from trainer.records.checkpoint import find_latest, verify_checkpoint
-from trainer.records.metrics import read_jsonl
+from trainer.records.jsonl_files import read_jsonl
 
 SHORT = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4"]
 

@@ -247,7 +247,7 @@ def test_a_streamed_run_keeps_its_bound_and_records_every_batch(streamed, name):
     """Every step's groups are at most max_staleness policies behind the trainer, every batch
     is recorded (without run.record_rollouts), and without partial rollouts no token comes
     from a newer policy than its group's first."""
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     run_dir = streamed[name]
     bound = 2 if name == "dp2-stepwise-gae" else 1
@@ -329,7 +329,7 @@ def test_a_streamed_run_resumes_with_a_fresh_stream_from_the_prompts_it_drew(loc
 
     from trainer.loop.start.run import run_training
     from trainer.records.checkpoint import LAYOUT, load_json
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     run_dir = tmp_path / "run"
     keys = [*LONGTAIL_STREAM, "rollout.partial_rollout=true", f"run.dir={run_dir}"]

@@ -47,7 +47,7 @@ def test_a_streamed_run_with_validation_drops_no_more_groups_than_without(local_
     before the last validation, so their indices cover prompts streamed after it) the stream
     drops no more groups than without validation, and validation still reports."""
     from trainer.loop.start.run import run_training
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
     pq.write_table(pa.Table.from_pylist(recall_rows(64, "train")), str(train))

@@ -20,7 +20,8 @@ from trainer.loop.schedule.controller import Trainer
 from trainer.loop.start import launch
 from trainer.loop.start.run import run_training
 from trainer.records.checkpoint import LAYOUT, find_latest, read_model_weights, verify_checkpoint
-from trainer.records.metrics import REQUIRED_KEYS, read_jsonl
+from trainer.records.jsonl_files import read_jsonl
+from trainer.records.metrics import REQUIRED_KEYS
 
 pytestmark = pytest.mark.slow
 

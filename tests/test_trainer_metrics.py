@@ -9,17 +9,15 @@ import numpy as np
 import pytest
 import torch
 
+from trainer.records.jsonl_files import MetricsFileError, read_jsonl
 from trainer.records.metrics import (
     FINGERPRINT_FILE,
     METRICS_FILE,
     REQUIRED_KEYS,
     FingerprintLogger,
-    MetricsFileError,
     MetricsLogger,
-    StepTimer,
-    read_jsonl,
-    summarize_timings,
 )
+from trainer.records.timings import StepTimer, summarize_timings
 
 
 def _step_metrics(step: int) -> dict:

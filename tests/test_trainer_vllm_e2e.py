@@ -39,7 +39,7 @@ def _config(run_dir, *keys: str):
 def _train(run_dir, *keys: str) -> list[dict]:
     """Train ``VLLM_JOB`` with ``keys`` into ``run_dir``; its metrics, a dict per step."""
     from trainer.loop.start.run import run_training
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     assert run_training(_config(run_dir, *keys)) == 0
     return read_jsonl(run_dir / "metrics.jsonl")
@@ -96,7 +96,7 @@ def test_a_tp_2_vllm_engine_of_its_own_takes_the_collective_push_as_it_takes_sna
     import subprocess
     import sys
 
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     keys = [
         "rollout.engine=vllm",
@@ -135,7 +135,7 @@ def test_a_colocated_tp_2_vllm_engine_takes_the_ipc_push_as_an_engine_of_its_own
     import subprocess
     import sys
 
-    from trainer.records.metrics import read_jsonl
+    from trainer.records.jsonl_files import read_jsonl
 
     keys = [
         *VLLM_JOB,

@@ -12,7 +12,7 @@ import ray
 from trainer.config import load_config
 from trainer.loop.start.run import run_training
 from trainer.records.checkpoint import find_latest
-from trainer.records.metrics import read_jsonl
+from trainer.records.jsonl_files import read_jsonl
 
 pytestmark = pytest.mark.slow
 pa = pytest.importorskip("pyarrow")

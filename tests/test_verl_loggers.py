@@ -10,7 +10,8 @@ import pytest
 from trainer.config import ConfigError, load_config
 from trainer.loop.engines.validation_rollouts import validation_metrics
 from trainer.loop.schedule.validation import validation_due
-from trainer.records.metrics import METRICS_FILE, MetricsLogger, read_jsonl
+from trainer.records.jsonl_files import read_jsonl
+from trainer.records.metrics import METRICS_FILE, MetricsLogger
 
 
 def test_validation_metrics_by_hand():

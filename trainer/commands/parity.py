@@ -113,12 +113,8 @@ def read_run(run_dir: str | Path) -> RunRecord:
     Raises ``ParityInputError`` naming the path when the directory or fingerprint file is
     missing or malformed, or a step appears twice.
     """
-    from trainer.records.metrics import (
-        FINGERPRINT_FILE,
-        MetricsFileError,
-        read_error_line,
-        read_jsonl,
-    )
+    from trainer.records.jsonl_files import MetricsFileError, read_error_line, read_jsonl
+    from trainer.records.metrics import FINGERPRINT_FILE
 
     path = Path(run_dir)
     if not path.is_dir():

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout.files import atomic_write_bytes
-from trainer.records.metrics import METRICS_FILE, read_error_line, read_jsonl
+from trainer.records.jsonl_files import read_error_line, read_jsonl
+from trainer.records.metrics import METRICS_FILE
 
 PLOT_DIR = "plots"
 DEFAULT_KEYS = (

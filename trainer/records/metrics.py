@@ -15,20 +15,18 @@ written; a torn last line is dropped (with a warning) when the file is reopened 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from rollout.files import atomic_write_text, undecodable
+from trainer.records.jsonl_files import truncate_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -50,88 +48,6 @@ REQUIRED_KEYS = (
     "timing/step_s",
     "throughput/tokens_per_s",
 )
-
-
-class MetricsFileError(ValueError):
-    """A jsonl file in the run dir has a malformed line; the message names file and line."""
-
-
-# --------------------------------------------------------------------------- reading
-
-
-def _parse_lines(path: Path, text: str, *, allow_torn_tail: bool) -> list[tuple[str, dict]]:
-    """(raw line, record) pairs; a torn last line is dropped when ``allow_torn_tail``."""
-    lines = text.split("\n")
-    # A file written by us ends with "\n", so the last split piece is "" unless torn.
-    out: list[tuple[str, dict]] = []
-    for lineno, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        is_last = lineno == len(lines)
-        try:
-            record = json.loads(raw)
-            if not isinstance(record, dict):
-                raise ValueError(f"a JSON {type(record).__name__}, not an object")
-        except ValueError as err:
-            if allow_torn_tail and is_last:
-                log.warning(
-                    "%s:%d: dropping torn last line (crash mid-write): %.80r", path, lineno, raw
-                )
-                continue
-            raise MetricsFileError(
-                f"{path}:{lineno}: malformed line ({err}): {raw[:80]!r}; fix or delete that line"
-            ) from None
-        out.append((raw, record))
-    return out
-
-
-def read_jsonl(path: str | os.PathLike, *, allow_torn_tail: bool = False) -> list[dict]:
-    """Read a jsonl file (one JSON object per line) into a list of dicts.
-
-    A missing file raises FileNotFoundError naming it; a malformed line raises
-    ``MetricsFileError`` naming file and line number. With ``allow_torn_tail`` an unparsable
-    last line (a crash mid-write) is dropped with a warning instead.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file") from None
-    return [rec for _, rec in _parse_lines(path, text, allow_torn_tail=allow_torn_tail)]
-
-
-def read_error_line(path: str | os.PathLike, err: OSError | UnicodeDecodeError, what: str) -> str:
-    """One line for a run file that exists but cannot be read as text: undecodable bytes, or
-    a directory (or another non-file) in its place; ``what`` says what the file should be."""
-    if isinstance(err, UnicodeDecodeError):
-        return f"{path}: {undecodable(path, err)}"
-    return f"{path}: cannot be read as a file ({err.strerror or err}); it should be {what}"
-
-
-def truncate_jsonl(path: str | os.PathLike, keep_through_step: int) -> int:
-    """Atomically drop the lines of ``path`` whose ``step`` is > ``keep_through_step``.
-
-    Also drops a torn last line. Missing file: nothing to do. Returns the lines kept.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return 0
-    pairs = _parse_lines(path, text, allow_torn_tail=True)
-    kept = []
-    for raw, record in pairs:
-        step = record.get("step")
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise MetricsFileError(
-                f"{path}: line {raw[:80]!r} has no integer 'step'; fix or delete that line"
-            )
-        if step <= keep_through_step:
-            kept.append(raw)
-    new_text = "".join(line + "\n" for line in kept)
-    if new_text != text:
-        atomic_write_text(path, new_text)
-    return len(kept)
 
 
 # --------------------------------------------------------------------------- value cleaning
@@ -422,78 +338,3 @@ def _open_wandb(run_dir: Path, project: str, config: Mapping[str, Any] | None) -
         dir=str(run_dir),
         config=dict(config or {}),
     )
-
-
-# --------------------------------------------------------------------------- timings
-
-
-def summarize_timings(
-    sections: Mapping[str, float], total_s: float | None = None
-) -> dict[str, float]:
-    """Metrics for where a step's time went.
-
-    ``sections`` maps a section name (e.g. ``rollout``) to seconds. Returns
-    ``timing/<section>_s`` and ``timing/<section>_share`` (fraction of the total) per
-    section. ``total_s``: the step's wall time in seconds; when given it is also returned as
-    ``timing/step_s``, with the unaccounted rest as ``timing/other_s``/``timing/other_share``;
-    when omitted, shares are of the sections' sum.
-    """
-    secs: dict[str, float] = {}
-    for name, value in sections.items():
-        if not isinstance(name, str) or not name or "/" in name or name.strip() != name:
-            raise ValueError(f"timing section name {name!r} must be a non-empty str without '/'")
-        if total_s is not None and name in ("step", "other"):
-            raise ValueError(
-                f"timing section name {name!r} is reserved when total_s is given; rename it"
-            )
-        value = float(value)
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(
-                f"timing section {name!r} has {value} s; seconds must be finite and >= 0"
-            )
-        secs[name] = value
-    out: dict[str, float] = {}
-    if total_s is not None:
-        total = float(total_s)
-        if not math.isfinite(total) or total < 0:
-            raise ValueError(f"total_s={total_s!r} must be finite and >= 0 (seconds)")
-        secs["other"] = max(0.0, total - sum(secs.values()))
-        out["timing/step_s"] = total
-    else:
-        total = sum(secs.values())
-    for name, value in secs.items():
-        out[f"timing/{name}_s"] = value
-        out[f"timing/{name}_share"] = value / total if total > 0 else 0.0
-    return out
-
-
-class StepTimer:
-    """Collects wall seconds per named section of one step.
-
-    >>> timer = StepTimer()
-    >>> with timer.section("rollout"):
-    ...     pass
-    >>> sorted(timer.metrics())[:2]
-    ['timing/other_s', 'timing/other_share']
-    """
-
-    def __init__(self, watch=None) -> None:
-        self.sections: dict[str, float] = {}
-        self._start = time.perf_counter()
-        # name -> a context manager around each section
-        # (``trainer.loop.schedule.phase_memory.measured``)
-        self.watch = watch
-
-    @contextlib.contextmanager
-    def section(self, name: str) -> Iterator[None]:
-        """Time the ``with`` body; repeated sections add up."""
-        t0 = time.perf_counter()
-        with self.watch(name) if self.watch is not None else contextlib.nullcontext():
-            try:
-                yield
-            finally:
-                self.sections[name] = self.sections.get(name, 0.0) + time.perf_counter() - t0
-
-    def metrics(self) -> dict[str, float]:
-        """``summarize_timings`` of the sections, with the wall time since creation as total."""
-        return summarize_timings(self.sections, time.perf_counter() - self._start)

@@ -101,7 +101,7 @@ class Trainer:
         each in the module that owns it: rollout (``_take_rollout``) -> plan -> prepare and
         update (``trainer.loop.schedule.update``) -> hand-over of the devices and the new
         weights (``_hand_over``) -> the step's records (``trainer.loop.schedule.step_records``)."""
-        from trainer.records.metrics import StepTimer
+        from trainer.records.timings import StepTimer
 
         timer = StepTimer(watch=functools.partial(measured, self.phase_memory))
         with timer.section("rollout"):
@@ -198,7 +198,7 @@ class Trainer:
         finished. Pipelined, the validation was queued with those weights when the step ended (the
         host's earlier rollouts sample with older ones), and comes as a ``Later``: waiting
         for it here would wait for every rollout queued before it."""
-        from trainer.records.metrics import StepTimer
+        from trainer.records.timings import StepTimer
 
         if self.layout.separate:  # queued behind the rollouts sampled ahead
             queued_s = self.limits.queued_s(self.cfg.train.rollout_lag + 1)

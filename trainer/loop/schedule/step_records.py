@@ -21,7 +21,7 @@ from trainer.loop.schedule.health import check_finite_weights
 if TYPE_CHECKING:
     from trainer.loop.schedule.backlog import PendingCheckpoint
     from trainer.loop.schedule.phase_memory import PhaseMemory
-    from trainer.records.metrics import StepTimer
+    from trainer.records.timings import StepTimer
 
 __all__ = ["end_of_step", "stage_checkpoint", "step_fingerprint", "step_metrics"]
 

@@ -374,7 +374,7 @@ def _check_resumed_lag(cfg: Config, ckpt: Path) -> None:
 def _check_metrics_file(cfg: Config) -> None:
     """A resumed run appends to ``metrics.jsonl``: every line of it must read (a torn last
     line, from a crash mid-write, is dropped as the logger does)."""
-    from trainer.records.metrics import MetricsFileError, read_jsonl
+    from trainer.records.jsonl_files import MetricsFileError, read_jsonl
 
     path = Path(cfg.run.dir) / "metrics.jsonl"
     if not path.is_file():
