@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import batching
+from trainer.algorithms.kl import apply_kl_penalty, kl_divergence
 from trainer.algorithms.losses import (
-    apply_kl_penalty,
-    kl_divergence,
     loss_for_micro_batch,
     masked_sums,
     policy_loss_terms,

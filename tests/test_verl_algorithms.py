@@ -12,7 +12,8 @@ import torch
 from batching import Row, StepBatch
 from trainer.algorithms import compute_advantages
 from trainer.algorithms.dynamic_sampling import GroupSelection
-from trainer.algorithms.losses import gspo_policy_loss, kl_reward_penalty, policy_loss_terms
+from trainer.algorithms.kl import kl_reward_penalty
+from trainer.algorithms.losses import gspo_policy_loss, policy_loss_terms
 from trainer.algorithms.rollout_correction import (
     mismatch_from_sums,
     mismatch_metrics,

@@ -23,92 +23,8 @@ import torch
 import torch.utils.checkpoint
 
 import batching
+from trainer.algorithms.kl import LOG_RATIO_CLAMP, kl_divergence
 from trainer.config.schema import Config
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
-"""Values allowed for a KL estimator (Schulman, "Approximating KL Divergence").
-k3 is verl's ``low_var_kl``."""
-
-# exp() of a log-ratio beyond +-20 overflows float16/bfloat16 ranges and carries no
-# useful signal; clamping it (as verl does) keeps one bad token from making NaNs.
-_LOG_RATIO_CLAMP = 20.0
-# k3 is unbounded above when the policy puts far less mass than the reference on a
-# token; verl clamps the estimate to [-10, 10] and so do we, for comparable runs.
-_K3_CLAMP = 10.0
-
-
-# ----------------------------------------------------------------------------- KL
-
-
-def kl_divergence(logprobs, ref_logprobs, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from sampled-token logprobs.
-
-    With ``log_r = ref_logprobs - logprobs`` (tokens sampled from pi):
-        k1 = -log_r                       unbiased, high variance, can be < 0
-        k2 = 0.5 * log_r ** 2             biased, always >= 0
-        k3 = exp(log_r) - log_r - 1       unbiased, >= 0, low variance; clamped to [-10, 10]
-
-    Args:
-        logprobs, ref_logprobs: [T] log-probabilities (nats) of the sampled tokens.
-        estimator: one of ``KL_ESTIMATORS``.
-
-    Returns:
-        [T] KL estimate per token, in nats.
-    """
-    if estimator not in KL_ESTIMATORS:
-        hint = " (verl's 'low_var_kl' is 'k3')" if estimator == "low_var_kl" else ""
-        raise ValueError(
-            f"KL estimator {estimator!r} is not supported{hint}; use one of "
-            f"{', '.join(KL_ESTIMATORS)}"
-        )
-    log_r = ref_logprobs - logprobs
-    if estimator == "k1":
-        return -log_r
-    if estimator == "k2":
-        return 0.5 * log_r.square()
-    log_r = log_r.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    return (torch.exp(log_r) - log_r - 1.0).clamp(-_K3_CLAMP, _K3_CLAMP)
-
-
-def kl_reward_penalty(
-    logprobs, ref_logprobs, kl_coef: float, estimator: str, *, loss_mask
-) -> torch.Tensor:
-    """The KL-in-reward penalty per token, ``-kl_coef * KL_t`` where ``loss_mask`` is 1 and 0
-    elsewhere (detached). ``compute_advantages(token_penalty=...)`` adds it to the token
-    rewards (gae, reinforce_pp) or sums it into each trajectory's score (grpo, rloo,
-    reinforce_pp_baseline), as verl does with its penalised token rewards."""
-    if not kl_coef >= 0:
-        raise ValueError(f"algorithm.kl_coef={kl_coef!r} must be >= 0")
-    kl = kl_divergence(logprobs, ref_logprobs, estimator).detach()
-    kl = torch.where(loss_mask > 0, kl, torch.zeros_like(kl))
-    return -kl_coef * kl
-
-
-def apply_kl_penalty(
-    token_rewards, logprobs, ref_logprobs, kl_coef: float, estimator: str, *, loss_mask=None
-) -> torch.Tensor:
-    """Token rewards with a KL-to-reference penalty: ``r_t - kl_coef * KL_t``.
-
-    This is the "KL in reward" variant (InstructGPT); the token estimators
-    (GAE, REINFORCE++) then discount the penalty like any reward. The outcome
-    estimators read the trajectory ``score``, so the trainer hands them
-    ``kl_reward_penalty`` through ``compute_advantages(token_penalty=...)`` instead.
-
-    Args:
-        token_rewards: [T] rewards per token.
-        logprobs, ref_logprobs: [T] sampled-token logprobs (nats) of the policy
-            that generated the rollout and of the reference policy.
-        kl_coef: penalty weight (reward units per nat), >= 0.
-        estimator: one of ``KL_ESTIMATORS``.
-        loss_mask: optional [T] 0/1; the penalty is applied only where it is 1.
-
-    Returns:
-        [T] penalised rewards (a new tensor; the arguments are left unchanged).
-    """
-    mask = torch.ones_like(logprobs) if loss_mask is None else loss_mask
-    penalty = kl_reward_penalty(logprobs, ref_logprobs, kl_coef, estimator, loss_mask=mask)
-    return token_rewards + penalty.to(token_rewards.dtype)
-
 
 # ----------------------------------------------------------------------------- policy
 
@@ -152,7 +68,7 @@ def ppo_policy_loss(
             f"algorithm.clip_ratio_c={clip_ratio_c!r} must be > 1 (dual clip bounds -A*r at "
             f"r = c; 3.0 is the usual value)"
         )
-    log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)  # r_t
     surr1 = -advantages * ratio  # -A r
     surr2 = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # -A clip(r)
@@ -289,7 +205,7 @@ def policy_loss_terms(
         ref_logprobs: [T] reference-policy logprobs; when given, ``kl`` is the
             KL-to-reference loss term (with gradient).
         entropy: [T] per-token entropy (``trainer.loop.ranks.forward.packed_token_logprobs``).
-        kl_estimator: one of ``KL_ESTIMATORS`` for the KL loss term.
+        kl_estimator: one of ``trainer.algorithms.kl.KL_ESTIMATORS`` for the KL loss term.
         clip_ratio_low, clip_ratio_high, clip_ratio_c: see ``ppo_policy_loss``.
         policy_loss: ``algorithm.policy_loss``: ppo (``ppo_policy_loss``) or gspo
             (``gspo_policy_loss``, which needs ``loss_mask`` and ``cu_seqlens``).

@@ -113,7 +113,7 @@ class BatchStore:
         token field ``is_weights``. Returns statistics over real loss tokens.
         """
         from trainer.algorithms import compute_advantages
-        from trainer.algorithms.losses import kl_reward_penalty
+        from trainer.algorithms.kl import kl_reward_penalty
         from trainer.algorithms.rollout_correction import (
             mismatch_metrics,
             rollout_correction_weights,
