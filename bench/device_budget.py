@@ -101,22 +101,22 @@ def pick_layers(cfg, device_bytes: float, root: Path, fill: float = FILL) -> int
 
 @contextlib.contextmanager
 def _random_weights_in_place():
-    """``FSDPWorker._load_initial_weights`` replaced by random weights made on the device."""
+    """``ModelLoading._load_initial_weights`` replaced by random weights made on the device."""
     import torch
 
     from rollout.models import reset_non_persistent_buffers
-    from trainer.loop.ranks import fsdp_worker
+    from trainer.loop.ranks import model_loading
 
     def materialise(self, model, own):
-        tied = fsdp_worker._tied_parameter_names(model)
+        tied = model_loading.tied_parameter_names(model)
         model.to_empty(device=self.device)
-        fsdp_worker._retie(model, tied)
+        model_loading.retie(model, tied)
         reset_non_persistent_buffers(model, self.device)
         with torch.no_grad():
             for param in model.parameters():
                 param.normal_(0.0, 0.02)
 
-    cls = fsdp_worker.FSDPWorker
+    cls = model_loading.ModelLoading
     saved = cls.__dict__["_load_initial_weights"]
     cls._load_initial_weights = materialise
     try:

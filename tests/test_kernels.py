@@ -353,7 +353,7 @@ def _sharded_pair(rank: int, port: int, checkpointing: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from trainer.loop.ranks.fsdp_worker import enable_activation_checkpointing
+    from trainer.loop.ranks.model_loading import enable_activation_checkpointing
 
     module = types.ModuleType(STAND_IN)
     module.__dict__.update(

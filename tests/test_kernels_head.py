@@ -102,12 +102,12 @@ def test_compiled_blocks_give_the_references_values_and_gradients():
     lean path; nothing fell back."""
     from torch._dynamo.utils import counters
 
-    from trainer.loop.ranks.fsdp_worker import FSDPWorker
+    from trainer.loop.ranks.model_loading import decoder_layers
 
     kernels = choose_kernels(hal.get_backend("cpu").kernel_providers, compile_blocks=True)
     reference, compiled = _tiny(), _tiny()
     reference.train(), compiled.train()
-    layers = FSDPWorker._layers(compiled)
+    layers = decoder_layers(compiled)
     assert kernels.compile_layers(layers) == len(layers) > 0
     want, want_grads = _micro_batches(reference)
     torch._dynamo.reset()

@@ -159,11 +159,11 @@ def test_no_import_circle_between_modules():
 def test_the_graph_is_read_from_every_kind_of_import():
     """The parser sees what the layer tests rely on: a function-level import (the rollout
     host's validation rollouts), a ``from package import module`` (the memory tracker's
-    FSDP worker) and a module named by a string (``run.DRIVER_MODULES``)."""
+    model loading) and a module named by a string (``run.DRIVER_MODULES``)."""
     host = {t for t, _ in EDGES["trainer.loop.engines.rollout_host"]}
     assert "trainer.loop.engines.validation_rollouts" in host
     tracker = {t for t, _ in EDGES["trainer.loop.ranks.memory_tracker"]}
-    assert "trainer.loop.ranks.fsdp_worker" in tracker
+    assert "trainer.loop.ranks.model_loading" in tracker
     assert set(run.DRIVER_MODULES) & set(MODULES) <= {t for t, _ in EDGES[run.__name__]}
 
 

@@ -16,7 +16,8 @@ from batching import Row, StepBatch, plan_minibatches
 from rollout.models import load_model
 from trainer.config import load_config
 from trainer.loop.cluster.group import free_port
-from trainer.loop.ranks.fsdp_worker import WorkerSpec, enable_activation_checkpointing
+from trainer.loop.ranks.fsdp_worker import WorkerSpec
+from trainer.loop.ranks.model_loading import enable_activation_checkpointing
 from trainer.loop.ranks.policy import PolicyWorker
 
 

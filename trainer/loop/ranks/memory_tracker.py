@@ -17,7 +17,7 @@ all of them) and runs, as one rank of ``train.dp_size``, what a step runs on a d
 
 What cannot run under fake mode, and is replaced here (nothing else is):
 
-- loading weights (``FSDPWorker._load_initial_weights`` reads safetensors and broadcasts real
+- loading weights (``ModelLoading._load_initial_weights`` reads safetensors and broadcasts real
   data): the sharded model is only materialised (``to_empty``) with fake storage;
 - the device's attention kernel: flash-attn is a compiled GPU extension that fake tensors cannot
   enter, and the CPU reference kernel materialises ``[heads, s, s]`` scores the device never
@@ -280,7 +280,7 @@ def _fake_world(dp_size: int):
 
     import hal.attention
     from rollout.models import reset_non_persistent_buffers
-    from trainer.loop.ranks import fsdp_worker
+    from trainer.loop.ranks import model_loading
 
     if dist.is_initialized():
         raise RuntimeError("track_step needs a process without a torch.distributed group")
@@ -292,9 +292,9 @@ def _fake_world(dp_size: int):
             return real_mesh(*args, **kwargs)
 
     def materialise(self, model, own):
-        tied = fsdp_worker._tied_parameter_names(model)
+        tied = model_loading.tied_parameter_names(model)
         model.to_empty(device=self.device)
-        fsdp_worker._retie(model, tied)
+        model_loading.retie(model, tied)
         reset_non_persistent_buffers(model, self.device)
 
     kernel = hal.attention._KERNELS["cpu"]
@@ -302,7 +302,7 @@ def _fake_world(dp_size: int):
     # fake group instead of creating one, and every later worker gets the real method back.
     saved = [
         (device_mesh, "init_device_mesh", mesh),
-        (fsdp_worker.FSDPWorker, "_load_initial_weights", materialise),
+        (model_loading.ModelLoading, "_load_initial_weights", materialise),
         (kernel, "varlen_attention", _fake_attention),
         (hal.get_backend("cpu"), "init_process_group", _joined_fake_group),
     ]
