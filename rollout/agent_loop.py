@@ -8,7 +8,8 @@ thread pool (or on the event loop when they are ``async def`` or the env is ``in
 ``env_concurrency`` at once, each bounded by ``env_timeout_s`` (``rollout/env_calls.py``). A turn's request seed is ``stable_seed(seed, step,
 prompt, sample, turn)`` and rows come out in trajectory order, so what a trajectory samples
 never depends on which one finished first. It emits either one row per trajectory
-(``step_wise=False``) or one row per turn (``step_wise=True``), following DESIGN.md:
+(``step_wise=False``) or one row per turn (``step_wise=True``; the rows and metrics of the
+trajectories are built in ``rollout/trajectories.py``), following DESIGN.md:
 
 a. step-wise: the chat history is re-tokenized FIRST and only then checked against
    ``max_input_len``; a turn whose prompt is longer is not generated and the trajectory ends
@@ -54,11 +55,11 @@ from rollout.env_calls import (
     reward_extras,
 )
 from rollout.envs import reward_range_of
-from rollout.envs.base import DEFAULT_REWARD_RANGE
 from rollout.envs.prompts import PromptItem
 from rollout.rewards import RewardError
 from rollout.seeding import stable_seed
 from rollout.tokenizer import chat_token_ids, eos_token_ids
+from rollout.trajectories import Trajectory, Turn, rollout_metrics, rows_of
 
 
 @dataclass
@@ -69,36 +70,6 @@ class RolloutOutput:
     rows: list[Row]
     metrics: dict[str, float]
     faults: list[tuple[int, str]] = field(default_factory=list)
-
-
-@dataclass
-class _Turn:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    mask: list[int]
-    logprobs: list[float]
-    reward: float = 0.0
-    obs_ids: list[int] = field(default_factory=list)  # whole mode: template + observation after it
-    versions: list[int] | None = None  # policy version per response token (-1: not sampled)
-
-
-@dataclass
-class _Trajectory:
-    uid: int
-    trajectory_id: int
-    item: PromptItem
-    sample: int
-    env: object = None
-    messages: list[dict] = field(default_factory=list)
-    seq: list[int] = field(default_factory=list)  # whole mode: the running token sequence
-    turns: list[_Turn] = field(default_factory=list)
-    done: bool = False
-    truncated: bool = False
-    error: str | None = None
-    reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE
-    reward_error: bool = False  # the fault was the reward function's (rollout.rewards)
-    timed_out: bool = False  # the fault was an env call past rollout.env_timeout_s
-    reward_extra: dict[str, float] = field(default_factory=dict)  # its extra keys, final turn
 
 
 def _observation_ids(tokenizer, messages: list[dict], obs: str) -> list[int]:
@@ -202,7 +173,7 @@ def run_rollouts(
         for i, p in enumerate(prompts)
     ]
     trajs = [
-        _Trajectory(uid=j, trajectory_id=j * n + k, item=item, sample=k)
+        Trajectory(uid=j, trajectory_id=j * n + k, item=item, sample=k)
         for j, item in enumerate(items)
         for k in range(n)
     ]
@@ -235,9 +206,9 @@ def run_rollouts(
 
     rows: list[Row] = []
     for t in trajs:
-        rows.extend(_rows_of(t, step_wise=step_wise, merge=merge_stepwise))
+        rows.extend(rows_of(t, step_wise=step_wise, merge=merge_stepwise))
     faults = [(t.trajectory_id, t.error) for t in trajs if t.error is not None]
-    return RolloutOutput(rows=rows, metrics=_metrics(trajs, rows), faults=faults)
+    return RolloutOutput(rows=rows, metrics=rollout_metrics(trajs, rows), faults=faults)
 
 
 @dataclass(frozen=True)
@@ -278,7 +249,7 @@ def _run_coroutine(make: Callable[[], Awaitable[None]]) -> None:
 
 
 async def _roll_one(
-    t: _Trajectory, ctx: _Context, batcher: RequestBatcher, env_call: EnvCalls
+    t: Trajectory, ctx: _Context, batcher: RequestBatcher, env_call: EnvCalls
 ) -> None:
     """One trajectory: reset, then (generate a turn -> env step) until done, truncated, faulty
     or out of turns. Faults are recorded on ``t``; only an engine failure raises."""
@@ -313,7 +284,7 @@ async def _roll_one(
                 gen, lps, mask = gen + [ctx.eos], lps + [0.0], mask + [0]
                 vers = None if vers is None else vers + [-1]
             text = tokenizer.decode(gen[:-1], skip_special_tokens=True)
-            record = _Turn(
+            record = Turn(
                 prompt_ids=prompt, response_ids=gen, mask=mask, logprobs=lps, versions=vers
             )
             t.turns.append(record)
@@ -359,127 +330,3 @@ def stop_string_cut(tokenizer, token_ids: list[int], stop_strings: Sequence[str]
         else:
             lo = mid + 1
     return lo
-
-
-def _score(t: _Trajectory) -> float:
-    if t.error is not None or not t.turns:
-        return 0.0
-    return t.turns[-1].reward
-
-
-def _rows_of(t: _Trajectory, *, step_wise: bool, merge: bool) -> list[Row]:
-    if not t.turns:
-        return []
-    score = _score(t)
-    versioned = all(x.versions is not None for x in t.turns)
-    if not step_wise:
-        resp, mask, lps, vers = [], [], [], []
-        for i, turn in enumerate(t.turns):
-            resp += turn.response_ids
-            mask += turn.mask
-            lps += turn.logprobs
-            vers += turn.versions if versioned else []
-            if i + 1 < len(t.turns):  # the observation between two generated turns, untrained
-                resp += turn.obs_ids
-                mask += [0] * len(turn.obs_ids)
-                lps += [0.0] * len(turn.obs_ids)
-                vers += [-1] * len(turn.obs_ids)
-        parts = [(t.turns[0].prompt_ids, resp, mask, lps, 0, score, vers)]
-    else:
-        parts = [
-            (x.prompt_ids, x.response_ids, x.mask, x.logprobs, i, x.reward, x.versions or [])
-            for i, x in enumerate(t.turns)
-        ]
-        if merge:
-            parts = _merge(parts)
-    rows = []
-    for k, (prompt, resp, mask, lps, step_index, step_reward, vers) in enumerate(parts):
-        last = k == len(parts) - 1
-        token_rewards = [0.0] * len(resp)
-        if last:
-            where = max((i for i, m in enumerate(mask) if m), default=len(resp) - 1)
-            token_rewards[where] = score
-        rows.append(
-            Row(
-                prompt_ids=list(prompt),
-                response_ids=list(resp),
-                response_mask=list(mask),
-                response_logprobs=list(lps),
-                uid=t.uid,
-                trajectory_id=t.trajectory_id,
-                step_index=step_index,
-                is_last_step=last,
-                score=score,
-                step_reward=step_reward,
-                token_rewards=token_rewards,
-                response_versions=list(vers) if versioned else None,
-            )
-        )
-    return rows
-
-
-def _merge(parts: list[tuple]) -> list[tuple]:
-    """Merge consecutive turns when turn i's prompt + response is a token prefix of turn i+1's
-    prompt; the gap (template + observation) joins the response with mask 0, logprob 0 and
-    version -1. The
-    merged row keeps the first turn's step_index and the sum of the merged turns' rewards."""
-    merged = [parts[0]]
-    for prompt, resp, mask, lps, idx, reward, vers in parts[1:]:
-        p0, r0, m0, l0, i0, w0, v0 = merged[-1]
-        head = p0 + r0
-        if prompt[: len(head)] == head:
-            gap = prompt[len(head) :]
-            merged[-1] = (
-                p0,
-                r0 + gap + resp,
-                m0 + [0] * len(gap) + mask,
-                l0 + [0.0] * len(gap) + lps,
-                i0,
-                w0 + reward,
-                v0 + [-1] * len(gap) + vers,
-            )
-        else:
-            merged.append((prompt, resp, mask, lps, idx, reward, vers))
-    return merged
-
-
-def _metrics(trajs: list[_Trajectory], rows: list[Row]) -> dict[str, float]:
-    num = len(trajs)
-    with_rows = [t for t in trajs if t.turns]
-    return {
-        "rollout/num_trajectories": float(num),
-        "rollout/num_rows": float(len(rows)),
-        "rollout/mean_turns": sum(len(t.turns) for t in trajs) / max(num, 1),
-        "rollout/truncated_trajectories": float(sum(t.truncated for t in trajs)),
-        "rollout/env_errors": float(sum(t.error is not None for t in trajs)),
-        "rollout/env_timeout_errors": float(sum(t.timed_out for t in trajs)),
-        "rollout/unfinished_trajectories": float(
-            sum(
-                not t.truncated and t.error is None and bool(t.turns) and not _finished(t)
-                for t in trajs
-            )
-        ),
-        "rollout/mean_response_length": sum(len(r.response_ids) for r in rows) / max(len(rows), 1),
-        "rollout/score_mean": sum(_score(t) for t in with_rows) / max(len(with_rows), 1),
-        **_reward_metrics(trajs),
-    }
-
-
-def _reward_metrics(trajs: list[_Trajectory]) -> dict[str, float]:
-    """``reward/errors`` (reward-function faults, also in ``rollout/env_errors``) when any env
-    scores with a reward function, and ``reward/extra/<key>``: the mean of each extra key a reward
-    function returned, over the trajectories that returned it."""
-    out: dict[str, float] = {}
-    if any(getattr(t.env, "reward_fn", None) is not None for t in trajs):
-        out["reward/errors"] = float(sum(t.reward_error for t in trajs))
-    totals: dict[str, list[float]] = {}
-    for t in trajs:
-        for key, value in t.reward_extra.items():
-            totals.setdefault(key, []).append(value)
-    for key, values in sorted(totals.items()):
-        out[f"reward/extra/{key}"] = sum(values) / len(values)
-    return out
-
-
-def _finished(t: _Trajectory) -> bool:
-    return t.done and not t.truncated and t.error is None
