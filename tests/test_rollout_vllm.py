@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from rollout.engines.base import GenerationRequest, SamplingParams
-from rollout.engines.vllm_engine import (
+from rollout.engines.vllm_io import (
     VLLM_TOP_K_OFF,
     filters_active,
     result_from_vllm_completion,
