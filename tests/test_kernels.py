@@ -191,6 +191,15 @@ def test_the_patch_is_the_instances_own(stand_ins):
     assert modeling_qwen2.apply_rotary_pos_emb.__module__ == modeling_qwen2.__name__
 
 
+def _run_twice_saying(model) -> tuple[tuple[torch.Tensor, dict], list[str]]:
+    """``_run``'s first result, run twice, and the runtime warnings both runs said."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = _run(model)
+        _run(model)
+    return first, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
 def test_a_kernel_that_fails_to_run_falls_back_once_reported(stand_ins, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("triton: no kernel for this GPU\nsecond line")
@@ -199,12 +208,8 @@ def test_a_kernel_that_fails_to_run_falls_back_once_reported(stand_ins, monkeypa
     kernels = choose_kernels(_here(LIGER))
     reference, fused = _tiny(), _tiny()
     kernels.apply(fused)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got, _ = _run(fused)
-        _run(fused)
-    said = [w for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(said) == 1 and "swiglu kernel liger failed" in str(said[0].message)
+    (got, _), said = _run_twice_saying(fused)
+    assert len(said) == 1 and "swiglu kernel liger failed" in said[0]
     torch.testing.assert_close(got, _run(reference)[0])
     assert kernels.chosen["swiglu"] == REFERENCE and kernels.chosen["rms_norm"] == "liger"
     assert kernels.report()["swiglu"].startswith("reference (liger failed: RuntimeError: triton")
@@ -222,11 +227,7 @@ def test_each_patched_op_falls_back_alone_with_the_references_values(stand_ins, 
     kernels.calls[op] = broken
     reference, fused = _tiny(), _tiny()
     kernels.apply(fused)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got, got_grads = _run(fused)
-        _run(fused)
-    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    (got, got_grads), said = _run_twice_saying(fused)
     kernel = _fused(LIGER)[op]  # liger's, or crossrl's own fused head
     assert len(said) == 1 and f"the {op} kernel {kernel} failed" in said[0], said
     want, want_grads = _run(reference)
