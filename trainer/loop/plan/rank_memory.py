@@ -143,6 +143,16 @@ class RankState:
             before_fixes=before_fixes,
         )
 
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of one element in ``train.param_dtype`` (what the update computes in)."""
+        return DTYPE_BYTES[self.cfg.train.param_dtype]
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes of one element in ``train.reduce_dtype`` (what gradients are reduced in)."""
+        return DTYPE_BYTES[self.cfg.train.reduce_dtype]
+
     def shard(self, count: int, nbytes: int) -> float:
         """Bytes of one rank's shard of ``count`` parameters of ``nbytes`` bytes each."""
         return count * nbytes / self.cfg.train.dp_size
@@ -195,8 +205,7 @@ class RankState:
         self, role_shape: ModelShape, n: int, lm_head: bool, trained: int, sharded: float
     ) -> float:
         """Gradients in backward: the sharded ones and the head's whole gradient."""
-        train = self.cfg.train
-        pb, rb = DTYPE_BYTES[train.param_dtype], DTYPE_BYTES[train.reduce_dtype]
+        pb, rb = self.param_bytes, self.reduce_bytes
         # Before the fixes gradient sync was off until the last micro-batch: FSDP2 kept every
         # parameter's whole gradient in reduce_dtype through the accumulation.
         grads = trained * rb if self.before_fixes else sharded
@@ -209,20 +218,19 @@ class RankState:
         """FSDP2's gathered layers (two at once) and root, and a layer's reduce-scatter input.
         FSDP2 keeps the root's parameters (embedding, final norm, head) gathered from the
         forward to the end of the backward."""
-        train = self.cfg.train
-        pb, rb = DTYPE_BYTES[train.param_dtype], DTYPE_BYTES[train.reduce_dtype]
+        pb, rb = self.param_bytes, self.reduce_bytes
         tied = lm_head and role_shape.tie_word_embeddings
         head = 0 if tied else self._head(role_shape, lm_head)
         root = role_shape.embedding_params + role_shape.hidden_size + head
         # a layer's reduce-scatter input: its gradients, which LoRA has for the adapters alone
-        layer = role_shape.padded_layer_params(train.dp_size)
+        layer = role_shape.padded_layer_params(self.cfg.train.dp_size)
         scattered = layer if trained == n else trained / role_shape.num_hidden_layers
         return (2 * layer + root) * pb + scattered * rb
 
     def _activations(self, role_shape: ModelShape, lora: bool) -> tuple[float, float]:
         """The micro-batch's activations, and what the layer being recomputed holds (0 without
         activation checkpointing)."""
-        pb = DTYPE_BYTES[self.cfg.train.param_dtype]
+        pb = self.param_bytes
         h, tokens = role_shape.hidden_size, self.tokens
         kept = tokens * h * pb
         recompute = 0.0
@@ -246,9 +254,7 @@ class RankState:
         train, vocab, tokens = self.cfg.train, role_shape.vocab_size, self.tokens
         if not train.lean_logprobs:  # the full logits stay for backward, fp32 chunks on top
             chunk = min(tokens, PLAIN_CHUNK_TOKENS)
-            return (
-                tokens * vocab * DTYPE_BYTES[train.param_dtype] + CHUNK_COPIES * chunk * vocab * 4
-            )
+            return tokens * vocab * self.param_bytes + CHUNK_COPIES * chunk * vocab * 4
         chunk = min(tokens, max(1, LEAN_CHUNK_BYTES // (4 * vocab)))
         logits = CHUNK_COPIES * chunk * vocab * 4
         # The head's chunk and a layer's recompute are never alive at once (the head's backward

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 
 from trainer.config.schema import Config
 from trainer.loop.plan.model_shape import ModelShape
+from trainer.loop.plan.rank_memory import DTYPE_BYTES
 
 __all__ = [
     "default_object_store_bytes",
@@ -62,7 +63,6 @@ SHM_FLOOR_BYTES = 10**10
 #: Ray's smallest object store, GB (``OBJECT_STORE_MINIMUM_MEMORY_BYTES``, 75 MiB): the least
 #: ``ray.object_store_gb`` takes.
 MIN_STORE_GB = 0.08
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def live_snapshots(cfg: Config) -> int:
@@ -106,7 +106,7 @@ def node_snapshot_bytes(shape: ModelShape, dtype: str, ranks: Iterable[int], dp_
     all of it when ``ranks`` are all of them (alignment of a few hundred bytes per tensor and
     rank aside)."""
     ranks = list(ranks)
-    size = _DTYPE_BYTES[dtype]
+    size = DTYPE_BYTES[dtype]
     return sum(
         sum(_rows(total, r, dp_size) for r in ranks) * per_row * size
         for total, per_row in _tensors(shape)
