@@ -49,7 +49,13 @@ _EXPORTS = {
         "process_bytes",
     ),
     "hal.npu": ("NpuBackend", "npu_causal_mask", "npu_fusion_attention_args"),
-    "hal.registry": ("available_backends", "backend_class", "get_backend", "is_collective_error"),
+    "hal.registry": (
+        "available_backends",
+        "backend_class",
+        "get_backend",
+        "is_collective_error",
+        "is_out_of_memory",
+    ),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -89,6 +95,7 @@ __all__ = [
     "get_backend",
     "ipc_rebuild_args",
     "is_collective_error",
+    "is_out_of_memory",
     "npu_causal_mask",
     "npu_fusion_attention_args",
     "open_shared_buffer",

@@ -21,6 +21,7 @@ import torch.utils.deterministic
 from hal.collectives import CollectiveFaults
 from hal.handoff import WeightHandoff
 from hal.kernels import Provider
+from hal.memory_faults import MemoryFaults
 from hal.sdpa import prefix_sdpa, segmented_sdpa
 
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
@@ -30,7 +31,7 @@ class DeviceNotAvailableError(RuntimeError):
     """Raised by `hal.get_backend` when the asked-for device type is absent on this machine."""
 
 
-class DeviceBackend(CollectiveFaults, WeightHandoff):
+class DeviceBackend(CollectiveFaults, MemoryFaults, WeightHandoff):
     """One device type (cpu, cuda, npu). Subclasses set the class attributes below.
 
     Instances are cheap and never touch the device when created: `hal.get_backend` checks that

@@ -137,6 +137,9 @@ class CudaBackend(DeviceBackend):
         r"Watchdog caught collective operation timeout",
         r"NCCL communicator was aborted",
     )
+    # torch raises OutOfMemoryError for its allocator; cuBLAS's own workspace, and a kernel's
+    # launch, word it in a plain RuntimeError
+    out_of_memory_patterns = (r"CUBLAS_STATUS_ALLOC_FAILED", r"CUDA error: out of memory")
     # vLLM 0.24's batch_invariant.py: its own matmul/softmax/mean kernels, one-split attention
     vllm_batch_invariant = True
     # Liger-Kernel's RMSNorm, SwiGLU and RoPE, crossrl's fused head, torch's fused AdamW

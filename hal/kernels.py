@@ -20,7 +20,7 @@ them. Each is patched onto the model **instance**
 (its modules' ``forward``), before ``fully_shard``, never on a class or module at import, so
 a reference model in the same process is untouched. A kernel that fails to load is never
 chosen; one that fails to run falls back to the reference for the rest of the process,
-reported once (``KernelSet.fall_back``). ``run.deterministic`` keeps the reference for an op
+reported once (``KernelSet.fall_back``), unless device memory ran out: that is re-raised. ``run.deterministic`` keeps the reference for an op
 whose fused kernel has no deterministic mode (``Provider.deterministic``).
 
 - ``lm_head``: the lean path's log-prob + entropy through the LM head
@@ -196,13 +196,20 @@ class KernelSet:
     ) -> Callable:
         """A call that runs ``fused`` while ``op`` runs its kernel (and ``when``, given the same
         arguments, holds), else ``reference``; a ``fused`` that raises makes ``op`` fall back
-        (``fall_back``: said once) and this call runs ``reference``."""
+        (``fall_back``: said once) and this call runs ``reference``. Out of device memory
+        (``hal.registry.is_out_of_memory``) is re-raised, never a fall-back: the reference
+        needs more memory still, and inside a checkpoint's recompute it would save other
+        tensors than the forward did."""
 
         def call(*args, **kwargs):
             if self.chosen[op] != REFERENCE and (when is None or when(*args, **kwargs)):
                 try:
                     return fused(*args, **kwargs)
                 except Exception as err:  # noqa: BLE001 - reported once, then the reference
+                    from hal.registry import is_out_of_memory  # hal.registry imports this module
+
+                    if is_out_of_memory(err):
+                        raise
                     self.fall_back(op, err)
             return reference(*args, **kwargs)
 

@@ -216,6 +216,10 @@ class NpuBackend(DeviceBackend):
         r"Watchdog caught collective operation timeout",
         r"\bEI000[26]\b",
     )
+    # torch_npu 2.10.0.post4's allocator raises c10::OutOfMemoryError (torch.OutOfMemoryError,
+    # "NPU out of memory. Tried to allocate ..."); an op's workspace inside CANN comes back as
+    # a RuntimeError with that text or CANN's EL0004 ("Failed to allocate memory")
+    out_of_memory_patterns = (r"NPU out of memory", r"\bEL0004\b")
     # vllm-ascend 0.26.0rc1's batch_invariant.py: AscendC ops, else triton-ascend's kernels
     vllm_batch_invariant = True
     # torch_npu's npu_rms_norm, npu_swiglu and npu_rotary_mul, its fused AdamW, crossrl's

@@ -102,3 +102,10 @@ def is_collective_error(err: BaseException) -> bool:
     (``CollectiveFaults.is_collective_error`` of the cpu, cuda and npu backends; no device
     is touched): the driver reading a worker's error does not always run that device."""
     return any(backend_class(name).is_collective_error(err) for name in BACKEND_NAMES[1:])
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether any device's backend recognises ``err`` as device memory running out
+    (``MemoryFaults.is_out_of_memory`` of the cpu, cuda and npu backends; no device is
+    touched): never a reason to fall back to a kernel that needs more memory."""
+    return any(backend_class(name).is_out_of_memory(err) for name in BACKEND_NAMES[1:])
