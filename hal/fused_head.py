@@ -17,7 +17,19 @@ with two ``[chunk, V]`` float32 tensors alive, updated in place:
     d logprob / dz = onehot(target) - p,   d H / dz = -p * (z - E[z])
 
 Forward keeps per token only ``lse`` and ``H`` (two ``[T]`` float32 vectors) beside the
-inputs. Weight and bias gradients are summed over chunks in float32, cast once.
+inputs. Weight and bias gradients are summed over chunks in float32, cast once: the weight's
+with one ``addmm`` per chunk straight into the float32 ``[V, H]`` accumulator where the
+device's torch offers a float32 output for the compute dtype's inputs (``addmm.dtype_out``:
+CUDA in torch 2.11, NPU in torch_npu 2.10.0.post4's ``wrapper_NPU_dtype_out_addmm_out``; not
+the CPU's torch 2.13; asked once per device type and dtype, ``_fp32_accumulates``), as
+Liger's fused linear cross-entropy accumulates; else the compute dtype's ``[V, H]`` product
+is added to it. In float32 the accumulator is ``addmm_``'s own output. An entropy that takes
+no gradient (detached, or unused by the loss) reaches backward as None
+(``set_materialize_grads(False)``), and its term is skipped.
+
+The chunk: ``chunk_tokens`` tokens, chosen by the caller (``trainer.loop.ranks.forward``:
+as many as fit ``LEAN_CHUNK_BYTES`` of float32 logits), which the memory budget counts
+(``trainer.loop.plan.rank_memory``: the ``logits`` term, and the accumulator in ``kernel``).
 """
 
 from __future__ import annotations
@@ -31,6 +43,43 @@ def _chunk_logits(hidden, weight, bias, temperature: float) -> torch.Tensor:
     if temperature != 1.0:
         z.div_(temperature)
     return z
+
+
+#: (device type, compute dtype) -> whether ``torch.addmm(..., out_dtype=torch.float32,
+#: out=acc)`` sums that dtype's product into a float32 ``acc`` there; asked once each.
+_FP32_ACCUMULATE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _fp32_accumulates(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this device's torch sums a ``dtype`` matrix product into a float32 tensor in
+    place (``addmm.dtype_out``, beta 1), tried once per device type and dtype on a 2 x 2
+    product; False for float32 itself (plain ``addmm_`` does it) and where the kernel is
+    missing or refuses a float32 ``self`` (torch's CUDA kernel before it allowed one)."""
+    key = (device.type, dtype)
+    if key not in _FP32_ACCUMULATE:
+        ok = False
+        if dtype != torch.float32:
+            try:
+                a = torch.ones(2, 3, dtype=dtype, device=device)
+                acc = torch.ones(2, 2, dtype=torch.float32, device=device)
+                torch.addmm(acc, a, a.t(), out_dtype=torch.float32, out=acc)
+                ok = bool((acc == 4).all())
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _FP32_ACCUMULATE[key] = ok
+    return _FP32_ACCUMULATE[key]
+
+
+def _accumulate(acc: torch.Tensor, grad_z: torch.Tensor, h: torch.Tensor, fp32: bool) -> None:
+    """``acc += grad_z.T @ h`` into the float32 ``acc`` (``[V, H]``): one ``addmm`` writing
+    ``acc`` where the dtype allows (``fp32``, or float32 inputs), else the compute dtype's
+    product added."""
+    if grad_z.dtype == torch.float32:
+        acc.addmm_(grad_z.t(), h)
+    elif fp32:
+        torch.addmm(acc, grad_z.t(), h, out_dtype=torch.float32, out=acc)
+    else:
+        acc += grad_z.t() @ h  # the compute dtype's [V, H] product, summed in float32
 
 
 class _LinearLogprobEntropy(torch.autograd.Function):
@@ -51,6 +100,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an output without a gradient comes back as None
         return logprob, entropy
 
     @staticmethod
@@ -58,6 +108,9 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         temperature, chunk_tokens = ctx.temperature, ctx.chunk_tokens
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        if grad_logprob is None and grad_entropy is None:
+            return None, None, None, None, None, None
+        fp32 = need_weight and _fp32_accumulates(hidden.device, hidden.dtype)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         grad_bias = (
@@ -72,11 +125,11 @@ class _LinearLogprobEntropy(torch.autograd.Function):
             if grad_entropy is not None:
                 mean_z = (lse[start:end] - entropy[start:end])[:, None]
                 z.sub_(mean_z).mul_(grad_entropy[start:end, None])
-            else:
-                z.zero_()
-            if grad_logprob is not None:
-                z.add_(grad_logprob[start:end, None])
-            grad_z = p.mul_(z).neg_()
+                if grad_logprob is not None:
+                    z.add_(grad_logprob[start:end, None])
+                grad_z = p.mul_(z).neg_()
+            else:  # no entropy gradient: -p * g_lp alone, z is not touched
+                grad_z = p.mul_(grad_logprob[start:end, None]).neg_()
             if grad_logprob is not None:
                 rows = torch.arange(end - start, device=h.device)
                 grad_z[rows, targets[start:end]] += grad_logprob[start:end]
@@ -86,7 +139,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
             if need_hidden:
                 grad_hidden[start:end] = grad_z @ weight
             if need_weight:
-                grad_weight += grad_z.t() @ h  # the compute dtype's matmul, summed in float32
+                _accumulate(grad_weight, grad_z, h, fp32)
             if grad_bias is not None:
                 grad_bias += grad_z.sum(dim=0, dtype=torch.float32)
         if grad_weight is not None:

@@ -137,3 +137,64 @@ def test_a_layer_whose_compilation_fails_runs_eager_reported(monkeypatch):
     assert sum("compile kernel torch.compile failed" in str(w.message) for w in caught) == 1
     assert kernels.report()["compile"].startswith("reference (torch.compile failed: Runtime")
     torch.testing.assert_close(got, _run(reference)[0])
+
+
+def _head_ops(entropy: str, dtype=torch.float32):
+    """The aten ops one backward of ``hal.fused_head`` runs (name -> output shapes), and the
+    gradients, for a ``[40, 12]`` head over 23 tokens in chunks of 6; ``entropy``: ``used``
+    (in the loss), ``zero`` (in it with weight 0) or ``detached``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hal.fused_head import linear_logprob_entropy
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: dict[str, list[tuple[int, ...]]] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
+            self.ops.setdefault(func.overloadpacket.__name__, []).append(shape)
+            return out
+
+    torch.manual_seed(0)
+    weight = torch.randn(40, 12).to(dtype).requires_grad_()
+    hidden = torch.randn(23, 12).to(dtype).requires_grad_()
+    targets = torch.randint(0, 40, (23,))
+    lp, ent = linear_logprob_entropy(hidden, weight, None, targets, chunk_tokens=6)
+    upstream = torch.linspace(-1, 1, 23)
+    loss = (upstream * lp).sum()
+    if entropy != "detached":
+        loss = loss + (upstream * ent).sum() * (1.0 if entropy == "used" else 0.0)
+    with Ops() as mode:
+        loss.backward()
+    return mode.ops, (hidden.grad, weight.grad)
+
+
+def test_the_head_weights_gradient_is_summed_in_place_and_an_absent_entropy_skipped():
+    """Backward sums each chunk's weight gradient into the float32 accumulator with one
+    ``addmm`` (no ``[V, H]`` temporary per chunk), and an entropy without a gradient
+    (detached) skips its term: none of its ``sub``, the same gradients as a zero one."""
+    used, _ = _head_ops("used")
+    zero, want = _head_ops("zero")
+    detached, got = _head_ops("detached")
+    assert (40, 12) not in used.get("mm", [])  # no per-chunk [V, H] product
+    assert used["addmm_"].count((40, 12)) == 4  # one per chunk, into the accumulator
+    assert "sub_" in used and "sub_" not in detached
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_device_without_a_float32_output_for_bf16_sums_the_product():
+    """torch 2.13's CPU has no ``addmm.dtype_out`` kernel: asked once, the bf16 product is
+    added to the float32 accumulator (the formula before), with the same gradient within
+    bf16's rounding."""
+    from hal import fused_head
+
+    assert fused_head._fp32_accumulates(torch.device("cpu"), torch.bfloat16) is False
+    assert fused_head._FP32_ACCUMULATE[("cpu", torch.bfloat16)] is False
+    ops, (_, grad_bf16) = _head_ops("used", torch.bfloat16)
+    assert (40, 12) in ops["mm"]  # the compute dtype's product, the fallback
+    _, (_, grad_fp32) = _head_ops("used")
+    torch.testing.assert_close(grad_bf16.float(), grad_fp32, rtol=0.05, atol=0.05)
