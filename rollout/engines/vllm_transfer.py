@@ -59,7 +59,10 @@ class VLLMTransfer:
                 "VLLMEngine: weights received while they sleep; call wake_up(['weights']) first"
             )
         self.finish_weight_update()
+        if getattr(self, "_transfer_open", False):  # a push that failed and was never reset
+            self.abort_transfer()
         self.llm.start_weight_update()
+        self._transfer_open = True
 
     def receive_chunk(self, update_info: dict[str, Any]) -> int:
         """``update_weights`` with ``update_info`` on every worker: each takes the chunk on its
@@ -72,5 +75,26 @@ class VLLMTransfer:
         """``finish_weight_update`` on every worker; the prefix cache is reset (its blocks came
         from the old weights)."""
         self.llm.finish_weight_update()
+        self._transfer_open = False
         self.llm.reset_prefix_cache()
         self._weights_discarded = False
+
+    def abort_transfer(self) -> None:
+        """Close an update that failed midway, so the next ``begin_transfer`` finds every
+        worker out of it and no layer left on the meta device. The pinned workers differ:
+        vllm-ascend 0.26's ``NPUWorker.update_weights`` leaves ``_weight_update_active`` set
+        when a chunk raised (its ``start_weight_update`` then raises "already active"), so
+        ``finish_weight_update`` closes it; vLLM 0.24's, 0.26's and 0.32's ``Worker.
+        update_weights`` clear the flag but leave the layerwise reload open (its layers on
+        the meta device), and ``finish_weight_update`` raises "without a matching start":
+        then ``start_weight_update`` (which keeps the layers still waiting) and
+        ``finish_weight_update`` (``finalize_layerwise_reload`` puts back the old tensors of
+        every layer that loaded nothing) close it. A layer that loaded part of a chunk keeps
+        what it loaded: the weights are a mix until the next push."""
+        try:
+            self.llm.finish_weight_update()
+        except Exception:  # noqa: BLE001 - no open session on some worker: open one, close it
+            self.llm.start_weight_update()
+            self.llm.finish_weight_update()
+        self._transfer_open = False
+        self.llm.reset_prefix_cache()

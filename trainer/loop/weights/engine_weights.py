@@ -110,6 +110,11 @@ class EngineWeights:
         """Close the push: every layer post-processed, the prefix cache reset."""
         self.engine.end_transfer()
 
+    def abort_transfer(self) -> None:
+        """Reset a push that failed midway (``VLLMTransfer.abort_transfer``), so the next
+        push's ``start_transfer`` finds the engine out of any update."""
+        self.engine.abort_transfer()
+
 
 def load_into_peers(
     peers: list, router, replicas, method: str, args: tuple, meanwhile=None

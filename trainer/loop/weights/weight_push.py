@@ -26,6 +26,7 @@ import torch
 import hal
 from rollout.engines.buckets import tensor_nbytes
 from trainer.loop.cluster.local import LocalHandle, LocalRef, fetch
+from trainer.loop.weights.colocated_push import ColocatedPush
 
 #: Bytes per bucket of a host-memory snapshot (``snapshot_weights``): big enough that the
 #: object store's per-object cost vanishes, small enough to stream to another node.
@@ -59,7 +60,7 @@ def _raise_if_ended(reply) -> None:
         fetch(reply)  # raises the engine's own error (returns when it ended well)
 
 
-class WeightPush:
+class WeightPush(ColocatedPush):
     """The actor's side of the weight push (mixed into ``PolicyWorker``; it uses the worker's
     ``spec``, ``backend``, ``model`` and ``local_index``)."""
 
@@ -191,71 +192,6 @@ class WeightPush:
             reserve_bytes=largest_fp32 + (1 << 30),  # one gathered tensor, allocator slack
             floor_bytes=floor,
         )
-
-    # ---------------------------------------------------------------- colocated vLLM
-    def push_transfer(self, replicas: list, buffer_bytes: int | None = None) -> int:
-        """Push the new weights to colocated vLLM engines through vLLM's weight-transfer API
-        (``Layout.weight_transport == "ipc"``), by the trainer helper of the backend's own
-        colocated engine (``DeviceBackend.colocated_transfer_trainer``: vLLM's ``ipc``,
-        vllm-ascend's ``npu_ipc``, the CPU's ``crossrl_shm``): every rank gathers each tensor
-        whole in the engine's dtype, the first rank on each device packs them into one buffer
-        of ``buffer_bytes`` (None: sized from the free device memory) that its engine workers
-        map, and rank 0 opens the update on every replica of ``replicas``, hands each chunk to
-        all of them and closes it. Returns the chunks sent (0 on the other ranks)."""
-        import importlib
-        from dataclasses import asdict
-
-        from rollout.engines.transfer import PACKED_BUFFER_BYTES
-        from rollout.models import parse_dtype
-        from trainer.loop.weights.gather import whole_tensors
-
-        state = self.push_state()
-        dtype = parse_dtype(self.spec.cfg.model.dtype)
-        if buffer_bytes is None:  # room for the buffer and the engine's copy of a chunk
-            shapes = [(name, tuple(t.shape)) for name, t in state.items()]
-            bucket, _ = self._stream_bucket_bytes(shapes, dtype, copies=2)
-            buffer_bytes = min(bucket, sum(tensor_nbytes(shape, dtype) for _, shape in shapes))
-        module, helper = self.backend.colocated_transfer_trainer
-        sender = getattr(importlib.import_module(module), helper)
-        sent: list[int] = []
-
-        def send(info) -> None:  # rank 0: one chunk to every replica, read before it refills
-            payload = asdict(info)
-            for reply in [r.receive_chunk.remote(payload) for r in replicas]:
-                fetch(reply)
-            sent.append(len(payload["names"]))
-
-        self._on_every_replica(replicas, "start_transfer")
-        args = {"send_mode": send, "packed": True, "packed_buffer_size_bytes": buffer_bytes}
-        try:
-            if getattr(sender, "takes_shards", False):  # the CPU's: shards on one host
-                items = ((n, t.detach().to(dtype)) for n, t in state.items())
-            else:
-                items = whole_tensors(state, dtype, min(buffer_bytes, PACKED_BUFFER_BYTES))
-            sender.trainer_send_weights(items, args)
-        finally:
-            if self.backend.is_accelerator:
-                self.backend.empty_cache()  # the buffer goes back before the KV cache wakes
-        self._on_every_replica(replicas, "finish_transfer")
-        return len(sent)
-
-    def _on_every_replica(self, replicas: list, method: str) -> None:
-        """Rank 0 calls ``method`` on every replica and waits; every rank learns whether it
-        failed (a broadcast), so none goes on into the push's collectives alone."""
-        error = None
-        if self.spec.rank == 0:
-            try:
-                for reply in [getattr(r, method).remote() for r in replicas]:
-                    fetch(reply)
-            except Exception as err:  # noqa: BLE001 - re-raised on every rank below
-                error = err
-        if self.spec.world_size > 1:
-            told = [None if error is None else f"{type(error).__name__}: {error}"]
-            torch.distributed.broadcast_object_list(told, src=0)
-            if told[0] is not None and error is None:
-                raise RuntimeError(f"engine replica {method} failed on rank 0: {told[0]}")
-        if error is not None:
-            raise error
 
     # ---------------------------------------------------------------- CPU, one host
     def _ranks_share_a_host(self) -> bool:
@@ -424,6 +360,13 @@ class WeightPush:
         """Rank 0: leave the lost replicas ``lost`` out of the transfer group; the sender
         builds its next generation without them (``WeightSender.exclude``)."""
         self._weight_sender.exclude(lost)
+
+    def finish_push(self) -> None:
+        """Wait for the push before (rank 0: its sender thread; the other ranks: nothing) and
+        raise what broke it. The driver calls it on every rank before ``broadcast_weights``,
+        so no rank sits in the next gather's all-gather while rank 0 still waits for the
+        engines (a collective that would time out at ``train.rollout_lag`` >= 2)."""
+        self._weight_sender.finish()
 
     def broadcast_weights(self, seq: int) -> int:
         """Push ``seq`` of the new weights: every rank gathers each tensor whole, rank 0
