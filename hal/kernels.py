@@ -14,9 +14,9 @@ Ops (``OPS``):
 
 ``reference`` is today's eager code, the golden, and the CPU's set. CUDA takes Liger-Kernel's
 Triton functions (``LigerRMSNormFunction`` in Llama casting mode, ``LigerSiLUMulFunction``,
-``LigerRopeFunction``), the NPU torch_npu's own ops (``npu_rms_norm``, ``npu_swiglu`` on
-``cat(gate, up)``, ``npu_rotary_mul``), as verl's NPU patch and MindSpeed's FSDP2 path call
-them. Each is patched onto the model **instance**
+``LigerRopeFunction``), the NPU torch_npu's own ops (``npu_rms_norm``, ``npu_swiglu`` on one
+``[gate; up]`` projection, ``npu_rotary_mul`` in its BSND layout: ``hal.npu_kernels``), as
+verl's NPU patch and MindSpeed's FSDP2 path call them. Each is patched onto the model **instance**
 (its modules' ``forward``), before ``fully_shard``, never on a class or module at import, so
 a reference model in the same process is untouched. A kernel that fails to load is never
 chosen; one that fails to run falls back to the reference for the rest of the process,
@@ -48,6 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from hal import npu_kernels
 
 #: The ops a kernel set chooses for, in report order.
 OPS = ("rms_norm", "swiglu", "rope", "lm_head", "optimizer", "compile")
@@ -120,29 +122,25 @@ TORCH_NPU = {
 def _rms_norm_call(provider: Provider, fn) -> Callable:
     """``(x, weight, eps) -> y`` through ``provider``'s function."""
     if provider.convention == "torch_npu":
-        return lambda x, weight, eps: fn(x, weight, epsilon=eps)[0]
+        return npu_kernels.rms_norm_call(fn)
     # Liger: offset 0, Llama casting (fp32 normalisation, cast back, times the weight); the
     # incoming gradient is not overwritten in place (activation checkpointing reruns forward)
     return lambda x, weight, eps: fn.apply(x, weight, eps, 0.0, "llama", False)
 
 
 def _swiglu_call(provider: Provider, fn) -> Callable:
-    """``(gate, up) -> silu(gate) * up`` through ``provider``'s function."""
+    """``(mlp, x) -> silu(mlp.gate_proj(x)) * mlp.up_proj(x)`` through ``provider``'s
+    function."""
     if provider.convention == "torch_npu":  # halves of one tensor: Swish(first) * second
-        return lambda gate, up: fn(torch.cat((gate, up), dim=-1), dim=-1)
-    return lambda gate, up: fn.apply(gate, up)
+        return npu_kernels.swiglu_call(fn)
+    return lambda mlp, x: fn.apply(mlp.gate_proj(x), mlp.up_proj(x))
 
 
 def _rope_call(provider: Provider, fn) -> Callable:
     """``(q, k, cos, sin) -> (q, k)`` rotated (q, k ``[B, H, S, D]``; cos, sin ``[B, S, D]``)
     through ``provider``'s function."""
     if provider.convention == "torch_npu":  # x * cos + rotate_half(x) * sin, one tensor a call
-
-        def rotate(q, k, cos, sin):
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-            return fn(q, cos, sin).to(q.dtype), fn(k, cos, sin).to(k.dtype)
-
-        return rotate
+        return npu_kernels.rope_call(fn)
     return lambda q, k, cos, sin: fn.apply(q, k, cos, sin)
 
 
@@ -169,6 +167,8 @@ class KernelSet:
     chosen: dict[str, str]
     reasons: dict[str, str] = field(default_factory=dict)
     calls: dict[str, Callable] = field(default_factory=dict)
+    #: op -> the chosen provider's calling convention (``Provider.convention``)
+    conventions: dict[str, str] = field(default_factory=dict)
 
     def report(self) -> dict[str, str]:
         """op -> kernel, with the reason after the reference where one was passed over."""
@@ -225,6 +225,7 @@ class KernelSet:
         the module's own forward once its op has fallen back. The fused head is set as the
         model's ``HEAD_KERNEL`` (``head_kernel``)."""
         patched = {"rms_norm": 0, "swiglu": 0, "rope": 0, "lm_head": 0}
+        self._keep_scaled_rope(model)
         if "lm_head" in self.calls:
             model.__dict__[HEAD_KERNEL] = self.head_kernel
             patched["lm_head"] = 1
@@ -238,6 +239,25 @@ class KernelSet:
             elif "rope" in self.calls and _patch_rope(module, self):
                 patched["rope"] += 1
         return patched
+
+    def _keep_scaled_rope(self, model: torch.nn.Module) -> None:
+        """A rope that scales cos and sin (``attention_scaling`` other than 1: YaRN, LongRoPE)
+        keeps the reference rotation where the kernel takes them in [-1, 1] only
+        (``npu_kernels.ROPE_UNIT_RANGE``)."""
+        if self.conventions.get("rope") not in npu_kernels.ROPE_UNIT_RANGE:
+            return
+        scaling = {
+            float(getattr(m, "attention_scaling", 1.0))
+            for m in model.modules()
+            if type(m).__name__.endswith("RotaryEmbedding")
+        } - {1.0}
+        if scaling and self.chosen["rope"] != REFERENCE:
+            self.reasons["rope"] = (
+                f"{self.chosen['rope']} takes cos and sin in [-1, 1]; the rope's "
+                f"attention_scaling={max(scaling):g} scales them beyond"
+            )
+            self.chosen["rope"] = REFERENCE
+            self.calls.pop("rope", None)
 
     def compile_layers(self, layers) -> int:
         """Each of ``layers`` (the decoder layers, before ``fully_shard``) runs its ``forward``
@@ -283,7 +303,7 @@ def _fused_rms_norm(module, call, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_swiglu(module, call, x: torch.Tensor) -> torch.Tensor:
-    return module.down_proj(call(module.gate_proj(x), module.up_proj(x)))
+    return module.down_proj(call(module, x))
 
 
 def _patch(module: torch.nn.Module, kernels: KernelSet, op: str, fused: Callable) -> None:
@@ -346,7 +366,7 @@ def choose_kernels(
     alone; ``deterministic`` for ops whose kernel is not deterministic; ``optimizer_offload``
     keeps the reference optimizer (its step runs on the host's state); ``compile_blocks``
     (``train.compile_blocks``) takes ``compile`` where offered."""
-    chosen, reasons, calls = {}, {}, {}
+    chosen, reasons, calls, conventions = {}, {}, {}, {}
     for op in OPS:
         chosen[op] = REFERENCE
         provider = providers.get(op)
@@ -374,4 +394,5 @@ def choose_kernels(
             reasons[op] = reasons[op].splitlines()[0][:200]
             continue
         chosen[op], calls[op] = provider.name, _CALLS[op](provider, fn)
-    return KernelSet(chosen, reasons, calls)
+        conventions[op] = provider.convention
+    return KernelSet(chosen, reasons, calls, conventions)

@@ -74,7 +74,12 @@ class _LigerRopeFunction:
 
 
 def _npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):  # noqa: A002
-    assert rotary_mode == "half" and r1.dim() == input.dim()  # cos, sin broadcast to [B, H, S, D]
+    """torch_npu 2.10.0.post4's documented formula and layout: ``input`` BSND in its own
+    storage (contiguous ``[b, s, n, d]``), ``r1``, ``r2`` BS1D, within [-1, 1]."""
+    assert rotary_mode == "half" and input.dim() == 4 and input.is_contiguous()
+    b, s, _, d = input.shape
+    assert r1.shape == r2.shape == (b, s, 1, d), (input.shape, r1.shape)
+    assert r1.abs().max() <= 1 and r2.abs().max() <= 1
     return input * r1 + _rotate_half(input) * r2
 
 
@@ -83,7 +88,12 @@ def _npu_rms_norm(input, gamma, epsilon=1e-6):  # noqa: A002 - torch_npu's own n
     return gamma * (input.float() * rstd).to(input.dtype), rstd
 
 
+#: What each ``_npu_swiglu`` call's input was made by (its ``grad_fn``'s class name).
+SWIGLU_INPUTS: list[str] = []
+
+
 def _npu_swiglu(input, dim=-1):  # noqa: A002
+    SWIGLU_INPUTS.append(type(input.grad_fn).__name__)
     first, second = input.chunk(2, dim=dim)
     return torch.nn.functional.silu(first) * second
 
