@@ -34,7 +34,10 @@ whose fused kernel has no deterministic mode (``Provider.deterministic``).
   ``fully_shard`` (torchtitan's order: FSDP2's hooks stay outside it). The varlen attention
   breaks each layer's graph in two (its cached ``cu_seqlens`` check is data-dependent);
   torch runs a checkpointed region that has a graph break eagerly, and disables dynamo under
-  a checkpoint called outside it, so the config refuses it beside activation checkpointing. Every device offers it, none takes it
+  a checkpoint called outside it, so the config refuses it beside activation checkpointing
+  (checked again once ``auto`` sizes resolve). The ops inside a layer (``LAYER_OPS``) run the
+  eager reference under it: inductor fuses them, a library's autograd function only breaks
+  the graph. Every device offers it, none takes it
   unasked: ``train.compile_blocks`` turns it on, until a device run has measured it against
   the reference (a compile error at a layer's first call falls back to eager; one in a
   backward's first call cannot, and stops the step).
@@ -54,6 +57,8 @@ from hal import npu_kernels
 #: The ops a kernel set chooses for, in report order.
 OPS = ("rms_norm", "swiglu", "rope", "lm_head", "optimizer", "compile")
 REFERENCE = "reference"
+#: The ops inside a decoder layer: the eager reference under ``train.compile_blocks``.
+LAYER_OPS = ("rms_norm", "swiglu", "rope")
 #: The model instance's attribute holding its fused LM head (``KernelSet.apply``).
 HEAD_KERNEL = "crossrl_head_kernel"
 #: HF RMSNorm classes whose forward is Llama's formula (the fused kernels compute exactly it).
@@ -365,7 +370,8 @@ def choose_kernels(
     ``mode`` ``reference`` takes the reference everywhere; ``reference_ops`` for those ops
     alone; ``deterministic`` for ops whose kernel is not deterministic; ``optimizer_offload``
     keeps the reference optimizer (its step runs on the host's state); ``compile_blocks``
-    (``train.compile_blocks``) takes ``compile`` where offered."""
+    (``train.compile_blocks``) takes ``compile`` where offered, and with it the reference for
+    the ops inside a layer (``LAYER_OPS``: inductor fuses the eager code)."""
     chosen, reasons, calls, conventions = {}, {}, {}, {}
     for op in OPS:
         chosen[op] = REFERENCE
@@ -395,4 +401,11 @@ def choose_kernels(
             continue
         chosen[op], calls[op] = provider.name, _CALLS[op](provider, fn)
         conventions[op] = provider.convention
+    if chosen["compile"] != REFERENCE:
+        # inductor fuses the eager ops of a compiled layer; an autograd function of a library
+        # inside it only breaks the graph
+        for op in LAYER_OPS:
+            if chosen[op] != REFERENCE:
+                chosen[op], reasons[op] = REFERENCE, "train.compile_blocks: inductor fuses it"
+                calls.pop(op)
     return KernelSet(chosen, reasons, calls, conventions)

@@ -130,3 +130,28 @@ def test_a_run_resolves_them_before_start_up_and_records_the_values(tmp_path, ca
     train = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]
     assert train["max_tokens_per_micro_batch"] is None  # the host's RAM holds it all
     assert train["activation_checkpointing"] is False
+
+
+def test_compiled_blocks_refuse_checkpointing_chosen_by_auto(capsys):
+    """7B PPO on 80 GB: ``auto`` turns checkpointing on; beside ``train.compile_blocks`` that
+    is refused before start-up in one line naming both keys, as the explicit pair is
+    (``tests/test_config_errors.py``); with checkpointing set off the job sizes itself."""
+    from trainer.config import ConfigError
+
+    compiled = ["train.compile_blocks=true", "run.deterministic=false"]
+    cfg = _config("gpu/qwen2.5-7b-ppo.yaml", *AUTO, *compiled)
+    with pytest.raises(ConfigError) as info:
+        resolve_auto_sizes(cfg, _on(80))
+    assert info.value.key == "train.compile_blocks"
+    assert "train.activation_checkpointing=auto, which the memory budget chose true" in str(
+        info.value
+    )
+    args = ["--config", str(ROOT / "configs/gpu/qwen2.5-7b-ppo.yaml"), *AUTO, *compiled]
+    assert main(["layout", "--device-memory-gb", "80", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.compile_blocks" in err[0], err
+    off = _config(
+        "gpu/qwen2.5-7b-ppo.yaml", AUTO[0], *compiled, "train.activation_checkpointing=false"
+    )
+    sized, _ = resolve_auto_sizes(off, _on(80))
+    assert sized.train.activation_checkpointing is False

@@ -1,5 +1,6 @@
 """What the kernel set (``hal.kernels``) does when a fused kernel raises out of device memory,
-and which kernels go into compiled blocks (``train.compile_blocks``). The stand-ins and the
+and which kernels go into compiled blocks (``train.compile_blocks``; the config's refusal of
+compilation beside checkpointing chosen by ``auto`` is in ``tests/test_auto_sizes.py``). The stand-ins and the
 model helpers are ``tests/test_kernels.py``'s."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from hal.kernels import LIGER, choose_kernels
+from hal.kernels import LIGER, REFERENCE, TORCH_NPU, choose_kernels
 from hal.registry import is_out_of_memory
 from tests.test_kernels import _here, _run, _tiny, stand_ins  # noqa: F401 - the fixture
 
@@ -52,3 +53,25 @@ def test_other_errors_are_not_out_of_memory():
     assert not is_out_of_memory(RuntimeError("triton: no kernel for this GPU"))
     assert not is_out_of_memory(RuntimeError("HCCL function error: x, error code is 7"))
     assert not is_out_of_memory(ValueError("chunk_tokens=0 must be >= 1"))
+
+
+@pytest.mark.usefixtures("stand_ins")
+@pytest.mark.parametrize("providers", [LIGER, TORCH_NPU], ids=["liger", "torch_npu"])
+def test_compiled_blocks_take_the_eager_ops_inside_a_layer(providers):
+    """``train.compile_blocks``: inductor fuses the eager RMSNorm, SwiGLU and rope of each
+    layer; no Liger or torch_npu autograd function goes inside a compiled region. The head
+    and the optimizer, outside the layers, keep their kernels."""
+    kernels = choose_kernels(_here(providers), compile_blocks=True)
+    assert kernels.chosen == {
+        "rms_norm": REFERENCE,
+        "swiglu": REFERENCE,
+        "rope": REFERENCE,
+        "lm_head": providers["lm_head"].name,
+        "optimizer": providers["optimizer"].name,
+        "compile": "torch.compile",
+    }
+    assert kernels.reasons["swiglu"] == "train.compile_blocks: inductor fuses it"
+    patched = kernels.apply(_tiny())
+    assert patched == {"rms_norm": 0, "swiglu": 0, "rope": 0, "lm_head": 1}
+    # without compilation the layer's ops keep their kernels
+    assert choose_kernels(_here(providers)).chosen["swiglu"] == providers["swiglu"].name

@@ -30,6 +30,23 @@ def _builtin_env_names() -> list[str] | None:
     return sorted(BUILTIN_ENVS)
 
 
+def compile_problem(cfg: Config, *, chosen: bool = False) -> Problem | None:
+    """``train.compile_blocks`` beside activation checkpointing: torch runs a checkpointed
+    layer eagerly when the varlen attention breaks its graph, so the pair compiles nothing.
+    Checked on the config as written and again once ``auto`` sizes resolve (``chosen``:
+    ``train.activation_checkpointing`` was ``auto`` and the memory budget chose true)."""
+    tr = cfg.train
+    if not (tr.compile_blocks and tr.activation_checkpointing is True):
+        return None
+    which = "auto, which the memory budget chose true" if chosen else "true"
+    return problem(
+        "train.compile_blocks",
+        tr.compile_blocks,
+        f"cannot go with train.activation_checkpointing={which} (torch runs a checkpointed "
+        "layer eagerly when the varlen attention breaks its graph); set one of them false",
+    )
+
+
 def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
     """Checks that relate fields to each other; no file, package or device is looked at."""
     p: list[Problem] = []
@@ -55,15 +72,9 @@ def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
                 "optimizer step sees the same number of prompts",
             )
         )
-    if tr.compile_blocks and tr.activation_checkpointing is True:
-        p.append(
-            problem(
-                "train.compile_blocks",
-                tr.compile_blocks,
-                "cannot go with train.activation_checkpointing=true (torch runs a checkpointed "
-                "layer eagerly when the varlen attention breaks its graph); set one of them false",
-            )
-        )
+    compiled = compile_problem(cfg)
+    if compiled:
+        p.append(compiled)
     if alg.adv_estimator == "gae" and not cfg.critic.enable:
         p.append(
             problem(

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from trainer.config.checks import compile_problem
+from trainer.config.errors import raise_first
 from trainer.config.schema import Config
 from trainer.loop.plan.memory_budget import GB, MemoryBudget
 from trainer.loop.plan.rank_memory import micro_batch_tokens
@@ -162,7 +164,9 @@ def resolve_auto_sizes(
     cfg: Config, estimate: Callable[[Config], MemoryBudget | None] | None = None
 ) -> tuple[Config, str | None]:
     """``cfg`` with its ``auto`` sizes chosen (``choose_sizes``) and the line that says what
-    was chosen; ``cfg`` itself and None when no key is ``auto``. ``estimate``: default the
+    was chosen; ``cfg`` itself and None when no key is ``auto``. A choice the config's checks
+    refuse (``train.compile_blocks`` with checkpointing chosen on) raises ``ConfigError``
+    naming both keys, as the explicit pair does. ``estimate``: default the
     budget ``crossrl layout`` prints for this machine (``memory_report.budget_for_cli``)."""
     if estimate is None:
         from trainer.loop.plan.memory_report import budget_for_cli
@@ -171,4 +175,8 @@ def resolve_auto_sizes(
     sizes = choose_sizes(cfg, estimate)
     if sizes is None:
         return cfg, None
-    return sizes.apply(cfg), sizes.note
+    sized = sizes.apply(cfg)
+    # the config's checks of the keys auto sets, again on the values it chose
+    chosen = cfg.train.activation_checkpointing == AUTO
+    raise_first([p for p in (compile_problem(sized, chosen=chosen),) if p])
+    return sized, sizes.note
