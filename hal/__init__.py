@@ -41,6 +41,7 @@ _EXPORTS = {
     "hal.handoff": ("close_shared_buffer", "ipc_rebuild_args", "open_shared_buffer"),
     "hal.cpu": ("CpuBackend",),
     "hal.cuda": ("CudaBackend", "flash_attn_varlen_kwargs"),
+    "hal.collectives": ("all_gather_flat",),
     "hal.describe": ("describe",),
     "hal.device_memory": (
         "communicator_buffer_bytes",
@@ -82,6 +83,7 @@ __all__ = [
     "DeviceBackend",
     "DeviceNotAvailableError",
     "NpuBackend",
+    "all_gather_flat",
     "available_backends",
     "backend_class",
     "close_shared_buffer",

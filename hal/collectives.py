@@ -50,3 +50,14 @@ class CollectiveFaults:
             return True
         text = str(err)
         return any(re.search(pattern, text) for pattern in cls.collective_error_patterns)
+
+
+def all_gather_flat(output, input, group=None) -> None:
+    """Gather every rank's ``input`` (same size on each) into ``output`` (world size x its
+    size), rank order, by the name the running torch offers: ``all_gather_single`` from torch
+    2.13 on, which deprecates ``all_gather_into_tensor`` (a ``FutureWarning`` at every call),
+    the only name in torch 2.10/2.11 (the NPU and GPU pins)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)

@@ -177,7 +177,7 @@ def test_one_sender_reaches_every_replica_and_pushes_wait_their_turn():
             sender.send(state, torch.float32, seq)  # waits for push 0 to be taken first
         assert _receive_all(zip(receivers, engines), seq) == [5, 5]
         assert all(_holds(e, state) for e in engines)
-    sender.wait()
+    sender.finish()
     assert sender.generation == 0 and [r.generation for r in receivers] == [0, 0]
 
 
@@ -188,7 +188,7 @@ def test_the_sender_sends_in_the_engines_dtype_and_keeps_a_copy_of_its_own():
     for tensor in state.values():  # the next update changes the weights at once
         tensor.add_(1)
     assert receiver.receive(engine, 0) == 5
-    sender.wait()
+    sender.finish()
     assert _holds(engine, _state(3), torch.bfloat16)
 
 
@@ -240,7 +240,7 @@ def test_a_replica_lost_before_a_push_is_replaced_in_a_rebuilt_group():
     fresh = _Replica().engine
     sender.send(_state(22), torch.float32, 2)
     assert _receive_all([(receivers[0], engines[0]), (replacement, fresh)], 2) == [5, 5]
-    sender.wait()
+    sender.finish()
     assert _holds(engines[0], _state(22)) and _holds(fresh, _state(22))
     assert sender.generation == 2 and current_group(sender.store).members == (0, 1)
 
@@ -259,7 +259,7 @@ def test_a_replica_lost_before_the_group_first_forms_never_blocks_the_others():
     assert waiting.is_alive() and receivers[0].generation is None
     sender.exclude([1])
     waiting.join(timeout=60)
-    sender.wait()
+    sender.finish()
     assert not waiting.is_alive() and _holds(engines[0], _state(30))
     assert receivers[0].generation == sender.generation == current_group(sender.store).number == 1
 

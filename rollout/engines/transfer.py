@@ -251,15 +251,6 @@ class GlooWeightTransfer:
     trainer helpers (``trainer_init`` / ``trainer_send_weights``), so
     the trainer calls every backend alike (``trainer.loop.weights.weight_group``)."""
 
-    #: The device backend whose process group carries the bytes (``hal``; CPU: gloo). Set by
-    #: ``for_backend`` for the HF engine on an accelerator.
-    backend = None
-
-    @classmethod
-    def for_backend(cls, backend) -> type:
-        """This transport over ``backend``'s own collective library (the HF engine's path)."""
-        return type(cls.__name__, (cls,), {"backend": backend})
-
     @classmethod
     def trainer_init(cls, init_info: dict) -> TransferGroup:
         """Serve the transfer group's store and join it as member 0 (blocks until every
@@ -267,9 +258,8 @@ class GlooWeightTransfer:
         ``world_size`` and optionally ``timeout_s``."""
         import hal
 
-        backend = cls.backend or hal.get_backend("cpu")
         return meet(
-            backend,
+            hal.get_backend("cpu"),
             init_info["master_address"],
             init_info["master_port"],
             0,

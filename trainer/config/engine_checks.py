@@ -44,6 +44,17 @@ def engine_problems(cfg: Config) -> list[Problem]:
                 "host (or auto), or rollout.device=null",
             )
         )
+    elif transport == "collective" and cfg.rollout.engine == "hf" and cfg.device in ("cuda", "npu"):
+        p.append(
+            problem(
+                "rollout.weight_transport",
+                transport,
+                f"the HF engine on {cfg.device} devices of its own takes host-memory snapshots "
+                "(only vLLM's weight-transfer engines push through a collective there, "
+                "rollout.engine): set rollout.weight_transport=auto (or host), or "
+                "rollout.engine=vllm",
+            )
+        )
     elif transport == "collective" and cfg.model.lora.enabled:
         p.append(
             problem(
@@ -84,16 +95,26 @@ def _streaming_problems(cfg: Config) -> list[Problem]:
     """What ``train.max_staleness`` (streaming rollouts) cannot run with, by key."""
     bound = cfg.train.max_staleness
     if not bound:
+        out = []
         if cfg.rollout.partial_rollout:
-            return [
+            out.append(
                 problem(
                     "rollout.partial_rollout",
                     True,
                     "partial rollouts continue streamed trajectories under new weights; set "
                     "train.max_staleness (streaming) or rollout.partial_rollout=false",
                 )
-            ]
-        return []
+            )
+        if cfg.train.stale_prompts != "drop":
+            out.append(
+                problem(
+                    "train.stale_prompts",
+                    cfg.train.stale_prompts,
+                    "only a stream has groups past its staleness bound to keep or retry; set "
+                    "train.max_staleness (streaming) or train.stale_prompts=drop",
+                )
+            )
+        return out
     oldest = max(1, cfg.train.total_steps - 1)  # step t trains with the policy after t - 1
     if bound > oldest:
         return [

@@ -171,12 +171,16 @@ def _separate_layout(
         engine_resource=engine[1] if engine else "",
         engine_device=engine[2] if engine else "",
         engine_nodes=engine[0] if engine else (),
-        weight_transport=weight_transport_rule(cfg, other_device=engine is not None),
+        weight_transport=weight_transport_rule(
+            cfg, other_device=engine is not None, device=device or None
+        ),
         lora=cfg.model.lora.enabled,
     )
 
 
-def weight_transport_rule(cfg: Config, *, other_device: bool | None = None) -> str:
+def weight_transport_rule(
+    cfg: Config, *, other_device: bool | None = None, device: str | None = None
+) -> str:
     """How new weights reach the engines. Engines of their own: ``collective`` (through the
     engine's own weight-transfer API, training rank 0 broadcasting to every engine worker,
     ``trainer.loop.weights.weight_group``) unless ``rollout.weight_transport=host``, the
@@ -186,12 +190,19 @@ def weight_transport_rule(cfg: Config, *, other_device: bool | None = None) -> s
     host-memory snapshot in Ray's object store carries them. Colocated engines: ``ipc`` for
     vLLM (its weight-transfer API, each worker mapping the buffer its own device's rank
     packed: ``WeightPush.push_transfer``), else "" (crossrl's shared buckets, which the HF
-    engine and LoRA adapters take)."""
+    engine and LoRA adapters take). The HF engine on an accelerator (``device``: the
+    resolved device type, None: ``device``'s key) takes host snapshots too: only vLLM's and
+    vllm-ascend's own weight-transfer engines push through a collective there, and crossrl
+    builds no vendor's process group of its own (an explicit ``collective`` is refused,
+    ``trainer.config.engine_checks``)."""
     if not cfg.rollout.engine_devices:
         return "ipc" if cfg.rollout.engine == "vllm" and not cfg.model.lora.enabled else ""
     if other_device is None:
         other_device = cfg.rollout.device not in (None, cfg.device)
+    accelerator = (device or cfg.device) not in ("cpu", "auto")
     if other_device or cfg.rollout.weight_transport == "host" or cfg.model.lora.enabled:
+        return "host"
+    if cfg.rollout.engine == "hf" and accelerator:
         return "host"
     return "collective"
 

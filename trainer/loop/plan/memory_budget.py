@@ -200,15 +200,20 @@ def estimate_memory(
         # Through the engines' transfer API (trainer.loop.weights.weight_group): rank 0 keeps
         # the whole model in the engine's dtype until the engines take it, plus the chunks in
         # flight and one communicator more; each engine worker one communicator and its chunks.
-        pushed = transfer_bytes(cfg, model_bytes, comm) if not lora else (0.0, 0.0)
+        pushed = (
+            transfer_bytes(cfg, model_bytes, comm, host=host, device=device)
+            if not lora
+            else TransferBytes()
+        )
+        # the sender sends while the ranks train the next step: its chunks are in the update
         phases = _separate_phases(
-            per_memory(_add(actor, *others)),
+            per_memory(_add(actor, *others, {"gather": pushed.sender})),
             per_memory(ranks.resident(offloaded=True)),
             engine=awake,
             # the snapshot: one gathered tensor on the device, the whole model on the host
-            snapshot=(model_bytes if host else shape.largest_tensor_params * 4) + pushed[0],
+            snapshot=(model_bytes if host else shape.largest_tensor_params * 4) + pushed.sender,
             ctx=0.0 if host else (processes - ranks_per_memory) * context + training_comms,
-            engine_ctx=context + (comm if tp > 1 else 0.0) + pushed[1],
+            engine_ctx=context + (comm if tp > 1 else 0.0) + pushed.worker,
             host=host,
             # engines of another device type (rollout.device) are not on this device's budget
             own_phase=roll.device in (None, device),
@@ -288,17 +293,35 @@ def _push_staging(
     return staging, gathered
 
 
-def transfer_bytes(cfg: Config, model_bytes: float, comm: float) -> tuple[float, float]:
+@dataclass(frozen=True)
+class TransferBytes:
+    """Bytes of the push through the engines' transfer API (``transfer_bytes``) on training
+    rank 0's device (``sender``) and on each engine worker's (``worker``)."""
+
+    sender: float = 0.0
+    worker: float = 0.0
+
+
+def transfer_bytes(
+    cfg: Config, model_bytes: float, comm: float, *, host: bool, device: str = ""
+) -> TransferBytes:
     """Bytes the push through the engines' transfer API (``rollout.weight_transport``
-    resolving to ``collective``) adds on training rank 0 (the staged model, its packed chunks
-    in flight, one communicator) and on each engine worker (one communicator, its chunks);
-    (0, 0) for host snapshots or colocated engines."""
+    resolving to ``collective``) adds (``trainer.loop.weights.weight_group``). Rank 0 stages
+    the whole model in the engine's dtype in pinned host memory (``hal.push_staging``) and
+    holds on its device the gather's bucket, the producer's chunks in flight and the one it
+    packs, and one communicator, through the next step's update at a lag; each engine worker
+    one communicator and its chunks. On the CPU (``host``) the device is the host: the staged
+    model counts there (on an accelerator ``crossrl layout`` names its host bytes,
+    ``snapshot_budget.format_snapshots``). Nothing for host snapshots or colocated engines."""
     from rollout.engines.transfer import PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS
 
-    if weight_transport_rule(cfg) != "collective":
-        return 0.0, 0.0
-    chunks = float(PACKED_NUM_BUFFERS * PACKED_BUFFER_BYTES)
-    return model_bytes + chunks + comm, chunks + comm
+    if weight_transport_rule(cfg, device=device or None) != "collective":
+        return TransferBytes()
+    chunk = min(float(PACKED_BUFFER_BYTES), model_bytes)  # a small model is one chunk
+    chunks = PACKED_NUM_BUFFERS * chunk
+    packing = 2.0 * chunk  # the gather's bucket, or the chunk being packed
+    staged = model_bytes if host else 0.0
+    return TransferBytes(staged + chunks + packing + comm, chunks + comm)
 
 
 def _separate_phases(

@@ -230,9 +230,10 @@ def format_snapshots(cfg: Config, shape: ModelShape | None) -> str | None:
         return (
             "weights pushed through the engines' transfer API (rollout.weight_transport): no "
             f"snapshot in Ray's object store; training rank 0 holds one copy, {_gb(one)} "
-            f"({cfg.model.dtype}), on its device until the engines take it (one push at a "
-            f"time), and sends {chunks} at once; each engine worker receives {chunks} at once "
-            "(the weight push's row of the table)"
+            f"({cfg.model.dtype}), in pinned host memory until the engines take it (one push "
+            f"at a time; on the CPU, in the table), and sends {chunks} at once from its "
+            f"device, also while the next step trains; each engine worker receives {chunks} "
+            "at once (the update's, weight push's and engines' rows of the table)"
         )
     if not count or shape is None:
         return None

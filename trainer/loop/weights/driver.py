@@ -78,6 +78,8 @@ def snapshot_weights(job) -> list | None:
         from trainer.loop.weights.weight_group import PUSHED
 
         seq, job.pushes = job.pushes, job.pushes + 1
+        # every rank leaves the push before together, then gathers the next one together
+        job.actor.call("finish_push", timeout_s=job.limits.push_s)
         job.actor.call("broadcast_weights", seq, timeout_s=job.limits.push_s)
         return [PUSHED, seq]
     parts = job.actor.call("snapshot_weights", timeout_s=job.limits.push_s)

@@ -8,6 +8,10 @@ travel in ONE all-gather of a flat buffer, each rank's rows of each tensor padde
 chunk size: a model of hundreds of tensors takes a few collectives, not one per tensor (each a
 round trip, the push's cost on a CPU). Any other placement is gathered by DTensor itself
 (``full_tensor``); a plain tensor is itself.
+
+The gather runs on the rank's device (``device``) whatever holds the shards: with
+``train.param_offload`` FSDP2 keeps them in host memory, which the device's collective library
+cannot gather, so each bucket's rows are copied to the device first.
 """
 
 from __future__ import annotations
@@ -28,15 +32,18 @@ def _chunk(rows: int, ranks: int) -> int:
 
 
 def _gather_bucket(
-    bucket: list[tuple[str, object]], dtype: torch.dtype
+    bucket: list[tuple[str, object]], dtype: torch.dtype, device: torch.device | None = None
 ) -> list[tuple[str, torch.Tensor]]:
-    """The whole tensors of a bucket of ``Shard(0)`` DTensors (one mesh), in one all-gather."""
+    """The whole tensors of a bucket of ``Shard(0)`` DTensors (one mesh), in one all-gather
+    on ``device`` (None: where the shards are)."""
     import torch.distributed as dist
+
+    from hal.collectives import all_gather_flat
 
     group = bucket[0][1].device_mesh.get_group()
     ranks = dist.get_world_size(group)
     local = [t.to_local() for _, t in bucket]
-    device = local[0].device
+    device = local[0].device if device is None else device
     widths = [_row(t) for _, t in bucket]  # elements per dim-0 row
     chunks = [_chunk(t.shape[0], ranks) for _, t in bucket]
     sizes = [c * w for c, w in zip(chunks, widths)]
@@ -47,7 +54,7 @@ def _gather_bucket(
         flat[offset : offset + count].copy_(part.reshape(-1))
         offset += size
     out = torch.empty(ranks * flat.numel(), dtype=dtype, device=device)
-    dist.all_gather_into_tensor(out, flat, group=group)
+    all_gather_flat(out, flat, group=group)
     per_rank = out.view(ranks, -1)
     whole = []
     offset = 0
@@ -72,12 +79,16 @@ def _row(tensor) -> int:
 
 
 def whole_tensors(
-    state: Mapping[str, torch.Tensor], dtype: torch.dtype, bucket_bytes: int
+    state: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    device: torch.device | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, whole tensor in dtype)`` of every entry of ``state`` in order, on every rank
     (each rank must iterate it whole: the gathers are collectives); ``Shard(0)`` tensors in
-    buckets of about ``bucket_bytes`` bytes of ``dtype``, one all-gather each. A plain tensor
-    is a copy (the next update changes it in place)."""
+    buckets of about ``bucket_bytes`` bytes of ``dtype``, one all-gather each, on ``device``
+    (the rank's; None: where the shards are). A plain tensor is a copy (the next update
+    changes it in place)."""
     bucket: list[tuple[str, object]] = []
     size = 0
     for name, tensor in state.items():
@@ -86,13 +97,13 @@ def whole_tensors(
             bucket.append((name, cast))
             size += cast.numel() * dtype.itemsize
             if size >= bucket_bytes:
-                yield from _gather_bucket(bucket, dtype)
+                yield from _gather_bucket(bucket, dtype, device)
                 bucket, size = [], 0
             continue
         if bucket:  # the order of the state is kept
-            yield from _gather_bucket(bucket, dtype)
+            yield from _gather_bucket(bucket, dtype, device)
             bucket, size = [], 0
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         yield name, full.detach().to(dtype=dtype, copy=True)
     if bucket:
-        yield from _gather_bucket(bucket, dtype)
+        yield from _gather_bucket(bucket, dtype, device)

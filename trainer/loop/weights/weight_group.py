@@ -35,17 +35,30 @@ others blocked in it: they see the next generation and join that instead. With
 ``train.rollout_lag`` > 0 the ranks train on while the engines finish older rollouts, and an
 engine never mixes two versions in one rollout.
 
-Working set: rank 0 holds the whole model in the engine's dtype from the gather until the
-engines took it (one push at a time), plus ``PACKED_NUM_BUFFERS`` chunks of
-``PACKED_BUFFER_BYTES`` while it sends; each worker holds the chunks in flight beside its
-engine (``trainer.loop.plan.snapshot_budget``).
+Every rank waits for the push before gathering the next one (``finish``, called on every rank
+by the driver before ``send``): rank 0 alone blocked on its sender while the others sat in the
+all-gather would time that collective out at ``train.rollout_lag`` >= 2.
+
+Working set: rank 0 keeps the whole model in the engine's dtype in pinned host memory from the
+gather until the engines took it (one push at a time; ``hal.push_staging``), and on its device
+the gather's bucket and the producer's chunks in flight (``PACKED_NUM_BUFFERS`` of
+``PACKED_BUFFER_BYTES``), through the next training step at a lag; each worker holds the chunks
+in flight beside its engine (``trainer.loop.plan.memory_budget.transfer_bytes``).
+
+Every wait has a deadline: a replica waits for the sender's word at most the address's
+``timeout_s`` (``run.collective_timeout_s``) and then fails its load in one line; a broadcast
+with a member gone (PyNccl has no timeout of its own) ends at the driver's call limit, which
+restarts the run. A generation's port is held from its announcement until the sender joins it,
+and a generation rebuilt without a member frees the old communicator.
 """
 
 from __future__ import annotations
 
 import importlib
 import pickle
+import socket
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -129,14 +142,19 @@ def connect_store(address: WeightGroupAddress):
 
 def trainer_transport(address: WeightGroupAddress, backend):
     """The class whose static ``trainer_init`` / ``trainer_send_weights`` the sender calls:
-    the HAL's for a vLLM engine's own transfer engine, crossrl's over ``backend``'s library
-    otherwise (the HF engine)."""
+    the HAL's for a vLLM engine's own transfer engine, crossrl's gloo one on the CPU (the HF
+    engine, the CPU lane's vLLM). No other pair exists: the HF engine on an accelerator takes
+    host snapshots (``trainer.loop.plan.layout.weight_transport_rule``)."""
     if address.engine == backend.weight_transfer_engine and address.engine != ENGINE_NAME:
         module, name = backend.weight_transfer_trainer
         return getattr(importlib.import_module(module), name)
     if backend.device_type == "cpu":
         return GlooWeightTransfer
-    return GlooWeightTransfer.for_backend(backend)
+    raise ValueError(
+        f"no weight push through {address.engine!r} from {backend.device_type} ranks: the "
+        "HF engine on devices of its own takes host snapshots there (rollout.weight_transport"
+        "=host)"
+    )
 
 
 #: The control store's keys: the transfer group as built, and the members it should have.
@@ -161,14 +179,44 @@ def start_membership(store, replicas: int) -> None:
     announce_group(store, Generation(0, 0, tuple(range(replicas)), 0))
 
 
-def announce_group(store, generation: Generation) -> Generation:
-    """Name ``generation`` of the transfer group, on a port free on this host (training rank
-    0's) now; returns it with that port."""
-    from dataclasses import replace
+#: Ports announced for a transfer group and held by this process (training rank 0) until its
+#: sender joins the group there (``release_port``): port -> the socket bound to it.
+_RESERVED: dict[int, socket.socket] = {}
 
+
+def reserve_port(tries: int = 64) -> int:
+    """A port free on this host, held bound (``SO_REUSEADDR``, never listening) so no other
+    process takes it between its announcement and the group's rendezvous; the rendezvous
+    binds it once ``release_port`` let it go."""
     from trainer.loop.cluster.group import free_port
 
-    generation = replace(generation, port=free_port(""))
+    for _ in range(tries):
+        port = free_port("")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:  # taken since free_port looked
+            sock.close()
+            continue
+        _RESERVED[port] = sock
+        return port
+    raise RuntimeError(f"no free port for the weight push's transfer group after {tries} tries")
+
+
+def release_port(port: int) -> None:
+    """Let go of ``port`` (``reserve_port``), right before the rendezvous binds it."""
+    sock = _RESERVED.pop(int(port), None)
+    if sock is not None:
+        sock.close()
+
+
+def announce_group(store, generation: Generation) -> Generation:
+    """Name ``generation`` of the transfer group, on a port of this host (training rank 0's)
+    held from now until the sender joins it (``reserve_port``); returns it with that port."""
+    from dataclasses import replace
+
+    generation = replace(generation, port=reserve_port())
     store.set(GROUP_KEY, pickle.dumps(generation))
     return generation
 
@@ -216,16 +264,19 @@ def _form_key(generation: int) -> str:
 
 class WeightSender:
     """A training rank's side of the push. Every rank gathers (``send``); rank 0 (``store``
-    not None) keeps the copy and sends it from a thread of its own once the engines are ready,
-    joining the transfer group's current generation first. One push at a time: ``send`` first
-    waits for the one before."""
+    not None) keeps the copy in host memory and sends it from a thread of its own once the
+    engines are ready, joining the transfer group's current generation first. One push at a
+    time: every rank calls ``finish`` before ``send`` (the driver does)."""
 
     def __init__(self, address: WeightGroupAddress, store, transport, backend, device_index=0):
+        from hal.push_staging import PushStaging
+
         self.address = address
         self.store = store
         self.transport = transport
         self.backend = backend
         self.device_index = device_index
+        self.staging = PushStaging(backend, device_index)
         self.generation: int | None = None  # the group generation joined (None: none yet)
         self.group = None
         self.error: BaseException | None = None
@@ -234,16 +285,19 @@ class WeightSender:
 
     def send(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype, seq: int) -> int:
         """Start push ``seq`` of ``state`` (name -> tensor, FSDP2 shards as they are) in
-        ``dtype``: every rank gathers the tensors whole (``gather.whole_tensors``); rank 0
-        keeps them, writes the push's ``update_info`` and starts sending. Returns the tensors
-        rank 0 sends (0 on the other ranks)."""
+        ``dtype``: every rank gathers the tensors whole on its device
+        (``gather.whole_tensors``); rank 0 keeps them in host memory, writes the push's
+        ``update_info`` and starts sending. Returns the tensors rank 0 sends (0 on the other
+        ranks)."""
+        from hal.push_staging import drain
         from trainer.loop.weights.gather import whole_tensors
 
-        self.wait()
+        self.finish()  # the driver called it on every rank already: returns at once
+        device = self.staging.device if self.backend.is_accelerator else None
         staged: list[tuple[str, torch.Tensor]] = []
-        for name, whole in whole_tensors(state, dtype, PACKED_BUFFER_BYTES):
+        for name, whole in whole_tensors(state, dtype, PACKED_BUFFER_BYTES, device):
             if self.store is not None:  # a copy of its own: the next update changes the weights
-                staged.append((name, whole))
+                staged.append((name, self.staging.keep(whole)))
             del whole
         if self.store is None:
             return 0
@@ -251,9 +305,9 @@ class WeightSender:
         self.store.set(_weights_key(seq), pickle.dumps(info))
         if seq > 0:  # every replica read the last push's info before it could receive it
             self.store.delete_key(_weights_key(seq - 1))
-        self.backend.synchronize()  # the copies are done before another thread sends them
+        self.staging.ready()  # the host copies are done before another thread sends them
         self._thread = threading.Thread(
-            target=self._send_all, args=(staged, seq), name="weight-sender", daemon=True
+            target=self._send_all, args=(drain(staged), seq), name="weight-sender", daemon=True
         )
         self._thread.start()
         return len(info["names"])
@@ -269,6 +323,8 @@ class WeightSender:
         generation = current_group(self.store)
         version, members = wanted(self.store)
         if version != generation.built_from:
+            if generation.number != self.generation:  # announced, never joined: its port goes
+                release_port(generation.port)
             generation = announce_group(
                 self.store, Generation(generation.number + 1, 0, members, version)
             )
@@ -276,10 +332,16 @@ class WeightSender:
 
     def _join(self, generation: Generation) -> bool:
         """Join ``generation`` once every member has said it is joining (a member that died
-        never says so, and the next generation leaves it out); False while one has not."""
+        never says so, and the next generation leaves it out); False while one has not. The
+        communicator of the generation before is freed first (``hal.push_staging.
+        destroy_communicator``)."""
+        from hal.push_staging import destroy_communicator
+
         keys = [_joining_key(generation.number, r) for r in generation.members]
         if not self.store.check(keys):
             return False
+        old, self.group = self.group, None
+        destroy_communicator(old)
         self.store.set(_form_key(generation.number), b"1")
         init = {
             "master_address": self.address.host,
@@ -287,11 +349,12 @@ class WeightSender:
             "world_size": self.address.world_size(len(generation.members)),
             "timeout_s": self.address.timeout_s,
         }
+        release_port(generation.port)  # the rendezvous binds it now
         self.group = self.transport.trainer_init(init)  # blocks until every member joined
         self.generation = generation.number
         return True
 
-    def _send_all(self, staged: list[tuple[str, torch.Tensor]], seq: int) -> None:
+    def _send_all(self, staged, seq: int) -> None:
         try:
             if self.backend.is_accelerator:  # a thread starts on device 0
                 self.backend.set_device(self.device_index)
@@ -306,29 +369,26 @@ class WeightSender:
                 if self._stop.wait(POLL_S):
                     return
             self.store.set(_go_key(seq, generation.number), b"1")
-
-            def items():
-                while staged:  # each tensor freed once packed
-                    yield staged.pop(0)
-
-            self.transport.trainer_send_weights(
-                items(),
-                {
-                    "group": self.group,
-                    "packed": True,
-                    "packed_buffer_size_bytes": PACKED_BUFFER_BYTES,
-                    "packed_num_buffers": PACKED_NUM_BUFFERS,
-                },
-            )
+            with self.staging.sending():  # a stream of the push's own
+                self.transport.trainer_send_weights(
+                    staged,
+                    {
+                        "group": self.group,
+                        "packed": True,
+                        "packed_buffer_size_bytes": PACKED_BUFFER_BYTES,
+                        "packed_num_buffers": PACKED_NUM_BUFFERS,
+                        # to the device one tensor at a time, after the broadcasts queued
+                        "post_iter_func": self.staging.chunk_source(),
+                    },
+                )
             for key in [*keys, _go_key(seq, generation.number)]:
                 self.store.delete_key(key)
-        except BaseException as err:  # noqa: BLE001 - raised by the rank's next wait
+        except BaseException as err:  # noqa: BLE001 - raised by the rank's next finish
             self.error = err
-        finally:
-            staged.clear()
 
-    def wait(self) -> None:
-        """Wait for the push being sent, if any; raise what broke it (a replica that died)."""
+    def finish(self) -> None:
+        """Wait for the push being sent, if any (rank 0; the other ranks return at once);
+        raise what broke it (a replica that died)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -361,21 +421,23 @@ class PushReceiver:
         """Take push ``seq`` into ``engine`` (``Engine.receive_weights``): join the current
         generation if this replica is a member and has not joined it, say ready once the
         members are the wanted ones, and enter the broadcast once the sender says go; a
-        generation that changes meanwhile is joined instead. Returns the tensor count."""
-        import time
-
+        generation that changes meanwhile is joined instead. Every wait for the sender ends
+        within ``address.timeout_s`` seconds (``run.collective_timeout_s``) with one
+        ``TimeoutError`` naming it (a push already sent, a sender gone). Returns the tensor
+        count."""
         info = pickle.loads(self.store.get(_weights_key(seq)))  # waited for: the store timeout
+        deadline = time.monotonic() + self.address.timeout_s
         while True:
             generation = current_group(self.store)
             if self.replica not in generation.members:  # let in by the next generation
-                time.sleep(POLL_S)
+                self._pause(deadline, seq, "to be let into the transfer group")
                 continue
             if generation.number != self.generation:
                 # say so, and join once the sender has seen every member say so (it blocks
                 # until every member joined)
                 self.store.set(_joining_key(generation.number, self.replica), b"1")
                 if not self.store.check([_form_key(generation.number)]):
-                    time.sleep(POLL_S)
+                    self._pause(deadline, seq, f"the sender to form generation {generation.number}")
                     continue
                 position = generation.members.index(self.replica)
                 engine.init_weight_transfer(
@@ -383,12 +445,22 @@ class PushReceiver:
                 )
                 self.generation = generation.number
             if wanted(self.store)[0] != generation.built_from:  # a new generation comes
-                time.sleep(POLL_S)
+                self._pause(deadline, seq, "the transfer group's next generation")
                 continue
             self.store.set(_ready_key(seq, generation.number, self.replica), b"1")
             while not self.store.check([_go_key(seq, generation.number)]):
                 if current_group(self.store).number != generation.number:
                     break
-                time.sleep(POLL_S)
+                self._pause(deadline, seq, "the sender's go")
             else:
                 return engine.receive_weights(info)
+
+    def _pause(self, deadline: float, seq: int, what: str) -> None:
+        """Sleep ``POLL_S``, or raise once ``deadline`` (monotonic seconds) has passed."""
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"weight push {seq}: engine replica {self.replica} waited "
+                f"{self.address.timeout_s:g} s for {what} (run.collective_timeout_s); the "
+                "sender is gone or sent this push without it"
+            )
+        time.sleep(POLL_S)
