@@ -172,7 +172,11 @@ def test_the_gather_runs_on_the_ranks_device_whatever_holds_the_shards(monkeypat
 
 def test_a_replica_asked_for_a_push_already_sent_fails_within_the_timeout_naming_it():
     """Replica 0 took push 0; a replacement for replica 1, never let in, asked for push 0
-    (already sent) used to spin for ever: it fails within the address's timeout."""
+    (already sent) used to spin for ever: it fails within the address's timeout, as a
+    failure the run restarts for."""
+    import torch.distributed as dist
+
+    from trainer.loop.cluster.faults import RESTARTABLE_KINDS, fault_kind
     from trainer.loop.weights.weight_group import PushReceiver, connect_store
 
     sender, (first,) = _group(replicas=1, timeout_s=1.5)
@@ -182,9 +186,10 @@ def test_a_replica_asked_for_a_push_already_sent_fails_within_the_timeout_naming
     sender.finish()
     late = PushReceiver(connect_store(sender.address), sender.address, 1)
     began = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"weight push 0: engine replica 1 waited 1.5 s"):
+    with pytest.raises(dist.DistStoreError, match=r"push 0: engine replica 1 waited 1.5 s") as err:
         late.receive(_Held(), 0)
     assert time.monotonic() - began < 10
+    assert fault_kind(err.value) in RESTARTABLE_KINDS  # the run restarts, in one line
 
 
 def test_a_generations_port_is_held_from_its_announcement_until_the_sender_joins():

@@ -423,7 +423,7 @@ class PushReceiver:
         members are the wanted ones, and enter the broadcast once the sender says go; a
         generation that changes meanwhile is joined instead. Every wait for the sender ends
         within ``address.timeout_s`` seconds (``run.collective_timeout_s``) with one
-        ``TimeoutError`` naming it (a push already sent, a sender gone). Returns the tensor
+        ``DistStoreError`` naming it (a push already sent, a sender gone). Returns the tensor
         count."""
         info = pickle.loads(self.store.get(_weights_key(seq)))  # waited for: the store timeout
         deadline = time.monotonic() + self.address.timeout_s
@@ -456,9 +456,13 @@ class PushReceiver:
                 return engine.receive_weights(info)
 
     def _pause(self, deadline: float, seq: int, what: str) -> None:
-        """Sleep ``POLL_S``, or raise once ``deadline`` (monotonic seconds) has passed."""
+        """Sleep ``POLL_S``, or raise once ``deadline`` (monotonic seconds) has passed: a
+        store wait that timed out (``DistStoreError``), which the driver restarts the run for
+        (``trainer.loop.cluster.faults``: a broken collective)."""
         if time.monotonic() >= deadline:
-            raise TimeoutError(
+            import torch.distributed as dist
+
+            raise dist.DistStoreError(
                 f"weight push {seq}: engine replica {self.replica} waited "
                 f"{self.address.timeout_s:g} s for {what} (run.collective_timeout_s); the "
                 "sender is gone or sent this push without it"
