@@ -188,6 +188,21 @@ class StreamSampler:
                 self._again.append(ordinal)
             self._cond.notify_all()
 
+    def fail(self, error: BaseException) -> None:
+        """Stop sampling with ``error`` (a weight load that failed, ``StreamingHost.
+        between_calls``): the next ``take`` or ``check`` raises it, in its own words, rather
+        than timing out later on groups too stale to take."""
+        with self._cond:
+            self.error = self.error or error
+            self._stop.set()
+            self._cond.notify_all()
+
+    def check(self) -> None:
+        """Raise the error that stopped the stream (``fail``, or a group's), if any."""
+        with self._cond:
+            if self.error is not None:
+                raise self.error
+
     def take_aborted(self) -> list[FinishedGroup]:
         """The groups aborted since the last call (``output`` None; ``tokens``: what they had
         sampled, discarded)."""

@@ -93,11 +93,17 @@ class StreamingHost:
         if self.versioned is None:
             return load()
         version = self.versioned.version if version is None else version
-        if self.cfg.rollout.partial_rollout:  # trajectories in flight go on under them
-            out = self.versioned.load(load, version)
-        else:  # every group samples with one policy: the load waits for those in flight
-            wait_s = CallLimits.for_config(self.cfg).rollout_s
-            out = self.stream.quiesced(lambda: self.versioned.load(load, version), wait_s)
+        try:
+            if self.cfg.rollout.partial_rollout:  # trajectories in flight go on under them
+                out = self.versioned.load(load, version)
+            else:  # every group samples with one policy: the load waits for those in flight
+                wait_s = CallLimits.for_config(self.cfg).rollout_s
+                out = self.stream.quiesced(lambda: self.versioned.load(load, version), wait_s)
+        except BaseException as exc:
+            # The stream stops with it: the next take (or hold / release) raises this error,
+            # not a take timeout on groups no step may train on any more.
+            self.stream.fail(exc)
+            raise
         self._abort_stale()
         self.stream.wake()  # newer weights: more groups may start
         return out
@@ -214,6 +220,7 @@ class StreamingHost:
         then sleep). With partial rollouts the engine call in flight ends after its current
         decode step (it goes on after ``stream_release``) and environment calls go on; else
         the groups in flight finish first and none starts."""
+        self.stream.check()  # a weight load that failed is said here, not at a later take
         if not self.cfg.rollout.partial_rollout:
             self.stream.hold(timeout_s)
         self.versioned.hold()
@@ -221,6 +228,7 @@ class StreamingHost:
     def stream_release(self, version: int) -> None:
         """Colocated engines, awake again with the weights after step ``version``: sampling
         goes on."""
+        self.stream.check()
         self.weights_version = version
         self.versioned.release(version)
         if not self.cfg.rollout.partial_rollout:

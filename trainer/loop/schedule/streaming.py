@@ -43,7 +43,8 @@ class StreamingPipeline:
         self.record_dir = record_dir
         self.timeout_s = timeout_s
         self.validations: dict[int, Any] = {}
-        self.loading: Any = None  # the queued load of the newest weights
+        # (step, ref) of each load queued since the last take, read by the next take
+        self.loads: list[tuple[int, Any]] = []
 
     def start(
         self, first_step: int, weights: list | None = None, *, validate: bool = False
@@ -63,12 +64,19 @@ class StreamingPipeline:
         )
 
     def take(self, step: int) -> tuple[dict[str, Any], list]:
-        """Step ``step``'s batch: ``(metadata, [batch ref])``, as the fixed-lag pipeline's."""
-        (result,) = wait_all(
-            [self.host.stream_take.remote(step, self.record_dir, self.timeout_s)],
-            ["rollout host"],
+        """Step ``step``'s batch: ``(metadata, [batch ref])``, as the fixed-lag pipeline's. A
+        queued load (``after_update``) that failed raises here, in one line naming the load
+        and its error (``WorkerFailedError``, its ``kind`` read from that error): the host
+        runs it before this take, and the take itself raises it too."""
+        loads, self.loads = self.loads, []
+        refs = [ref for _, ref in loads]
+        whats = [f"rollout.take_weights (the weights after step {done})" for done, _ in loads]
+        refs.append(self.host.stream_take.remote(step, self.record_dir, self.timeout_s))
+        *_, result = wait_all(
+            refs,
+            ["rollout host"] * len(refs),
             timeout_s=self.timeout_s + 60.0,
-            what="rollout.stream_take",
+            what=[*whats, "rollout.stream_take"],
         )
         meta, batch = result
         meta["metrics"] = {
@@ -85,7 +93,7 @@ class StreamingPipeline:
         if validate:  # validate loads them first
             self.validations[step] = self.host.validate.remote(step, weights)
         elif weights is not None:
-            self.loading = self.host.take_weights.remote(weights)
+            self.loads.append((step, self.host.take_weights.remote(weights)))
 
     def hold(self) -> None:
         """Colocated engines: the stream stops sampling before the engines sleep for the

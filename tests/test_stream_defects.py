@@ -1,0 +1,119 @@
+"""Issue 57's defects of the stream (``rollout.streaming``, ``trainer.loop.engines.stream_host``):
+a weight load that fails is said at the next take in one line naming its error (5);
+``train.stale_prompts=retry`` gives a prompt up after ``train.max_prompt_retries`` (6); the
+environment calls a stream's groups share wait in one first-in-first-out queue, without
+polling (7); shutting a stream down stops its calls in flight and joins its threads (8)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.agent_loop import RolloutOutput
+from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
+from trainer.config import load_config
+from trainer.loop.engines.stream_host import StreamingHost
+
+STREAM = ["train.max_staleness=1", "rollout.engine_devices=1", "algorithm.rollout_correction=token"]
+
+
+class _Engine:
+    def generate(self, requests, sampling):
+        return [GenerationResult([1], [0.0], "length") for _ in requests]
+
+
+class _Prompts:
+    def take(self, first, count):
+        return list(range(first, first + count))
+
+
+def _host(tmp_path, *keys: str, engine=None):
+    """A ``StreamingHost`` (the shipped stream code) over a stub engine, prompts and agent
+    loop: each group makes one engine call; ``take_weights`` loads through ``between_calls``
+    as ``RolloutHost.take_weights`` does, its load ``host.load`` (None: a no-op)."""
+
+    class Host(StreamingHost):
+        cfg = load_config(
+            None,
+            [
+                *STREAM,
+                "train.batch_size=2",
+                "train.mini_batch_size=2",
+                f"run.dir={tmp_path}",
+                *keys,
+            ],
+        )
+        generator, prompts, prompts_consumed = engine or _Engine(), _Prompts(), 0
+        load = None
+
+        def _sample(self, ordinal, items, engine, env_slots=None):
+            engine.generate([GenerationRequest([1], seed=0, group=ordinal)], SamplingParams())
+            return RolloutOutput(rows=[], metrics={}, faults=[])
+
+        def _batch_out(self, step, out, record_dir, version):
+            return {"metrics": out.metrics, "policy_version": version}, [out]
+
+        def take_weights(self, weights):
+            self.between_calls(self.load or (lambda: None), weights[0])
+            return weights[0]
+
+    return Host()
+
+
+# ---------------------------------------------------------------- 5: a failed weight load
+
+
+class _BucketLost(Exception):
+    """What a load into the replicas raised."""
+
+
+def _fail_load():
+    raise _BucketLost("bucket 3 of the weights after step 1 is gone from the object store")
+
+
+def test_a_failed_load_is_raised_by_the_next_take_not_dropped(tmp_path):
+    """Before issue 57 the load's error stayed in a ref nobody read and the stream went on
+    with the old weights (the run died much later at a take timeout about staleness)."""
+    host = _host(tmp_path)
+    host.stream_start(0, 1)
+    try:
+        host.load = _fail_load
+        with pytest.raises(_BucketLost):
+            host.take_weights([1, "refs", "specs"])
+        with pytest.raises(_BucketLost, match="bucket 3"):
+            host.stream_take(1, None, timeout_s=60)
+        with pytest.raises(_BucketLost):  # and at the hold of colocated engines
+            host.stream_hold(60)
+    finally:
+        host.stream_stop()
+
+
+def test_the_driver_reads_the_failed_load_as_one_line_with_its_own_kind(tmp_path):
+    """The controller's take (``StreamingPipeline``, in-process workers) raises the load's
+    ``WorkerFailedError``: one line naming the load and its error, its kind read from that
+    error, so the restart path decides on the real error (a broken collective: restart)."""
+    import torch.distributed as dist
+
+    from trainer.loop.cluster.group import WorkerFailedError
+    from trainer.loop.cluster.local import LocalHandle
+    from trainer.loop.schedule.streaming import StreamingPipeline
+
+    host = _host(tmp_path)
+
+    def broken_collective():
+        raise dist.DistBackendError("NCCL error: remote process exited during the weight push")
+
+    pipeline = StreamingPipeline(LocalHandle(host), 1, None, timeout_s=60)
+    pipeline.start(1)
+    try:
+        meta, _ = pipeline.take(1)
+        host.load = broken_collective
+        pipeline.after_update(1, ["refs", "specs"])
+        with pytest.raises(WorkerFailedError) as err:
+            pipeline.take(2)
+        text = str(err.value)
+        assert "\n" not in text
+        assert text.startswith("rollout.take_weights (the weights after step 1): worker ")
+        assert "DistBackendError: NCCL error: remote process exited" in text
+        assert err.value.kind == "collective" and err.value.restartable
+    finally:
+        host.stream_stop()
