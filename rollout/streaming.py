@@ -16,8 +16,8 @@ Two pieces, both free of the trainer:
   starts now can still be trained on within the bound). A finished group waits in a queue
   with the oldest and newest version its tokens came from. ``take(count, min_version)`` first
   aborts the groups in flight that sampled a token older than ``min_version`` (their
-  generation stops; ``retry`` puts their prompts back at the head of the queue, else they
-  count as dropped), then hands over ``count`` finished groups whose oldest version is at least
+  generation stops; ``retry`` puts their prompts back at the head of the queue, at most
+  ``max_retries`` times each, else they count as dropped), then hands over ``count`` finished groups whose oldest version is at least
   ``min_version``, oldest first (``admit``); a finished group older than that is dropped
   (never trained on) and counted; a group that sampled no token (every environment reset
   failed) is never stale, and is taken in its turn with its faults. Groups are whole: a
@@ -98,7 +98,9 @@ class StreamSampler:
     queue for ``take``. ``engine``: the ``VersionedEngine`` the groups sample through (for
     their versions). An exception in ``sample_group`` stops the sampler; ``take`` raises it,
     except ``GroupAborted``: the group is set aside (``take_aborted``) and, with ``retry``,
-    its prompt ordinal is sampled again before any new one."""
+    its prompt ordinal is sampled again before any new one, at most ``max_retries`` times
+    (``train.max_prompt_retries``); aborted once more, the prompt is given up (dropped).
+    ``take_retries`` counts both."""
 
     def __init__(
         self,
@@ -109,6 +111,7 @@ class StreamSampler:
         allowed: Callable[[], int],
         first: int = 0,
         retry: bool = False,
+        max_retries: int = 2,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: at least one group must be in flight")
@@ -122,6 +125,9 @@ class StreamSampler:
         self.ready: deque[FinishedGroup] = deque()
         self.retry = retry
         self._again: deque[int] = deque()  # aborted prompts to sample again (retry)
+        self.max_retries = max_retries
+        self._retries: dict[int, int] = {}  # prompt ordinal -> times sampled again so far
+        self._retried = self._given_up = 0  # since the last take_retries
         self._aborted: list[FinishedGroup] = []  # since the last take_aborted
         self.dropped_total = 0  # dropped or aborted: room for new groups
         self.error: BaseException | None = None
@@ -172,11 +178,13 @@ class StreamSampler:
             with self._cond:
                 self.in_flight -= 1
                 self.ready.append(group)
+                self._retries.pop(ordinal, None)
                 self._cond.notify_all()
 
     def _set_aside(self, ordinal: int) -> None:
         """Group ``ordinal`` was aborted: its tokens so far are discarded, its start slot
-        freed, its prompt queued again with ``retry``."""
+        freed, its prompt queued again with ``retry`` unless it was ``max_retries`` times
+        already (then given up: dropped, counted)."""
         group = FinishedGroup(
             ordinal, None, self.engine.tokens_of(ordinal), time.perf_counter(), self.engine.version
         )
@@ -185,7 +193,13 @@ class StreamSampler:
             self.dropped_total += 1
             self._aborted.append(group)
             if self.retry:
-                self._again.append(ordinal)
+                tries = self._retries.pop(ordinal, 0)
+                if tries < self.max_retries:
+                    self._retries[ordinal] = tries + 1
+                    self._again.append(ordinal)
+                    self._retried += 1
+                else:
+                    self._given_up += 1
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
@@ -202,6 +216,14 @@ class StreamSampler:
         with self._cond:
             if self.error is not None:
                 raise self.error
+
+    def take_retries(self) -> tuple[int, int]:
+        """Since the last call: aborted groups whose prompt was queued to be sampled again, and
+        those whose prompt was given up after ``max_retries`` (``retry`` only)."""
+        with self._cond:
+            counts = (self._retried, self._given_up)
+            self._retried = self._given_up = 0
+        return counts
 
     def take_aborted(self) -> list[FinishedGroup]:
         """The groups aborted since the last call (``output`` None; ``tokens``: what they had

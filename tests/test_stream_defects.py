@@ -117,3 +117,66 @@ def test_the_driver_reads_the_failed_load_as_one_line_with_its_own_kind(tmp_path
         assert err.value.kind == "collective" and err.value.restartable
     finally:
         host.stream_stop()
+
+
+# ---------------------------------------------------------------- 6: retry, capped
+
+
+def test_retry_samples_a_stale_prompt_again_at_most_max_retries_times_then_gives_it_up():
+    """Prompt 0's episodes outlast every bound: each attempt samples under the weights of its
+    start, then is aborted once newer weights arrive. Before issue 57 it was restarted for
+    ever, ahead of every new prompt; now it is tried 1 + 2 times, then dropped, counted, and
+    prompt 1 starts."""
+    import queue
+    import threading
+
+    from rollout.streaming import StreamSampler, VersionedEngine
+
+    engine = VersionedEngine(_Engine())
+    sampled: queue.Queue[int] = queue.Queue()
+    go = threading.Semaphore(0)
+
+    def sample_group(ordinal):
+        request = [GenerationRequest([1], seed=0, group=ordinal)]
+        engine.generate(request, SamplingParams())
+        sampled.put(ordinal)
+        if ordinal == 0:
+            assert go.acquire(timeout=30)
+            engine.generate(request, SamplingParams())  # aborted: GroupAborted
+        return RolloutOutput(rows=[], metrics={}, faults=[])
+
+    sampler = StreamSampler(
+        sample_group, engine, workers=1, allowed=lambda: 100, retry=True, max_retries=2
+    )
+    try:
+        for version in (1, 2, 3):  # three attempts of prompt 0, each aborted
+            assert sampled.get(timeout=30) == 0
+            engine.version = version
+            assert engine.abort_older_than(version) == [0]
+            go.release()
+        assert sampled.get(timeout=30) == 1  # given up: the stream goes on to new prompts
+        assert sampler.take_retries() == (2, 1)
+        assert [g.ordinal for g in sampler.take_aborted()] == [0, 0, 0]
+    finally:
+        sampler.stop()
+        go.release()
+
+
+def test_a_streamed_step_reports_its_retries_and_give_ups(tmp_path):
+    host = _host(tmp_path, "train.stale_prompts=retry")
+    host.stream_start(0, 1)
+    try:
+        assert host.stream.max_retries == 2  # train.max_prompt_retries' default
+        metrics = host.stream_take(1, None, timeout_s=60)[0]["metrics"]
+        assert metrics["stream/groups_retried"] == metrics["stream/groups_given_up"] == 0.0
+    finally:
+        host.stream_stop()
+
+
+def test_a_negative_retry_cap_is_refused_in_one_line():
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.max_prompt_retries=-1"])
+    assert str(err.value).startswith("train.max_prompt_retries: got -1;")
+    assert "\n" not in str(err.value)

@@ -103,9 +103,18 @@ class TrainConfig(BaseModel):
         description="streaming: a group that no step can train on within train.max_staleness "
         "any more (a token older than it allows); drop = aborted at once if still sampling "
         "(stream/groups_aborted), dropped if finished (stream/groups_dropped); retry = "
-        "aborted, and its prompt sampled again under newer weights before any new one; keep "
+        "aborted, and its prompt sampled again under newer weights before any new one, at most "
+        "train.max_prompt_retries times; keep "
         "= trained anyway, its tokens weighed by algorithm.rollout_correction (AReaL's: the "
         "bound limits what starts, not what finishes, so a batch may hold older tokens)",
+    )
+    max_prompt_retries: int = Field(
+        2,
+        ge=0,
+        description="streaming with train.stale_prompts=retry: how many times one prompt is "
+        "sampled again after its group was aborted as too stale (stream/groups_retried); "
+        "aborted once more, it is dropped (stream/groups_given_up), so a prompt whose episodes "
+        "outlast the bound never holds the engines for ever; 0 = never (as drop)",
     )
     share_prompts: bool = Field(
         True,

@@ -141,6 +141,7 @@ class StreamingHost:
             allowed=allowed,
             first=first,
             retry=cfg.train.stale_prompts == "retry",
+            max_retries=cfg.train.max_prompt_retries,
         )
         self.stream_started_at, self.last_take = time.perf_counter(), None
         return first
@@ -154,6 +155,7 @@ class StreamingHost:
         trained = step - 1  # the policy that trains on this batch
         taken, dropped, waited = self.stream.take(size, self._min_version(trained), timeout_s)
         aborted = self.stream.take_aborted()
+        retried, given_up = self.stream.take_retries()
         # since the last step's batch was handed over: how much of it each side waited
         engine = self.versioned
         now, busy, cut = time.perf_counter(), engine.busy_s, engine.interruptions
@@ -188,6 +190,9 @@ class StreamingHost:
             {
                 "stream/groups_dropped": float(len(dropped)),
                 "stream/groups_carried": float(self.stream.waiting),
+                # train.stale_prompts=retry: sampled again, or dropped past the cap
+                "stream/groups_retried": float(retried),
+                "stream/groups_given_up": float(given_up),
                 "stream/take_wait_s": waited,
                 "stream/trainer_idle_share": min(1.0, waited / interval),
                 "stream/engine_idle_share": max(0.0, 1.0 - (busy - last_busy) / interval),

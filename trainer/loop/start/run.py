@@ -298,6 +298,7 @@ def _attempts(
 STREAM_TOTALS = (
     "stream/groups_dropped",
     "stream/groups_aborted",
+    "stream/groups_given_up",
     "stream/tokens_discarded",
     "stream/tokens_generated",
 )
@@ -338,9 +339,11 @@ def closing_summary(
         made = stream.get("stream/tokens_generated", 0.0)
         gone = stream.get("stream/tokens_discarded", 0.0)
         share = f" ({gone / made:.1%} of {made:,.0f} generated)" if made else ""
+        quit_ = stream.get("stream/groups_given_up", 0.0)  # train.max_prompt_retries
+        given_up = f" ({quit_:.0f} prompts given up after their retries)" if quit_ else ""
         lines.append(
             f"  stream: {stream.get('stream/groups_dropped', 0.0):.0f} groups dropped, "
-            f"{stream.get('stream/groups_aborted', 0.0):.0f} aborted, "
+            f"{stream.get('stream/groups_aborted', 0.0):.0f} aborted{given_up}, "
             f"{gone:,.0f} tokens discarded{share}"
         )
     lines += [f"  run directory: {run_dir}", f"  next: {nxt}"]
