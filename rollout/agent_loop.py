@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -54,6 +53,7 @@ from rollout.env_calls import (
     first_messages,
     reward_extras,
 )
+from rollout.env_slots import EnvSlots
 from rollout.envs import reward_range_of
 from rollout.envs.prompts import PromptItem
 from rollout.rewards import RewardError
@@ -111,7 +111,7 @@ def run_rollouts(
     env_timeout_s: float | None = None,
     env_concurrency: int = 64,
     deterministic: bool = True,
-    env_slots: threading.Semaphore | None = None,
+    env_slots: EnvSlots | None = None,
 ) -> RolloutOutput:
     """Roll out ``n`` trajectories per prompt for up to ``max_turns`` turns.
 

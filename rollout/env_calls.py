@@ -2,7 +2,9 @@
 
 ``EnvCalls`` runs ``reset``/``step``: plain methods on a thread pool (or on the event loop for an
 ``inline`` environment, see ``rollout/envs/base.py``), ``async def`` ones on the event loop, at
-most ``rollout.env_concurrency`` at once, each within ``rollout.env_timeout_s``. ``check_step``
+most ``rollout.env_concurrency`` at once (rollouts that run at once share them through
+``rollout.env_slots.EnvSlots``, a first-in-first-out queue), each within
+``rollout.env_timeout_s``. ``check_step``
 and ``first_messages`` turn an answer that breaks the contract into an ``EnvError``;
 ``fault_text`` and ``fault_summary`` put faults into one line each.
 """
@@ -14,18 +16,20 @@ import concurrent.futures
 import inspect
 import math
 import numbers
-import threading
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from rollout.env_slots import EnvCallsClosed, EnvSlots
 from rollout.envs import exception_line
 from rollout.envs.base import runs_inline
 
 __all__ = [
     "EnvCalls",
+    "EnvCallsClosed",
     "EnvError",
+    "EnvSlots",
     "EnvTimeout",
     "check_step",
     "fault_summary",
@@ -123,24 +127,22 @@ class EnvTimeout(EnvError):
     """An environment call ran past ``rollout.env_timeout_s``; ends that trajectory."""
 
 
-#: Seconds between two looks at a shared slot (``EnvCalls.shared``) another rollout holds.
-SHARED_POLL_S = 0.002
-
-
 class EnvCalls:
     """Environment calls of one rollout: synchronous methods on a thread pool, ``async def``
     ones on the event loop; at most ``concurrency`` at once, each bounded by ``timeout_s``
     seconds (None: no bound). A call that overruns cannot be killed (a Python thread cannot
     be): it is abandoned with its thread, and later calls get a fresh pool. ``shared``: slots
     this rollout shares with others running at once on other threads (a streamed run's
-    groups, each its own rollout): a call also takes one of them, so all of them together
-    run at most that many calls; its time limit counts from when it runs."""
+    groups, each its own rollout): a call also takes one of them, waiting its turn in their
+    first-in-first-out queue, so all of them together run at most that many calls; its time
+    limit counts from when it runs. Once ``shared`` is closed, a call waiting for a slot or
+    in flight ends with ``EnvCallsClosed`` (one in flight abandoned with its thread)."""
 
     def __init__(
         self,
         concurrency: int,
         timeout_s: float | None,
-        shared: threading.Semaphore | None = None,
+        shared: EnvSlots | None = None,
     ) -> None:
         self.concurrency, self.timeout_s = concurrency, timeout_s
         self._slots = asyncio.Semaphore(concurrency)
@@ -165,8 +167,7 @@ class EnvCalls:
         async with self._slots:
             if self._shared is None:
                 return await self._run(method, args)
-            while not self._shared.acquire(blocking=False):  # held by another rollout's call
-                await asyncio.sleep(SHARED_POLL_S)
+            await self._shared.acquire()  # in turn behind the other rollouts' calls
             try:
                 return await self._run(method, args)
             finally:
@@ -178,13 +179,23 @@ class EnvCalls:
             task = asyncio.ensure_future(method(*args))
         else:
             task = asyncio.get_running_loop().run_in_executor(self._pool, method, *args)
-        done, _ = await asyncio.wait([task], timeout=self.timeout_s)
-        if not done:
+        watch = None if self._shared is None else self._shared.watch()
+        try:
+            waits = [task] if watch is None else [task, watch[1]]
+            done, _ = await asyncio.wait(
+                waits, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            if watch is not None:
+                self._shared.unwatch(watch)
+        if task not in done:
             task.cancel()
             if not inspect.iscoroutinefunction(method):
                 # The stuck call keeps its worker thread; later calls get fresh ones.
                 self._pool.shutdown(wait=False)
                 self._pool = self._new_pool()
+            if watch is not None and watch[1].done():  # the shared slots closed meanwhile
+                raise EnvCallsClosed("abandoned in flight: the environment calls were closed")
             raise EnvTimeout(f"took longer than rollout.env_timeout_s={self.timeout_s:g} s")
         return task.result()
 

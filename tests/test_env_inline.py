@@ -9,6 +9,7 @@ import threading
 import time
 
 from rollout.agent_loop import run_rollouts
+from rollout.env_slots import EnvSlots
 from rollout.envs.base import runs_inline
 from rollout.envs.prompts import PromptItem
 from rollout.envs.qa import QAEnv
@@ -112,7 +113,7 @@ def test_rollouts_on_several_threads_share_one_pool_of_env_calls(tok):  # noqa: 
                 with Counted.lock:
                     Counted.active -= 1
 
-    slots = threading.BoundedSemaphore(3)
+    slots = EnvSlots(3)
     outs = []
     threads = [
         threading.Thread(target=lambda: outs.append(_rollout(tok, env_slots=slots, env=Counted)))

@@ -180,3 +180,114 @@ def test_a_negative_retry_cap_is_refused_in_one_line():
         load_config(None, ["train.max_prompt_retries=-1"])
     assert str(err.value).startswith("train.max_prompt_retries: got -1;")
     assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- 7: one fair queue
+
+
+def _env_call_on_own_loop(slots, fn, arg, out: dict, timeout_s: float | None = 30.0):
+    """A thread running its own event loop (as each streamed group's rollout does) that makes
+    one environment call ``fn(arg)`` through ``EnvCalls`` sharing ``slots``; ``out[arg]``
+    gets its result or its exception."""
+    import asyncio
+    import threading
+
+    from rollout.env_calls import EnvCalls
+
+    async def main():
+        calls = EnvCalls(4, timeout_s, slots)
+        try:
+            out[arg] = await calls(fn, arg)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out[arg] = exc
+        finally:
+            calls.close()
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    return thread
+
+
+def _until(condition, timeout_s: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def test_shared_env_calls_wait_in_one_queue_and_run_in_arrival_order():
+    """One slot, held; three rollouts on threads of their own ask in turn: they queue (no
+    polling loop each) and run first come, first served once the slot is free."""
+    import threading
+
+    from rollout.env_slots import EnvSlots
+
+    slots, ran, out = EnvSlots(1), [], {}
+    holding, free = threading.Event(), threading.Event()
+
+    def step(name):
+        ran.append(name)
+        if name == "first":
+            holding.set()
+            free.wait(30)
+        return name
+
+    threads = [_env_call_on_own_loop(slots, step, "first", out)]
+    _until(holding.is_set)
+    for k, name in enumerate(["a", "b", "c"], start=1):
+        threads.append(_env_call_on_own_loop(slots, step, name, out))
+        _until(lambda k=k: slots.waiting == k)  # queued behind the others, in order
+    free.set()
+    for thread in threads:
+        thread.join(30)
+    assert ran == ["first", "a", "b", "c"] and out == {n: n for n in ran}
+    assert slots.waiting == 0
+
+
+def test_a_hung_call_holding_the_only_slot_times_out_and_the_next_one_runs():
+    """User code may hang: its time limit (rollout.env_timeout_s) still ends it, and the slot
+    it held goes to the call waiting for it."""
+    import threading
+
+    from rollout.env_calls import EnvTimeout
+    from rollout.env_slots import EnvSlots
+
+    slots, out = EnvSlots(1), {}
+    started, never = threading.Event(), threading.Event()
+
+    def step(name):
+        if name == "hang":
+            started.set()
+            never.wait(20)
+        return name
+
+    hung = _env_call_on_own_loop(slots, step, "hang", out, timeout_s=0.5)
+    _until(started.is_set)
+    waiting = _env_call_on_own_loop(slots, step, "next", out, timeout_s=0.5)
+    for thread in (hung, waiting):
+        thread.join(30)
+    never.set()
+    assert isinstance(out["hang"], EnvTimeout) and out["next"] == "next"
+
+
+def test_a_waiter_that_gives_up_leaves_the_queue_and_loses_no_slot():
+    import asyncio
+
+    from rollout.env_slots import EnvSlots
+
+    slots = EnvSlots(1)
+
+    async def main():
+        await slots.acquire()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(slots.acquire(), 0.1)  # cancelled while queued
+        assert slots.waiting == 0
+        slots.release()
+        await asyncio.wait_for(slots.acquire(), 10)  # the one slot, still there
+        slots.release()
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="rollout.env_concurrency=0"):
+        EnvSlots(0)

@@ -17,12 +17,12 @@ that no step would train on);
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from rollout.agent_loop import RolloutOutput
+from rollout.env_slots import EnvSlots
 from rollout.streaming import FinishedGroup, StreamSampler, VersionedEngine
 from trainer.loop.engines.rollout_meta import combine_rollout_metrics
 from trainer.loop.plan.call_limits import CallLimits
@@ -123,7 +123,7 @@ class StreamingHost:
         steps_left = max(1, cfg.train.total_steps - start)
 
         # one pool of environment calls for every group in flight: rollout.env_concurrency
-        env_slots = threading.BoundedSemaphore(cfg.rollout.env_concurrency)
+        env_slots = self.env_slots = EnvSlots(cfg.rollout.env_concurrency)
 
         def sample_group(ordinal: int) -> RolloutOutput:
             # ``step`` seeds the requests: the prompt's ordinal, unique in the run
