@@ -331,6 +331,26 @@ class HFEngine(Engine):
                 )
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
 
+    def receive_weights(self, update_info: dict) -> int:
+        """Take one whole push from the transfer group (``Engine.receive_weights``); a pushed
+        name the model does not have is received with the rest (the sender's broadcast runs
+        to its end) and then raised, every such name in one line
+        (``rollout.engines.loaded_names.unloaded_error``). Returns the tensor count."""
+        from rollout.engines.loaded_names import unloaded_error
+        from rollout.engines.transfer import TransferUpdateInfo
+
+        known = set(self.model.state_dict())
+        missing = [name for name in update_info["names"] if name not in known]
+
+        def load(named) -> None:
+            self.update_weights((name, t) for name, t in named if name in known)
+
+        count = self._receiver.receive(TransferUpdateInfo(**update_info), load)
+        self.finish_weight_update()
+        if missing:
+            raise unloaded_error(missing, count, "HFEngine")
+        return count
+
     def _sleeping(self) -> str:
         return " and ".join(t for t in WAKE_TAGS if t not in self._awake)
 

@@ -208,6 +208,7 @@ class VLLMEngine(VLLMTransfer, Engine):
         self._awake: set[str] = set(WAKE_TAGS)
         self._updating = False
         self._weights_discarded = False  # by sleep(discard_weights=True), until an update
+        self._names_checked = False  # the first update's names are checked (VLLMTransfer)
         self._request_ids = itertools.count()
 
     interruptible = True  # ``interrupt`` is polled after every engine step (``_run_steps``)
@@ -344,6 +345,7 @@ class VLLMEngine(VLLMTransfer, Engine):
                 "VLLMEngine: weights updated while they sleep; call wake_up(['weights']) first"
             )
         if not self._updating:
+            self.watch_loaded_names()
             self.llm.collective_rpc("crossrl_begin_weight_update", args=(self.layerwise_reload,))
             self._updating = True
 
@@ -359,6 +361,7 @@ class VLLMEngine(VLLMTransfer, Engine):
         self.llm.reset_prefix_cache()
         self._updating = False
         self._weights_discarded = False
+        self.check_loaded_names()
 
     def _load_adapter(self) -> None:
         """The adapters of a finished update served from now on (``VLLMAdapter.load``)."""

@@ -61,6 +61,7 @@ class VLLMTransfer:
         self.finish_weight_update()
         if getattr(self, "_transfer_open", False):  # a push that failed and was never reset
             self.abort_transfer()
+        self.watch_loaded_names()
         self.llm.start_weight_update()
         self._transfer_open = True
 
@@ -78,6 +79,32 @@ class VLLMTransfer:
         self._transfer_open = False
         self.llm.reset_prefix_cache()
         self._weights_discarded = False
+        self.check_loaded_names()
+
+    def watch_loaded_names(self) -> None:
+        """Before the engine's first update: every worker records which pushed names load no
+        parameter (``rollout.engines.loaded_names``; ``check_loaded_names`` after it). An
+        engine built without ``VLLMEngine.__init__`` (a test's) is not checked."""
+        if getattr(self, "_names_checked", True) or self.adapter is not None:
+            return
+        self.llm.collective_rpc("crossrl_watch_loaded_names")
+        self._names_watched = True
+
+    def check_loaded_names(self, report: bool = True) -> None:
+        """After the first update (``watch_loaded_names``): raise one error naming the pushed
+        tensors no worker loaded (``report``; else only stop watching)."""
+        from rollout.engines.loaded_names import unloaded_error, unloaded_on_every_worker
+
+        if not getattr(self, "_names_watched", False):
+            return
+        self._names_watched = False
+        found = unloaded_on_every_worker(list(self.llm.collective_rpc("crossrl_unloaded_names")))
+        if not report:
+            return
+        self._names_checked = True
+        names, pushed = found
+        if names:
+            raise unloaded_error(names, pushed, "VLLMEngine")
 
     def abort_transfer(self) -> None:
         """Close an update that failed midway, so the next ``begin_transfer`` finds every
@@ -98,3 +125,4 @@ class VLLMTransfer:
             self.llm.finish_weight_update()
         self._transfer_open = False
         self.llm.reset_prefix_cache()
+        self.check_loaded_names(report=False)

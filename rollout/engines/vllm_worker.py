@@ -106,6 +106,20 @@ class VLLMWorkerExtension:
                     method.process_weights_after_loading(module)
         return len(weights)
 
+    def crossrl_watch_loaded_names(self) -> None:
+        """Record which pushed names load no parameter until ``crossrl_unloaded_names``
+        (``rollout.engines.loaded_names.watch``, on this worker's model)."""
+        from rollout.engines.loaded_names import watch
+
+        watch(self.model_runner.get_model())
+
+    def crossrl_unloaded_names(self):
+        """Stop recording: the pushed names this worker's model loaded no parameter for and
+        the tensors handed (``rollout.engines.loaded_names.unloaded``)."""
+        from rollout.engines.loaded_names import unloaded
+
+        return unloaded(self.model_runner.get_model())
+
     def crossrl_finish_weight_update(self, layerwise: bool = True) -> None:
         """Post-process the loaded layers (``layerwise``, as begun) and drop state derived
         from the old weights."""

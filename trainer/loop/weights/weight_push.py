@@ -65,13 +65,20 @@ class WeightPush(ColocatedPush):
     ``spec``, ``backend``, ``model`` and ``local_index``)."""
 
     def push_state(self) -> Mapping[str, torch.Tensor]:
-        """What the engines load, by name (FSDP2 shards as they are): the model's state dict;
-        for a LoRA actor (``model.lora``), its trainable entries alone
-        (``trainer.loop.plan.lora_layout.lora_push``): the adapters, and the embedding and LM head
-        when they train, into an engine that holds the same base."""
+        """What the engines load, by name (FSDP2 shards as they are): the model's state dict,
+        a tied parameter under its first name only; for a LoRA actor (``model.lora``), its
+        trainable entries alone (``trainer.loop.plan.lora_layout.lora_push``): the adapters,
+        and the embedding and LM head when they train, into an engine that holds the same
+        base."""
+        from trainer.loop.ranks.model_loading import tied_parameter_names
+
         state = self.model.state_dict()
         if not self.spec.cfg.model.lora.enabled:
-            return state
+            # A tied LM head is the embedding: vLLM's loaders skip ``lm_head.`` then, so only
+            # the first name of a tied group is pushed (every pushed name must load,
+            # rollout.engines.loaded_names).
+            tied = {name for group in tied_parameter_names(self.model) for name in group[1:]}
+            return {n: t for n, t in state.items() if n not in tied}
         from rollout.lora import trained_names
 
         trained = trained_names(self.model)
