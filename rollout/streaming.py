@@ -164,6 +164,9 @@ class StreamSampler:
             except BaseException as exc:  # noqa: BLE001 - handed to take(), which raises it
                 with self._cond:
                     self.in_flight -= 1
+                    if self._stop.is_set():  # stopped meanwhile (shutdown): not the run's error
+                        self._cond.notify_all()
+                        return
                     self.error = self.error or exc
                     self._stop.set()
                     self._cond.notify_all()
@@ -315,3 +318,17 @@ class StreamSampler:
         with self._cond:
             self._stop.set()
             self._cond.notify_all()
+
+    def shutdown(self, timeout_s: float) -> list[str]:
+        """Stop for good: no group starts, the engine's calls stop (``VersionedEngine.close``:
+        waiting callers raise, interruptible calls in flight end after their decode step,
+        others are waited for), and the worker threads are joined, all within ``timeout_s``
+        seconds. Returns the names of the threads still running then (none, normally)."""
+        deadline = time.perf_counter() + timeout_s
+        self.stop()
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close(timeout_s)
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.perf_counter()))
+        return [thread.name for thread in self._threads if thread.is_alive()]

@@ -23,6 +23,10 @@ tokens so far, prefilled again: no KV cache is kept from older weights). Every t
 the version it was sampled under (``extra["versions"]``), and per tracked prompt (the
 request's ``group``) the counts by version (``tokens_of``).
 
+Close (``close``, the stream's shutdown): no call starts any more, every caller waiting raises
+``EngineClosed``, a call in flight on an interruptible lane ends after its current decode step,
+and ``close`` returns once no lane is in a call (or after its bound).
+
 Abort: a group that sampled a token older than what any later step may train on
 (``abort_older_than``) is stopped: its next call raises ``GroupAborted``, and a call of it in
 flight on an interruptible lane ends after its current decode step (the other requests of
@@ -41,7 +45,14 @@ from typing import Any
 
 from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
 
-__all__ = ["LINGER_S", "LINGER_SHARE", "GroupAborted", "UntrackedEngine", "VersionedEngine"]
+__all__ = [
+    "LINGER_S",
+    "LINGER_SHARE",
+    "EngineClosed",
+    "GroupAborted",
+    "UntrackedEngine",
+    "VersionedEngine",
+]
 
 #: How long a lane waits after a call came back before it sends the next, at most: this
 #: share of that call's seconds, and never more than ``LINGER_S``; it goes at once when as
@@ -59,6 +70,11 @@ class GroupAborted(Exception):
     def __init__(self, group: int) -> None:
         super().__init__(f"group {group} aborted: too stale for any later step to train on")
         self.group = group
+
+
+class EngineClosed(RuntimeError):
+    """The stream's engine was closed (``VersionedEngine.close``, the stream shuts down): no
+    call starts, and the callers waiting for one stop."""
 
 
 @dataclass(eq=False)
@@ -106,6 +122,7 @@ class VersionedEngine:
         self._tokens: dict[int, dict[int, int]] = {}  # group -> version -> tokens sampled
         self._doomed: set[int] = set()  # groups aborted (abort_older_than)
         self._doom_epoch = 0
+        self._closed = False  # close(): no call starts, waiting callers raise EngineClosed
         self.busy_s = 0.0
         self.engine_s = 0.0
         self.call_sizes: list[int] = []
@@ -133,6 +150,8 @@ class VersionedEngine:
         todo = list(range(len(requests)))
         while todo:
             self._raise_if_aborted(requests, todo, track)
+            if self._closed:
+                raise EngineClosed("the stream's engine is closed (the stream shuts down)")
             parts: dict[tuple[int, int], list[int]] = {}
             for i in todo:
                 room = sampling.max_new_tokens - len(results[i].token_ids)
@@ -197,6 +216,11 @@ class VersionedEngine:
                     waiting = [lane for lane, job in jobs if not job.done]
                     if not waiting:
                         return
+                    if self._closed:  # its jobs not sent yet leave the queues
+                        for lane, job in jobs:
+                            if job in self._lanes[lane].pending:
+                                self._lanes[lane].pending.remove(job)
+                        raise EngineClosed("the stream's engine is closed (the stream shuts down)")
                     free = [
                         self._lanes[i]
                         for i in dict.fromkeys(waiting)
@@ -225,8 +249,8 @@ class VersionedEngine:
             groups = frozenset().union(*(job.groups for job in batch))
             partial = self.partial
 
-            def interrupt() -> bool:  # a load (partial rollouts), or a group of it aborted
-                if partial and self._loads_waiting:
+            def interrupt() -> bool:  # a load (partial rollouts), a group aborted, a close
+                if self._closed or (partial and self._loads_waiting):
                     return True
                 return self._doom_epoch != epoch and not groups.isdisjoint(self._doomed)
 
@@ -309,6 +333,21 @@ class VersionedEngine:
                 self._doom_epoch += 1
                 self._cond.notify_all()
         return new
+
+    def close(self, timeout_s: float) -> bool:
+        """Stop serving: no call starts, callers waiting raise ``EngineClosed``, calls in flight
+        on interruptible lanes end after their decode step. Returns once no lane is in a call
+        (True), or after ``timeout_s`` seconds with a lane's call still running (False)."""
+        deadline = time.perf_counter() + timeout_s
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            while any(lane.busy for lane in self._lanes):
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 1.0))
+        return True
 
     def tokens_of(self, group: int) -> dict[int, int]:
         """Tokens sampled for prompt ``group``, by policy version (and forgets the group)."""

@@ -291,3 +291,115 @@ def test_a_waiter_that_gives_up_leaves_the_queue_and_loses_no_slot():
     asyncio.run(main())
     with pytest.raises(ValueError, match="rollout.env_concurrency=0"):
         EnvSlots(0)
+
+
+# ---------------------------------------------------------------- 8: shutdown
+
+
+class _HeldReplica:
+    """An interruptible engine whose calls run until interrupted (a long decode); counts the
+    calls in flight."""
+
+    interruptible = True
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock, self.in_flight, self.calls = threading.Lock(), 0, 0
+
+    def generate(self, requests, sampling, interrupt=None):
+        import time
+
+        with self.lock:
+            self.in_flight += 1
+            self.calls += 1
+        try:
+            deadline = time.monotonic() + 60
+            while not (interrupt is not None and interrupt()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return [GenerationResult([4], [0.0], "interrupted") for _ in requests]
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+def test_shutdown_stops_the_calls_in_flight_and_joins_the_threads_before_the_engine_goes(
+    tmp_path,
+):
+    """Half the groups are in an engine call that runs until interrupted, half in an
+    environment call that hangs (no rollout.env_timeout_s). Shutdown ends both and joins every
+    stream thread before the engine host releases the engine; before issue 57 it only set a
+    flag, and the threads went on calling an engine already released (workers sharing one
+    process)."""
+    import asyncio
+    import threading
+
+    from rollout.env_calls import EnvCalls
+
+    replica, hang, released = _HeldReplica(), threading.Event(), []
+    in_env = threading.Semaphore(0)
+
+    class Base:
+        def shutdown(self):  # the engine host's: releases the engine
+            released.append(replica.in_flight)
+
+    def hanging_tool(ordinal):
+        in_env.release()
+        hang.wait(60)
+        return ordinal
+
+    class Host(type(_host(tmp_path)), Base):
+        def _sample(self, ordinal, items, engine, env_slots=None):
+            if ordinal % 2:
+                calls = EnvCalls(4, None, env_slots)
+                try:
+                    asyncio.run(calls(hanging_tool, ordinal))
+                finally:
+                    calls.close()
+            else:
+                engine.generate([GenerationRequest([1], seed=0, group=ordinal)], SamplingParams())
+            return RolloutOutput(rows=[], metrics={}, faults=[])
+
+    host = Host()
+    host.generator = replica
+    host.stream_start(0, 1)  # 2 prompts a step, s = 1: 4 groups in flight
+    try:
+        _until(lambda: replica.in_flight == 1)  # groups 0 and 2 share one engine call
+        for _ in range(2):
+            assert in_env.acquire(timeout=30)
+        threads = list(host.stream._threads)
+        assert len(threads) == 4 and all(t.is_alive() for t in threads)
+        host.shutdown()
+        assert released == [0]  # no engine call in flight when the engine was released
+        assert not any(t.is_alive() for t in threads)
+        assert host.stream.error is None  # stopping is not the run's error
+        with pytest.raises(Exception, match="closed"):  # nothing new starts
+            host.versioned.generate([GenerationRequest([1], seed=0, group=9)], SamplingParams())
+    finally:
+        hang.set()
+        host.stream_stop()
+
+
+def test_a_call_that_cannot_be_interrupted_is_waited_for_within_the_bound(tmp_path, capsys):
+    """An engine call that cannot be interrupted (another replica's) and outlasts the bound:
+    shutdown returns at the bound anyway, naming the threads still running, in one line."""
+    import threading
+
+    gate = threading.Event()
+
+    class Stuck:
+        def generate(self, requests, sampling):
+            gate.wait(60)
+            return [GenerationResult([1], [0.0], "length") for _ in requests]
+
+    host = _host(tmp_path, engine=Stuck())
+    host.stream_start(0, 1)
+    try:
+        _until(lambda: any(lane.busy for lane in host.versioned._lanes))
+        late = host.stream_shutdown(timeout_s=0.5)
+        assert late and all(name.startswith("stream-") for name in late)
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "still in a call 0.5 s after shutdown" in err
+    finally:
+        gate.set()
+        host.stream_stop()

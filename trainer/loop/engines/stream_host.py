@@ -17,6 +17,7 @@ that no step would train on);
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,12 @@ from rollout.streaming import FinishedGroup, StreamSampler, VersionedEngine
 from trainer.loop.engines.rollout_meta import combine_rollout_metrics
 from trainer.loop.plan.call_limits import CallLimits
 
-__all__ = ["StreamingHost", "bias_metrics", "staleness_metrics"]
+__all__ = ["SHUTDOWN_S", "StreamingHost", "bias_metrics", "staleness_metrics"]
+
+#: Seconds a shutdown waits for the stream's calls in flight to end and its threads to join
+#: (an engine call that cannot be interrupted, on another replica, may take this long); past
+#: it the engines are released anyway, the threads still running named in one line.
+SHUTDOWN_S = 30.0
 
 
 def bias_metrics(
@@ -85,6 +91,7 @@ class StreamingHost:
     stream: StreamSampler | None = None
     versioned: VersionedEngine | None = None
     stream_bound = 0  # the stream's ``train.max_staleness`` (``stream_start``)
+    env_slots: EnvSlots | None = None  # the groups' shared environment calls
 
     def between_calls(self, load: Callable[[], Any], version: int | None) -> Any:
         """Run ``load`` (weights into the replicas) at once, or while a stream samples: between
@@ -246,7 +253,28 @@ class StreamingHost:
         if self.stream is not None:
             self.stream.stop()
 
+    def stream_shutdown(self, timeout_s: float = SHUTDOWN_S) -> list[str]:
+        """Stop the stream for good, within ``timeout_s`` seconds: no group, environment call
+        or engine call starts; environment calls in flight are abandoned (their threads cannot
+        be killed), engine calls in flight end after their decode step where the engine can
+        be interrupted and are waited for elsewhere; the stream's threads are joined. Returns
+        the names of those still running at the bound."""
+        if self.stream is None:
+            return []
+        self.stream.stop()
+        if self.env_slots is not None:
+            self.env_slots.close()
+        late = self.stream.shutdown(timeout_s)
+        if late:
+            print(
+                f"rollout host: {len(late)} stream thread(s) still in a call {timeout_s:g} s "
+                f"after shutdown ({', '.join(late[:4])}); releasing the engines anyway",
+                file=sys.stderr,
+            )
+        return late
+
     def shutdown(self) -> None:
-        """Stop the stream, then release what the engine host holds."""
-        self.stream_stop()
+        """Stop the stream (``stream_shutdown``: its calls in flight end, its threads are
+        joined), then release what the engine host holds."""
+        self.stream_shutdown()
         super().shutdown()
