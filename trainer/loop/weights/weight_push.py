@@ -375,13 +375,6 @@ class WeightPush(ColocatedPush):
         engines (a collective that would time out at ``train.rollout_lag`` >= 2)."""
         self._weight_sender.finish()
 
-    def finish_push(self) -> None:
-        """Wait for the push before (rank 0: its sender thread; the other ranks: nothing) and
-        raise what broke it. The driver calls it on every rank before ``broadcast_weights``,
-        so no rank sits in the next gather's all-gather while rank 0 still waits for the
-        engines (a collective that would time out at ``train.rollout_lag`` >= 2)."""
-        self._weight_sender.finish()
-
     def broadcast_weights(self, seq: int) -> int:
         """Push ``seq`` of the new weights: every rank gathers each tensor whole, rank 0
         keeps a copy in the engine's dtype and its sender thread broadcasts it to every engine
