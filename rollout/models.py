@@ -274,6 +274,15 @@ def checkpoint_tensors(path_or_name: str | Path, seed: int = 0) -> CheckpointTen
 
 
 @torch.no_grad()
+def tied_parameter_names(model: torch.nn.Module) -> list[list[str]]:
+    """Names of each parameter held under more than one name (tied embeddings), the first
+    name first (the order of ``named_parameters``)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
 def reset_non_persistent_buffers(model: PreTrainedModel, device: str | torch.device) -> int:
     """Recompute, on ``device``, the buffers a checkpoint does not hold (e.g. rotary
     ``inv_freq``): after meta init and ``to_empty`` they are garbage.

@@ -194,9 +194,9 @@ def test_the_hf_engine_takes_the_whole_push_then_names_what_it_has_not():
 def test_a_tied_models_push_sends_no_lm_head():
     """The trainer's push state (``WeightPush.push_state``) of a tied model (``builtin:tiny``
     ties its embeddings) holds the embedding once, under its own name."""
+    from rollout.models import tied_parameter_names
     from trainer.config import load_config
     from trainer.loop.ranks.fsdp_worker import WorkerSpec
-    from trainer.loop.ranks.model_loading import tied_parameter_names
     from trainer.loop.ranks.policy import PolicyWorker
 
     job = ["device=cpu", "model.path=builtin:tiny", "model.dtype=float32", "train.dp_size=1"]

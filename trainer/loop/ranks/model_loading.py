@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 import hal
+from rollout.models import tied_parameter_names  # noqa: F401 - the tracker and bench call it here
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -45,14 +46,6 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> int:
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return len(decoder_layers(model))
-
-
-def tied_parameter_names(model: torch.nn.Module) -> list[list[str]]:
-    """Names of each parameter held under more than one name (tied embeddings)."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
 
 
 def retie(model: torch.nn.Module, tied: list[list[str]]) -> None:

@@ -70,7 +70,7 @@ class WeightPush(ColocatedPush):
         trainable entries alone (``trainer.loop.plan.lora_layout.lora_push``): the adapters,
         and the embedding and LM head when they train, into an engine that holds the same
         base."""
-        from trainer.loop.ranks.model_loading import tied_parameter_names
+        from rollout.models import tied_parameter_names
 
         state = self.model.state_dict()
         if not self.spec.cfg.model.lora.enabled:
