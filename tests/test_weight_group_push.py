@@ -291,6 +291,15 @@ def test_a_stale_prompt_policy_without_a_stream_is_refused_naming_both_keys(poli
     )
 
 
+def test_a_retry_cap_without_retry_is_refused_naming_both_keys():
+    stream = ["train.max_staleness=1", "algorithm.rollout_correction=token"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*stream, "train.max_prompt_retries=5"])
+    assert "train.max_prompt_retries" in str(err.value) and "train.stale_prompts" in str(err.value)
+    cfg = load_config(None, [*stream, "train.stale_prompts=retry", "train.max_prompt_retries=5"])
+    assert cfg.train.max_prompt_retries == 5
+
+
 # ------------------------------------------------------------------ item 18: no warning
 
 

@@ -115,6 +115,17 @@ def _streaming_problems(cfg: Config) -> list[Problem]:
                 )
             )
         return out
+    default_retries = type(cfg.train).model_fields["max_prompt_retries"].default
+    if cfg.train.max_prompt_retries != default_retries and cfg.train.stale_prompts != "retry":
+        return [
+            problem(
+                "train.max_prompt_retries",
+                cfg.train.max_prompt_retries,
+                f"only train.stale_prompts=retry samples a prompt again (now "
+                f"{cfg.train.stale_prompts}): set train.stale_prompts=retry, or leave "
+                "train.max_prompt_retries out",
+            )
+        ]
     oldest = max(1, cfg.train.total_steps - 1)  # step t trains with the policy after t - 1
     if bound > oldest:
         return [
