@@ -16,6 +16,13 @@ device context in the asking process.
   of backend ``name`` this process can see, every process's allocations and contexts
   counted, without making a device context (NVML on cuda); None where no such reading exists.
 
+- ``allocator_reserve(name)``: what the device's caching allocator reserves per byte its
+  tensors take at a step's peak (its cached blocks and fragmentation), which the budget's
+  ``auto`` sizes fill the device with (``trainer.loop.plan.auto_sizes``).
+- ``FUSED_HEAD_DEVICES``: the backends whose kernel set (``hal.kernels``) offers the fused LM
+  head, whose backward holds a float32 ``[V, H]`` weight-gradient accumulator the budget
+  counts (a test holds it equal to the backends' ``kernel_providers``).
+
 Imports no torch: the budget's process reads these before any worker starts.
 """
 
@@ -27,7 +34,10 @@ import sys
 from collections.abc import Callable, Mapping
 
 __all__ = [
+    "ALLOCATOR_RESERVE",
+    "FUSED_HEAD_DEVICES",
     "HCCL_BUFFSIZE_DEFAULT_MB",
+    "allocator_reserve",
     "communicator_buffer_bytes",
     "device_total_memory",
     "device_used_reader",
@@ -41,6 +51,14 @@ __all__ = [
 #: (docs/gpu.md, tier 1). npu: not measured; the context alone, HCCL's buffers counted apart
 #: (``communicator_buffer_bytes``).
 PROCESS_BYTES = {"cuda": 1.85e9, "npu": 0.5e9, "cpu": 0.0}
+#: Bytes the caching allocator reserves per byte of tensors at a step's peak, by backend.
+#: cuda: measured on an H100 (torch 2.11+cu130, docs/gpu.md tier 1, the 7B shape's update at
+#: 16k tokens): 82.65 GB reserved over 68.63 GB allocated, 1.20. npu: not measured; torch_npu's
+#: allocator is a port of torch's (the same block sizes and caching), so the same is assumed.
+#: cpu: the host's allocator returns what is freed.
+ALLOCATOR_RESERVE = {"cuda": 1.20, "npu": 1.20, "cpu": 1.0}
+#: The backends whose kernel set offers ``hal.fused_head`` (``hal.kernels.FUSED_HEAD``).
+FUSED_HEAD_DEVICES = frozenset({"cuda", "npu"})
 #: CANN's default HCCL_BUFFSIZE, in MB (2**20 bytes), for each communicator's two buffers.
 HCCL_BUFFSIZE_DEFAULT_MB = 200
 
@@ -55,6 +73,12 @@ def process_bytes(name: str) -> float:
     """Device memory one process of backend ``name`` holds beyond its tensors, bytes
     (``PROCESS_BYTES``)."""
     return PROCESS_BYTES[name]
+
+
+def allocator_reserve(name: str) -> float:
+    """Bytes backend ``name``'s caching allocator reserves per byte its tensors take at a
+    step's peak (``ALLOCATOR_RESERVE``)."""
+    return ALLOCATOR_RESERVE[name]
 
 
 def communicator_buffer_bytes(name: str, environ: Mapping[str, str] | None = None) -> float:

@@ -282,3 +282,31 @@ def test_each_process_counts_what_it_holds_beyond_its_tensors_on_its_device_type
     assert npu == pytest.approx(
         4 * hal.process_bytes("npu") + 4 * hal.communicator_buffer_bytes("npu")
     )
+
+
+@pytest.mark.parametrize("device", ["cuda", "npu", "cpu"])
+def test_the_fused_heads_accumulator_is_counted_where_the_kernel_set_runs_it(device):
+    """The fused LM head (``hal.fused_head``) sums the head's weight gradient in a float32
+    ``[V, H]`` tensor through its backward: counted in the update's ``kernel`` column on the
+    devices whose kernel set offers it, not on the CPU (the reference), nor where the config
+    keeps the reference head, nor under LoRA (the head does not train)."""
+    import hal
+    from hal.device_memory import FUSED_HEAD_DEVICES
+    from hal.kernels import FUSED_HEAD
+
+    offered = hal.backend_class(device).kernel_providers.get("lm_head") is FUSED_HEAD
+    assert (device in FUSED_HEAD_DEVICES) == offered
+    cfg = _cfg("gpu/qwen2.5-1.5b-grpo.yaml")
+    shape = model_shape(cfg.model.path)
+    accumulator = 4 * shape.vocab_size * shape.hidden_size  # 0.93 GB at 1.5B
+
+    def kernel(*overrides: str) -> float:
+        c = _cfg("gpu/qwen2.5-1.5b-grpo.yaml", *overrides)
+        budget = estimate_memory(c, shape, 80e9, device=device)
+        return budget.phase("update").parts["kernel"]
+
+    assert kernel() == (accumulator if offered else 0.0)
+    assert kernel("train.kernels=reference") == 0.0
+    assert kernel("train.reference_kernels=[lm_head]") == 0.0
+    assert kernel("train.lean_logprobs=false") == 0.0
+    assert kernel("model.lora.rank=8") == 0.0

@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass
 
 from hal import DEFAULT_DEVICE_MEMORY_BYTES, DEFAULT_DEVICE_NAMES  # noqa: F401 - re-exported
-from hal.device_memory import communicator_buffer_bytes, process_bytes
+from hal.device_memory import allocator_reserve, communicator_buffer_bytes, process_bytes
 from trainer.config.schema import Config
 from trainer.loop.plan.layout import weight_transport_rule
 from trainer.loop.plan.model_shape import ModelShape, model_shape
@@ -70,6 +70,7 @@ COMPONENTS: dict[str, str] = {
     "reduce-scatter input; push: the staging buffer and one gathered fp32 tensor",
     "activ": "activations of one micro-batch",
     "logits": "one log-prob chunk of fp32 logits and its softmax work",
+    "kernel": "the kernel set's own buffers: the fused LM head's fp32 [V, H] gradient sum",
     "engine": "rollout engine: awake (rollout.memory_fraction of the device) or its weights",
     "ctx": "device context of every process on the device and its communicators' buffers",
 }
@@ -104,6 +105,16 @@ class MemoryBudget:
     critic_shape: ModelShape | None = None
     ranks_per_memory: int = 1
     before_fixes: bool = False
+    #: bytes the device's caching allocator reserves per byte of tensors (hal)
+    allocator_reserve: float = 1.0
+
+    def reserved(self, name: str) -> float:
+        """Bytes phase ``name`` takes from the device as its caching allocator reserves them:
+        its tensors times ``allocator_reserve`` (cached blocks, fragmentation), the engine's
+        own pool and the processes' contexts as they are."""
+        parts = self.phase(name).parts
+        apart = parts.get("engine", 0.0) + parts.get("ctx", 0.0)
+        return (sum(parts.values()) - apart) * self.allocator_reserve + apart
 
     @property
     def peak(self) -> Phase:
@@ -157,7 +168,7 @@ def estimate_memory(
     roll, tp = cfg.rollout, cfg.rollout.tensor_parallel_size
     host = device == "cpu"
     critic = critic_shape or shape
-    ranks = RankState.of(cfg, shape, critic, host=host, before_fixes=before_fixes)
+    ranks = RankState.of(cfg, shape, critic, host=host, before_fixes=before_fixes, device=device)
     lora = cfg.model.lora.enabled
 
     def per_memory(parts: dict[str, float]) -> dict[str, float]:
@@ -228,6 +239,7 @@ def estimate_memory(
         critic_shape=critic_shape,
         ranks_per_memory=ranks_per_memory,
         before_fixes=before_fixes,
+        allocator_reserve=allocator_reserve(device),
     )
 
 

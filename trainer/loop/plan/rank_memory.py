@@ -6,8 +6,10 @@ adds the engine, the push's staging and the processes' contexts around it).
 state lives (the device, or the host under ``train.param_offload`` /
 ``train.optimizer_offload``); ``resident`` is that state between steps and ``role_peak`` one
 role's update at its peak: parameters, gradients, optimizer state, FSDP2's gathered layers, the
-micro-batch's activations (``recompute_bytes`` / ``saved_bytes``) and one log-prob chunk of
-logits. Pure: no torch, no device; sizes are bytes.
+micro-batch's activations (``recompute_bytes`` / ``saved_bytes``), one log-prob chunk of
+logits and the kernel set's own buffers (the fused LM head's float32 weight-gradient
+accumulator, where the device's kernel set runs it). Pure: no torch, no device; sizes are
+bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hal.device_memory import FUSED_HEAD_DEVICES
 from trainer.config.schema import Config
 from trainer.loop.plan.lora_layout import adapter_params, base_copy_params
 from trainer.loop.plan.model_shape import ModelShape
@@ -44,6 +47,21 @@ def micro_batch_tokens(cfg: Config) -> int:
         return max(train.max_tokens_per_micro_batch, row)
     rows = train.mini_batch_size * roll.n * (roll.max_turns if roll.step_wise else 1)
     return math.ceil(rows / train.dp_size) * row
+
+
+def fused_head(cfg: Config, device: str | None) -> bool:
+    """Whether ``cfg``'s update runs the fused LM head (``hal.fused_head``) on backend
+    ``device``: its kernel set offers it (``hal.device_memory.FUSED_HEAD_DEVICES``), the lean
+    path runs (``train.lean_logprobs``), neither ``train.kernels: reference`` nor
+    ``train.reference_kernels`` keeps the reference, and no LoRA wraps or freezes the head."""
+    train = cfg.train
+    return (
+        device in FUSED_HEAD_DEVICES
+        and train.lean_logprobs
+        and train.kernels != "reference"
+        and "lm_head" not in train.reference_kernels
+        and not cfg.model.lora.enabled
+    )
 
 
 def recompute_bytes(shape: ModelShape, tokens: int, param_bytes: int) -> float:
@@ -96,6 +114,7 @@ class RankState:
     optim_between: bool  # the optimizer state stays on the device between steps
     optim_in_update: bool  # ... and during the update
     before_fixes: bool  # the trainer before issue 24's fixes
+    fused_head: bool = False  # the lean path's LM head runs hal.fused_head (``fused_head``)
 
     @classmethod
     def of(
@@ -106,9 +125,11 @@ class RankState:
         *,
         host: bool,
         before_fixes: bool = False,
+        device: str | None = None,
     ) -> RankState:
         """The counts of ``cfg``'s roles (the actor of ``shape``, the critic of ``critic``);
-        ``host``: the memory is the host's (the CPU), where offloading moves nothing off it."""
+        ``host``: the memory is the host's (the CPU), where offloading moves nothing off it;
+        ``device``: the HAL backend the ranks run on (which kernels they take)."""
         train, dp = cfg.train, cfg.train.dp_size
         # FSDP2 pads each tensor's rows to a multiple of dp (``ModelShape.padded_params``).
         n_actor = shape.padded_params(dp)
@@ -141,6 +162,7 @@ class RankState:
             # update.
             optim_in_update=state_here and (optim_between or cfg.optimizer_steps_per_step() > 1),
             before_fixes=before_fixes,
+            fused_head=fused_head(cfg, device),
         )
 
     @property
@@ -186,6 +208,7 @@ class RankState:
             "gather": self._gathered(role_shape, n, lm_head, trained),
             "activ": activ,
             "logits": self._logits(role_shape, recompute) if lm_head else 0.0,
+            "kernel": self._kernel_buffers(role_shape, lm_head, trained == n),
         }
         # The optimizer step: no activations, but foreach AdamW's temporary of the second
         # moment's square root (4 B per parameter shard) beside the state.
@@ -247,6 +270,14 @@ class RankState:
             # top at the 7B shape (2 and 4 layers, 8k and 16k tokens): 3.5 is counted.
             activ += LORA_INPUT_GRADS * tokens * h * pb
         return activ, recompute
+
+    def _kernel_buffers(self, role_shape: ModelShape, lm_head: bool, full: bool) -> float:
+        """The kernel set's own buffers in backward: the fused head's float32 ``[V, H]``
+        weight-gradient accumulator (``hal.fused_head``), alive through the head's backward
+        beside the head's gradient, when the head trains (``full``: every parameter does)."""
+        if not (self.fused_head and lm_head and full):
+            return 0.0
+        return role_shape.vocab_size * role_shape.hidden_size * 4.0
 
     def _logits(self, role_shape: ModelShape, recompute: float) -> float:
         """One log-prob chunk of fp32 logits and its softmax work (the lean path), or the whole

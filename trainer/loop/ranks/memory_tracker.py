@@ -388,7 +388,8 @@ def track_step(cfg: Config, layers: int | None = None) -> TrackedStep:
 def measured_update(cfg: Config, step: TrackedStep) -> tuple[MemoryBudget, float, float]:
     """The budget of ``cfg`` at ``step``'s shape on ``cfg.device`` and, to compare with the
     tracker's ``step.update``, its update phase without the device contexts (no tensors) and
-    the tracker's update; returns ``(budget, estimate bytes, tracker bytes)``."""
+    the kernel set's own buffers (the tracker runs the reference kernels), and the tracker's
+    update; returns ``(budget, estimate bytes, tracker bytes)``."""
     from hal import DEFAULT_DEVICE_MEMORY_BYTES
 
     # A config for the CPU (or auto) is measured as on the first default accelerator.
@@ -399,7 +400,8 @@ def measured_update(cfg: Config, step: TrackedStep) -> tuple[MemoryBudget, float
     )
     budget = estimate_memory(cfg, step.shape, DEFAULT_DEVICE_MEMORY_BYTES[device], device=device)
     update = budget.phase("update")
-    return budget, update.total - update.parts["ctx"], step.update
+    apart = update.parts["ctx"] + update.parts.get("kernel", 0.0)
+    return budget, update.total - apart, step.update
 
 
 def format_comparison(cfg: Config, step: TrackedStep) -> str:
@@ -424,8 +426,9 @@ def format_comparison(cfg: Config, step: TrackedStep) -> str:
     )
     update = budget.phase("update")
     lines.append("  budget's update phase:")
-    lines.append("    " + "".join(f"{k:>8}" for k, v in update.parts.items() if k != "ctx"))
-    lines.append("    " + "".join(f"{v / GB:8.2f}" for k, v in update.parts.items() if k != "ctx"))
+    shown = {k: v for k, v in update.parts.items() if k not in ("ctx", "kernel")}
+    lines.append("    " + "".join(f"{k:>8}" for k in shown))
+    lines.append("    " + "".join(f"{v / GB:8.2f}" for v in shown.values()))
     lines.append(
         f"  update without device contexts: estimate {estimate / GB:.2f} GB, tracker "
         f"{tracked / GB:.2f} GB, estimate / tracker {estimate / tracked:.3f}"
