@@ -258,14 +258,14 @@ def format_budget(budget: MemoryBudget | None, cfg: Config) -> str:
         lines.append(f"  {phase.name:<12}{cells}{phase.total / GB:8.2f}{mark}")
     share = peak.total / mem
     verdict = "fits" if share <= 1 else "does NOT fit"
-    lines.append(
-        f"  peak: {peak.name}, {peak.total / GB:.1f} of {mem / GB:.1f} GB ({share:.0%}): {verdict}"
-    )
     if budget.allocator_reserve != 1.0:  # what the caching allocator takes (auto sizes fill it)
         reserved = ", ".join(f"{p.name} {budget.reserved(p.name) / GB:.1f}" for p in budget.phases)
         lines.append(
             f"  reserved by the allocator (tensors x {budget.allocator_reserve:.2f}): {reserved} GB"
         )
+    lines.append(
+        f"  peak: {peak.name}, {peak.total / GB:.1f} of {mem / GB:.1f} GB ({share:.0%}): {verdict}"
+    )
     problem = memory_problem(budget, cfg)
     if problem:
         lines.append(
