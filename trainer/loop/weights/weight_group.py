@@ -54,6 +54,7 @@ and a generation rebuilt without a member frees the old communicator.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import pickle
 import socket
@@ -209,6 +210,13 @@ def release_port(port: int) -> None:
     sock = _RESERVED.pop(int(port), None)
     if sock is not None:
         sock.close()
+
+
+@atexit.register
+def release_ports() -> None:
+    """Let go of every port this process still holds (the sender stops, the process ends)."""
+    for port in list(_RESERVED):
+        release_port(port)
 
 
 def announce_group(store, generation: Generation) -> Generation:
@@ -397,8 +405,9 @@ class WeightSender:
             raise RuntimeError(f"the weight push broke: {err}") from err
 
     def stop(self) -> None:
-        """Give up a push no engine will take (shutdown)."""
+        """Give up a push no engine will take (shutdown), and the ports held for the group."""
         self._stop.set()
+        release_ports()
 
 
 @dataclass
