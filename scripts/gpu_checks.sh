@@ -123,7 +123,8 @@ part_cudatests() {
         { echo "cudatests: no CUDA device here (torch.cuda.is_available() is False)"; return 3; }
     "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 60 tests/test_hal_attention.py \
         tests/test_shared_prefix_kernels.py tests/test_trainer_offload.py \
-        tests/test_rollout_engine_handoff.py tests/test_hal_backends.py tests/test_kernels.py
+        tests/test_rollout_engine_handoff.py tests/test_hal_backends.py tests/test_kernels.py \
+        tests/test_kernels_head.py tests/test_kernels_guard.py tests/test_push_streams.py
 }
 
 part_job15() {

@@ -296,3 +296,83 @@ def test_the_staging_keeps_cpu_tensors_as_they_are_and_feeds_them_unchanged():
     with staging.sending():
         assert staging.chunk_source()(("w", kept)) is tensor
     staging.ready()
+
+
+class _OnCuda:
+    """``torch`` for a recorded producer on CUDA: vllm-ascend's ``torch.npu`` names are
+    torch.cuda's, its ``device="npu"`` is ``cuda``."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        self.npu = torch.cuda
+
+    def __getattr__(self, name: str):
+        return getattr(self.torch, name)
+
+    def empty(self, *args, device=None, **kwargs):
+        return self.torch.empty(*args, device="cuda" if device == "npu" else device, **kwargs)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device (a GPU tier's check)")
+@pytest.mark.parametrize("key", sorted(PRODUCERS))
+def test_on_cuda_every_byte_of_a_staged_push_arrives_while_the_step_trains(key):
+    """The staged push through each recorded producer on real CUDA streams: the collective's
+    stream lags (each broadcast starts after a spin), the training step allocates, writes and
+    frees on the default stream between tensors, and every byte received equals the byte
+    sent."""
+    from collections.abc import Callable, Iterator
+    from dataclasses import dataclass
+    from typing import Any
+
+    import torch
+
+    recorded = PRODUCERS[key]
+    scope = {
+        "torch": _OnCuda(),
+        "dataclass": dataclass,
+        "Any": Any,
+        "Callable": Callable,
+        "Iterator": Iterator,
+        "DEFAULT_PACKED_BUFFER_SIZE_BYTES": 1 << 20,
+        "DEFAULT_PACKED_NUM_BUFFERS": 2,
+    }
+    exec(compile(recorded["source"], recorded["file"], "exec"), scope)  # noqa: S102
+    producer = scope[recorded["producer"]]
+    received: list[torch.Tensor] = []
+
+    class Copy:
+        """A broadcast's read of the chunk: a copy on the stream it runs on, late."""
+
+        def broadcast(self, tensor, src, stream=None):
+            with torch.cuda.stream(stream or torch.cuda.current_stream()):
+                torch.cuda._sleep(2_000_000)
+                received.append(tensor.clone())
+
+    import hal
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sent = [torch.randn(300_000, device="cuda", generator=gen) for _ in range(16)]
+    push = PushStaging(hal.get_backend("cuda"))
+    staged = [(f"w{i}", push.keep(t)) for i, t in enumerate(sent)]
+    push.ready()
+
+    def items():
+        for item in drain(staged):
+            yield item
+            scratch = torch.empty(600_000, device="cuda")  # the step, on the default stream
+            scratch.fill_(float("nan"))
+            del scratch
+
+    with push.sending():
+        producer(items(), Copy(), 0, push.chunk_source(), 1 << 20, 2)
+    torch.cuda.synchronize()
+    expected = torch.cat([t.view(torch.uint8).view(-1) for t in sent])
+    assert torch.equal(torch.cat(received), expected)
