@@ -239,6 +239,42 @@ def test_a_group_rebuilt_without_a_lost_member_frees_the_old_communicator():
     assert torch.equal(engines[0].state["b.bias"], _state(5)["b.bias"])
 
 
+# ------------------------------------------------------------------ item 5: the budget
+
+
+def test_the_budget_keeps_the_staged_push_off_the_device_and_its_chunks_in_the_update():
+    """Rank 0's staged copy lives in pinned host memory: the weight push phase on a GPU no
+    longer holds the model, the update holds the chunks the sender sends while the step
+    trains, and ``crossrl layout`` says where the copy is. On the CPU the host is the device:
+    the copy stays in the table."""
+    from rollout.engines.transfer import PACKED_BUFFER_BYTES
+    from trainer.loop.plan.memory_budget import budget_for
+    from trainer.loop.plan.memory_report import format_budget
+
+    keys = [
+        "model.path=/models/Qwen2.5-7B-Instruct",
+        "rollout.engine=vllm",
+        "rollout.engine_devices=2",
+        "train.dp_size=6",
+        "train.rollout_lag=1",
+        "algorithm.rollout_correction=token",
+    ]
+    collective = load_config(None, ["device=cuda", *keys], check_environment=False)
+    host = load_config(
+        None, ["device=cuda", *keys, "rollout.weight_transport=host"], check_environment=False
+    )
+    pushed, snapshot = (budget_for(c, "cuda", 80e9) for c in (collective, host))
+    model_bytes = pushed.shape.num_params * 2  # bf16
+    extra = pushed.phase("weight push").total - snapshot.phase("weight push").total
+    assert 0 < extra < model_bytes / 4  # chunks and a communicator, not the model
+    update = pushed.phase("update").total - snapshot.phase("update").total
+    assert update >= 2 * PACKED_BUFFER_BYTES  # the chunks in flight while the step trains
+    assert "in pinned host memory" in format_budget(pushed, collective)
+    cpu = load_config(None, ["device=cpu", *keys], check_environment=False)
+    on_cpu = budget_for(cpu, "cpu", 400e9, ranks_per_memory=6)
+    assert on_cpu.phase("weight push").parts["gather"] >= model_bytes
+
+
 # ------------------------------------------------------------------ item 16: no vendor group
 
 
