@@ -79,7 +79,8 @@ class EngineClosed(RuntimeError):
 
 @dataclass(eq=False)
 class _Job:
-    """One caller's requests for one lane at one remaining length, and what came back."""
+    """One caller's requests for one lane (each with its own budget left), and what came
+    back."""
 
     requests: list[GenerationRequest]
     sampling: SamplingParams
@@ -152,21 +153,22 @@ class VersionedEngine:
             self._raise_if_aborted(requests, todo, track)
             if self._closed:
                 raise EngineClosed("the stream's engine is closed (the stream shuts down)")
-            parts: dict[tuple[int, int], list[int]] = {}
+            # One job per lane, whatever each request has left: a continued request carries
+            # its own remaining budget (``GenerationRequest.max_new_tokens``).
+            parts: dict[int, list[int]] = {}
             for i in todo:
-                room = sampling.max_new_tokens - len(results[i].token_ids)
-                parts.setdefault((self._lane_of(requests[i].group), room), []).append(i)
+                parts.setdefault(self._lane_of(requests[i].group), []).append(i)
             jobs = [
                 (
                     lane,
                     batch,
                     _Job(
-                        [_continued(requests[i], results[i].token_ids) for i in batch],
-                        dataclasses.replace(sampling, max_new_tokens=room),
+                        [_continued(requests[i], results[i].token_ids, sampling) for i in batch],
+                        sampling,
                         frozenset(requests[i].group for i in batch) if track else frozenset(),
                     ),
                 )
-                for (lane, room), batch in parts.items()
+                for lane, batch in parts.items()
             ]
             self._run([(lane, job) for lane, _, job in jobs])
             todo = []
@@ -176,7 +178,7 @@ class VersionedEngine:
                 for i, out in zip(batch, job.outs):
                     self._add(results[i], out, job.version, requests[i].group if track else None)
                     if out.finish_reason == "interrupted":
-                        if len(results[i].token_ids) < sampling.max_new_tokens:
+                        if len(results[i].token_ids) < requests[i].budget(sampling):
                             todo.append(i)
                         else:
                             results[i].finish_reason = "length"
@@ -405,13 +407,18 @@ def _linger(lane: _Lane) -> float:
     return min(LINGER_S, LINGER_SHARE * lane.last_s) - (now - lane.ended_at)
 
 
-def _continued(request: GenerationRequest, sampled: list[int]) -> GenerationRequest:
-    """``request`` continued after the tokens ``sampled`` so far: their prefix joins the prompt
-    and the seed moves on (the continuation draws fresh numbers, not the first ones again)."""
+def _continued(
+    request: GenerationRequest, sampled: list[int], sampling: SamplingParams
+) -> GenerationRequest:
+    """``request`` continued after the tokens ``sampled`` so far: their prefix joins the prompt,
+    its budget is what is left of it (its own ``max_new_tokens``, so one engine call carries
+    requests with different budgets left) and the seed moves on (the continuation draws fresh
+    numbers, not the first ones again)."""
     if not sampled:
         return request
     return dataclasses.replace(
         request,
         prompt_ids=[*request.prompt_ids, *sampled],
         seed=(int(request.seed) * 1_000_003 + len(sampled)) % (2**63),
+        max_new_tokens=request.budget(sampling) - len(sampled),
     )

@@ -56,11 +56,25 @@ class GenerationRequest:
     """One prompt to continue. ``seed`` seeds this request's own sampler, so what it samples
     does not depend on which other requests share the batch. ``group``: the prompt's index in
     the run's prompt stream; engine replicas are dealt requests by it, so every sample and turn
-    of one prompt goes to the same replica (``rollout.engines.router``)."""
+    of one prompt goes to the same replica (``rollout.engines.router``). ``max_new_tokens``:
+    this request's own budget of new tokens (None: the call's ``SamplingParams``), so one call
+    can carry requests with different budgets left (a stream's continued requests)."""
 
     prompt_ids: list[int]
     seed: int
     group: int = 0
+    max_new_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens}: a request's budget must be >= 1 token "
+                "(or None for the call's)"
+            )
+
+    def budget(self, sampling: SamplingParams) -> int:
+        """New tokens this request may sample: its own ``max_new_tokens``, else the call's."""
+        return sampling.max_new_tokens if self.max_new_tokens is None else self.max_new_tokens
 
 
 @dataclass

@@ -137,10 +137,14 @@ class HFEngine(Engine):
         requests: list[GenerationRequest],
         sampling: SamplingParams,
         interrupt: Callable[[], bool] | None = None,
+        abort_groups: Callable[[], frozenset[int]] | None = None,
     ) -> list[GenerationResult]:
-        """Continue every request (prompt token ids); results in request order. ``interrupt``:
-        polled after each decode step; once True, every request still running ends with the
-        tokens it has (finish reason ``interrupted``; those of batches not begun, with none)."""
+        """Continue every request (prompt token ids), each up to its own budget
+        (``GenerationRequest.budget``); results in request order. ``interrupt``: polled after
+        each decode step; once True, every request still running ends with the tokens it has
+        (finish reason ``interrupted``; those of batches not begun, with none).
+        ``abort_groups``: polled likewise; the requests of the groups it names end there (as
+        interrupted), the others go on."""
         if len(self._awake) < len(WAKE_TAGS):
             raise RuntimeError(
                 f"HFEngine.generate called while {self._sleeping()} asleep; call wake_up() first"
@@ -154,17 +158,24 @@ class HFEngine(Engine):
         for start in range(0, len(order), self.max_batch_size):
             chunk = order[start : start + self.max_batch_size]
             longest = max(len(requests[i].prompt_ids) for i in chunk)
-            if limit is not None and longest + sampling.max_new_tokens > limit:
+            budget = max(requests[i].budget(sampling) for i in chunk)
+            if limit is not None and longest + budget > limit:
                 raise ValueError(
-                    f"prompt of {longest} tokens + max_new_tokens={sampling.max_new_tokens} "
+                    f"prompt of {longest} tokens + max_new_tokens={budget} "
                     f"exceeds the model's max_position_embeddings={limit}; shorten "
                     "rollout.max_input_len or rollout.max_new_tokens"
                 )
+            gone = abort_groups() if abort_groups is not None else frozenset()
             if interrupt is not None and interrupt():
                 outs = [GenerationResult([], [], "interrupted") for _ in chunk]
             else:
+                todo = [i for i in chunk if requests[i].group not in gone]
                 with self._lock:
-                    outs = self._generate_batch([requests[i] for i in chunk], sampling, interrupt)
+                    done = self._generate_batch(
+                        [requests[i] for i in todo], sampling, interrupt, abort_groups
+                    )
+                by_index = dict(zip(todo, done))
+                outs = [by_index.get(i) or GenerationResult([], [], "interrupted") for i in chunk]
             for i, out in zip(chunk, outs):
                 results[i] = out
         return results  # type: ignore[return-value]
@@ -175,9 +186,14 @@ class HFEngine(Engine):
         requests: list[GenerationRequest],
         sampling: SamplingParams,
         interrupt: Callable[[], bool] | None = None,
+        abort_groups: Callable[[], frozenset[int]] | None = None,
     ) -> list[GenerationResult]:
         device = self._device
         bsz = len(requests)
+        if not bsz:
+            return []
+        budgets = [r.budget(sampling) for r in requests]
+        steps = max(budgets)
         # Prefix sharing: the samples of a prompt carry the same ids; each distinct prompt is
         # prefilled once and its cache and last logits are copied to the rows that continue it.
         distinct: dict[tuple[int, ...], int] = {}
@@ -186,7 +202,7 @@ class HFEngine(Engine):
         width = prompt_mask.shape[-1]
         source = torch.tensor(source_ids, dtype=torch.long, device=device)
         # The last sampled token is never fed back: the cache holds width + max_new - 1 tokens.
-        capacity = width + sampling.max_new_tokens - 1
+        capacity = width + steps - 1
         cache = share_prefill(cache, source, capacity, self._arena)
         logits = logits.index_select(0, source)
         attention_mask = torch.ones((bsz, capacity), dtype=torch.long, device=device)
@@ -198,7 +214,7 @@ class HFEngine(Engine):
         draws = torch.stack(
             [
                 torch.rand(
-                    sampling.max_new_tokens,
+                    steps,
                     generator=torch.Generator(device="cpu").manual_seed(int(r.seed)),
                 )
                 for r in requests
@@ -209,9 +225,10 @@ class HFEngine(Engine):
         tokens: list[list[int]] = [[] for _ in range(bsz)]
         logprobs: list[list[float]] = [[] for _ in range(bsz)]
         stopped = [False] * bsz
+        ended = [False] * bsz  # stopped, its budget reached, or its group aborted
+        cut = [False] * bsz  # ended by an abort of its group or an interrupt
         live = list(range(bsz))  # the request of each batch row
-        interrupted = False
-        for step in range(sampling.max_new_tokens):
+        for step in range(steps):
             scaled = logits.float() / sampling.temperature
             logp = torch.log_softmax(scaled, dim=-1)
             probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
@@ -219,16 +236,23 @@ class HFEngine(Engine):
             chosen_logp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
             chosen_ids = chosen.tolist()
             for row, b in enumerate(live):
-                if stopped[b]:
+                if ended[b]:
                     continue
                 tokens[b].append(chosen_ids[row])
                 logprobs[b].append(chosen_logp[row])
                 stopped[b] = chosen_ids[row] in stop_ids
-            keep = [row for row, b in enumerate(live) if not stopped[b]]
-            if not keep or step == sampling.max_new_tokens - 1:
+                ended[b] = stopped[b] or len(tokens[b]) >= budgets[b]
+            if abort_groups is not None and any(not ended[b] for b in live):
+                gone = abort_groups()
+                for b in live:
+                    if not ended[b] and requests[b].group in gone:
+                        ended[b] = cut[b] = True  # its group's rows end; the rest go on
+            keep = [row for row, b in enumerate(live) if not ended[b]]
+            if not keep or step == steps - 1:
                 break
             if interrupt is not None and interrupt():
-                interrupted = True  # the rows still running end here
+                for b in live:  # the rows still running end here
+                    cut[b] = cut[b] or not ended[b]
                 break
             # Finished rows keep feeding their last token (outputs ignored) until they are an
             # eighth of the batch; then they leave it, and the cache rows go with them.
@@ -256,9 +280,7 @@ class HFEngine(Engine):
             GenerationResult(
                 token_ids=tokens[b],
                 logprobs=logprobs[b],
-                finish_reason="stop"
-                if stopped[b]
-                else ("interrupted" if interrupted else "length"),
+                finish_reason="stop" if stopped[b] else ("interrupted" if cut[b] else "length"),
             )
             for b in range(bsz)
         ]

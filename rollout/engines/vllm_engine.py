@@ -222,11 +222,15 @@ class VLLMEngine(VLLMTransfer, Engine):
         requests: list[GenerationRequest],
         sampling: SamplingParams,
         interrupt: Callable[[], bool] | None = None,
+        abort_groups: Callable[[], frozenset[int]] | None = None,
     ) -> list[GenerationResult]:
-        """Continue every request (prompt token ids) in one vLLM batch; results in request
-        order. Each request samples from its own seed, so its tokens do not depend on the batch.
-        ``interrupt``: polled after each engine step; once True, the requests still running
-        are aborted and end with the tokens they have (finish reason ``interrupted``).
+        """Continue every request (prompt token ids) in one vLLM batch, each up to its own
+        budget (``GenerationRequest.budget``: vLLM takes a ``SamplingParams`` per prompt);
+        results in request order. Each request samples from its own seed, so its tokens do not
+        depend on the batch. ``interrupt``: polled after each engine step; once True, the
+        requests still running are aborted and end with the tokens they have (finish reason
+        ``interrupted``). ``abort_groups``: polled likewise; the running requests of the
+        groups it names are aborted there (as interrupted), the others go on.
         """
         if len(self._awake) < len(WAKE_TAGS):
             raise RuntimeError("VLLMEngine.generate called while asleep; call wake_up() first")
@@ -243,45 +247,54 @@ class VLLMEngine(VLLMTransfer, Engine):
         for i, req in enumerate(requests):
             if len(req.prompt_ids) == 0:
                 raise ValueError(f"requests[{i}].prompt_ids is empty; give at least one token")
-            if len(req.prompt_ids) + sampling.max_new_tokens > self.max_model_len:
+            budget = req.budget(sampling)
+            if len(req.prompt_ids) + budget > self.max_model_len:
                 raise ValueError(
                     f"requests[{i}]: prompt of {len(req.prompt_ids)} tokens + max_new_tokens="
-                    f"{sampling.max_new_tokens} exceeds the engine's max_model_len="
+                    f"{budget} exceeds the engine's max_model_len="
                     f"{self.max_model_len}; shorten rollout.max_input_len or "
                     "rollout.max_new_tokens, or raise max_model_len"
                 )
             prompts.append({"prompt_token_ids": [int(t) for t in req.prompt_ids]})
-            params.append(VSamplingParams(**vllm_sampling_kwargs(sampling, req.seed)))
+            params.append(VSamplingParams(**vllm_sampling_kwargs(sampling, req.seed, budget)))
         if not prompts:
             return []
-        if interrupt is None:
+        if interrupt is None and abort_groups is None:
             outputs = self.llm.generate(
                 prompts, params, use_tqdm=False, lora_request=self._lora_request
             )
             completions = [o.outputs[0] for o in outputs]
-            cut = False
+            cut = [False] * len(completions)
         else:
-            completions, cut = self._run_steps(prompts, params, interrupt)
+            groups = [req.group for req in requests]
+            completions, cut = self._run_steps(prompts, params, interrupt, groups, abort_groups)
         renormalized = filters_active(sampling, self.vocab_size)
         results = []
-        for completion in completions:
+        for completion, ended in zip(completions, cut):
             if completion is None:  # interrupted before it was scheduled
                 result = GenerationResult([], [], "interrupted")
             else:
-                result = result_from_vllm_completion(completion, interrupted=cut)
+                result = result_from_vllm_completion(completion, interrupted=ended)
             if renormalized:
                 result.extra["logprobs_renormalized"] = True
             results.append(result)
         return results
 
     def _run_steps(
-        self, prompts: list[dict], params: list, interrupt: Callable[[], bool]
-    ) -> tuple[list, bool]:
+        self,
+        prompts: list[dict],
+        params: list,
+        interrupt: Callable[[], bool] | None,
+        groups: list[int],
+        abort_groups: Callable[[], frozenset[int]] | None = None,
+    ) -> tuple[list, list[bool]]:
         """The requests through vLLM's engine one step at a time (what ``LLM.generate`` does,
-        with ``interrupt`` polled after each step; vLLM's ``LLMEngine.add_request`` / ``step``
-        / ``abort_request``, alike in 0.24 and 0.32): each request's latest ``CompletionOutput``
-        in request order (None where it never ran), and whether the call was interrupted, the
-        requests still running then aborted (their KV blocks freed)."""
+        with ``interrupt`` and ``abort_groups`` polled after each step; vLLM's ``LLMEngine.
+        add_request`` / ``step`` / ``abort_request``, alike in 0.24 and 0.32): each request's
+        latest ``CompletionOutput`` in request order (None where it never ran), and per request
+        whether it was cut: all still running once ``interrupt`` says so, those of ``groups``
+        (each request's group) that ``abort_groups`` names as soon as it does, aborted by id
+        (their KV blocks freed) while the rest of the call goes on."""
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
@@ -291,18 +304,28 @@ class VLLMEngine(VLLMTransfer, Engine):
             ids.append(f"crossrl-{next(self._request_ids)}")
             engine.add_request(ids[-1], prompt, param, lora_request=self._lora_request)
         latest: dict[str, Any] = {}
-        mine = set(ids)
-        cut = False
+        group_of = dict(zip(ids, groups))
+        cut: set[str] = set()
         while engine.has_unfinished_requests():
             for out in engine.step():
-                if out.request_id in mine:
+                if out.request_id in group_of:
                     latest[out.request_id] = out
-            running = [r for r in ids if r not in latest or not latest[r].finished]
-            if running and interrupt():
+            running = [
+                r for r in ids if r not in cut and (r not in latest or not latest[r].finished)
+            ]
+            if running and interrupt is not None and interrupt():
                 engine.abort_request(running)
-                cut = True
+                cut.update(running)
                 break
-        return [latest[r].outputs[0] if r in latest else None for r in ids], cut
+            gone = abort_groups() if abort_groups is not None and running else frozenset()
+            dropped = [r for r in running if group_of[r] in gone]
+            if dropped:  # only these leave; the call goes on with the others
+                engine.abort_request(dropped)
+                cut.update(dropped)
+                if len(dropped) == len(running):
+                    break
+        completions = [latest[r].outputs[0] if r in latest else None for r in ids]
+        return completions, [r in cut for r in ids]
 
     # ---------------------------------------------------------------- weights and memory
 

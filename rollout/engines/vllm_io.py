@@ -15,17 +15,20 @@ from rollout.engines.base import GenerationResult, SamplingParams
 VLLM_TOP_K_OFF = -1
 
 
-def vllm_sampling_kwargs(sampling: SamplingParams, seed: int) -> dict[str, Any]:
+def vllm_sampling_kwargs(
+    sampling: SamplingParams, seed: int, max_new_tokens: int | None = None
+) -> dict[str, Any]:
     """Keyword arguments for ``vllm.SamplingParams`` for one request (pure, no vllm import).
 
-    ``max_tokens`` counts new tokens. Only ``stop_token_ids`` end a sequence (``ignore_eos``):
+    ``max_tokens`` counts new tokens: the request's own ``max_new_tokens`` when given
+    (``GenerationRequest.budget``), else the call's. Only ``stop_token_ids`` end a sequence (``ignore_eos``):
     the EOS id is not implicit, exactly as in the HF engine, so callers list it when they want
     it. ``logprobs=0`` asks for the sampled token's logprob only; ``detokenize=False`` because
     crossrl works on token ids and the engine starts without a tokenizer.
     """
     return {
         "n": 1,
-        "max_tokens": int(sampling.max_new_tokens),
+        "max_tokens": int(sampling.max_new_tokens if max_new_tokens is None else max_new_tokens),
         "temperature": float(sampling.temperature),
         "top_p": float(sampling.top_p),
         "top_k": int(sampling.top_k) if sampling.top_k > 0 else VLLM_TOP_K_OFF,
