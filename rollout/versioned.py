@@ -28,9 +28,11 @@ Close (``close``, the stream's shutdown): no call starts any more, every caller 
 and ``close`` returns once no lane is in a call (or after its bound).
 
 Abort: a group that sampled a token older than what any later step may train on
-(``abort_older_than``) is stopped: its next call raises ``GroupAborted``, and a call of it in
-flight on an interruptible lane ends after its current decode step (the other requests of
-that call go on). Requests from outside the stream (validation) go through ``untracked``:
+(``abort_older_than``) is stopped: its jobs still queued are not sent and its next call raises
+``GroupAborted``; in a call in flight on an ``abortable`` lane (``Engine.abortable``: HF, vLLM,
+a remote replica) only that group's requests end after the current decode step, the rest of
+the call goes on; on a lane only interruptible the whole call ends there and its other
+requests go on in the next call. Requests from outside the stream (validation) go through ``untracked``:
 the same lanes and batches, counted under no prompt, never aborted.
 """
 
@@ -95,6 +97,7 @@ class _Job:
 class _Lane:
     engine: Any
     interruptible: bool
+    abortable: bool = False  # its calls end one group's requests alone (``abort_groups``)
     pending: list[_Job] = field(default_factory=list)
     busy: bool = False
     ended_at: float = 0.0  # when its last call came back (perf_counter)
@@ -109,13 +112,14 @@ class VersionedEngine:
     Forwards what the agent loop asks of an engine. ``busy_s``: seconds the lanes spent in
     engine calls, averaged over the lanes; ``engine_s``: summed; ``call_sizes``: requests per
     engine call; ``generated_tokens``: every token sampled, kept or not; ``interruptions``:
-    calls ended early for a load or an abort."""
+    calls ended early for a load, a close, or an abort on a lane that cannot end one group
+    alone; ``group_aborts``: groups an abort ended mid-call while the rest of it went on."""
 
     def __init__(self, engine, version: int = 0, *, partial: bool = False) -> None:
         self.engine = engine
         self.version = version
         lanes = engine.lanes() if callable(getattr(engine, "lanes", None)) else [engine]
-        self._lanes = [_Lane(e, bool(getattr(e, "interruptible", False))) for e in lanes]
+        self._lanes = [_lane(e) for e in lanes]
         self.partial = partial and any(lane.interruptible for lane in self._lanes)
         self._cond = threading.Condition()
         self._held = False  # a load, or a hold, has the engine
@@ -129,6 +133,7 @@ class VersionedEngine:
         self.call_sizes: list[int] = []
         self.generated_tokens = 0
         self.interruptions = 0
+        self.group_aborts = 0
 
     # ---------------------------------------------------------------- calls
 
@@ -236,6 +241,9 @@ class VersionedEngine:
                         continue
                     self._cond.wait()
                 lane = free[0]
+                self._drop_aborted(lane)
+                if not lane.pending:
+                    continue
                 sampling = lane.pending[0].sampling
                 batch = [job for job in lane.pending if job.sampling == sampling]
                 lane.pending = [job for job in lane.pending if job.sampling != sampling]
@@ -243,20 +251,37 @@ class VersionedEngine:
                 version, epoch = self.version, self._doom_epoch
             self._call(lane, batch, version, epoch)
 
+    def _drop_aborted(self, lane: _Lane) -> None:
+        """Queued jobs of aborted groups leave ``lane`` unsent: their callers raise
+        ``GroupAborted`` (under ``_cond``)."""
+        for job in [job for job in lane.pending if not job.groups.isdisjoint(self._doomed)]:
+            lane.pending.remove(job)
+            job.error, job.done = GroupAborted(min(job.groups & self._doomed)), True
+        self._cond.notify_all()
+
     def _call(self, lane: _Lane, batch: list[_Job], version: int, epoch: int) -> None:
         """One engine call for every job of ``batch`` on ``lane`` (one sampling setting)."""
         requests = [r for job in batch for r in job.requests]
         kwargs = {}
         if lane.interruptible:
             groups = frozenset().union(*(job.groups for job in batch))
-            partial = self.partial
+            partial, abortable = self.partial, lane.abortable
 
-            def interrupt() -> bool:  # a load (partial rollouts), a group aborted, a close
-                if self._closed or (partial and self._loads_waiting):
-                    return True
+            def interrupt() -> bool:  # a load (partial rollouts), a close; an abort where the
+                if self._closed or (partial and self._loads_waiting):  # engine cannot end
+                    return True  # one group's requests alone
+                if abortable:
+                    return False
                 return self._doom_epoch != epoch and not groups.isdisjoint(self._doomed)
 
+            def abort_groups() -> frozenset:  # the groups of this call aborted since it began
+                if self._doom_epoch == epoch:
+                    return frozenset()
+                return groups & self._doomed
+
             kwargs["interrupt"] = interrupt
+            if abortable:
+                kwargs["abort_groups"] = abort_groups
         started = time.perf_counter()
         outs, error = None, None
         try:
@@ -270,7 +295,10 @@ class VersionedEngine:
             self.call_sizes.append(len(requests))
             if outs is not None:
                 self.generated_tokens += sum(len(out.token_ids) for out in outs)
-                self.interruptions += any(out.finish_reason == "interrupted" for out in outs)
+                cut = {r.group for r, o in zip(requests, outs) if o.finish_reason == "interrupted"}
+                aborted = cut & self._doomed if lane.abortable else set()
+                self.interruptions += bool(cut - aborted)  # the call, not only aborted groups
+                self.group_aborts += len(aborted)
             start = 0
             for job in batch:
                 end = start + len(job.requests)
@@ -394,6 +422,13 @@ class UntrackedEngine:
 
     def __getattr__(self, name: str):
         return getattr(self.versioned, name)
+
+
+def _lane(engine) -> _Lane:
+    """A lane for replica ``engine``: interruptible (``interrupt``) and abortable
+    (``abort_groups``) as the engine says."""
+    interruptible = bool(getattr(engine, "interruptible", False))
+    return _Lane(engine, interruptible, interruptible and bool(getattr(engine, "abortable", False)))
 
 
 def _linger(lane: _Lane) -> float:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
-from rollout.streaming import VersionedEngine
+from rollout.streaming import GroupAborted, VersionedEngine
 
 
 def _until(condition, timeout_s: float = 30.0) -> None:
@@ -112,3 +112,159 @@ def test_the_hf_engine_honours_each_request_s_own_budget():
         assert result.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         GenerationRequest([1], seed=0, max_new_tokens=0)
+
+
+# ---------------------------------------------------------------- 3: aborts end their group
+
+
+class _Held:
+    """A replica whose calls wait for ``gate`` (polling ``interrupt`` and, when
+    ``abortable``, ``abort_groups``); the requests of groups ``abort_groups`` names end at
+    once with one token, the rest with three once the gate opens. Records every call's
+    groups, and whether ``interrupt`` ever said True."""
+
+    interruptible = True
+
+    def __init__(self, abortable: bool = True) -> None:
+        self.abortable = abortable
+        self.first, self.gate = threading.Event(), threading.Event()  # the first call's, later
+        self.calls: list[list[int]] = []
+        self.interrupted = False
+        self.ended: set[int] = set()  # groups whose requests abort_groups ended
+
+    def generate(self, requests, sampling, interrupt=None, abort_groups=None):
+        self.calls.append([r.group for r in requests])
+        gate = self.first if len(self.calls) == 1 else self.gate
+        ended: dict[int, GenerationResult] = {}
+        while not gate.wait(0.01) and len(ended) < len(requests):
+            if interrupt is not None and interrupt():
+                self.interrupted = True
+                break
+            gone = abort_groups() if abort_groups is not None else frozenset()
+            for i, request in enumerate(requests):
+                if request.group in gone and i not in ended:
+                    ended[i] = GenerationResult([4], [0.0], "interrupted")
+                    self.ended.add(request.group)
+        reason = "interrupted" if self.interrupted else "length"
+        return [
+            ended.get(i, GenerationResult([1, 2, 3], [0.0] * 3, reason))
+            for i in range(len(requests))
+        ]
+
+
+def _ask(engine, group: int) -> tuple[threading.Thread, dict]:
+    request = [GenerationRequest([1], seed=group, group=group)] * 2
+    return _in_thread(engine.generate, request, SamplingParams(max_new_tokens=3))
+
+
+def test_a_group_aborted_while_queued_is_never_sent():
+    """Group 3 waits in the lane's queue behind group 9's call when it is aborted. Before
+    issue 57 its requests were still sent in the lane's next call; now they leave the queue
+    unsent and its caller raises GroupAborted, while group 8 queued beside it is sent."""
+    replica = _Held()
+    versioned = VersionedEngine(replica)
+    versioned._tokens[3] = {0: 5}  # group 3 sampled under version 0 before
+    first = _ask(versioned, 9)
+    _until(lambda: len(replica.calls) == 1)
+    rest = {g: _ask(versioned, g) for g in (3, 8)}
+    _until(lambda: len(versioned._lanes[0].pending) == 2)
+    assert versioned.abort_older_than(1) == [3]
+    replica.first.set()
+    replica.gate.set()
+    for thread, _ in [first, *rest.values()]:
+        thread.join(30)
+    assert isinstance(rest[3][1].get("error"), GroupAborted)
+    assert replica.calls == [[9, 9], [8, 8]]  # group 3 never reached the engine
+    assert [r.token_ids for r in rest[8][1]["value"]] == [[1, 2, 3]] * 2
+
+
+def test_an_abort_ends_only_its_group_s_requests_and_the_call_goes_on():
+    """Groups 3 and 8 share a call on an engine that can end one group's requests alone
+    (``abortable``). Before issue 57 the abort of group 3 interrupted the whole call and
+    group 8 went on in a call of its own; now only group 3's requests end, group 8's finish
+    in the same call."""
+    replica = _Held()
+    versioned = VersionedEngine(replica)
+    versioned._tokens[3] = {0: 5}
+    first = _ask(versioned, 9)  # the replica busy: the next two wait together
+    _until(lambda: len(replica.calls) == 1)
+    both = {g: _ask(versioned, g) for g in (3, 8)}
+    _until(lambda: len(versioned._lanes[0].pending) == 2)
+    replica.first.set()
+    first[0].join(30)
+    versioned.tokens_of(9)  # finished: its sampler takes its counts
+    _until(lambda: len(replica.calls) == 2)
+    assert sorted(replica.calls[1]) == [3, 3, 8, 8]
+    assert versioned.abort_older_than(1) == [3]
+    _until(lambda: replica.ended == {3})  # its requests end mid-call; the call goes on
+    replica.gate.set()
+    for thread, _ in both.values():
+        thread.join(30)
+    assert isinstance(both[3][1].get("error"), GroupAborted)
+    assert [r.token_ids for r in both[8][1]["value"]] == [[1, 2, 3]] * 2
+    assert len(replica.calls) == 2 and not replica.interrupted  # no call of its own
+    assert versioned.interruptions == 0 and versioned.group_aborts == 1
+
+
+def test_the_hf_engine_ends_an_aborted_group_between_decode_steps_and_the_rest_goes_on():
+    engine = _hf_engine()
+    sampling = SamplingParams(max_new_tokens=12)
+    requests = [GenerationRequest([5, 17, 33], seed=20 + g, group=g) for g in (0, 1, 0, 1)]
+    polls = []
+
+    def abort_groups():  # polled as the batch starts, then after each decode step
+        polls.append(1)
+        return frozenset({1}) if len(polls) >= 4 else frozenset()  # after the third
+
+    out = engine.generate(requests, sampling, abort_groups=abort_groups)
+    alone = engine.generate([requests[0], requests[2]], sampling)
+    assert [len(r.token_ids) for r in out] == [12, 3, 12, 3]
+    assert [r.finish_reason for r in out] == ["length", "interrupted"] * 2
+    assert [out[0].token_ids, out[2].token_ids] == [r.token_ids for r in alone]
+    assert out[1].token_ids == engine.generate([requests[1]], sampling)[0].token_ids[:3]
+
+
+@pytest.mark.vllm
+def test_vllm_takes_a_budget_per_request_and_ends_an_aborted_group_alone(tmp_path):
+    """vLLM's engine (``VLLMEngine``): one call whose requests carry budgets of their own (a
+    ``SamplingParams`` per prompt), and an abort of group 1 between engine steps that ends its
+    requests by id while group 0's run to their end, sampling what they sample alone."""
+    pytest.importorskip("vllm")
+    from tests.test_rollout_vllm import _save_tiny_qwen2, _tiny_engine
+
+    engine = _tiny_engine(_save_tiny_qwen2(tmp_path / "tiny", 1))
+    try:
+        sampling = SamplingParams(max_new_tokens=6)
+        budgets = [
+            GenerationRequest([5, 17, 33], seed=31, max_new_tokens=3),
+            GenerationRequest([40, 41], seed=32, max_new_tokens=9),
+            GenerationRequest([9, 9, 9], seed=33),
+        ]
+        together = engine.generate(budgets, sampling)
+        assert [len(r.token_ids) for r in together] == [3, 9, 6]
+        for request, result in zip(budgets, together):
+            alone = engine.generate(
+                [GenerationRequest(request.prompt_ids, request.seed)],
+                SamplingParams(max_new_tokens=request.budget(sampling)),
+            )[0]
+            assert result.token_ids == alone.token_ids
+
+        sampling = SamplingParams(max_new_tokens=12)
+        requests = [GenerationRequest([5, 17, 33], seed=40 + g, group=g % 2) for g in range(4)]
+        polls = []
+
+        def abort_groups():
+            polls.append(1)
+            return frozenset({1}) if len(polls) >= 3 else frozenset()
+
+        out = engine.generate(requests, sampling, abort_groups=abort_groups)
+        alone = engine.generate(requests, sampling)
+        for request, result, full in zip(requests, out, alone):
+            if request.group == 0:
+                assert result.finish_reason == "length" and result.token_ids == full.token_ids
+            else:
+                assert result.finish_reason == "interrupted"
+                assert 0 < len(result.token_ids) < 12
+                assert result.token_ids == full.token_ids[: len(result.token_ids)]
+    finally:
+        engine.shutdown()

@@ -93,9 +93,13 @@ class Engine(ABC):
 
     ``interruptible``: ``generate`` takes ``interrupt`` (a callable polled between decode
     steps; once it returns True the call ends, every request still running with the tokens it
-    has and finish reason ``interrupted``), so new weights can land mid-sequence."""
+    has and finish reason ``interrupted``), so new weights can land mid-sequence.
+    ``abortable``: ``generate`` also takes ``abort_groups`` (a callable polled likewise,
+    returning a frozenset of ``GenerationRequest.group``s: their running requests end there as
+    interrupted, the rest of the call goes on), so a stale group is stopped alone."""
 
     interruptible = False
+    abortable = False
 
     @abstractmethod
     def generate(

@@ -119,6 +119,7 @@ class HFEngine(Engine):
         self._awake: set[str] = set(WAKE_TAGS)
 
     interruptible = True  # ``interrupt`` is polled after every decode step
+    abortable = True  # ``abort_groups`` too: one group's requests end, the others go on
 
     @property
     def device(self) -> torch.device:

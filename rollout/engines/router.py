@@ -162,6 +162,7 @@ class _Lane(Engine):
         self.router, self.index = router, index
         # as interruptible as its replica (a local engine; a remote one's calls cannot be)
         self.interruptible = bool(getattr(router.replicas[index], "interruptible", False))
+        self.abortable = bool(getattr(router.replicas[index], "abortable", False))
 
     def generate(self, requests, sampling, **kwargs):
         """The router's ``serve_lane`` for this lane (``kwargs``: the replica's own)."""

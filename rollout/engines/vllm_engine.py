@@ -212,6 +212,7 @@ class VLLMEngine(VLLMTransfer, Engine):
         self._request_ids = itertools.count()
 
     interruptible = True  # ``interrupt`` is polled after every engine step (``_run_steps``)
+    abortable = True  # ``abort_groups`` too: one group's requests end, the others go on
     adapter: VLLMAdapter | None = None  # LoRA: the adapters served (``lora``); and the
     _lora_request = None  # request that serves them since the first update (None: the base)
 
