@@ -42,10 +42,12 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
+from rollout.engines.router import ReplicaLostError
+from rollout.stream_lanes import LINGER_S, LINGER_SHARE, Lane, Lanes, linger
 
 __all__ = [
     "LINGER_S",
@@ -55,14 +57,6 @@ __all__ = [
     "UntrackedEngine",
     "VersionedEngine",
 ]
-
-#: How long a lane waits after a call came back before it sends the next, at most: this
-#: share of that call's seconds, and never more than ``LINGER_S``; it goes at once when as
-#: many requests wait as the call carried. The callers a call answered ask again within
-#: moments (an environment step later) and join the next call instead of alternating with
-#: the others in calls of their own.
-LINGER_SHARE = 0.05
-LINGER_S = 0.05
 
 
 class GroupAborted(Exception):
@@ -86,24 +80,13 @@ class _Job:
 
     requests: list[GenerationRequest]
     sampling: SamplingParams
+    lane: Lane
     groups: frozenset = frozenset()  # tracked prompts among them (abortable)
     outs: list[GenerationResult] | None = None
     version: int = 0
     error: BaseException | None = None
     done: bool = False
-
-
-@dataclass(eq=False)
-class _Lane:
-    engine: Any
-    interruptible: bool
-    abortable: bool = False  # its calls end one group's requests alone (``abort_groups``)
-    pending: list[_Job] = field(default_factory=list)
-    busy: bool = False
-    ended_at: float = 0.0  # when its last call came back (perf_counter)
-    last_s: float = 0.0  # how long it took
-    last_size: int = 0  # requests it carried (0: it has made no call yet)
-    queued_at: float = 0.0  # when its queue last went from empty to not
+    redo: bool = False  # never answered (its lane's replica lost, or followed away): route again
 
 
 class VersionedEngine:
@@ -118,8 +101,8 @@ class VersionedEngine:
     def __init__(self, engine, version: int = 0, *, partial: bool = False) -> None:
         self.engine = engine
         self.version = version
-        lanes = engine.lanes() if callable(getattr(engine, "lanes", None)) else [engine]
-        self._lanes = [_lane(e) for e in lanes]
+        self._routing = Lanes(engine)
+        self._partial = partial
         self.partial = partial and any(lane.interruptible for lane in self._lanes)
         self._cond = threading.Condition()
         self._held = False  # a load, or a hold, has the engine
@@ -134,6 +117,28 @@ class VersionedEngine:
         self.generated_tokens = 0
         self.interruptions = 0
         self.group_aborts = 0
+        self._resubmitted = 0  # requests moved off a lost replica's lane (take_resubmitted)
+
+    @property
+    def _lanes(self) -> list[Lane]:
+        return self._routing.lanes
+
+    def follow(self, engine) -> None:
+        """Serve through ``engine`` (the router the host connected: a replacement replica
+        among its lanes) from now on: its lanes take the next calls at once; jobs queued on
+        the old ones go to the new, and calls in flight there finish (``rollout.stream_lanes``)."""
+        with self._cond:
+            self.engine = engine
+            for job in self._routing.follow(engine):
+                job.redo = job.done = True
+            self.partial = self._partial and any(lane.interruptible for lane in self._lanes)
+            self._cond.notify_all()
+
+    def take_resubmitted(self) -> int:
+        """Requests resubmitted to live lanes since the last call, their replica lost."""
+        with self._cond:
+            count, self._resubmitted = self._resubmitted, 0
+        return count
 
     # ---------------------------------------------------------------- calls
 
@@ -148,9 +153,6 @@ class VersionedEngine:
         taking turns with the loads, but counted under no prompt and never aborted."""
         return UntrackedEngine(self)
 
-    def _lane_of(self, group: int) -> int:
-        return self.engine.lane_of(group) if len(self._lanes) > 1 else 0
-
     def _generate(self, requests, sampling, *, track: bool):
         results = [GenerationResult([], [], "length", {"versions": []}) for _ in requests]
         todo = list(range(len(requests)))
@@ -160,24 +162,28 @@ class VersionedEngine:
                 raise EngineClosed("the stream's engine is closed (the stream shuts down)")
             # One job per lane, whatever each request has left: a continued request carries
             # its own remaining budget (``GenerationRequest.max_new_tokens``).
-            parts: dict[int, list[int]] = {}
-            for i in todo:
-                parts.setdefault(self._lane_of(requests[i].group), []).append(i)
+            parts: dict[Lane, list[int]] = {}
+            with self._cond:  # the lane that serves each prompt now
+                for i in todo:
+                    parts.setdefault(self._routing.route(requests[i].group), []).append(i)
             jobs = [
                 (
-                    lane,
                     batch,
                     _Job(
                         [_continued(requests[i], results[i].token_ids, sampling) for i in batch],
                         sampling,
+                        lane,
                         frozenset(requests[i].group for i in batch) if track else frozenset(),
                     ),
                 )
                 for lane, batch in parts.items()
             ]
-            self._run([(lane, job) for lane, _, job in jobs])
+            self._run([job for _, job in jobs])
             todo = []
-            for _, batch, job in jobs:
+            for batch, job in jobs:
+                if job.redo:  # not answered: routed again, to a lane that serves
+                    todo += batch
+                    continue
                 if job.error is not None:
                     raise job.error
                 for i, out in zip(batch, job.outs):
@@ -208,36 +214,34 @@ class VersionedEngine:
                 if requests[i].group in self._doomed:
                     raise GroupAborted(requests[i].group)
 
-    def _run(self, jobs: list[tuple[int, _Job]]) -> None:
+    def _run(self, jobs: list[_Job]) -> None:
         """Queue ``jobs`` on their lanes and drive the lanes until every one has come back:
         this thread sends a free lane's whole queue (``_call``) or waits for another's call."""
         with self._cond:
-            for lane, job in jobs:
-                if not self._lanes[lane].pending:
-                    self._lanes[lane].queued_at = time.perf_counter()
-                self._lanes[lane].pending.append(job)
+            for job in jobs:
+                if not job.lane.pending:
+                    job.lane.queued_at = time.perf_counter()
+                job.lane.pending.append(job)
             self._cond.notify_all()
         while True:
             with self._cond:
                 while True:
-                    waiting = [lane for lane, job in jobs if not job.done]
+                    waiting = [job.lane for job in jobs if not job.done]
                     if not waiting:
                         return
                     if self._closed:  # its jobs not sent yet leave the queues
-                        for lane, job in jobs:
-                            if job in self._lanes[lane].pending:
-                                self._lanes[lane].pending.remove(job)
+                        for job in jobs:
+                            if job in job.lane.pending:
+                                job.lane.pending.remove(job)
                         raise EngineClosed("the stream's engine is closed (the stream shuts down)")
                     free = [
-                        self._lanes[i]
-                        for i in dict.fromkeys(waiting)
-                        if self._lanes[i].pending and not self._lanes[i].busy
+                        lane for lane in dict.fromkeys(waiting) if lane.pending and not lane.busy
                     ]
                     if free and not (self._held or self._loads_waiting):
-                        linger = _linger(free[0])
-                        if linger <= 0:
+                        wait_s = linger(free[0])
+                        if wait_s <= 0:
                             break
-                        self._cond.wait(linger)
+                        self._cond.wait(wait_s)
                         continue
                     self._cond.wait()
                 lane = free[0]
@@ -251,7 +255,7 @@ class VersionedEngine:
                 version, epoch = self.version, self._doom_epoch
             self._call(lane, batch, version, epoch)
 
-    def _drop_aborted(self, lane: _Lane) -> None:
+    def _drop_aborted(self, lane: Lane) -> None:
         """Queued jobs of aborted groups leave ``lane`` unsent: their callers raise
         ``GroupAborted`` (under ``_cond``)."""
         for job in [job for job in lane.pending if not job.groups.isdisjoint(self._doomed)]:
@@ -259,7 +263,7 @@ class VersionedEngine:
             job.error, job.done = GroupAborted(min(job.groups & self._doomed)), True
         self._cond.notify_all()
 
-    def _call(self, lane: _Lane, batch: list[_Job], version: int, epoch: int) -> None:
+    def _call(self, lane: Lane, batch: list[_Job], version: int, epoch: int) -> None:
         """One engine call for every job of ``batch`` on ``lane`` (one sampling setting)."""
         requests = [r for job in batch for r in job.requests]
         kwargs = {}
@@ -282,6 +286,8 @@ class VersionedEngine:
             kwargs["interrupt"] = interrupt
             if abortable:
                 kwargs["abort_groups"] = abort_groups
+        if lane.reports_loss:  # a lost replica's requests come back here, not to the router
+            kwargs["failover"] = False
         started = time.perf_counter()
         outs, error = None, None
         try:
@@ -293,6 +299,15 @@ class VersionedEngine:
             self.engine_s += seconds
             self.busy_s += seconds / len(self._lanes)
             self.call_sizes.append(len(requests))
+            if isinstance(error, ReplicaLostError) and lane.reports_loss:
+                # Its replica is gone: the lane takes no work again, and its requests (this
+                # call's and those queued) go to the lanes that serve.
+                moved = batch + self._routing.lost(lane)
+                for job in moved:
+                    job.redo = job.done = True
+                self._resubmitted += sum(len(job.requests) for job in moved)
+                error = None
+                batch = []
             if outs is not None:
                 self.generated_tokens += sum(len(out.token_ids) for out in outs)
                 cut = {r.group for r, o in zip(requests, outs) if o.finish_reason == "interrupted"}
@@ -314,7 +329,7 @@ class VersionedEngine:
     def _hold(self) -> None:
         with self._cond:
             self._loads_waiting += 1
-            while self._held or any(lane.busy for lane in self._lanes):
+            while self._held or self._routing.busy():
                 self._cond.wait()
             self._loads_waiting -= 1
             self._held = True
@@ -372,7 +387,7 @@ class VersionedEngine:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            while any(lane.busy for lane in self._lanes):
+            while self._routing.busy():
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     return False
@@ -422,24 +437,6 @@ class UntrackedEngine:
 
     def __getattr__(self, name: str):
         return getattr(self.versioned, name)
-
-
-def _lane(engine) -> _Lane:
-    """A lane for replica ``engine``: interruptible (``interrupt``) and abortable
-    (``abort_groups``) as the engine says."""
-    interruptible = bool(getattr(engine, "interruptible", False))
-    return _Lane(engine, interruptible, interruptible and bool(getattr(engine, "abortable", False)))
-
-
-def _linger(lane: _Lane) -> float:
-    """Seconds ``lane`` still waits before its next call (<= 0: go). Its first call waits
-    ``LINGER_S`` from the first request queued: the groups of a stream's start ask together."""
-    now = time.perf_counter()
-    if not lane.last_size:
-        return LINGER_S - (now - lane.queued_at)
-    if sum(len(job.requests) for job in lane.pending) >= lane.last_size:
-        return 0.0
-    return min(LINGER_S, LINGER_SHARE * lane.last_s) - (now - lane.ended_at)
 
 
 def _continued(

@@ -268,3 +268,96 @@ def test_vllm_takes_a_budget_per_request_and_ends_an_aborted_group_alone(tmp_pat
                 assert result.token_ids == full.token_ids[: len(result.token_ids)]
     finally:
         engine.shutdown()
+
+
+# ---------------------------------------------------------------- 1: the stream follows the router
+
+
+class _Peer:
+    """An ``EngineHost`` stand-in behind a ``LocalHandle`` (a peer replica; replica 0 when
+    used as the host's own engine): answers each request with one token and records the
+    groups it served; with ``dies``, every call raises ``ReplicaLostError`` (its process is
+    gone)."""
+
+    def __init__(self, dies: bool = False) -> None:
+        self.dies, self.tries, self.served, self.loads = dies, 0, [], 0
+
+    def generate(self, requests, sampling, *_call, **_kwargs):
+        from rollout.engines.router import ReplicaLostError
+
+        self.tries += 1
+        if self.dies:
+            raise ReplicaLostError("engine replica is lost: its process died")
+        self.served += [r.group for r in requests]
+        return [GenerationResult([1], [0.0], "length") for _ in requests]
+
+    def load_host_buckets(self, refs, specs) -> None:
+        self.loads += 1
+
+
+def _rollout_host(tmp_path, engine):
+    """The shipped ``RolloutHost`` (connect, take_weights, the stream) over stub engines,
+    prompts and agent loop: each group makes one engine call, with its ordinal as group."""
+    from rollout.agent_loop import RolloutOutput
+    from trainer.config import load_config
+    from trainer.loop.engines.rollout_host import RolloutHost
+
+    cfg = load_config(
+        None,
+        [
+            "train.max_staleness=1",
+            "rollout.engine_devices=3",
+            "algorithm.rollout_correction=token",
+            "train.batch_size=2",
+            "train.mini_batch_size=2",
+            f"run.dir={tmp_path}",
+        ],
+    )
+
+    class Host(RolloutHost):
+        def _sample(self, ordinal, items, engine=None, env_slots=None):
+            engine.generate([GenerationRequest([1], seed=0, group=ordinal)], SamplingParams())
+            return RolloutOutput(rows=[], metrics={}, faults=[])
+
+        def _batch_out(self, step, out, record_dir, version):
+            return {"metrics": out.metrics, "policy_version": version}, [out]
+
+        def load_host_buckets(self, refs, specs) -> None:  # its own engine's load
+            pass
+
+    host = Host(cfg)
+    host.engine = host.generator = engine
+    host.peers, host.waiting, host.weights_version, host.weight_load_s = [], [], 0, 0.0
+    host.prompts = type("Prompts", (), {"take": lambda self, first, count: [first]})()
+    host.prompts_consumed = 0
+    return host
+
+
+def test_a_lost_replica_s_requests_go_to_live_lanes_and_its_replacement_serves_the_stream(
+    tmp_path,
+):
+    """Three replicas, prompt g on replica g % 3; replica 2 is lost at its first call. Its
+    request goes to a live lane (counted in ``stream/requests_resubmitted``) and its lane takes
+    no more work. The controller connects a replacement, which the next load fills: from then
+    on it serves prompt 5, dealt to replica 2. Before issue 57 the stream kept the router of its
+    start, and the replacement never served it."""
+    from trainer.loop.cluster.local import LocalHandle
+
+    local, a, lost, replacement = _Peer(), _Peer(), _Peer(dies=True), _Peer()
+    host = _rollout_host(tmp_path, local)
+    assert host.connect([LocalHandle(a), LocalHandle(lost)]) == 3
+    host.stream_start(0, 1)  # 2 prompts a step, s = 1: prompts 0..3 start
+    try:
+        _until(lambda: host.stream.waiting == 4)
+        metrics = host.stream_take(1, None, timeout_s=60)[0]["metrics"]
+        assert metrics["stream/requests_resubmitted"] == 1.0  # prompt 2's, once
+        assert lost.tries == 1 and lost.served == []
+        assert sorted(local.served) == [0, 2, 3] and a.served == [1]
+        assert host.generator.take_lost() == [2]
+        # the controller's replacement (trainer.loop.schedule.replicas): connected, then loaded
+        host.connect([LocalHandle(a), LocalHandle(replacement)], waiting=[2])
+        assert host.take_weights([1, "refs", "specs"]) == 1 and replacement.loads == 1
+        _until(lambda: 5 in replacement.served)  # prompts 4 and 5 start under version 1
+        assert 4 in a.served and lost.tries == 1
+    finally:
+        host.stream_shutdown(timeout_s=10)

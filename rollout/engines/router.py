@@ -78,17 +78,29 @@ class ReplicaRouter(Engine):
         return results  # type: ignore[return-value]
 
     def serve_lane(
-        self, lane: int, requests: list[GenerationRequest], sampling: SamplingParams, **kwargs
+        self,
+        lane: int,
+        requests: list[GenerationRequest],
+        sampling: SamplingParams,
+        *,
+        failover: bool = True,
+        **kwargs,
     ) -> list[GenerationResult]:
         """The requests dealt to replica ``lane``: served by it (``kwargs``: its own, e.g. an
         interruptible replica's ``interrupt``), or, once it is lost (or while it waits to
-        join), dealt again over the surviving replicas (without ``kwargs``)."""
+        join), dealt again over the surviving replicas (without ``kwargs``). Without
+        ``failover`` a lost replica's call raises ``ReplicaLostError`` instead (marked lost
+        all the same): the caller resubmits its requests itself (a stream's lanes)."""
         if lane not in self._out:
             try:
                 with self._locks[lane]:
                     return self.replicas[lane].generate(requests, sampling, **kwargs)
             except ReplicaLostError:
                 self.mark_lost(lane)
+                if not failover:
+                    raise
+        elif not failover and lane in self._gone:
+            raise ReplicaLostError(f"engine replica {lane} is lost")
         return self._redeal(requests, sampling)
 
     def mark_lost(self, replica: int) -> None:
@@ -99,6 +111,10 @@ class ReplicaRouter(Engine):
                 self._out.add(replica)
                 self._gone.add(replica)
                 self._lost.append(replica)
+
+    def serving(self, replica: int) -> bool:
+        """Whether replica ``replica`` is dealt to now: neither lost nor waiting to join."""
+        return replica not in self._out
 
     def is_lost(self, replica: int) -> bool:
         """Whether replica ``replica`` is lost (it never serves again)."""
@@ -156,7 +172,10 @@ class ReplicaRouter(Engine):
 
 
 class _Lane(Engine):
-    """Replica ``index`` of ``router`` as an engine of its own, with the router's failover."""
+    """Replica ``index`` of ``router`` as an engine of its own, with the router's failover
+    (``failover=False``: a lost replica's call raises ``ReplicaLostError``)."""
+
+    reports_loss = True
 
     def __init__(self, router: ReplicaRouter, index: int) -> None:
         self.router, self.index = router, index

@@ -225,6 +225,8 @@ class RolloutHost(StreamingHost, EngineHost):
         if peers:
             remotes = [RemoteEngine(h, i) for i, h in enumerate(peers, start=1)]
             self.generator = ReplicaRouter([self.engine, *remotes], self.waiting)
+            if self.versioned is not None:  # a stream samples: its lanes follow the new router
+                self.versioned.follow(self.generator)
         return 1 + len(peers)
 
     def take_weights(self, weights: list | None) -> int:
@@ -250,13 +252,15 @@ class RolloutHost(StreamingHost, EngineHost):
         replicas = waiting if held else range(1, 1 + len(self.peers))
         mine = None if held else (lambda: getattr(self, method)(*args))
         began = time.perf_counter()
-        self.between_calls(
-            lambda: load_into_peers(self.peers, self.generator, replicas, method, args, mine),
-            None if target is None else int(target),
-        )
+
+        def load() -> None:
+            load_into_peers(self.peers, self.generator, replicas, method, args, mine)
+            if waiting:  # before a stream's groups go on: they are dealt to them at once
+                self.generator.serve(waiting)
+
+        self.between_calls(load, None if target is None else int(target))
         self.weight_load_s = time.perf_counter() - began
         if waiting:
-            self.generator.serve(waiting)
             self.waiting = []
         self.weights_version = None if target is None else int(target)
         return self.weights_version

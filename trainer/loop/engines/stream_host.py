@@ -204,6 +204,8 @@ class StreamingHost:
                 "stream/trainer_idle_share": min(1.0, waited / interval),
                 "stream/engine_idle_share": max(0.0, 1.0 - (busy - last_busy) / interval),
                 "stream/calls_interrupted": float(self.versioned.interruptions - last_cut),
+                # a lost replica's requests, sent again to the replicas that serve
+                "stream/requests_resubmitted": float(engine.take_resubmitted()),
                 # every live group's turns batched together (rollout.versioned)
                 "stream/requests_per_call": (
                     sum(recent_calls) / len(recent_calls) if recent_calls else 0.0
