@@ -102,7 +102,7 @@ def test_a_tp_2_vllm_engine_of_its_own_takes_the_collective_push_as_it_takes_sna
         "rollout.engine=vllm",
         "rollout.engine_devices=2",
         "rollout.tensor_parallel_size=2",
-        "rollout.memory_fraction=0.05",  # each CPU worker's KV cache: a share of host memory
+        "rollout.memory_fraction=0.1",  # each CPU worker's KV cache, past its own RSS (vLLM)
         "train.rollout_lag=1",
         "algorithm.rollout_correction=token",
         "train.total_steps=3",
@@ -141,7 +141,7 @@ def test_a_colocated_tp_2_vllm_engine_takes_the_ipc_push_as_an_engine_of_its_own
         *VLLM_JOB,
         "train.dp_size=2",
         "rollout.tensor_parallel_size=2",
-        "rollout.memory_fraction=0.05",  # each CPU worker's KV cache: a share of host memory
+        "rollout.memory_fraction=0.1",  # each CPU worker's KV cache, past its own RSS (vLLM)
         "train.total_steps=3",
     ]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")  # one NUMA node here
