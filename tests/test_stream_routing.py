@@ -14,6 +14,7 @@ import pytest
 
 from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from rollout.streaming import GroupAborted, VersionedEngine
+from trainer.loop.engines.rollout_host import EngineHost
 
 
 def _until(condition, timeout_s: float = 30.0) -> None:
@@ -361,3 +362,100 @@ def test_a_lost_replica_s_requests_go_to_live_lanes_and_its_replacement_serves_t
         assert 4 in a.served and lost.tries == 1
     finally:
         host.stream_shutdown(timeout_s=10)
+
+
+# ---------------------------------------------------------------- 4: remote calls interrupted
+
+
+class _UntilInterrupted:
+    """A replica's engine whose first call decodes until it is interrupted (up to 120 s, a
+    long tail) and whose later calls answer at once; ``abort_groups`` ends those groups'
+    requests alone. Records the groups of every call."""
+
+    interruptible = abortable = True
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    def generate(self, requests, sampling, interrupt=None, abort_groups=None):
+        self.calls.append([r.group for r in requests])
+        if len(self.calls) > 1:
+            return [GenerationResult([2], [0.0], "length") for _ in requests]
+        ended: dict[int, GenerationResult] = {}
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (interrupt is not None and interrupt()):
+            gone = abort_groups() if abort_groups is not None else frozenset()
+            for i, r in enumerate(requests):
+                if r.group in gone:
+                    ended.setdefault(i, GenerationResult([9], [0.0], "interrupted"))
+            time.sleep(0.01)
+        cut = GenerationResult([1], [0.0], "interrupted")
+        return [ended.get(i, cut) for i in range(len(requests))]
+
+
+class _PeerHost(EngineHost):
+    """The shipped ``EngineHost`` (its ``generate`` and ``interrupt_call``) over the stub
+    engine above (imported by Ray's worker as ``tests.test_stream_routing``)."""
+
+    def setup(self):
+        self.engine = _UntilInterrupted()
+
+    def engine_calls(self):
+        return self.engine.calls
+
+
+@pytest.mark.slow
+def test_a_load_with_partial_rollouts_ends_a_remote_replica_s_call_too(local_ray, tmp_path):
+    """Two replicas, each in a call that decodes until interrupted; group 3 on the remote one
+    is aborted mid-call first. Before issue 57 only the local replica's call could be
+    interrupted: the load waited for the remote call's end (here 120 s, a long tail) and the
+    abort cut nothing there. Now the remote call ends group 3's requests alone, then ends at
+    the load, and the callers go on under the new weights."""
+    import ray
+
+    from rollout.engines.router import ReplicaRouter
+    from tests.test_stream_routing import _PeerHost  # by a name Ray's workers import
+    from trainer.config import load_config
+    from trainer.loop.engines.remote_engine import RemoteEngine, peer_actor_options
+
+    cfg = load_config(
+        None,
+        [
+            "train.max_staleness=1",
+            "rollout.engine_devices=2",
+            "algorithm.rollout_correction=token",
+            f"run.dir={tmp_path}",
+        ],
+    )
+    options = peer_actor_options(cfg)
+    peer = ray.remote(**options)(_PeerHost).options(num_cpus=0).remote(cfg, 1, 1)
+    ray.get(peer.setup.remote())
+    calls = peer.engine_calls.options(concurrency_group="control")  # beside its call
+    router = ReplicaRouter([_UntilInterrupted(), RemoteEngine(peer, 1, controllable=True)])
+    versioned = VersionedEngine(router, partial=True)
+    assert versioned.partial and all(lane.abortable for lane in versioned._lanes)
+    try:
+        versioned._tokens[3] = {0: 5}  # group 3 sampled under version 0 before
+        sampling = SamplingParams(max_new_tokens=4)
+        callers = {
+            g: _in_thread(versioned.generate, [GenerationRequest([1], seed=g, group=g)], sampling)
+            for g in (0, 1, 3)  # 0 on the local replica, 1 and 3 on the remote one
+        }
+        _until(lambda: ray.get(calls.remote()) == [[1, 3]])
+        assert versioned.abort_older_than(1) == [3]
+        time.sleep(0.2)  # the remote call reads the abort; nothing else ends it
+        loader = _in_thread(versioned.load, lambda: None, 1)[0]
+        loader.join(60)
+        assert not loader.is_alive()  # before: blocked until the remote call's 120 s ran out
+        for thread, _ in callers.values():
+            thread.join(60)
+        assert isinstance(callers[3][1].get("error"), GroupAborted)
+        for g in (0, 1):
+            result = callers[g][1]["value"][0]
+            assert result.token_ids[0] == 1 and result.extra["versions"][0] == 0
+            assert result.extra["versions"][-1] == 1  # went on under the new weights
+        assert ray.get(calls.remote()) == [[1, 3], [1]]
+    finally:
+        versioned.close(10)
+        router.shutdown()
+        ray.kill(peer)

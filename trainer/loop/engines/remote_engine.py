@@ -3,33 +3,145 @@
 gone raises ``ReplicaLostError``, so the router deals its requests to the others. Loading new
 weights into the peers skips lost ones the same way
 (``trainer.loop.weights.engine_weights.load_into_peers``).
+
+A streamed run's peers can be interrupted as the local replica is: their actors have a
+``control`` concurrency group (``peer_actor_options``) where ``EngineHost.interrupt_call`` runs
+beside the call in flight. ``RemoteEngine.generate`` names each call it sends, and while it
+waits, polls the stream's ``interrupt`` and ``abort_groups`` and passes on what they say; the
+peer's call (``CallSignals.run``) reads it between decode steps. So a load with partial
+rollouts ends every replica's call after its current step, and a stale group's requests end
+on any replica.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import threading
+from dataclasses import dataclass
+
 from rollout.engines.base import Engine
 from rollout.engines.router import ReplicaLostError
-from trainer.loop.cluster.local import fetch
+from trainer.loop.cluster.local import LocalRef, fetch
+
+#: The concurrency group of a peer's actor where calls to its call in flight run.
+CONTROL_GROUP = "control"
+#: Seconds between two looks at the stream's interrupt and aborts while a peer's call runs.
+POLL_S = 0.01
+_CALL_IDS = itertools.count()
+
+
+def peer_actor_options(cfg) -> dict:
+    """``ray.remote`` options of a peer replica's actor (``trainer.loop.start.spawn``): a
+    ``control`` concurrency group in a streamed run (``train.max_staleness``), where calls can
+    be interrupted; none otherwise, so its tasks keep running on the actor's main thread."""
+    if cfg.train.max_staleness is None:
+        return {}
+    return {"concurrency_groups": {CONTROL_GROUP: 1}}
 
 
 class RemoteEngine(Engine):
-    """An ``EngineHost`` actor (``handle``, engine replica ``replica``) seen as an ``Engine``."""
+    """An ``EngineHost`` actor (``handle``, engine replica ``replica``) seen as an ``Engine``.
+    ``controllable``: its actor has the ``control`` group (``peer_actor_options``), so its
+    calls are ``interruptible`` and ``abortable`` as a local engine's."""
 
-    def __init__(self, handle, replica: int | None = None) -> None:
+    def __init__(self, handle, replica: int | None = None, controllable: bool = False) -> None:
         self.handle = handle
         self.replica = replica
+        self.interruptible = self.abortable = controllable
 
-    def generate(self, requests, sampling):
+    def generate(self, requests, sampling, interrupt=None, abort_groups=None):
         """Generate on the remote replica and wait for it; ``ReplicaLostError`` when its
-        process died (before or during the call)."""
+        process died (before or during the call). ``interrupt`` / ``abort_groups``: polled
+        every ``POLL_S`` while the call runs, and passed on to it (``interruptible`` only)."""
         import ray
 
+        watched = self.interruptible and (interrupt is not None or abort_groups is not None)
         try:
-            return fetch(self.handle.generate.remote(requests, sampling))
+            if not watched:
+                return fetch(self.handle.generate.remote(requests, sampling))
+            call = f"{os.getpid()}-{next(_CALL_IDS)}"
+            ref = self.handle.generate.remote(requests, sampling, call)
+            self._watch(ref, call, interrupt, abort_groups)
+            return fetch(ref)
         except ray.exceptions.RayActorError as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ReplicaLostError(f"engine replica {self.replica} is lost: {first}") from err
 
+    def _watch(self, ref, call: str, interrupt, abort_groups) -> None:
+        """Until ``ref`` is ready: pass the stream's interrupt and newly aborted groups to the
+        peer's call ``call`` (``EngineHost.interrupt_call``, in its ``control`` group)."""
+        control = self.handle.interrupt_call.options(concurrency_group=CONTROL_GROUP)
+        cut, sent = False, frozenset()
+        while not _ready(ref, POLL_S):
+            if not cut and interrupt is not None and interrupt():
+                control.remote(call)
+                cut = True
+            gone = abort_groups() if abort_groups is not None else frozenset()
+            if gone - sent:
+                control.remote(call, sorted(gone - sent))
+                sent |= gone
+
     def update_weights(self, named_tensors) -> None:
         """Not here: the replica's own training ranks sync it."""
         raise NotImplementedError("engine replicas are synced by their own training ranks")
+
+
+def _ready(ref, timeout_s: float) -> bool:
+    """Whether the call behind ``ref`` has ended, waiting up to ``timeout_s`` seconds (an
+    in-process call has ended when its ref exists)."""
+    if isinstance(ref, LocalRef):
+        return True
+    import ray
+
+    return bool(ray.wait([ref], timeout=timeout_s)[0])
+
+
+@dataclass
+class _Signal:
+    cut: bool = False  # the whole call ends after its current decode step
+    groups: frozenset = frozenset()  # the groups whose requests end there
+
+
+class CallSignals:
+    """A peer engine host's side (``EngineHost.generate`` / ``interrupt_call``): what the
+    dealer asked of each named call, read by the call between decode steps."""
+
+    #: Signals kept for calls that have not begun or have already ended, at most.
+    KEPT = 256
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._signals: dict[str, _Signal] = {}
+
+    def _signal(self, call: str) -> _Signal:
+        with self._lock:
+            if call not in self._signals and len(self._signals) >= self.KEPT:
+                self._signals.pop(next(iter(self._signals)))  # the oldest: long over
+            return self._signals.setdefault(call, _Signal())
+
+    def run(self, engine, requests, sampling, call: str | None):
+        """``engine.generate`` on ``requests``; a named ``call`` ends after its current decode
+        step once ``interrupt`` names it, and the requests of the groups ``interrupt`` names
+        end there (``Engine.interruptible`` / ``abortable`` engines)."""
+        if call is None or not getattr(engine, "interruptible", False):
+            return engine.generate(requests, sampling)
+        signal = self._signal(call)
+        kwargs = {"interrupt": lambda: signal.cut}
+        if getattr(engine, "abortable", False):
+            kwargs["abort_groups"] = lambda: signal.groups
+        try:
+            return engine.generate(requests, sampling, **kwargs)
+        finally:
+            with self._lock:
+                self._signals.pop(call, None)
+
+    def interrupt(self, call: str, groups=None) -> None:
+        """End call ``call`` after its current decode step (``groups`` None), or only the
+        requests of ``groups`` in it; a call not begun yet reads it when it begins."""
+        signal = self._signal(call)
+        with self._lock:
+            if groups is None:
+                signal.cut = True
+            else:
+                signal.groups = signal.groups | frozenset(groups)

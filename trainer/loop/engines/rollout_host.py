@@ -25,6 +25,7 @@ from trainer.config.schema import Config
 from trainer.loop.cluster.group import agree_on_settings
 from trainer.loop.cluster.local import put
 from trainer.loop.cluster.startup import Phases, process_start_time
+from trainer.loop.engines.remote_engine import CallSignals
 from trainer.loop.engines.rollout_meta import batch_metadata, combine_rollout_metrics
 from trainer.loop.engines.sampling import run_config_rollouts
 from trainer.loop.engines.stream_host import StreamingHost
@@ -70,6 +71,7 @@ class EngineHost(EngineWeights):
         self.threads = threads
         self.replica = replica
         self.engine = None
+        self.calls = CallSignals()  # what the rollout host asks of its calls in flight
 
     def setup(self) -> dict[str, Any]:
         """Load tokenizer, model and engine."""
@@ -138,9 +140,15 @@ class EngineHost(EngineWeights):
             "kv_sequences": concurrent_sequences(self.engine),  # the rollout limit's waves
         }
 
-    def generate(self, requests: list, sampling) -> list:
-        """The engine's ``generate`` on the requests dealt to this replica."""
-        return self.engine.generate(requests, sampling)
+    def generate(self, requests: list, sampling, call: str | None = None) -> list:
+        """The engine's ``generate`` on the requests dealt to this replica; ``call``: its name,
+        for ``interrupt_call`` (a stream's calls, ``RemoteEngine``)."""
+        return self.calls.run(self.engine, requests, sampling, call)
+
+    def interrupt_call(self, call: str, groups: list[int] | None = None) -> None:
+        """End call ``call`` after its current decode step, or (``groups``) only the requests
+        of those groups in it; runs in the actor's ``control`` group beside the call."""
+        self.calls.interrupt(call, groups)
 
     def sleep(self, discard_weights: bool = False) -> None:
         """Free the devices for the training ranks (weights and KV cache); ``discard_weights``:
@@ -223,7 +231,8 @@ class RolloutHost(StreamingHost, EngineHost):
         if self.waiting and getattr(self, "push_receiver", None) is not None:
             self.push_receiver.include(self.waiting)  # members of the next transfer group
         if peers:
-            remotes = [RemoteEngine(h, i) for i, h in enumerate(peers, start=1)]
+            streamed = self.cfg.train.max_staleness is not None  # peers take interrupts
+            remotes = [RemoteEngine(h, i, streamed) for i, h in enumerate(peers, start=1)]
             self.generator = ReplicaRouter([self.engine, *remotes], self.waiting)
             if self.versioned is not None:  # a stream samples: its lanes follow the new router
                 self.versioned.follow(self.generator)

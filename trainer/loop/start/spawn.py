@@ -24,11 +24,21 @@ class Spawner:
     backend: Any
     in_process: bool
 
-    def spawn(self, cls, rank: int, share: float, *args, env: dict | None = None, engine=None):
+    def spawn(
+        self,
+        cls,
+        rank: int,
+        share: float,
+        *args,
+        env: dict | None = None,
+        engine=None,
+        actor: dict | None = None,
+    ):
         """A worker of class ``cls`` built with ``args``: a Ray actor on training rank
         ``rank``'s bundle (or, ``engine`` given, on that engine replica's own first bundle)
-        taking ``share`` of its device (``env``: its extra environment), or, in one process,
-        the object itself behind a ``LocalHandle``."""
+        taking ``share`` of its device (``env``: its extra environment; ``actor``: options of
+        its actor class, e.g. concurrency groups), or, in one process, the object itself behind
+        a ``LocalHandle``."""
         if self.in_process:
             from trainer.loop.cluster.local import LocalHandle
 
@@ -44,7 +54,8 @@ class Spawner:
         opts = actor_options(self.placement, rank, share, strategy=strategy, resource=kind)
         if env is not None:
             opts["runtime_env"] = {"env_vars": env}
-        return ray.remote(cls).options(**opts).remote(*args)
+        actor_class = ray.remote(**actor)(cls) if actor else ray.remote(cls)
+        return actor_class.options(**opts).remote(*args)
 
     def group(self, role: str) -> WorkerGroup:
         """The workers of training role ``role``, one per rank."""
@@ -86,6 +97,7 @@ class Spawner:
         """Engine replica ``index`` of the layout, on its tp group's first rank's bundle (its
         own bundle when separate): the rollout host for 0, else an ``EngineHost``. Also how a
         lost replica is started again in its place (``trainer.loop.schedule.replicas``)."""
+        from trainer.loop.engines.remote_engine import peer_actor_options
         from trainer.loop.engines.rollout_host import EngineHost, RolloutHost
 
         cfg, layout, backend = self.cfg, self.layout, self.engine_backend()
@@ -104,7 +116,11 @@ class Spawner:
         cls = RolloutHost if rep.index == 0 else EngineHost
         first = rep.ranks[0] if rep.ranks else 0
         engine = rep.index if layout.separate else None
-        return self.spawn(cls, first, share, cfg, threads, rep.index, env=env, engine=engine)
+        # a peer of a stream takes interrupts beside its call in flight (RemoteEngine)
+        actor = peer_actor_options(cfg) if rep.index else None
+        return self.spawn(
+            cls, first, share, cfg, threads, rep.index, env=env, engine=engine, actor=actor
+        )
 
     def process_env(self, backend, kind: str) -> dict[str, str]:
         """What every process of ``kind`` starts with: its collectives' ports (``port_env``)
