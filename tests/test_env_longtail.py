@@ -40,6 +40,19 @@ def test_turns_lengths_and_latencies_have_long_tails():
     assert max(delays) <= 2.0
 
 
+def test_a_per_episode_latency_waits_alike_at_every_step_of_an_episode():
+    """``delay_per="episode"``: one draw per episode (a slow sandbox stays slow), still
+    heavy-tailed over episodes."""
+    env = LongTailEnv(delay_per="episode", median_delay_s=0.02, max_delay_s=2.0)
+    env.reset(7)
+    assert env.delay_s("12") == env.delay_s("13")
+    env.step("12")
+    assert env.delay_s("99") == env.delay_s("12")
+    _, _, delays = _draws(env, range(2000))
+    ordered = sorted(delays)
+    assert ordered[int(0.99 * len(ordered))] > 10 * statistics.median(delays)
+
+
 def test_an_episode_plays_to_its_own_end():
     env = LongTailEnv(median_delay_s=0.0, max_delay_s=0.0)
     for seed in range(20):
@@ -70,6 +83,7 @@ def test_the_async_variant_waits_and_answers_alike():
         ({"turn_alpha": 0.0}, "turn_alpha"),
         ({"median_delay_s": 3.0, "max_delay_s": 2.0}, "median_delay_s"),
         ({"delay_sigma": -1}, "delay_sigma"),
+        ({"delay_per": "turn"}, "delay_per"),
     ],
 )
 def test_bad_settings_name_the_key(kwargs, key):

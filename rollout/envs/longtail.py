@@ -8,8 +8,10 @@ seed so a rerun waits and answers the same:
   turns, a few take all);
 - tool latency: every ``step`` first waits ``median_delay_s x LogNormal(0, delay_sigma)``
   seconds, at most ``max_delay_s`` (a search or a sandbox: mostly quick, now and then very
-  slow); the wait is ``time.sleep`` (``AsyncLongTailEnv``: ``asyncio.sleep``), so it costs no
-  CPU and a 2-core machine can overlap it with generation and training;
+  slow), drawn per step or, with ``delay_per="episode"``, once per episode (a slow sandbox
+  stays slow for every call of its episode); the wait is ``time.sleep``
+  (``AsyncLongTailEnv``: ``asyncio.sleep``), so it costs no CPU and a 2-core machine can
+  overlap it with generation and training;
 - answer length: the numbers have ``1 + floor(Pareto(length_alpha))`` digits, at most
   ``max_length``, so a few episodes need long answers.
 
@@ -47,7 +49,10 @@ class LongTailEnv(SleepyEnv):
         median_delay_s: float = 0.02,
         delay_sigma: float = 1.5,
         max_delay_s: float = 2.0,
+        delay_per: str = "step",
     ) -> None:
+        if delay_per not in ("step", "episode"):
+            raise ValueError(f"longtail env delay_per={delay_per!r}: must be step or episode")
         checks = {
             "max_turns": (max_turns, 1, 64),
             "max_length": (max_length, 1, 9),
@@ -71,6 +76,7 @@ class LongTailEnv(SleepyEnv):
         self.max_turns, self.turn_alpha = int(max_turns), float(turn_alpha)
         self.max_length, self.length_alpha = int(max_length), float(length_alpha)
         self.median_delay_s, self.delay_sigma = float(median_delay_s), float(delay_sigma)
+        self.delay_per = delay_per
 
     def reset(self, seed: int) -> str:
         """Draw this episode's turns and answer length, then start it as ``recall`` does."""
@@ -80,8 +86,11 @@ class LongTailEnv(SleepyEnv):
         return super().reset(seed)
 
     def delay_s(self, action_text: str) -> float:
-        """Seconds the next step waits: seeded by (episode seed, turn, reply text)."""
+        """Seconds the next step waits: seeded by (episode seed, turn, reply text), or by the
+        episode seed alone with ``delay_per="episode"``."""
         key = f"{self._seed}/{len(self._credits)}/{zlib.crc32(action_text.encode())}"
+        if self.delay_per == "episode":
+            key = f"{self._seed}/episode"
         draw = random.Random(key).lognormvariate(0.0, self.delay_sigma)
         return min(self.max_delay_s, self.median_delay_s * draw) if math.isfinite(draw) else 0.0
 
