@@ -258,10 +258,12 @@ class VersionedEngine:
     def _drop_aborted(self, lane: Lane) -> None:
         """Queued jobs of aborted groups leave ``lane`` unsent: their callers raise
         ``GroupAborted`` (under ``_cond``)."""
-        for job in [job for job in lane.pending if not job.groups.isdisjoint(self._doomed)]:
+        aborted = [job for job in lane.pending if not job.groups.isdisjoint(self._doomed)]
+        for job in aborted:
             lane.pending.remove(job)
             job.error, job.done = GroupAborted(min(job.groups & self._doomed)), True
-        self._cond.notify_all()
+        if aborted:
+            self._cond.notify_all()
 
     def _call(self, lane: Lane, batch: list[_Job], version: int, epoch: int) -> None:
         """One engine call for every job of ``batch`` on ``lane`` (one sampling setting)."""
@@ -271,9 +273,11 @@ class VersionedEngine:
             groups = frozenset().union(*(job.groups for job in batch))
             partial, abortable = self.partial, lane.abortable
 
-            def interrupt() -> bool:  # a load (partial rollouts), a close; an abort where the
-                if self._closed or (partial and self._loads_waiting):  # engine cannot end
-                    return True  # one group's requests alone
+            def interrupt() -> bool:
+                # a load (partial rollouts) or a close ends the call; an abort does too where
+                # the engine cannot end one group's requests alone
+                if self._closed or (partial and self._loads_waiting):
+                    return True
                 if abortable:
                     return False
                 return self._doom_epoch != epoch and not groups.isdisjoint(self._doomed)
