@@ -25,25 +25,20 @@ On the CPU there are no streams: a gathered tensor is already on the host and is
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
 
 class PushStaging:
     """Rank 0's side of a staged push on device ``device_index`` of ``backend`` (a
-    ``hal.DeviceBackend``). ``device_module``: the ``torch.<device>`` module whose streams
-    order the copies (default: the backend's; tests pass a recording stand-in)."""
+    ``hal.DeviceBackend``, whose ``device_module`` gives the streams that order the copies)."""
 
-    def __init__(self, backend, device_index: int = 0, device_module=None) -> None:
+    def __init__(self, backend, device_index: int = 0) -> None:
         self.backend = backend
         self.device_index = int(device_index)
         self.streams = backend.is_accelerator
-        self.module = (
-            device_module
-            if device_module is not None
-            else (backend.device_module() if self.streams else None)
-        )
+        self.module = backend.device_module() if self.streams else None
         self.collective = None  # the push's own stream while ``sending``
 
     @property
@@ -71,8 +66,7 @@ class PushStaging:
         """Run the producer under a stream of the push's own: its broadcasts (vllm-ascend's
         run on the current stream) queue there, not on the stream the training step uses."""
         if not self.streams:
-            with nullcontext():
-                yield
+            yield
             return
         stream = self.module.Stream()
         self.collective = stream
