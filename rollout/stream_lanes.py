@@ -37,12 +37,15 @@ LINGER_S = 0.05
 class Lane:
     """One replica's queue and call state. ``interruptible``: its calls take ``interrupt``;
     ``abortable``: and ``abort_groups``; ``reports_loss``: its calls take ``failover=False``
-    and raise ``ReplicaLostError`` when the replica is gone (a ``ReplicaRouter`` lane)."""
+    and raise ``ReplicaLostError`` when the replica is gone (a ``ReplicaRouter`` lane);
+    ``joinable``: its calls take ``admit`` and ``on_result``, so requests queued while a call
+    runs join it (``rollout.stream_joins``)."""
 
     engine: Any
     interruptible: bool
     abortable: bool = False
     reports_loss: bool = False
+    joinable: bool = False
     pending: list = field(default_factory=list)  # jobs queued for its next call
     busy: bool = False
     dead: bool = False  # its replica was found lost: it takes no work again
@@ -53,10 +56,13 @@ class Lane:
 
 
 def make_lane(engine) -> Lane:
-    """A lane for replica ``engine``, as interruptible and abortable as the engine says."""
+    """A lane for replica ``engine``, as interruptible, abortable and joinable as the engine
+    says."""
     interruptible = bool(getattr(engine, "interruptible", False))
     abortable = interruptible and bool(getattr(engine, "abortable", False))
-    return Lane(engine, interruptible, abortable, bool(getattr(engine, "reports_loss", False)))
+    joinable = abortable and bool(getattr(engine, "joinable", False))
+    reports_loss = bool(getattr(engine, "reports_loss", False))
+    return Lane(engine, interruptible, abortable, reports_loss, joinable=joinable)
 
 
 def _replicas(engine) -> list:

@@ -13,7 +13,10 @@ call just came back waits a moment before the next (``LINGER_SHARE`` of that cal
 asking again at once, join the next call rather than alternate with the others in calls of
 their own; its first call waits ``LINGER_S`` for the groups that start together. So each
 replica decodes every live trajectory that waits for a turn together (HF: one padded batch;
-vLLM: its own scheduler over all of them), and the replicas run side by side.
+vLLM: its own scheduler over all of them), and the replicas run side by side. On a
+``joinable`` lane (``Engine.joinable``: the HF engine) the jobs queued while a call runs join
+it between decode steps, and each job comes back as soon as its requests end
+(``rollout.stream_joins``): the call runs for as long as it has work.
 
 A weight load (``load``; ``hold``/``release`` for colocated engines) waits for the lanes'
 calls to end, none starting meanwhile, and raises the version once for every lane. With
@@ -47,6 +50,7 @@ from typing import Any
 
 from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from rollout.engines.router import ReplicaLostError
+from rollout.stream_joins import JoinedCall
 from rollout.stream_lanes import LINGER_S, LINGER_SHARE, Lane, Lanes, linger
 
 __all__ = [
@@ -266,11 +270,14 @@ class VersionedEngine:
             self._cond.notify_all()
 
     def _call(self, lane: Lane, batch: list[_Job], version: int, epoch: int) -> None:
-        """One engine call for every job of ``batch`` on ``lane`` (one sampling setting)."""
-        requests = [r for job in batch for r in job.requests]
+        """One engine call for every job of ``batch`` on ``lane`` (one sampling setting); on a
+        ``joinable`` lane the jobs queued meanwhile join it (``rollout.stream_joins``)."""
+        groups: set = set()  # the call's tracked groups, grown as jobs join
+        call = JoinedCall(
+            self._cond, lane, batch, version, self._admits, self._drop_aborted, groups
+        )
         kwargs = {}
         if lane.interruptible:
-            groups = frozenset().union(*(job.groups for job in batch))
             partial, abortable = self.partial, lane.abortable
 
             def interrupt() -> bool:
@@ -285,48 +292,52 @@ class VersionedEngine:
             def abort_groups() -> frozenset:  # the groups of this call aborted since it began
                 if self._doom_epoch == epoch:
                     return frozenset()
-                return groups & self._doomed
+                with self._cond:
+                    return frozenset(groups & self._doomed)
 
             kwargs["interrupt"] = interrupt
             if abortable:
                 kwargs["abort_groups"] = abort_groups
+        if lane.joinable:
+            kwargs.update(admit=call.admit, on_result=call.on_result)
         if lane.reports_loss:  # a lost replica's requests come back here, not to the router
             kwargs["failover"] = False
         started = time.perf_counter()
         outs, error = None, None
         try:
-            outs = lane.engine.generate(requests, batch[0].sampling, **kwargs)
+            outs = lane.engine.generate(list(call.requests), batch[0].sampling, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - handed to each caller, which raises it
             error = exc
         seconds = time.perf_counter() - started
         with self._cond:
+            requests = call.requests
             self.engine_s += seconds
             self.busy_s += seconds / len(self._lanes)
             self.call_sizes.append(len(requests))
             if isinstance(error, ReplicaLostError) and lane.reports_loss:
                 # Its replica is gone: the lane takes no work again, and its requests (this
-                # call's and those queued) go to the lanes that serve.
-                moved = batch + self._routing.lost(lane)
+                # call's not answered yet and those queued) go to the lanes that serve.
+                moved = call.unanswered() + self._routing.lost(lane)
                 for job in moved:
                     job.redo = job.done = True
                 self._resubmitted += sum(len(job.requests) for job in moved)
                 error = None
-                batch = []
             if outs is not None:
                 self.generated_tokens += sum(len(out.token_ids) for out in outs)
                 cut = {r.group for r, o in zip(requests, outs) if o.finish_reason == "interrupted"}
                 aborted = cut & self._doomed if lane.abortable else set()
                 self.interruptions += bool(cut - aborted)  # the call, not only aborted groups
                 self.group_aborts += len(aborted)
-            start = 0
-            for job in batch:
-                end = start + len(job.requests)
-                job.outs = None if outs is None else outs[start:end]
-                job.error, job.version, job.done = error, version, True
-                start = end
+            call.finish(outs, error)
             lane.busy, lane.ended_at = False, time.perf_counter()
-            lane.last_s, lane.last_size = seconds, len(requests)
+            # what it began with: jobs that joined it are not a batch the next call should wait for
+            lane.last_s, lane.last_size = seconds, sum(len(job.requests) for job in batch)
             self._cond.notify_all()
+
+    def _admits(self) -> bool:
+        """Whether jobs may join a call in flight now: not while a load waits or holds the
+        engine, nor once closed (under ``_cond``)."""
+        return not (self._closed or self._held or self._loads_waiting)
 
     # ---------------------------------------------------------------- loads and aborts
 

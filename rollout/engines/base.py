@@ -96,10 +96,16 @@ class Engine(ABC):
     has and finish reason ``interrupted``), so new weights can land mid-sequence.
     ``abortable``: ``generate`` also takes ``abort_groups`` (a callable polled likewise,
     returning a frozenset of ``GenerationRequest.group``s: their running requests end there as
-    interrupted, the rest of the call goes on), so a stale group is stopped alone."""
+    interrupted, the rest of the call goes on), so a stale group is stopped alone.
+    ``joinable``: ``generate`` also takes ``admit`` (a callable polled likewise with the room
+    left in the batch, in requests, returning requests that join the running call; their
+    results follow the given ones', in the order admitted) and ``on_result(index, result)``
+    (called as each request ends, before the call returns), so a call runs for as long as it
+    has work (``rollout.stream_joins``)."""
 
     interruptible = False
     abortable = False
+    joinable = False
 
     @abstractmethod
     def generate(

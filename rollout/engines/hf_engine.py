@@ -38,46 +38,15 @@ from rollout.engines.base import (
     GenerationResult,
     SamplingParams,
 )
-from rollout.engines.kv_buffer import KVArena, share_prefill
+from rollout.engines.hf_steps import Admit, DecodeBatch, OnResult
+from rollout.engines.kv_buffer import KVArena
+from rollout.engines.sampler import filter_logits, sample_inverse_cdf
 
-#: Finished rows leave the decode batch once they are 1/_COMPACT_FRACTION of its rows: dropping
-#: them copies the cache, so it waits until it saves a sizeable share of every later step.
-_COMPACT_FRACTION = 8
+__all__ = ["HFEngine", "filter_logits", "sample_inverse_cdf"]
 
 #: The distinct prompts' common head is prefilled once (one extra forward) when that saves at
 #: least this many prompt tokens: below it, the extra call costs about what it saves.
 _MIN_SHARED_HEAD_TOKENS = 256
-
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) tokens outside top-k and outside the top-p nucleus; ``[B, V]`` logits.
-
-    ``top_k = 0`` and ``top_p = 1.0`` switch the filters off. The most likely token always stays.
-    """
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass of the tokens strictly before it already reaches top_p.
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Sample one token per row of ``probs`` ``[B, V]`` from uniforms ``[B]`` in [0, 1).
-
-    Tokens with probability 0 are never chosen.
-    """
-    cdf = probs.cumsum(dim=-1)
-    target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    # Float rounding can put the target at the very end: fall back to the last allowed token.
-    last_allowed = probs.shape[-1] - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1)
-    return torch.minimum(idx, last_allowed)
 
 
 class HFEngine(Engine):
@@ -120,6 +89,7 @@ class HFEngine(Engine):
 
     interruptible = True  # ``interrupt`` is polled after every decode step
     abortable = True  # ``abort_groups`` too: one group's requests end, the others go on
+    joinable = True  # ``admit`` too: requests join the running batch between decode steps
 
     @property
     def device(self) -> torch.device:
@@ -139,152 +109,85 @@ class HFEngine(Engine):
         sampling: SamplingParams,
         interrupt: Callable[[], bool] | None = None,
         abort_groups: Callable[[], frozenset[int]] | None = None,
+        admit: Admit | None = None,
+        on_result: OnResult | None = None,
     ) -> list[GenerationResult]:
         """Continue every request (prompt token ids), each up to its own budget
         (``GenerationRequest.budget``); results in request order. ``interrupt``: polled after
         each decode step; once True, every request still running ends with the tokens it has
         (finish reason ``interrupted``; those of batches not begun, with none).
         ``abort_groups``: polled likewise; the requests of the groups it names end there (as
-        interrupted), the others go on."""
+        interrupted), the others go on. ``admit`` (``joinable``): polled likewise with the
+        room left in the batch (requests), it returns requests that join the running batch
+        (``rollout.engines.hf_steps``), numbered after the given ones in the order admitted;
+        their results follow the given ones'. ``on_result(index, result)``: called as each
+        request ends, before the call returns."""
         if len(self._awake) < len(WAKE_TAGS):
             raise RuntimeError(
                 f"HFEngine.generate called while {self._sleeping()} asleep; call wake_up() first"
             )
         for i, req in enumerate(requests):
-            if len(req.prompt_ids) == 0:
-                raise ValueError(f"requests[{i}].prompt_ids is empty; give at least one token")
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+            self._check(req, sampling, f"requests[{i}]")
         results: list[GenerationResult | None] = [None] * len(requests)
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
-        for start in range(0, len(order), self.max_batch_size):
-            chunk = order[start : start + self.max_batch_size]
-            longest = max(len(requests[i].prompt_ids) for i in chunk)
-            budget = max(requests[i].budget(sampling) for i in chunk)
-            if limit is not None and longest + budget > limit:
-                raise ValueError(
-                    f"prompt of {longest} tokens + max_new_tokens={budget} "
-                    f"exceeds the model's max_position_embeddings={limit}; shorten "
-                    "rollout.max_input_len or rollout.max_new_tokens"
-                )
+        chunks = [
+            order[start : start + self.max_batch_size]
+            for start in range(0, len(order), self.max_batch_size)
+        ] or [[]]
+        joined: list[GenerationResult] = []
+        for c, chunk in enumerate(chunks):
+            last = c == len(chunks) - 1  # requests join the last batch of the call
             gone = abort_groups() if abort_groups is not None else frozenset()
             if interrupt is not None and interrupt():
                 outs = [GenerationResult([], [], "interrupted") for _ in chunk]
+                if on_result is not None:
+                    for i, out in zip(chunk, outs):
+                        on_result(i, out)
             else:
                 todo = [i for i in chunk if requests[i].group not in gone]
+                skipped = [i for i in chunk if requests[i].group in gone]
+                if on_result is not None:
+                    for i in skipped:
+                        on_result(i, GenerationResult([], [], "interrupted"))
+
+                def report(b: int, out: GenerationResult, todo=todo) -> None:
+                    on_result(todo[b] if b < len(todo) else len(requests) + b - len(todo), out)
+
+                def take(room: int) -> list[GenerationRequest]:
+                    got = admit(room)
+                    for k, req in enumerate(got):
+                        self._check(req, sampling, f"admitted request {k}")
+                    return got
+
+                batch = DecodeBatch(
+                    self,
+                    sampling,
+                    interrupt,
+                    abort_groups,
+                    take if admit is not None and last else None,
+                    report if on_result is not None else None,
+                )
                 with self._lock:
-                    done = self._generate_batch(
-                        [requests[i] for i in todo], sampling, interrupt, abort_groups
-                    )
+                    done = batch.run([requests[i] for i in todo])
                 by_index = dict(zip(todo, done))
+                joined += done[len(todo) :]
                 outs = [by_index.get(i) or GenerationResult([], [], "interrupted") for i in chunk]
             for i, out in zip(chunk, outs):
                 results[i] = out
-        return results  # type: ignore[return-value]
+        return [*results, *joined]  # type: ignore[list-item]
 
-    @torch.no_grad()
-    def _generate_batch(
-        self,
-        requests: list[GenerationRequest],
-        sampling: SamplingParams,
-        interrupt: Callable[[], bool] | None = None,
-        abort_groups: Callable[[], frozenset[int]] | None = None,
-    ) -> list[GenerationResult]:
-        device = self._device
-        bsz = len(requests)
-        if not bsz:
-            return []
-        budgets = [r.budget(sampling) for r in requests]
-        steps = max(budgets)
-        # Prefix sharing: the samples of a prompt carry the same ids; each distinct prompt is
-        # prefilled once and its cache and last logits are copied to the rows that continue it.
-        distinct: dict[tuple[int, ...], int] = {}
-        source_ids = [distinct.setdefault(tuple(r.prompt_ids), len(distinct)) for r in requests]
-        logits, cache, prompt_mask = self._prefill([list(p) for p in distinct])
-        width = prompt_mask.shape[-1]
-        source = torch.tensor(source_ids, dtype=torch.long, device=device)
-        # The last sampled token is never fed back: the cache holds width + max_new - 1 tokens.
-        capacity = width + steps - 1
-        cache = share_prefill(cache, source, capacity, self._arena)
-        logits = logits.index_select(0, source)
-        attention_mask = torch.ones((bsz, capacity), dtype=torch.long, device=device)
-        attention_mask[:, :width] = prompt_mask.index_select(0, source)
-        next_pos = attention_mask[:, :width].sum(-1, keepdim=True)  # position of the next token
-        # Request b's i-th token is drawn with the i-th uniform of its own generator: its random
-        # stream advances only with its own tokens, whatever else is in the batch. All of a
-        # request's uniforms come from one call (the same numbers as one call per token).
-        draws = torch.stack(
-            [
-                torch.rand(
-                    steps,
-                    generator=torch.Generator(device="cpu").manual_seed(int(r.seed)),
-                )
-                for r in requests
-            ]
-        ).to(device=device, dtype=torch.float64)
-        stop_ids = set(sampling.stop_token_ids)
-
-        tokens: list[list[int]] = [[] for _ in range(bsz)]
-        logprobs: list[list[float]] = [[] for _ in range(bsz)]
-        stopped = [False] * bsz
-        ended = [False] * bsz  # stopped, its budget reached, or its group aborted
-        cut = [False] * bsz  # ended by an abort of its group or an interrupt
-        live = list(range(bsz))  # the request of each batch row
-        for step in range(steps):
-            scaled = logits.float() / sampling.temperature
-            logp = torch.log_softmax(scaled, dim=-1)
-            probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
-            chosen = sample_inverse_cdf(probs, draws[:, step])
-            chosen_logp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
-            chosen_ids = chosen.tolist()
-            for row, b in enumerate(live):
-                if ended[b]:
-                    continue
-                tokens[b].append(chosen_ids[row])
-                logprobs[b].append(chosen_logp[row])
-                stopped[b] = chosen_ids[row] in stop_ids
-                ended[b] = stopped[b] or len(tokens[b]) >= budgets[b]
-            if abort_groups is not None and any(not ended[b] for b in live):
-                gone = abort_groups()
-                for b in live:
-                    if not ended[b] and requests[b].group in gone:
-                        ended[b] = cut[b] = True  # its group's rows end; the rest go on
-            keep = [row for row, b in enumerate(live) if not ended[b]]
-            if not keep or step == steps - 1:
-                break
-            if interrupt is not None and interrupt():
-                for b in live:  # the rows still running end here
-                    cut[b] = cut[b] or not ended[b]
-                break
-            # Finished rows keep feeding their last token (outputs ignored) until they are an
-            # eighth of the batch; then they leave it, and the cache rows go with them.
-            if (len(live) - len(keep)) * _COMPACT_FRACTION >= len(live):
-                rows = torch.tensor(keep, dtype=torch.long, device=device)
-                cache.batch_select_indices(rows)
-                attention_mask = attention_mask.index_select(0, rows)
-                next_pos = next_pos.index_select(0, rows)
-                draws = draws.index_select(0, rows)
-                live = [live[row] for row in keep]
-            step_ids = torch.tensor(
-                [tokens[b][-1] for b in live], dtype=torch.long, device=device
-            ).unsqueeze(-1)
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=attention_mask[:, : width + step + 1],
-                position_ids=next_pos,
-                use_cache=True,
-                **{self._cache_kw: cache},
-                **self._last_logits_only,
+    def _check(self, req: GenerationRequest, sampling: SamplingParams, name: str) -> None:
+        """Raise, naming ``name``, when ``req`` cannot be generated by this model."""
+        if len(req.prompt_ids) == 0:
+            raise ValueError(f"{name}.prompt_ids is empty; give at least one token")
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        budget = req.budget(sampling)
+        if limit is not None and len(req.prompt_ids) + budget > limit:
+            raise ValueError(
+                f"{name}: prompt of {len(req.prompt_ids)} tokens + max_new_tokens={budget} "
+                f"exceeds the model's max_position_embeddings={limit}; shorten "
+                "rollout.max_input_len or rollout.max_new_tokens"
             )
-            logits = out.logits[:, -1, :]
-            next_pos = next_pos + 1
-        return [
-            GenerationResult(
-                token_ids=tokens[b],
-                logprobs=logprobs[b],
-                finish_reason="stop" if stopped[b] else ("interrupted" if cut[b] else "length"),
-            )
-            for b in range(bsz)
-        ]
 
     def _prefill(self, prompts: list[list[int]]):
         """The prompts through the model: the last position's logits ``[prompts, vocab]``, the

@@ -149,3 +149,42 @@ def share_prefill(cache: Cache, source: torch.Tensor, capacity: int, arena: KVAr
         else:
             layer.batch_select_indices(source)
     return cache
+
+
+def join_rows(
+    cache: Cache,
+    kept: torch.Tensor,
+    lead: int,
+    filled: int,
+    joined: Cache,
+    source: torch.Tensor,
+    width: int,
+    capacity: int,
+    arena: KVArena,
+) -> Cache:
+    """``cache`` (every layer a ``BufferLayer`` holding ``filled`` tokens) laid out anew with
+    rows joining it: its rows ``kept`` (their columns from ``lead`` on) and then the rows of
+    the prefill cache ``joined`` (row ``i`` continues its prompt ``source[i]``), each
+    right-aligned at column ``width`` (zeros before it: masked padding), in buffers of
+    ``capacity`` tokens in ``arena``'s memory. Changes and returns ``cache``."""
+    combined = []
+    for layer, extra in zip(cache.layers, joined.layers):
+        pair = []
+        for mine, theirs in ((layer.keys, extra.keys), (layer.values, extra.values)):
+            old = mine.index_select(0, kept)[:, :, lead:filled]
+            new = theirs.index_select(0, source)
+            both = mine.new_zeros((len(kept) + len(source), mine.shape[1], width, mine.shape[-1]))
+            both[: len(kept), :, width - old.shape[-2] :] = old
+            both[len(kept) :, :, width - new.shape[-2] :] = new
+            pair.append(both)
+        combined.append(pair)
+    # The old buffers are copied out above: the arena may hand their memory out again.
+    rows = len(kept) + len(source)
+    shapes = [(rows, k.shape[1], capacity, k.shape[-1]) for pair in combined for k in pair]
+    shapes.append((max(math.prod(shape) for shape in shapes),))  # the scratch
+    *buffers, scratch = arena.take(shapes, like=combined[0][0])
+    everyone = torch.arange(rows, device=kept.device)
+    for i, (keys, values) in enumerate(combined):
+        pair = (buffers[2 * i], buffers[2 * i + 1])
+        cache.layers[i] = BufferLayer(keys, values, everyone, pair, scratch)
+    return cache

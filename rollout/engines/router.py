@@ -182,6 +182,7 @@ class _Lane(Engine):
         # as interruptible as its replica (a local engine; a remote one's calls cannot be)
         self.interruptible = bool(getattr(router.replicas[index], "interruptible", False))
         self.abortable = bool(getattr(router.replicas[index], "abortable", False))
+        self.joinable = bool(getattr(router.replicas[index], "joinable", False))
 
     def generate(self, requests, sampling, **kwargs):
         """The router's ``serve_lane`` for this lane (``kwargs``: the replica's own)."""
