@@ -4,18 +4,21 @@ served three ways on the HF engine (``--engine vllm``: the CPU lane's vLLM):
 
 - ``serial``: one engine call at a time, each carrying one group's n requests (the stream's
   engine before issue 49: a lock around the engine);
-- ``batched``: through ``rollout.versioned.VersionedEngine``, which sends every group waiting
-  on a replica in one call (what ships);
+- ``batched``: through ``rollout.versioned.VersionedEngine`` with joining off (``join=False``),
+  which sends every group waiting on a replica in one call (the path before issue 57's joins);
+- ``joined``: the same with joining on (what ships): a turn asked while a call runs joins it
+  between decode steps and comes back as soon as it ends;
 - ``ceiling``: per turn one plain engine call with all G x n requests, no threads (the best
   any batching of these requests can do).
 
-Every request samples ``new_tokens`` tokens (no stop token), so the modes generate the same
-tokens; the figure is generated tokens per second of wall time for the whole set, each mode
+Every request samples ``new_tokens`` tokens (no stop token; ``--mixed``: request k of a group
+a quarter, a half, three quarters or all of them, so turns end at different steps), so the
+modes generate the same tokens; the figure is generated tokens per second of wall time for the whole set, each mode
 timed alternately (A B C A B C), median of ``repeats``. With ``replicas=2`` the batched mode
 runs two HF engines behind a ``ReplicaRouter`` (one lane each) against one.
 
     python -m bench.stream_engine [--groups 16] [--n 8] [--new-tokens 32] [--turns 4]
-        [--replicas 1]
+        [--replicas 1] [--mixed]
 """
 
 from __future__ import annotations
@@ -43,12 +46,19 @@ def _engine(name: str = "hf"):
     return make_engine("hf", load_model("builtin:tiny", seed=0), tok), tok
 
 
-def _requests(tok, groups: int, n: int):
+def _requests(tok, groups: int, n: int, new_tokens: int, mixed: bool):
     from rollout.engines import GenerationRequest
 
     prompt = tok.encode("Compute 1234 * 5678 and explain every step.")
+
+    def budget(g: int, k: int) -> int | None:
+        return max(1, new_tokens * (1 + (g + k) % 4) // 4) if mixed else None
+
     return [
-        [GenerationRequest(prompt_ids=prompt, seed=1000 * g + k, group=g) for k in range(n)]
+        [
+            GenerationRequest(prompt, seed=1000 * g + k, group=g, max_new_tokens=budget(g, k))
+            for k in range(n)
+        ]
         for g in range(groups)
     ]
 
@@ -71,6 +81,7 @@ def run(
     repeats: int = 3,
     turns: int = 4,
     engine_name: str = "hf",
+    mixed: bool = False,
 ) -> dict:
     """Tokens per second of each mode, their ratios, and the batched mode's requests per
     engine call."""
@@ -84,7 +95,7 @@ def run(
     built = [_engine(engine_name) for _ in range(replicas)]
     engines, tok = [e for e, _ in built], built[0][1]
     engine = engines[0]
-    per_group = _requests(tok, groups, n)
+    per_group = _requests(tok, groups, n, new_tokens, mixed)
     sampling = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=())
     lock = threading.Lock()
 
@@ -105,21 +116,24 @@ def run(
             engine.generate(everything, sampling)
 
     def modes():
-        versioned = VersionedEngine(ReplicaRouter(engines) if replicas > 1 else engine)
+        served = ReplicaRouter(engines) if replicas > 1 else engine
         yield "serial", lambda: _threads(serial, per_group), None
+        versioned = VersionedEngine(served, join=False)
         yield "batched", lambda: _threads(batched(versioned), per_group), versioned
+        joining = VersionedEngine(served)
+        yield "joined", lambda: _threads(batched(joining), per_group), joining
         everything = [r for requests in per_group for r in requests]
         yield "ceiling", lambda: _timed(lambda: ceiling(everything)), None
 
     engine.generate(per_group[0], sampling)  # warm-up
-    seconds: dict[str, list[float]] = {"serial": [], "batched": [], "ceiling": []}
-    sizes: list[float] = []
+    seconds: dict[str, list[float]] = {"serial": [], "batched": [], "joined": [], "ceiling": []}
+    sizes: dict[str, list[float]] = {"batched": [], "joined": []}
     for _ in range(repeats):
         for name, timed, versioned in modes():
             seconds[name].append(timed())
             if versioned is not None:
-                sizes.append(statistics.mean(versioned.call_sizes))
-    tokens = groups * n * new_tokens * turns
+                sizes[name].append(statistics.mean(versioned.call_sizes))
+    tokens = turns * sum(r.budget(sampling) for requests in per_group for r in requests)
     rate = {name: tokens / statistics.median(s) for name, s in seconds.items()}
     return {
         "groups": groups,
@@ -129,10 +143,14 @@ def run(
         "repeats": repeats,
         "turns": turns,
         "engine": engine_name,
+        "mixed": mixed,
         "tokens_per_s": rate,
         "batched_over_serial": rate["batched"] / rate["serial"],
         "batched_over_ceiling": rate["batched"] / rate["ceiling"],
-        "requests_per_call": statistics.median(sizes),
+        "joined_over_ceiling": rate["joined"] / rate["ceiling"],
+        "joined_over_batched": rate["joined"] / rate["batched"],
+        "requests_per_call": statistics.median(sizes["batched"]),
+        "requests_per_joined_call": statistics.median(sizes["joined"]),
     }
 
 
@@ -146,7 +164,7 @@ def format_table(result: dict) -> str:
     """One line per mode, and the ratios."""
     lines = [
         f"{result['groups']} groups x n {result['n']} x {result['turns']} turns x "
-        f"{result['new_tokens']} new tokens, "
+        f"{result['new_tokens']} new tokens{' (mixed budgets)' if result.get('mixed') else ''}, "
         f"{result['replicas']} replica(s), {result['engine']} engine on builtin:tiny, median of "
         f"{result['repeats']} (alternating)",
         "| mode | generated tokens / s |",
@@ -159,6 +177,12 @@ def format_table(result: dict) -> str:
         f"{result['batched_over_ceiling']:.2f}; requests per batched call: "
         f"{result['requests_per_call']:.1f}"
     )
+    if "joined_over_ceiling" in result:
+        lines.append(
+            f"joined / ceiling: {result['joined_over_ceiling']:.2f}; joined / batched: "
+            f"{result['joined_over_batched']:.2f}x; requests per joined call: "
+            f"{result['requests_per_joined_call']:.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -174,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--mixed", action="store_true", help="budgets of 1/4 to 4/4 a request")
     args = parser.parse_args(argv)
     result = run(
         args.groups,
@@ -183,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats,
         turns=args.turns,
         engine_name=args.engine,
+        mixed=args.mixed,
     )
     print(format_table(result))
     return 0

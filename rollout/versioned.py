@@ -100,10 +100,14 @@ class VersionedEngine:
     engine calls, averaged over the lanes; ``engine_s``: summed; ``call_sizes``: requests per
     engine call; ``generated_tokens``: every token sampled, kept or not; ``interruptions``:
     calls ended early for a load, a close, or an abort on a lane that cannot end one group
-    alone; ``group_aborts``: groups an abort ended mid-call while the rest of it went on."""
+    alone; ``group_aborts``: groups an abort ended mid-call while the rest of it went on.
+    ``join=False``: no job joins a call in flight (one call per lane's queue, as before)."""
 
-    def __init__(self, engine, version: int = 0, *, partial: bool = False) -> None:
+    def __init__(
+        self, engine, version: int = 0, *, partial: bool = False, join: bool = True
+    ) -> None:
         self.engine = engine
+        self._join = join  # jobs queued join a joinable lane's call in flight
         self.version = version
         self._routing = Lanes(engine)
         self._partial = partial
@@ -298,7 +302,7 @@ class VersionedEngine:
             kwargs["interrupt"] = interrupt
             if abortable:
                 kwargs["abort_groups"] = abort_groups
-        if lane.joinable:
+        if lane.joinable and self._join:
             kwargs.update(admit=call.admit, on_result=call.on_result)
         if lane.reports_loss:  # a lost replica's requests come back here, not to the router
             kwargs["failover"] = False
