@@ -11,8 +11,8 @@ served three ways on the HF engine (``--engine vllm``: the CPU lane's vLLM):
 - ``ceiling``: per turn one plain engine call with all G x n requests, no threads (the best
   any batching of these requests can do).
 
-Every request samples ``new_tokens`` tokens (no stop token; ``--mixed``: request k of a group
-a quarter, a half, three quarters or all of them, so turns end at different steps), so the
+Every request samples ``new_tokens`` tokens (no stop token; ``--mixed``: the requests of group g
+(1 + g % 4) quarters of them, so groups end their turns at different steps), so the
 modes generate the same tokens; the figure is generated tokens per second of wall time for the whole set, each mode
 timed alternately (A B C A B C), median of ``repeats``. With ``replicas=2`` the batched mode
 runs two HF engines behind a ``ReplicaRouter`` (one lane each) against one.
@@ -52,7 +52,7 @@ def _requests(tok, groups: int, n: int, new_tokens: int, mixed: bool):
     prompt = tok.encode("Compute 1234 * 5678 and explain every step.")
 
     def budget(g: int, k: int) -> int | None:
-        return max(1, new_tokens * (1 + (g + k) % 4) // 4) if mixed else None
+        return max(1, new_tokens * (1 + g % 4) // 4) if mixed else None  # a group ends whole
 
     return [
         [
