@@ -225,7 +225,7 @@ def _spawner(monkeypatch, backend_name: str):
     spawner = Spawner(cfg, layout, None, backend, in_process=False)
     started: list = []
 
-    def spawn(cls, rank, share, *args, env=None, engine=None):
+    def spawn(cls, rank, share, *args, env=None, engine=None, actor=None):
         started.append((cls.__name__, rank, env))
         return object()
 
