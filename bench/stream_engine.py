@@ -120,7 +120,7 @@ def run(
         yield "serial", lambda: _threads(serial, per_group), None
         versioned = VersionedEngine(served, join=False)
         yield "batched", lambda: _threads(batched(versioned), per_group), versioned
-        joining = VersionedEngine(served)
+        joining = VersionedEngine(served, join=True)
         yield "joined", lambda: _threads(batched(joining), per_group), joining
         everything = [r for requests in per_group for r in requests]
         yield "ceiling", lambda: _timed(lambda: ceiling(everything)), None

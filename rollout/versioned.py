@@ -101,10 +101,13 @@ class VersionedEngine:
     engine call; ``generated_tokens``: every token sampled, kept or not; ``interruptions``:
     calls ended early for a load, a close, or an abort on a lane that cannot end one group
     alone; ``group_aborts``: groups an abort ended mid-call while the rest of it went on.
-    ``join=False``: no job joins a call in flight (one call per lane's queue, as before)."""
+    ``join``: jobs queued while a joinable lane's call runs join it (``rollout.
+    stream_joins``); off by default, so runs keep one call per lane's queue until joining is
+    measured to pay on a quiet machine (``bench.stream_engine``: 0.70x with mixed budgets
+    under load, docs/benchmarks.md)."""
 
     def __init__(
-        self, engine, version: int = 0, *, partial: bool = False, join: bool = True
+        self, engine, version: int = 0, *, partial: bool = False, join: bool = False
     ) -> None:
         self.engine = engine
         self._join = join  # jobs queued join a joinable lane's call in flight

@@ -95,7 +95,7 @@ def test_a_request_joining_an_emptied_batch_keeps_the_call_going(model, tok):
 def _stream(model, tok, **kwargs):
     """The HF engine on ``model`` and a ``VersionedEngine`` over it (one joinable lane)."""
     engine = make_engine("hf", model, tok)
-    versioned = VersionedEngine(engine, **kwargs)
+    versioned = VersionedEngine(engine, join=True, **kwargs)
     return engine, versioned
 
 
