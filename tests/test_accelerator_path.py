@@ -222,7 +222,8 @@ def _stream(rank: int, world: int, port: int, queue, bucket_bytes: int, delay_s:
         host.engine = engine = RecordingEngine()
         host = ThreadHandle(host)
     sent = worker.push_weights_streamed(host, bucket_bytes)
-    expected = {n: t.detach().numpy().copy() for n, t in full_state(worker.model)}
+    # what the push carries: the state, a tied LM head under the embedding's name only
+    expected = {n: t.detach().numpy().copy() for n, t in full_state(worker.push_state())}
     worker.shutdown()
     result = None
     if rank == 0:
