@@ -59,11 +59,12 @@ def _group(replicas: int, timeout_s: float = 30.0, transport=GlooWeightTransfer)
         WeightSender,
         connect_store,
         serve_store,
-        start_membership,
     )
 
     address = WeightGroupAddress("127.0.0.1", free_port(), replicas, 1, ENGINE_NAME, timeout_s)
     server = serve_store(address.host, address.port, 1 + replicas, timeout_s)
+    from trainer.loop.weights.membership import start_membership
+
     start_membership(server, replicas)
     sender = WeightSender(address, server, transport, CPU)
     receivers = [PushReceiver(connect_store(address), address, r) for r in range(replicas)]
@@ -195,7 +196,7 @@ def test_a_replica_asked_for_a_push_already_sent_fails_within_the_timeout_naming
 def test_a_generations_port_is_held_from_its_announcement_until_the_sender_joins():
     """Between the announcement (start-up, or a rebuilt group) and the rendezvous no other
     process can bind the port; the sender lets it go when it joins, and the group forms."""
-    from trainer.loop.weights.weight_group import current_group
+    from trainer.loop.weights.membership import current_group
 
     sender, (receiver,) = _group(replicas=1)
     port = current_group(sender.store).port

@@ -123,7 +123,6 @@ def _joined(replicas: int, timeout_s: float = 60.0):
         WeightSender,
         connect_store,
         serve_store,
-        start_membership,
         trainer_transport,
     )
 
@@ -136,6 +135,8 @@ def _joined(replicas: int, timeout_s: float = 60.0):
         timeout_s=timeout_s,
     )
     server = serve_store(address.host, address.port, 1 + replicas, timeout_s)
+    from trainer.loop.weights.membership import start_membership
+
     start_membership(server, replicas)
     transport = trainer_transport(address, CPU)
     assert transport is GlooWeightTransfer
@@ -222,7 +223,8 @@ def test_a_replica_lost_before_a_push_is_replaced_in_a_rebuilt_group():
     replica 1 out: the sender builds generation 1 of replica 0 alone, which replica 0 joins
     and takes push 1 from. The replacement is let in when the rollout host connects it: both
     join generation 2 and take push 2. The sender never restarted."""
-    from trainer.loop.weights.weight_group import PushReceiver, connect_store, current_group
+    from trainer.loop.weights.membership import current_group
+    from trainer.loop.weights.weight_group import PushReceiver, connect_store
 
     sender, engines, receivers = _joined(replicas=2)
     sender.send(_state(20), torch.float32, 0)
@@ -250,7 +252,7 @@ def test_a_replica_lost_before_the_group_first_forms_never_blocks_the_others():
     """Replica 1 dies before the first push: replica 0 says it is joining generation 0 and
     waits for the sender's word, never inside a rendezvous with a dead member; left out, the
     group forms as generation 1 of replica 0 alone and push 0 goes through."""
-    from trainer.loop.weights.weight_group import current_group
+    from trainer.loop.weights.membership import current_group
 
     sender, engines, receivers = _joined(replicas=2)
     sender.send(_state(30), torch.float32, 0)

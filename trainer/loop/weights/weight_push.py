@@ -320,11 +320,8 @@ class WeightPush(ColocatedPush):
         ``timeout_s`` seconds; returns the ``WeightGroupAddress`` every member takes
         (``join_weight_group``)."""
         from rollout.engines.transfer import ENGINE_NAME
-        from trainer.loop.weights.weight_group import (
-            WeightGroupAddress,
-            serve_store,
-            start_membership,
-        )
+        from trainer.loop.weights.membership import start_membership
+        from trainer.loop.weights.weight_group import WeightGroupAddress, serve_store
 
         cfg = self.spec.cfg
         host, port = self.rendezvous_address()
