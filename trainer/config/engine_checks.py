@@ -6,6 +6,9 @@ from __future__ import annotations
 from trainer.config.errors import Problem, problem
 from trainer.config.schema import Config
 
+#: The device settings that are no accelerator (``auto`` resolves later, at the layout).
+CPU_OR_AUTO = ("cpu", "auto")
+
 
 def engine_problems(cfg: Config) -> list[Problem]:
     """Where the engines run and how their weights reach them: ``rollout.device`` other than
@@ -44,7 +47,7 @@ def engine_problems(cfg: Config) -> list[Problem]:
                 "host (or auto), or rollout.device=null",
             )
         )
-    elif transport == "collective" and cfg.rollout.engine == "hf" and cfg.device in ("cuda", "npu"):
+    elif transport == "collective" and cfg.rollout.engine == "hf" and cfg.device not in CPU_OR_AUTO:
         p.append(
             problem(
                 "rollout.weight_transport",

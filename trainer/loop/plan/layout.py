@@ -199,7 +199,9 @@ def weight_transport_rule(
         return "ipc" if cfg.rollout.engine == "vllm" and not cfg.model.lora.enabled else ""
     if other_device is None:
         other_device = cfg.rollout.device not in (None, cfg.device)
-    accelerator = (device or cfg.device) not in ("cpu", "auto")
+    from trainer.config.engine_checks import CPU_OR_AUTO
+
+    accelerator = (device or cfg.device) not in CPU_OR_AUTO
     if other_device or cfg.rollout.weight_transport == "host" or cfg.model.lora.enabled:
         return "host"
     if cfg.rollout.engine == "hf" and accelerator:
