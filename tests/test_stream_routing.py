@@ -295,6 +295,9 @@ class _Peer:
     def load_host_buckets(self, refs, specs) -> None:
         self.loads += 1
 
+    def shutdown(self) -> None:
+        self.shut = True
+
 
 def _rollout_host(tmp_path, engine):
     """The shipped ``RolloutHost`` (connect, take_weights, the stream) over stub engines,
@@ -363,6 +366,29 @@ def test_a_lost_replica_s_requests_go_to_live_lanes_and_its_replacement_serves_t
         assert lost.tries == 1
     finally:
         host.stream_shutdown(timeout_s=10)
+
+
+def test_a_shut_down_rollout_host_holds_no_other_replica_s_handle(tmp_path):
+    """``Trainer.shutdown`` asks each replica to shut down before it kills them; the rollout
+    host then holds no handle to another replica (not in its router, its stream's lanes or its
+    remote engines), so none is dropped as ray kills the process, which printed a traceback
+    on the driver's stderr (CI, test_pairwise_matrix run15)."""
+    import gc
+    import weakref
+
+    from trainer.loop.cluster.local import LocalHandle
+
+    local, peers = _Peer(), [LocalHandle(_Peer()), LocalHandle(_Peer())]
+    host = _rollout_host(tmp_path, local)
+    host.connect(peers)
+    host.stream_start(0, 1)
+    _until(lambda: host.stream.waiting == 4)
+    held = [weakref.ref(p) for p in peers]
+    del peers
+    host.shutdown()
+    gc.collect()
+    assert [ref() for ref in held] == [None, None]
+    assert host.generator is local and local.shut
 
 
 # ---------------------------------------------------------------- 4: remote calls interrupted

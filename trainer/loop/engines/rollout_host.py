@@ -10,6 +10,7 @@ Ray's object store as numpy arrays for the training workers.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any
@@ -237,6 +238,15 @@ class RolloutHost(StreamingHost, EngineHost):
             if self.versioned is not None:  # a stream samples: its lanes follow the new router
                 self.versioned.follow(self.generator)
         return 1 + len(peers)
+
+    def shutdown(self) -> None:
+        """Stop the stream and release the engine (``StreamingHost.shutdown``), then drop the
+        other replicas' handles while this worker is still connected: ray reports a handle
+        still held when the process is killed as a traceback on the driver's stderr."""
+        super().shutdown()
+        self.stream = self.versioned = None  # the stream's lanes follow the router
+        self.generator, self.peers = self.engine, []
+        gc.collect()  # the router, its lanes and their remote engines held the handles too
 
     def take_weights(self, weights: list | None) -> int:
         """Load ``weights``: ``[version, bucket refs, bucket specs]`` (a host-memory snapshot,

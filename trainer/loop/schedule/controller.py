@@ -43,6 +43,10 @@ from trainer.loop.weights.driver import snapshot_weights, sync_weights
 if TYPE_CHECKING:
     from trainer.loop.schedule.backlog import PendingCheckpoint
 
+#: Seconds ``Trainer.shutdown`` waits for the replicas to release their engines before it
+#: kills them (a replica busy in a call it cannot leave is killed at this bound).
+RELEASE_WAIT_S = 10.0
+
 
 class Trainer:
     """A job's workers (started by ``trainer.loop.start.launch.start``) and its training step."""
@@ -249,6 +253,11 @@ class Trainer:
             return
         import ray
 
+        # Replicas first release their engines and drop their handles to each other, each
+        # within the bound; one busy in a call, or gone, is killed at the bound as before.
+        released = [h.shutdown.remote() for h in self.replicas if h is not None]
+        if released:
+            ray.wait(released, num_returns=len(released), timeout=RELEASE_WAIT_S)
         for group in self.all_groups():
             for h in group.handles:
                 ray.kill(h, no_restart=True)
