@@ -1,0 +1,322 @@
+"""One replica's engine as a server: a step loop that is always running, which takes a request
+at any moment, aborts a request by its id and takes new weights between two decode steps
+(``EngineServer``; the HF engine's loop is ``rollout.engines.hf_steps.DecodeBatch``).
+
+A caller submits one request (``submit``: a ``GenerationRequest`` and its ``SamplingParams``)
+and waits on what comes back (``Pending.result``); many callers submit from many threads. The
+server's own thread runs the engine: it begins a decode batch with the requests waiting (one
+sampling setting per batch, first come first served) and, between decode steps, lets the
+requests submitted meanwhile join it (``Engine.joinable``), each leaving the batch as it ends
+and going back to its caller at once. Joining lays the batch's cache out anew, so requests join
+in handfuls: once the waiting ones are at least ``JOIN_SHARE`` of the running rows, or the
+oldest has waited ``JOIN_WAIT_S`` seconds (the batch never waits for a turn it could take).
+
+Abort (``abort``): a request still queued leaves at once; a running one ends after the current
+decode step; both come back with the tokens they have, finish reason ``interrupted`` and
+``extra["aborted"]``. Nothing else in the batch is cut.
+
+Weights in flight (``pause`` / ``resume``): ``pause`` ends the running batch after its decode
+step and returns once the engine is idle; the requests that were running go back to the head
+of the queue, each continued from its prefix (the prompt plus its tokens so far, prefilled
+again under the new weights: no KV cache of older weights is kept) with what is left of its
+budget. The caller loads the weights, then ``resume(version)``. Every token carries the policy
+version of the weights that sampled it (``extra["versions"]``), exact by construction: the
+version changes only while no batch runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
+
+__all__ = ["JOIN_SHARE", "JOIN_WAIT_S", "EngineServer", "Pending", "ServerClosed", "continued"]
+
+#: Waiting requests join a running batch once they are at least this share of its rows...
+JOIN_SHARE = 0.25
+#: ...or once the oldest of them has waited this many seconds.
+JOIN_WAIT_S = 0.02
+
+
+class ServerClosed(RuntimeError):
+    """The engine server was closed (``EngineServer.close``): no request is taken any more."""
+
+
+def continued(
+    request: GenerationRequest, sampled: list[int], sampling: SamplingParams
+) -> GenerationRequest:
+    """``request`` continued after the tokens ``sampled`` so far: their prefix joins the prompt,
+    its budget is what is left of it (its own ``max_new_tokens``, so one batch carries requests
+    with different budgets left) and the seed moves on (the continuation draws fresh numbers,
+    not the first ones again)."""
+    if not sampled:
+        return request
+    return dataclasses.replace(
+        request,
+        prompt_ids=[*request.prompt_ids, *sampled],
+        seed=(int(request.seed) * 1_000_003 + len(sampled)) % (2**63),
+        max_new_tokens=request.budget(sampling) - len(sampled),
+    )
+
+
+@dataclass(eq=False)
+class Pending:
+    """One submitted request (``request_id``), what it has sampled so far (tokens, log-probs,
+    the policy version of each token) and, once it ends, its finish reason."""
+
+    request_id: str
+    request: GenerationRequest
+    sampling: SamplingParams
+    submitted_at: float
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    aborted: bool = False
+    error: BaseException | None = None
+    first_step_at: float | None = None  # when a decode batch first took it (its turn's wait)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def left(self) -> int:
+        """New tokens it may still sample."""
+        return self.request.budget(self.sampling) - len(self.tokens)
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Wait (at most ``timeout`` seconds) for the request to end; its result, or the error
+        its batch raised. TimeoutError if it is still running."""
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} still running after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        extra = {"versions": list(self.versions), "request_id": self.request_id}
+        if self.aborted:
+            extra["aborted"] = True
+        return GenerationResult(
+            list(self.tokens), list(self.logprobs), self.finish_reason or "length", extra
+        )
+
+
+class EngineServer:
+    """``engine`` (an ``Engine``; its batches take joiners where it is ``joinable``) served by a
+    loop on a thread of its own, holding the weights of policy ``version`` (see the module
+    docstring). ``tokens``: tokens sampled; ``batches``: decode batches begun; ``joined``:
+    requests that joined a running batch."""
+
+    def __init__(self, engine, version: int = 0, *, name: str = "engine-server") -> None:
+        self.engine = engine
+        self.version = version
+        self.max_batch = int(getattr(engine, "max_batch_size", 256))
+        self._cond = threading.Condition()
+        self._queue: deque[Pending] = deque()
+        self._slots: list[Pending] = []  # the running batch's requests, by engine index
+        self._aborting: set[int] = set()  # engine indices of running requests to abort
+        self._reported: set[int] = set()  # engine indices whose result came back
+        self._pauses = 0
+        self._in_batch = False
+        self._closed = False
+        self._ids = itertools.count()
+        self.tokens = self.batches = self.joined = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(
+        self, request: GenerationRequest, sampling: SamplingParams, request_id: str | None = None
+    ) -> Pending:
+        """Queue ``request`` (sampled under ``sampling``, up to its own budget); returns its
+        ``Pending`` at once. ServerClosed once closed."""
+        pending = Pending(
+            request_id if request_id is not None else f"r{next(self._ids)}",
+            request,
+            sampling,
+            time.perf_counter(),
+        )
+        with self._cond:
+            if self._closed:
+                raise ServerClosed("the engine server is closed")
+            self._queue.append(pending)
+            self._cond.notify_all()
+        return pending
+
+    def generate(
+        self, requests: list[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        """Submit every request and wait for all of them; results in request order (the
+        ``Engine.generate`` of a caller that needs them together)."""
+        pending = [self.submit(r, sampling) for r in requests]
+        return [p.result() for p in pending]
+
+    def abort(self, request_ids) -> int:
+        """End the requests named: those queued at once, those running after the current decode
+        step (the rest of the batch goes on). Returns how many were found."""
+        wanted, found = set(request_ids), 0
+        with self._cond:
+            for p in [p for p in self._queue if p.request_id in wanted]:
+                self._queue.remove(p)
+                p.aborted = True
+                self._finish(p, "interrupted")
+                found += 1
+            for index, p in enumerate(self._slots):
+                if p.request_id in wanted and not p.done.is_set():
+                    p.aborted = True
+                    self._aborting.add(index)
+                    found += 1
+        return found
+
+    def queued(self) -> int:
+        """Requests waiting for a batch."""
+        with self._cond:
+            return len(self._queue)
+
+    # ---------------------------------------------------------------- weights
+
+    def pause(self) -> None:
+        """Stop decoding: the running batch ends after its decode step (its requests go back to
+        the head of the queue, continued from their prefix); returns once the engine is idle,
+        so the caller may load weights into it. Pauses nest; each needs its ``resume``."""
+        with self._cond:
+            self._pauses += 1
+            self._cond.notify_all()
+            while self._in_batch:
+                self._cond.wait()
+
+    def resume(self, version: int | None = None) -> None:
+        """Decode again, under the weights of policy ``version`` (None: unchanged)."""
+        with self._cond:
+            if self._pauses == 0:
+                raise RuntimeError("EngineServer.resume without a pause")
+            if version is not None:
+                self.version = version
+            self._pauses -= 1
+            self._cond.notify_all()
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop for good: the running batch ends after its decode step, every request not
+        finished raises ServerClosed to its caller. True once the loop has ended, False if it
+        is still in a batch after ``timeout_s`` seconds."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    # ---------------------------------------------------------------- the loop
+
+    def _finish(self, p: Pending, reason: str) -> None:
+        p.finish_reason = reason
+        p.done.set()
+
+    def _fail(self, p: Pending, error: BaseException) -> None:
+        p.error = error
+        p.done.set()
+
+    def _take(self, sampling: SamplingParams, room: int) -> list[GenerationRequest]:
+        """Move up to ``room`` queued requests under ``sampling`` into the batch (under the
+        lock); their engine requests, numbered after those in it."""
+        taking = [p for p in self._queue if p.sampling == sampling][:room]
+        now = time.perf_counter()
+        for p in taking:
+            self._queue.remove(p)
+            if p.first_step_at is None:
+                p.first_step_at = now
+        first = len(self._slots)
+        self._slots += taking
+        # an engine ends a request early by its group (``abort_groups``): here, its index
+        return [
+            dataclasses.replace(continued(p.request, p.tokens, p.sampling), group=first + k)
+            for k, p in enumerate(taking)
+        ]
+
+    def _admit(self, sampling: SamplingParams, room: int) -> list[GenerationRequest]:
+        """Between decode steps: the requests that join the batch now (see JOIN_SHARE)."""
+        with self._cond:
+            if self._pauses or self._closed or not self._queue:
+                return []
+            waiting = [p for p in self._queue if p.sampling == sampling]
+            if not waiting:
+                return []
+            running = self.max_batch - room
+            oldest = time.perf_counter() - waiting[0].submitted_at
+            if len(waiting) < JOIN_SHARE * running and oldest < JOIN_WAIT_S:
+                return []
+            taken = self._take(sampling, room)
+            self.joined += len(taken)
+            return taken
+
+    def _on_result(self, index: int, out: GenerationResult) -> None:
+        with self._cond:
+            p = self._slots[index]
+            self._reported.add(index)
+            p.tokens += out.token_ids
+            p.logprobs += out.logprobs
+            p.versions += [self._batch_version] * len(out.token_ids)
+            self.tokens += len(out.token_ids)
+            if out.finish_reason != "interrupted":
+                self._finish(p, out.finish_reason)
+            elif p.aborted:
+                self._finish(p, "interrupted")
+            elif p.left() <= 0:
+                self._finish(p, "length")
+            # else: cut by a pause or close; _end_batch requeues it or fails it
+
+    def _interrupted(self) -> bool:
+        return bool(self._pauses) or self._closed
+
+    def _aborted_now(self) -> frozenset[int]:
+        with self._cond:
+            return frozenset(self._aborting)
+
+    def _end_batch(self, error: BaseException | None) -> None:
+        """The batch came back: requests it cut (a pause) go back to the head of the queue in
+        their order; on a close or an error, every request not finished fails (under the
+        lock)."""
+        cut = [p for p in self._slots if not p.done.is_set()]
+        self._slots, self._aborting, self._in_batch = [], set(), False
+        self._reported = set()
+        if error is not None or self._closed:
+            failure = error or ServerClosed("the engine server is closed")
+            for p in [*cut, *(self._queue if self._closed else ())]:
+                self._fail(p, failure)
+            if self._closed:
+                self._queue.clear()
+        else:
+            self._queue.extendleft(reversed(cut))
+        self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (self._pauses or not self._queue):
+                    self._cond.wait()
+                if self._closed:
+                    self._end_batch(None)
+                    return
+                sampling = self._queue[0].sampling
+                first = self._take(sampling, self.max_batch)
+                self._batch_version, self._in_batch = self.version, True
+                self.batches += 1
+            engine, kwargs = self.engine, {}
+            if getattr(engine, "interruptible", False):
+                kwargs["interrupt"] = self._interrupted
+            if getattr(engine, "abortable", False):
+                kwargs["abort_groups"] = self._aborted_now
+            joinable = getattr(engine, "joinable", False)
+            if joinable:
+                kwargs["admit"] = lambda room, s=sampling: self._admit(s, room)
+                kwargs["on_result"] = self._on_result
+            error = None
+            try:
+                outs = engine.generate(first, sampling, **kwargs)
+                for index, out in enumerate(outs):  # those it did not report as they ended
+                    if index not in self._reported:  # (cut by a pause, or not joinable)
+                        self._on_result(index, out)
+            except BaseException as exc:  # noqa: BLE001 - handed to each waiting caller
+                error = exc
+            with self._cond:
+                self._end_batch(error)

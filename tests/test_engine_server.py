@@ -1,0 +1,165 @@
+"""Issue 57: one replica's engine as a server (``rollout.engines.server.EngineServer``) over the
+HF engine's step loop: requests at any moment from any thread, abort by request id, weights
+taken between decode steps with every token's policy version exact."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from rollout.engines import GenerationRequest, SamplingParams, make_engine
+from rollout.engines.server import EngineServer, ServerClosed, continued
+from rollout.models import load_model
+from rollout.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("builtin")
+
+
+@pytest.fixture()
+def engine(tmp_path, monkeypatch, tok):
+    monkeypatch.setenv("CROSSRL_CACHE", str(tmp_path / "cache"))
+    return make_engine("hf", load_model("builtin:tiny", seed=0), tok)
+
+
+@pytest.fixture()
+def server(engine):
+    srv = EngineServer(engine)
+    yield srv
+    srv.close(timeout_s=30)
+
+
+def _until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.002)
+
+
+def _alone(engine, request, sampling):
+    return engine.generate([request], sampling)[0]
+
+
+def _running(server) -> int:
+    with server._cond:
+        return sum(not p.done.is_set() for p in server._slots)
+
+
+def test_requests_submitted_at_any_moment_join_the_running_batch_and_draw_what_they_draw_alone(
+    server, engine, tok
+):
+    """One long request runs; others are submitted from their own threads while it decodes.
+    They join its batch (no second batch begins while it runs) and each samples, token for
+    token, what it samples in a call of its own, every token under version 0."""
+    sampling = SamplingParams(max_new_tokens=240)  # the first runs while the others join
+    first = GenerationRequest(tok.encode("a much longer prompt to force left padding"), seed=1)
+    late = [
+        GenerationRequest(tok.encode("x"), seed=2, max_new_tokens=6),
+        GenerationRequest(tok.encode("what is 3+4=?"), seed=3, max_new_tokens=9),
+        GenerationRequest(tok.encode("what is 3+4=?"), seed=4, max_new_tokens=30),
+    ]
+    head = server.submit(first, sampling, request_id="head")
+    _until(lambda: _running(server) == 1)
+    got: dict[int, object] = {}
+
+    def ask(i: int) -> None:
+        time.sleep(0.003 * i)
+        got[i] = server.submit(late[i], sampling).result(timeout=120)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(late))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out = head.result(timeout=120)
+    assert server.batches == 1 and server.joined == len(late)
+    assert out.extra["request_id"] == "head"
+    for request, result in zip([first, *late], [out, *(got[i] for i in range(len(late)))]):
+        alone = _alone(engine, request, sampling)
+        assert result.token_ids == alone.token_ids
+        assert result.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+        assert result.extra["versions"] == [0] * len(alone.token_ids)
+        assert result.finish_reason == "length"
+
+
+def test_an_abort_by_id_ends_that_request_alone_queued_or_running(server, engine, tok):
+    """Aborting a running request ends it after the current decode step with the tokens it has;
+    the other request of its batch goes on to its full budget, as alone. A queued request
+    aborted while the server is paused comes back at once with none."""
+    sampling = SamplingParams(max_new_tokens=400)
+    keep = GenerationRequest(tok.encode("keep going"), seed=5, max_new_tokens=60)
+    long = GenerationRequest(tok.encode("stop me"), seed=6)
+    kept, cut = server.submit(keep, sampling), server.submit(long, sampling, request_id="cut")
+    _until(lambda: _running(server) == 2)
+    assert server.abort(["cut"]) == 1
+    result = cut.result(timeout=120)
+    assert result.extra["aborted"] and result.finish_reason == "interrupted"
+    assert 0 < len(result.token_ids) < 400
+    assert result.token_ids == _alone(engine, long, sampling).token_ids[: len(result.token_ids)]
+    assert kept.result(timeout=120).token_ids == _alone(engine, keep, sampling).token_ids
+
+    server.pause()
+    queued = server.submit(keep, sampling, request_id="queued")
+    assert server.abort(["queued", "unknown"]) == 1
+    out = queued.result(timeout=5)
+    assert out.token_ids == [] and out.extra["aborted"]
+    server.resume()
+
+
+def test_weights_taken_mid_request_tag_every_token_with_the_version_that_sampled_it(
+    server, engine, tok
+):
+    """A pause between decode steps puts the running request back at the head of the queue;
+    new weights load; on resume it goes on from its prefix. Its first k tokens are what the old
+    weights sample, the rest what the new ones sample continuing that prefix (the continued
+    request), and ``versions`` says so token for token."""
+    sampling = SamplingParams(max_new_tokens=300)
+    request = GenerationRequest(tok.encode("a prompt that runs long"), seed=7)
+    before = _alone(engine, request, sampling)
+    pending = server.submit(request, sampling)
+    _until(lambda: _running(server) == 1)
+    time.sleep(0.05)
+    server.pause()
+    assert server.queued() == 1 and _running(server) == 0
+    k = len(pending.tokens)
+    assert 0 < k < 300
+    new = load_model("builtin:tiny", seed=1).state_dict()
+    with torch.no_grad():
+        engine.model.load_state_dict(new)
+    server.resume(version=1)
+    out = pending.result(timeout=120)
+    assert out.token_ids[:k] == before.token_ids[:k]
+    rest = _alone(engine, continued(request, out.token_ids[:k], sampling), sampling)
+    assert out.token_ids[k:] == rest.token_ids
+    assert out.extra["versions"] == [0] * k + [1] * (300 - k)
+    assert len(out.logprobs) == 300
+
+
+def test_a_failed_batch_raises_in_its_callers_and_the_server_goes_on(server, engine, tok):
+    """The engine raising (a prompt beyond the model's positions) reaches the callers of that
+    batch; the next request is served."""
+    sampling = SamplingParams(max_new_tokens=8)
+    limit = engine.model.config.max_position_embeddings
+    bad = server.submit(GenerationRequest([5] * limit, seed=1), sampling)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        bad.result(timeout=60)
+    ok = GenerationRequest(tok.encode("fine"), seed=2)
+    assert server.generate([ok], sampling)[0].token_ids == _alone(engine, ok, sampling).token_ids
+
+
+def test_close_fails_every_waiting_caller_and_takes_no_more(engine, tok):
+    """Closing ends the loop: a request queued (the server paused) raises ServerClosed in its
+    caller, and a submit after the close raises at once."""
+    server = EngineServer(engine)
+    server.pause()
+    waiting = server.submit(GenerationRequest(tok.encode("x"), seed=1), SamplingParams())
+    assert server.close(timeout_s=30)
+    with pytest.raises(ServerClosed):
+        waiting.result(timeout=5)
+    with pytest.raises(ServerClosed):
+        server.submit(GenerationRequest(tok.encode("x"), seed=1), SamplingParams())
