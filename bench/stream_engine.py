@@ -4,12 +4,15 @@ served three ways on the HF engine (``--engine vllm``: the CPU lane's vLLM):
 
 - ``serial``: one engine call at a time, each carrying one group's n requests (the stream's
   engine before issue 49: a lock around the engine);
-- ``batched``: through ``rollout.versioned.VersionedEngine`` with joining off (``join=False``),
-  which sends every group waiting on a replica in one call (the path before issue 57's joins);
-- ``joined``: the same with joining on (what ships): a turn asked while a call runs joins it
-  between decode steps and comes back as soon as it ends;
-- ``ceiling``: per turn one plain engine call with all G x n requests, no threads (the best
-  any batching of these requests can do).
+- ``batched``: through ``rollout.versioned.VersionedEngine`` without engine servers
+  (``serve=False``), which sends every group waiting on a replica in one call (the per-call
+  path before issue 57);
+- ``served``: the same with engine servers (what ships, issue 57): each replica's requests go
+  to its ``rollout.engines.server.EngineServer`` as they come and join the running batch
+  between decode steps. Its turn wait (submit to the first decode step that takes the
+  request) is reported as median and p99;
+- ``ceiling``: per turn one plain engine call with all G x n requests, from one worker thread
+  (the best any batching of these requests can do).
 
 Every request samples ``new_tokens`` tokens (no stop token; ``--mixed``: the requests of group g
 (1 + g % 4) quarters of them, so groups end their turns at different steps), so the
@@ -118,21 +121,30 @@ def run(
     def modes():
         served = ReplicaRouter(engines) if replicas > 1 else engine
         yield "serial", lambda: _threads(serial, per_group), None
-        versioned = VersionedEngine(served, join=False)
+        versioned = VersionedEngine(served, serve=False)
         yield "batched", lambda: _threads(batched(versioned), per_group), versioned
-        joining = VersionedEngine(served, join=True)
-        yield "joined", lambda: _threads(batched(joining), per_group), joining
+        serving = VersionedEngine(served)
+
+        def serve() -> float:
+            seconds = _threads(batched(serving), per_group)
+            serving.close(timeout_s=30)  # its servers' last batches counted (``on_batch``)
+            return seconds
+
+        yield "served", serve, serving
         everything = [r for requests in per_group for r in requests]
-        yield "ceiling", lambda: _timed(lambda: ceiling(everything)), None
+        yield "ceiling", lambda: _threads(ceiling, [everything]), None
 
     engine.generate(per_group[0], sampling)  # warm-up
-    seconds: dict[str, list[float]] = {"serial": [], "batched": [], "joined": [], "ceiling": []}
-    sizes: dict[str, list[float]] = {"batched": [], "joined": []}
+    names = ("serial", "batched", "served", "ceiling")
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    sizes: dict[str, list[float]] = {"batched": [], "served": []}
+    waits: list[float] = []  # served: seconds from a request's submit to its first decode step
     for _ in range(repeats):
         for name, timed, versioned in modes():
             seconds[name].append(timed())
             if versioned is not None:
                 sizes[name].append(statistics.mean(versioned.call_sizes))
+                waits += [w for server in versioned._servers.values() for w in server.waits]
     tokens = turns * sum(r.budget(sampling) for requests in per_group for r in requests)
     rate = {name: tokens / statistics.median(s) for name, s in seconds.items()}
     return {
@@ -147,17 +159,15 @@ def run(
         "tokens_per_s": rate,
         "batched_over_serial": rate["batched"] / rate["serial"],
         "batched_over_ceiling": rate["batched"] / rate["ceiling"],
-        "joined_over_ceiling": rate["joined"] / rate["ceiling"],
-        "joined_over_batched": rate["joined"] / rate["batched"],
         "requests_per_call": statistics.median(sizes["batched"]),
-        "requests_per_joined_call": statistics.median(sizes["joined"]),
+        "requests_per_served_batch": statistics.median(sizes["served"]),
+        "served_over_ceiling": rate["served"] / rate["ceiling"],
+        "served_over_batched": rate["served"] / rate["batched"],
+        "served_wait_ms": {
+            "median": 1000 * statistics.median(waits),
+            "p99": 1000 * sorted(waits)[min(len(waits) - 1, int(0.99 * len(waits)))],
+        },
     }
-
-
-def _timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 def format_table(result: dict) -> str:
@@ -177,11 +187,13 @@ def format_table(result: dict) -> str:
         f"{result['batched_over_ceiling']:.2f}; requests per batched call: "
         f"{result['requests_per_call']:.1f}"
     )
-    if "joined_over_ceiling" in result:
+    if "served_over_ceiling" in result:
+        wait = result["served_wait_ms"]
         lines.append(
-            f"joined / ceiling: {result['joined_over_ceiling']:.2f}; joined / batched: "
-            f"{result['joined_over_batched']:.2f}x; requests per joined call: "
-            f"{result['requests_per_joined_call']:.1f}"
+            f"served / ceiling: {result['served_over_ceiling']:.2f}; served / batched: "
+            f"{result['served_over_batched']:.2f}x; requests per served batch: "
+            f"{result['requests_per_served_batch']:.1f}; served turn wait: median "
+            f"{wait['median']:.1f} ms, p99 {wait['p99']:.1f} ms"
         )
     return "\n".join(lines)
 

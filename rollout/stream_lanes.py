@@ -38,8 +38,9 @@ class Lane:
     """One replica's queue and call state. ``interruptible``: its calls take ``interrupt``;
     ``abortable``: and ``abort_groups``; ``reports_loss``: its calls take ``failover=False``
     and raise ``ReplicaLostError`` when the replica is gone (a ``ReplicaRouter`` lane);
-    ``joinable``: its calls take ``admit`` and ``on_result``, so requests queued while a call
-    runs join it (``rollout.stream_joins``)."""
+    ``joinable``: its calls take ``admit`` and ``on_result``, so requests can join a running
+    call; ``server``: the replica's engine server, which serves the lane's requests instead of
+    its queue of calls (``rollout.engines.server``, set by ``VersionedEngine``)."""
 
     engine: Any
     interruptible: bool
@@ -53,6 +54,7 @@ class Lane:
     last_s: float = 0.0  # how long it took
     last_size: int = 0  # requests it carried (0: it has made no call yet)
     queued_at: float = 0.0  # when its queue last went from empty to not
+    server: Any = None  # an EngineServer: its requests go there, not to the queue
 
 
 def make_lane(engine) -> Lane:

@@ -13,10 +13,13 @@ call just came back waits a moment before the next (``LINGER_SHARE`` of that cal
 asking again at once, join the next call rather than alternate with the others in calls of
 their own; its first call waits ``LINGER_S`` for the groups that start together. So each
 replica decodes every live trajectory that waits for a turn together (HF: one padded batch;
-vLLM: its own scheduler over all of them), and the replicas run side by side. On a
-``joinable`` lane (``Engine.joinable``: the HF engine) the jobs queued while a call runs join
-it between decode steps, and each job comes back as soon as its requests end
-(``rollout.stream_joins``): the call runs for as long as it has work.
+vLLM: its own scheduler over all of them), and the replicas run side by side. A
+``joinable`` replica (``Engine.joinable``: the HF engine) is served instead by an engine server
+of its own (``rollout.engines.server.EngineServer``): each caller's requests are submitted as
+they come, join the running batch between decode steps and come back as each ends; a load
+pauses the server (with ``partial``, after its decode step; else once its batch ends) and
+every token carries the version that sampled it, and an abort ends the group's requests by
+their ids.
 
 A weight load (``load``; ``hold``/``release`` for colocated engines) waits for the lanes'
 calls to end, none starting meanwhile, and raises the version once for every lane. With
@@ -41,16 +44,16 @@ the same lanes and batches, counted under no prompt, never aborted.
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from rollout.engines.router import ReplicaLostError
-from rollout.stream_joins import JoinedCall
+from rollout.engines.server import BatchStats, EngineServer, Pending, ServerClosed, continued
 from rollout.stream_lanes import LINGER_S, LINGER_SHARE, Lane, Lanes, linger
 
 __all__ = [
@@ -61,6 +64,10 @@ __all__ = [
     "UntrackedEngine",
     "VersionedEngine",
 ]
+
+
+#: What a server adds to a result's ``extra`` for itself, not carried into the caller's result.
+_SERVER_KEYS = ("versions", "request_id", "aborted")
 
 
 class GroupAborted(Exception):
@@ -91,6 +98,7 @@ class _Job:
     error: BaseException | None = None
     done: bool = False
     redo: bool = False  # never answered (its lane's replica lost, or followed away): route again
+    pending: list[Pending] = field(default_factory=list)  # a served lane's requests in flight
 
 
 class VersionedEngine:
@@ -101,16 +109,20 @@ class VersionedEngine:
     engine call; ``generated_tokens``: every token sampled, kept or not; ``interruptions``:
     calls ended early for a load, a close, or an abort on a lane that cannot end one group
     alone; ``group_aborts``: groups an abort ended mid-call while the rest of it went on.
-    ``join``: jobs queued while a joinable lane's call runs join it (``rollout.
-    stream_joins``); off by default, so runs keep one call per lane's queue until joining is
-    measured to pay on a quiet machine (``bench.stream_engine``: 0.70x with mixed budgets
-    under load, docs/benchmarks.md)."""
+    ``serve``: a ``joinable`` lane's requests go to an engine server of its own
+    (``rollout.engines.server.EngineServer``: each request submitted as it comes, joining the
+    running batch between decode steps) instead of the lane's queue of calls; so do those of a
+    replica whose engine offers ``engine_server(version)`` (a peer's server in its own
+    process, ``trainer.loop.engines.remote_engine.RemoteServer``)."""
 
     def __init__(
-        self, engine, version: int = 0, *, partial: bool = False, join: bool = False
+        self, engine, version: int = 0, *, partial: bool = False, serve: bool = True
     ) -> None:
         self.engine = engine
-        self._join = join  # jobs queued join a joinable lane's call in flight
+        self._serve = serve
+        self._servers: dict[int, EngineServer] = {}  # id(replica engine) -> its server
+        self._served: dict[int, dict[str, EngineServer]] = {}  # group -> request id -> server
+        self._request_ids = itertools.count()
         self.version = version
         self._routing = Lanes(engine)
         self._partial = partial
@@ -129,6 +141,39 @@ class VersionedEngine:
         self.interruptions = 0
         self.group_aborts = 0
         self._resubmitted = 0  # requests moved off a lost replica's lane (take_resubmitted)
+        self._serve_lanes()
+
+    def _serve_lanes(self) -> None:
+        """Give each joinable lane its replica's server (made once per replica engine)."""
+        if not self._serve:
+            return
+        for lane in self._lanes:
+            replica = getattr(lane.engine, "replica_engine", lane.engine)
+            # one server per replica engine, kept across the routers the host connects
+            server = self._servers.get(id(replica))
+            if server is None:
+                remote = getattr(replica, "engine_server", None)  # a peer's, in its process
+                server = remote(self.version) if remote is not None else None
+                if server is None and lane.joinable:
+                    server = EngineServer(
+                        lane.engine,
+                        self.version,
+                        name=f"engine-server-{len(self._servers)}",
+                        on_batch=self._on_batch,
+                    )
+                if server is None:
+                    continue  # its calls go through the lane's queue
+                self._servers[id(replica)] = server
+            lane.server = server
+
+    def _on_batch(self, stats: BatchStats) -> None:
+        """A server's batch ended: counted as a call of its lane."""
+        with self._cond:
+            self.engine_s += stats.seconds
+            self.busy_s += stats.seconds / len(self._lanes)
+            self.call_sizes.append(stats.requests)
+            self.generated_tokens += stats.tokens
+            self.interruptions += bool(stats.cut)
 
     @property
     def _lanes(self) -> list[Lane]:
@@ -142,8 +187,16 @@ class VersionedEngine:
             self.engine = engine
             for job in self._routing.follow(engine):
                 job.redo = job.done = True
+            self._serve_lanes()
             self.partial = self._partial and any(lane.interruptible for lane in self._lanes)
             self._cond.notify_all()
+
+    def take_turn_waits(self) -> list[float]:
+        """Seconds each request served since the last call waited for its first decode step
+        (every engine server's, ``EngineServer.take_waits``)."""
+        with self._cond:
+            servers = list(self._servers.values())
+        return [wait for server in servers for wait in server.take_waits()]
 
     def take_resubmitted(self) -> int:
         """Requests resubmitted to live lanes since the last call, their replica lost."""
@@ -181,7 +234,7 @@ class VersionedEngine:
                 (
                     batch,
                     _Job(
-                        [_continued(requests[i], results[i].token_ids, sampling) for i in batch],
+                        [continued(requests[i], results[i].token_ids, sampling) for i in batch],
                         sampling,
                         lane,
                         frozenset(requests[i].group for i in batch) if track else frozenset(),
@@ -207,15 +260,19 @@ class VersionedEngine:
         return results
 
     def _add(self, into: GenerationResult, out: GenerationResult, version: int, group) -> None:
+        """``out`` appended to ``into``; each token's version is the server's (exact), else the
+        call's ``version``; counted under ``group`` (None: untracked)."""
+        versions = out.extra.get("versions") or [version] * len(out.token_ids)
         into.token_ids += out.token_ids
         into.logprobs += out.logprobs
-        into.extra["versions"] += [version] * len(out.token_ids)
-        into.extra.update((k, v) for k, v in out.extra.items() if k != "versions")
+        into.extra["versions"] += versions
+        into.extra.update((k, v) for k, v in out.extra.items() if k not in _SERVER_KEYS)
         into.finish_reason = out.finish_reason
         if out.token_ids and group is not None:
             with self._cond:
                 counts = self._tokens.setdefault(group, {})
-                counts[version] = counts.get(version, 0) + len(out.token_ids)
+                for v in versions:
+                    counts[v] = counts.get(v, 0) + 1
 
     def _raise_if_aborted(self, requests, todo: list[int], track: bool) -> None:
         if not track:
@@ -226,6 +283,65 @@ class VersionedEngine:
                     raise GroupAborted(requests[i].group)
 
     def _run(self, jobs: list[_Job]) -> None:
+        """Every job sent and answered: a served lane's to its server, request by request; the
+        others queued on their lanes (``_run_queued``)."""
+        served = [job for job in jobs if job.lane.server is not None]
+        for job in served:
+            self._submit(job)
+        queued = [job for job in jobs if job.lane.server is None]
+        if queued:
+            self._run_queued(queued)
+        for job in served:
+            self._await(job)
+
+    def _submit(self, job: _Job) -> None:
+        """Each of ``job``'s requests to its lane's server, under an id of its own (kept per
+        tracked group, so an abort reaches it); none if its group is aborted already."""
+        with self._cond:
+            if self._closed:
+                raise EngineClosed("the stream's engine is closed (the stream shuts down)")
+            doomed = job.groups & self._doomed
+            if doomed:
+                job.error, job.done = GroupAborted(min(doomed)), True
+                return
+            server = job.lane.server
+            request_ids = [f"v{next(self._request_ids)}" for _ in job.requests]
+            for request, request_id in zip(job.requests, request_ids):
+                if request.group in job.groups:
+                    self._served.setdefault(request.group, {})[request_id] = server
+            try:
+                job.pending = server.submit_many(job.requests, job.sampling, request_ids)
+            except ServerClosed as exc:
+                raise EngineClosed("the stream's engine is closed") from exc
+
+    def _await(self, job: _Job) -> None:
+        """Wait for ``job``'s requests on its server; its outputs, or the first error."""
+        if job.done:
+            return
+        outs, error = [], None
+        for pending in job.pending:
+            try:
+                outs.append(pending.result())
+            except ServerClosed:
+                error = error or EngineClosed("the stream's engine is closed")
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller (_generate)
+                error = error or exc
+        with self._cond:
+            for request, pending in zip(job.requests, job.pending):
+                self._served.get(request.group, {}).pop(pending.request_id, None)
+            if isinstance(error, ReplicaLostError) and job.lane.reports_loss:
+                # Its replica is gone: the lane takes no work again, the router deals its
+                # prompts to the others, and this job is routed again.
+                if not job.lane.dead:
+                    job.lane.engine.mark_lost()
+                self._routing.lost(job.lane)
+                self._resubmitted += len(job.requests)
+                job.redo = job.done = True
+                return
+        job.outs, job.error = (outs if error is None else None), error
+        job.version, job.done = self.version, True
+
+    def _run_queued(self, jobs: list[_Job]) -> None:
         """Queue ``jobs`` on their lanes and drive the lanes until every one has come back:
         this thread sends a free lane's whole queue (``_call``) or waits for another's call."""
         with self._cond:
@@ -277,12 +393,9 @@ class VersionedEngine:
             self._cond.notify_all()
 
     def _call(self, lane: Lane, batch: list[_Job], version: int, epoch: int) -> None:
-        """One engine call for every job of ``batch`` on ``lane`` (one sampling setting); on a
-        ``joinable`` lane the jobs queued meanwhile join it (``rollout.stream_joins``)."""
-        groups: set = set()  # the call's tracked groups, grown as jobs join
-        call = JoinedCall(
-            self._cond, lane, batch, version, self._admits, self._drop_aborted, groups
-        )
+        """One engine call for every job of ``batch`` on ``lane`` (one sampling setting)."""
+        groups = set().union(*(job.groups for job in batch))  # the call's tracked groups
+        requests = [r for job in batch for r in job.requests]
         kwargs = {}
         if lane.interruptible:
             partial, abortable = self.partial, lane.abortable
@@ -305,46 +418,44 @@ class VersionedEngine:
             kwargs["interrupt"] = interrupt
             if abortable:
                 kwargs["abort_groups"] = abort_groups
-        if lane.joinable and self._join:
-            kwargs.update(admit=call.admit, on_result=call.on_result)
         if lane.reports_loss:  # a lost replica's requests come back here, not to the router
             kwargs["failover"] = False
         started = time.perf_counter()
         outs, error = None, None
         try:
-            outs = lane.engine.generate(list(call.requests), batch[0].sampling, **kwargs)
+            outs = lane.engine.generate(requests, batch[0].sampling, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - handed to each caller, which raises it
             error = exc
         seconds = time.perf_counter() - started
         with self._cond:
-            requests = call.requests
             self.engine_s += seconds
             self.busy_s += seconds / len(self._lanes)
             self.call_sizes.append(len(requests))
             if isinstance(error, ReplicaLostError) and lane.reports_loss:
                 # Its replica is gone: the lane takes no work again, and its requests (this
-                # call's not answered yet and those queued) go to the lanes that serve.
-                moved = call.unanswered() + self._routing.lost(lane)
+                # call's and those queued) go to the lanes that serve.
+                moved = batch + self._routing.lost(lane)
                 for job in moved:
                     job.redo = job.done = True
                 self._resubmitted += sum(len(job.requests) for job in moved)
-                error = None
-            if outs is not None:
-                self.generated_tokens += sum(len(out.token_ids) for out in outs)
-                cut = {r.group for r, o in zip(requests, outs) if o.finish_reason == "interrupted"}
-                aborted = cut & self._doomed if lane.abortable else set()
-                self.interruptions += bool(cut - aborted)  # the call, not only aborted groups
-                self.group_aborts += len(aborted)
-            call.finish(outs, error)
+            else:
+                if outs is not None:
+                    self.generated_tokens += sum(len(out.token_ids) for out in outs)
+                    cut = {
+                        r.group for r, o in zip(requests, outs) if o.finish_reason == "interrupted"
+                    }
+                    aborted = cut & self._doomed if lane.abortable else set()
+                    self.interruptions += bool(cut - aborted)  # the call, not only aborted groups
+                    self.group_aborts += len(aborted)
+                start = 0
+                for job in batch:
+                    end = start + len(job.requests)
+                    job.outs = None if outs is None else outs[start:end]
+                    job.error, job.version, job.done = error, version, True
+                    start = end
             lane.busy, lane.ended_at = False, time.perf_counter()
-            # what it began with: jobs that joined it are not a batch the next call should wait for
-            lane.last_s, lane.last_size = seconds, sum(len(job.requests) for job in batch)
+            lane.last_s, lane.last_size = seconds, len(requests)
             self._cond.notify_all()
-
-    def _admits(self) -> bool:
-        """Whether jobs may join a call in flight now: not while a load waits or holds the
-        engine, nor once closed (under ``_cond``)."""
-        return not (self._closed or self._held or self._loads_waiting)
 
     # ---------------------------------------------------------------- loads and aborts
 
@@ -355,11 +466,17 @@ class VersionedEngine:
                 self._cond.wait()
             self._loads_waiting -= 1
             self._held = True
+            servers = list(self._servers.values())
+        for server in servers:  # partial: cut after the decode step; else the batch ends first
+            server.pause(wait=not self.partial)
 
     def _free(self) -> None:
         with self._cond:
             self._held = False
             self._cond.notify_all()
+            servers = list(self._servers.values())
+        for server in servers:
+            server.resume(self.version)
 
     def load(self, load: Callable[[], Any], version: int) -> Any:
         """Run ``load()`` (new weights into every replica) once no lane is in a call (with
@@ -399,6 +516,14 @@ class VersionedEngine:
                 self._doomed.update(new)
                 self._doom_epoch += 1
                 self._cond.notify_all()
+                by_server: dict[int, tuple[EngineServer, list[str]]] = {}
+                for group in new:  # a served group's requests in flight, by request id
+                    served = self._served.get(group, {})
+                    self.group_aborts += bool(served)
+                    for request_id, server in served.items():
+                        by_server.setdefault(id(server), (server, []))[1].append(request_id)
+                for server, request_ids in by_server.values():
+                    server.abort(request_ids)
         return new
 
     def close(self, timeout_s: float) -> bool:
@@ -409,6 +534,11 @@ class VersionedEngine:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            servers = list(self._servers.values())
+        closed = all(server.close(timeout_s) for server in servers)
+        with self._cond:
+            if not closed:
+                return False
             while self._routing.busy():
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
@@ -459,20 +589,3 @@ class UntrackedEngine:
 
     def __getattr__(self, name: str):
         return getattr(self.versioned, name)
-
-
-def _continued(
-    request: GenerationRequest, sampled: list[int], sampling: SamplingParams
-) -> GenerationRequest:
-    """``request`` continued after the tokens ``sampled`` so far: their prefix joins the prompt,
-    its budget is what is left of it (its own ``max_new_tokens``, so one engine call carries
-    requests with different budgets left) and the seed moves on (the continuation draws fresh
-    numbers, not the first ones again)."""
-    if not sampled:
-        return request
-    return dataclasses.replace(
-        request,
-        prompt_ids=[*request.prompt_ids, *sampled],
-        seed=(int(request.seed) * 1_000_003 + len(sampled)) % (2**63),
-        max_new_tokens=request.budget(sampling) - len(sampled),
-    )

@@ -1,6 +1,7 @@
-"""Issue 57's engine loop, one step: requests join a running engine call between decode steps
+"""Issue 57's engine loop: requests join a running engine call between decode steps
 (``Engine.joinable``; the HF engine's step loop, ``rollout.engines.hf_steps``; the stream's
-lanes, ``rollout.stream_joins``) and each comes back as soon as it ends. A joined request
+lanes through their engine server, ``rollout.engines.server``) and each comes back as soon as
+it ends. A joined request
 draws the tokens it draws alone (its own seeded sampler), loads and aborts reach it as any
 other request of the call."""
 
@@ -93,10 +94,28 @@ def test_a_request_joining_an_emptied_batch_keeps_the_call_going(model, tok):
 
 
 def _stream(model, tok, **kwargs):
-    """The HF engine on ``model`` and a ``VersionedEngine`` over it (one joinable lane)."""
+    """The HF engine on ``model`` and a ``VersionedEngine`` over it (one joinable lane, which
+    an engine server serves)."""
     engine = make_engine("hf", model, tok)
-    versioned = VersionedEngine(engine, join=True, **kwargs)
+    versioned = VersionedEngine(engine, **kwargs)
     return engine, versioned
+
+
+def _server(versioned):
+    return versioned._lanes[0].server
+
+
+def _asked(versioned) -> bool:
+    """A request waits in the lane's server, or has joined its running batch."""
+    server = _server(versioned)
+    return bool(server.queued() or server.joined)
+
+
+def _busy(versioned) -> bool:
+    """The lane's server is in a decode batch."""
+    server = _server(versioned)
+    with server._cond:
+        return bool(server._slots)
 
 
 def _gate(model, forwards: int):
@@ -139,9 +158,9 @@ def test_a_turn_submitted_while_a_call_runs_joins_it_and_comes_back_first(model,
     finished: list[int] = []
     try:
         first = _ask(versioned, long, sampling, finished)
-        _until(lambda: versioned._lanes[0].busy)
+        _until(lambda: _busy(versioned))
         second = _ask(versioned, short, sampling, finished)
-        _until(lambda: versioned._lanes[0].pending)  # queued while the call runs
+        _until(lambda: _asked(versioned))  # queued while the call runs (or joined already)
         release.set()
         for thread, _ in (first, second):
             thread.join(60)
@@ -165,11 +184,11 @@ def test_an_abort_ends_a_joined_group_and_the_call_goes_on(model, tok):
     finished: list[int] = []
     try:
         first = _ask(versioned, [GenerationRequest([5, 17, 33], 1, group=0)], sampling, finished)
-        _until(lambda: versioned._lanes[0].busy)
+        _until(lambda: _busy(versioned))
         second = _ask(versioned, [GenerationRequest([40, 41], 2, group=1)], sampling, finished)
-        _until(lambda: versioned._lanes[0].pending)
+        _until(lambda: _asked(versioned))
         release.set()
-        _until(lambda: not versioned._lanes[0].pending)  # joined
+        _until(lambda: _server(versioned).joined)  # joined
         at = len(count)
         assert versioned.abort_older_than(1) == [1]
         for thread, _ in (first, second):
@@ -193,11 +212,11 @@ def test_a_load_with_partial_rollouts_ends_a_call_with_joined_requests(model, to
     state = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         first = _ask(versioned, [GenerationRequest([5, 17, 33], 1, group=0)], sampling, finished)
-        _until(lambda: versioned._lanes[0].busy)
+        _until(lambda: _busy(versioned))
         second = _ask(versioned, [GenerationRequest([40, 41], 2, group=1)], sampling, finished)
-        _until(lambda: versioned._lanes[0].pending)
+        _until(lambda: _asked(versioned))
         release.set()
-        _until(lambda: not versioned._lanes[0].pending and len(count) >= 8)
+        _until(lambda: _server(versioned).joined and len(count) >= 8)
         versioned.load(lambda: model.load_state_dict(state), 1)
         for thread, _ in (first, second):
             thread.join(60)

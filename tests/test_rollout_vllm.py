@@ -375,6 +375,46 @@ def test_a_weight_load_interrupts_vllm_mid_call_and_the_rest_samples_under_it(
 
 
 @needs_vllm
+def test_requests_join_vllm_s_running_batch_through_the_engine_server_and_abort_by_id(
+    engine, monkeypatch
+):
+    """The engine server (``rollout.engines.server``) over vLLM's step loop: requests submitted
+    while a batch runs join it between engine steps (one batch), each samples what it samples
+    alone, and an abort by request id ends that request alone."""
+    import dataclasses
+    import time
+
+    from rollout.engines.server import EngineServer
+
+    steps = []
+    step = engine.llm.llm_engine.step
+    monkeypatch.setattr(engine.llm.llm_engine, "step", lambda: steps.append(1) or step())
+    sp = SamplingParams(max_new_tokens=240, temperature=1.0)
+    reqs = [dataclasses.replace(r, max_new_tokens=60) for r in _requests()]
+    long = GenerationRequest(prompt_ids=PROMPTS[0], seed=7)
+    alone = [engine.generate([r], sp)[0] for r in reqs[1:3]]
+    steps.clear()  # the server's steps from here
+    server = EngineServer(engine)
+    try:
+        first = server.submit(long, sp, request_id="long")
+        deadline = time.monotonic() + 60
+        while len(steps) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        later = [server.submit(r, sp) for r in reqs[1:3]]
+        outs = [p.result(timeout=120) for p in later]
+        assert server.abort(["long"]) == 1
+        cut = first.result(timeout=120)
+    finally:
+        server.close(timeout_s=60)
+    assert server.batches == 1 and server.joined == 2
+    for out, ref in zip(outs, alone):
+        assert out.token_ids == ref.token_ids and out.extra["versions"] == [0] * 60
+    assert cut.extra["aborted"] and cut.finish_reason == "interrupted"
+    assert 60 <= len(cut.token_ids) < 240
+
+
+@needs_vllm
 def test_vllm_sleep_blocks_generation_until_wake_up(engine):
     from vllm.platforms import current_platform
 

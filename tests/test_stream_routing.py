@@ -397,20 +397,28 @@ def test_a_shut_down_rollout_host_holds_no_other_replica_s_handle(tmp_path):
 class _UntilInterrupted:
     """A replica's engine whose first call decodes until it is interrupted (up to 120 s, a
     long tail) and whose later calls answer at once; ``abort_groups`` ends those groups'
-    requests alone. Records the groups of every call."""
+    requests alone, and requests ``admit`` lets in join the first call (an engine server's
+    batch). Records the prompts of every call: the first token of each request's, the caller's
+    group (a server numbers the requests of its batch in their ``group``, for its aborts)."""
 
-    interruptible = abortable = True
+    interruptible = abortable = joinable = True
 
     def __init__(self) -> None:
         self.calls: list[list[int]] = []
 
-    def generate(self, requests, sampling, interrupt=None, abort_groups=None):
-        self.calls.append([r.group for r in requests])
+    def generate(
+        self, requests, sampling, interrupt=None, abort_groups=None, admit=None, on_result=None
+    ):
+        requests = list(requests)
+        self.calls.append([r.prompt_ids[0] for r in requests])
         if len(self.calls) > 1:
             return [GenerationResult([2], [0.0], "length") for _ in requests]
         ended: dict[int, GenerationResult] = {}
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not (interrupt is not None and interrupt()):
+            joining = admit(8) if admit is not None else []
+            requests += joining
+            self.calls[-1] += [r.prompt_ids[0] for r in joining]
             gone = abort_groups() if abort_groups is not None else frozenset()
             for i, r in enumerate(requests):
                 if r.group in gone:
@@ -465,7 +473,7 @@ def test_a_load_with_partial_rollouts_ends_a_remote_replica_s_call_too(local_ray
         versioned._tokens[3] = {0: 5}  # group 3 sampled under version 0 before
         sampling = SamplingParams(max_new_tokens=4)
         callers = {
-            g: _in_thread(versioned.generate, [GenerationRequest([1], seed=g, group=g)], sampling)
+            g: _in_thread(versioned.generate, [GenerationRequest([g], seed=g, group=g)], sampling)
             for g in (0, 1, 3)  # 0 on the local replica, 1 and 3 on the remote one
         }
         _until(lambda: ray.get(calls.remote()) == [[1, 3]])

@@ -271,6 +271,11 @@ def test_a_streamed_run_keeps_its_bound_and_records_every_batch(streamed, name):
         if r["stream/groups_dropped"] == 0:
             assert r["stream/dropped_mean_length"] == 0.0
     assert max(r["stream/requests_per_call"] for r in records) >= 1
+    # the HF engine's engine server: every step that served turns says how long they waited
+    waits = [r for r in records if "stream/turn_wait_ms" in r]
+    assert waits and all(
+        0 <= r["stream/turn_wait_ms"] <= r["stream/turn_wait_p99_ms"] for r in waits
+    )
     made = sum(r["stream/tokens_generated"] for r in records)
     assert 0 <= sum(r["stream/tokens_discarded"] for r in records) <= made
     assert records[0]["stream/staleness_max"] == 0  # step 1: the initial weights train

@@ -9,7 +9,7 @@ training logprobs are comparable.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -88,6 +88,12 @@ class GenerationResult:
     extra: dict = field(default_factory=dict)
 
 
+#: ``Engine.generate``'s ``admit(room)`` (a ``joinable`` engine): requests that join the call.
+Admit = Callable[[int], list[GenerationRequest]]
+#: ``Engine.generate``'s ``on_result(index, result)``: request ``index`` has ended.
+OnResult = Callable[[int, GenerationResult], None]
+
+
 class Engine(ABC):
     """A generation engine (HF transformers, vLLM, vllm-ascend).
 
@@ -101,7 +107,7 @@ class Engine(ABC):
     left in the batch, in requests, returning requests that join the running call; their
     results follow the given ones', in the order admitted) and ``on_result(index, result)``
     (called as each request ends, before the call returns), so a call runs for as long as it
-    has work (``rollout.stream_joins``)."""
+    has work (``rollout.engines.server``)."""
 
     interruptible = False
     abortable = False

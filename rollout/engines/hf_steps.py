@@ -23,16 +23,19 @@ from collections.abc import Callable
 
 import torch
 
-from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
+from rollout.engines.base import (
+    Admit,
+    GenerationRequest,
+    GenerationResult,
+    OnResult,
+    SamplingParams,
+)
 from rollout.engines.kv_buffer import BufferLayer, join_rows, share_prefill
 from rollout.engines.sampler import filter_logits, sample_inverse_cdf
 
 #: Finished rows leave the decode batch once they are 1/_COMPACT_FRACTION of its rows: dropping
 #: them copies the cache, so it waits until it saves a sizeable share of every later step.
 _COMPACT_FRACTION = 8
-
-Admit = Callable[[int], list[GenerationRequest]]
-OnResult = Callable[[int, GenerationResult], None]
 
 
 class DecodeBatch:

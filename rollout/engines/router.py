@@ -184,6 +184,15 @@ class _Lane(Engine):
         self.abortable = bool(getattr(router.replicas[index], "abortable", False))
         self.joinable = bool(getattr(router.replicas[index], "joinable", False))
 
+    def mark_lost(self) -> None:
+        """This lane's replica is gone (found by its engine server's caller)."""
+        self.router.mark_lost(self.index)
+
+    @property
+    def replica_engine(self) -> Engine:
+        """The replica's own engine (the same across the routers a host connects)."""
+        return self.router.replicas[self.index]
+
     def generate(self, requests, sampling, **kwargs):
         """The router's ``serve_lane`` for this lane (``kwargs``: the replica's own)."""
         return self.router.serve_lane(self.index, requests, sampling, **kwargs)

@@ -9,7 +9,9 @@ sampling setting per batch, first come first served) and, between decode steps, 
 requests submitted meanwhile join it (``Engine.joinable``), each leaving the batch as it ends
 and going back to its caller at once. Joining lays the batch's cache out anew, so requests join
 in handfuls: once the waiting ones are at least ``JOIN_SHARE`` of the running rows, or the
-oldest has waited ``JOIN_WAIT_S`` seconds (the batch never waits for a turn it could take).
+oldest has waited ``JOIN_WAIT_S`` seconds. A fresh batch begins once requests stop arriving
+(``QUIET_S``), so the callers a batch answered at one step, asking again together, begin the
+next one together rather than one joining after another.
 
 Abort (``abort``): a request still queued leaves at once; a running one ends after the current
 decode step; both come back with the tokens they have, finish reason ``interrupted`` and
@@ -19,7 +21,8 @@ Weights in flight (``pause`` / ``resume``): ``pause`` ends the running batch aft
 step and returns once the engine is idle; the requests that were running go back to the head
 of the queue, each continued from its prefix (the prompt plus its tokens so far, prefilled
 again under the new weights: no KV cache of older weights is kept) with what is left of its
-budget. The caller loads the weights, then ``resume(version)``. Every token carries the policy
+budget (``pause(wait=True)`` instead lets the batch run to its end, admitting no one). The
+caller loads the weights, then ``resume(version)``. Every token carries the policy
 version of the weights that sampled it (``extra["versions"]``), exact by construction: the
 version changes only while no batch runs.
 """
@@ -31,16 +34,31 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
 
-__all__ = ["JOIN_SHARE", "JOIN_WAIT_S", "EngineServer", "Pending", "ServerClosed", "continued"]
+__all__ = [
+    "JOIN_SHARE",
+    "JOIN_WAIT_S",
+    "QUIET_S",
+    "BatchStats",
+    "EngineServer",
+    "Pending",
+    "ServerClosed",
+    "continued",
+]
 
 #: Waiting requests join a running batch once they are at least this share of its rows...
 JOIN_SHARE = 0.25
 #: ...or once the oldest of them has waited this many seconds.
 JOIN_WAIT_S = 0.02
+#: How many of the latest requests' waits (submit to first decode step) ``waits`` keeps.
+WAITS_KEPT = 4096
+#: A fresh batch (none running) begins once no request has arrived for this many seconds (the
+#: callers a batch just answered ask again together), or at ``JOIN_WAIT_S``.
+QUIET_S = 0.002
 
 
 class ServerClosed(RuntimeError):
@@ -62,6 +80,18 @@ def continued(
         seed=(int(request.seed) * 1_000_003 + len(sampled)) % (2**63),
         max_new_tokens=request.budget(sampling) - len(sampled),
     )
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """One decode batch of an ``EngineServer``: ``requests`` it served (those it began with and
+    those that joined), ``seconds`` it ran, ``tokens`` it sampled, and ``cut``: requests a pause
+    ended after a decode step, to go on in a later batch."""
+
+    requests: int
+    seconds: float
+    tokens: int
+    cut: int
 
 
 @dataclass(eq=False)
@@ -105,10 +135,20 @@ class EngineServer:
     """``engine`` (an ``Engine``; its batches take joiners where it is ``joinable``) served by a
     loop on a thread of its own, holding the weights of policy ``version`` (see the module
     docstring). ``tokens``: tokens sampled; ``batches``: decode batches begun; ``joined``:
-    requests that joined a running batch."""
+    requests that joined a running batch; ``waits``: seconds from submit to the first decode
+    step, of the latest ``WAITS_KEPT`` requests; ``on_batch``: told of each batch as it ends (from
+    the server's thread, no lock held)."""
 
-    def __init__(self, engine, version: int = 0, *, name: str = "engine-server") -> None:
+    def __init__(
+        self,
+        engine,
+        version: int = 0,
+        *,
+        name: str = "engine-server",
+        on_batch: Callable[[BatchStats], None] | None = None,
+    ) -> None:
         self.engine = engine
+        self.on_batch = on_batch
         self.version = version
         self.max_batch = int(getattr(engine, "max_batch_size", 256))
         self._cond = threading.Condition()
@@ -117,10 +157,14 @@ class EngineServer:
         self._aborting: set[int] = set()  # engine indices of running requests to abort
         self._reported: set[int] = set()  # engine indices whose result came back
         self._pauses = 0
+        self._cuts = 0  # pauses that end the running batch after its decode step
         self._in_batch = False
+        self._batch_version = version  # the version the running batch samples under
+        self._batch_tokens = 0  # tokens the running batch has reported
         self._closed = False
         self._ids = itertools.count()
         self.tokens = self.batches = self.joined = 0
+        self.waits: deque[float] = deque(maxlen=WAITS_KEPT)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -143,6 +187,16 @@ class EngineServer:
             self._queue.append(pending)
             self._cond.notify_all()
         return pending
+
+    def submit_many(
+        self,
+        requests: list[GenerationRequest],
+        sampling: SamplingParams,
+        request_ids: list[str] | None = None,
+    ) -> list[Pending]:
+        """``submit`` for each request (under ``request_ids``, when given), in order."""
+        ids = request_ids if request_ids is not None else [None] * len(requests)
+        return [self.submit(r, sampling, i) for r, i in zip(requests, ids)]
 
     def generate(
         self, requests: list[GenerationRequest], sampling: SamplingParams
@@ -169,6 +223,14 @@ class EngineServer:
                     found += 1
         return found
 
+    def take_waits(self) -> list[float]:
+        """The waits (seconds from submit to the first decode step) kept since the last call,
+        oldest first; forgets them."""
+        with self._cond:
+            waits = list(self.waits)
+            self.waits.clear()
+        return waits
+
     def queued(self) -> int:
         """Requests waiting for a batch."""
         with self._cond:
@@ -176,15 +238,18 @@ class EngineServer:
 
     # ---------------------------------------------------------------- weights
 
-    def pause(self) -> None:
-        """Stop decoding: the running batch ends after its decode step (its requests go back to
-        the head of the queue, continued from their prefix); returns once the engine is idle,
-        so the caller may load weights into it. Pauses nest; each needs its ``resume``."""
+    def pause(self, wait: bool = False) -> None:
+        """Stop decoding and return once the engine is idle, so the caller may load weights
+        into it. By default the running batch ends after its decode step (its requests go back
+        to the head of the queue, continued from their prefix); with ``wait`` it runs to its
+        end, taking no more requests. Pauses nest; each needs its ``resume``."""
         with self._cond:
             self._pauses += 1
+            self._cuts += not wait
             self._cond.notify_all()
             while self._in_batch:
                 self._cond.wait()
+            self._cuts -= not wait
 
     def resume(self, version: int | None = None) -> None:
         """Decode again, under the weights of policy ``version`` (None: unchanged)."""
@@ -225,6 +290,7 @@ class EngineServer:
             self._queue.remove(p)
             if p.first_step_at is None:
                 p.first_step_at = now
+                self.waits.append(now - p.submitted_at)
         first = len(self._slots)
         self._slots += taking
         # an engine ends a request early by its group (``abort_groups``): here, its index
@@ -233,17 +299,25 @@ class EngineServer:
             for k, p in enumerate(taking)
         ]
 
+    def _ready(self, sampling: SamplingParams, running: int) -> float:
+        """Seconds until the requests waiting under ``sampling`` should go into the batch
+        (``running`` rows in it): 0 now, ``inf`` with none waiting (under the lock)."""
+        waiting = [p for p in self._queue if p.sampling == sampling]
+        if not waiting:
+            return float("inf")
+        now = time.perf_counter()
+        by_age = JOIN_WAIT_S - (now - waiting[0].submitted_at)
+        if running == 0:
+            quiet = QUIET_S - (now - waiting[-1].submitted_at)
+            enough = len(waiting) >= self.max_batch
+        else:
+            quiet, enough = float("inf"), len(waiting) >= JOIN_SHARE * running
+        return 0.0 if enough else max(0.0, min(by_age, quiet))
+
     def _admit(self, sampling: SamplingParams, room: int) -> list[GenerationRequest]:
         """Between decode steps: the requests that join the batch now (see JOIN_SHARE)."""
         with self._cond:
-            if self._pauses or self._closed or not self._queue:
-                return []
-            waiting = [p for p in self._queue if p.sampling == sampling]
-            if not waiting:
-                return []
-            running = self.max_batch - room
-            oldest = time.perf_counter() - waiting[0].submitted_at
-            if len(waiting) < JOIN_SHARE * running and oldest < JOIN_WAIT_S:
+            if self._pauses or self._closed or self._ready(sampling, self.max_batch - room) > 0:
                 return []
             taken = self._take(sampling, room)
             self.joined += len(taken)
@@ -257,6 +331,7 @@ class EngineServer:
             p.logprobs += out.logprobs
             p.versions += [self._batch_version] * len(out.token_ids)
             self.tokens += len(out.token_ids)
+            self._batch_tokens += len(out.token_ids)
             if out.finish_reason != "interrupted":
                 self._finish(p, out.finish_reason)
             elif p.aborted:
@@ -266,19 +341,20 @@ class EngineServer:
             # else: cut by a pause or close; _end_batch requeues it or fails it
 
     def _interrupted(self) -> bool:
-        return bool(self._pauses) or self._closed
+        return bool(self._cuts) or self._closed
 
     def _aborted_now(self) -> frozenset[int]:
         with self._cond:
             return frozenset(self._aborting)
 
-    def _end_batch(self, error: BaseException | None) -> None:
+    def _end_batch(self, error: BaseException | None) -> int:
         """The batch came back: requests it cut (a pause) go back to the head of the queue in
         their order; on a close or an error, every request not finished fails (under the
-        lock)."""
+        lock). Returns how many went back."""
         cut = [p for p in self._slots if not p.done.is_set()]
         self._slots, self._aborting, self._in_batch = [], set(), False
         self._reported = set()
+        requeued = 0
         if error is not None or self._closed:
             failure = error or ServerClosed("the engine server is closed")
             for p in [*cut, *(self._queue if self._closed else ())]:
@@ -287,19 +363,28 @@ class EngineServer:
                 self._queue.clear()
         else:
             self._queue.extendleft(reversed(cut))
+            requeued = len(cut)
         self._cond.notify_all()
+        return requeued
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and (self._pauses or not self._queue):
-                    self._cond.wait()
+                while not self._closed:
+                    if self._pauses or not self._queue:
+                        self._cond.wait()
+                        continue
+                    wait_s = self._ready(self._queue[0].sampling, 0)
+                    if wait_s <= 0:
+                        break
+                    self._cond.wait(wait_s)
                 if self._closed:
                     self._end_batch(None)
                     return
                 sampling = self._queue[0].sampling
                 first = self._take(sampling, self.max_batch)
                 self._batch_version, self._in_batch = self.version, True
+                self._batch_tokens = 0
                 self.batches += 1
             engine, kwargs = self.engine, {}
             if getattr(engine, "interruptible", False):
@@ -310,7 +395,7 @@ class EngineServer:
             if joinable:
                 kwargs["admit"] = lambda room, s=sampling: self._admit(s, room)
                 kwargs["on_result"] = self._on_result
-            error = None
+            error, started = None, time.perf_counter()
             try:
                 outs = engine.generate(first, sampling, **kwargs)
                 for index, out in enumerate(outs):  # those it did not report as they ended
@@ -319,4 +404,7 @@ class EngineServer:
             except BaseException as exc:  # noqa: BLE001 - handed to each waiting caller
                 error = exc
             with self._cond:
-                self._end_batch(error)
+                size, tokens = len(self._slots), self._batch_tokens
+                cut = self._end_batch(error)
+            if self.on_batch is not None:
+                self.on_batch(BatchStats(size, time.perf_counter() - started, tokens, cut))

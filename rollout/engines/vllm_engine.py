@@ -52,9 +52,11 @@ import torch
 
 from rollout.engines.base import (
     WAKE_TAGS,
+    Admit,
     Engine,
     GenerationRequest,
     GenerationResult,
+    OnResult,
     SamplingParams,
 )
 from rollout.engines.vllm_io import (
@@ -211,8 +213,10 @@ class VLLMEngine(VLLMTransfer, Engine):
         self._names_checked = False  # the first update's names are checked (VLLMTransfer)
         self._request_ids = itertools.count()
 
-    interruptible = True  # ``interrupt`` is polled after every engine step (``_run_steps``)
+    interruptible = True  # ``interrupt`` is polled after every engine step (``_Steps``)
     abortable = True  # ``abort_groups`` too: one group's requests end, the others go on
+    joinable = True  # ``admit`` too: requests join vLLM's running batch between steps
+    max_batch_size = 256  # requests ``admit`` is offered room for (vLLM schedules them)
     adapter: VLLMAdapter | None = None  # LoRA: the adapters served (``lora``); and the
     _lora_request = None  # request that serves them since the first update (None: the base)
 
@@ -224,6 +228,8 @@ class VLLMEngine(VLLMTransfer, Engine):
         sampling: SamplingParams,
         interrupt: Callable[[], bool] | None = None,
         abort_groups: Callable[[], frozenset[int]] | None = None,
+        admit: Admit | None = None,
+        on_result: OnResult | None = None,
     ) -> list[GenerationResult]:
         """Continue every request (prompt token ids) in one vLLM batch, each up to its own
         budget (``GenerationRequest.budget``: vLLM takes a ``SamplingParams`` per prompt);
@@ -231,7 +237,11 @@ class VLLMEngine(VLLMTransfer, Engine):
         depend on the batch. ``interrupt``: polled after each engine step; once True, the
         requests still running are aborted and end with the tokens they have (finish reason
         ``interrupted``). ``abort_groups``: polled likewise; the running requests of the
-        groups it names are aborted there (as interrupted), the others go on.
+        groups it names are aborted there (as interrupted), the others go on. ``admit``
+        (``joinable``): polled likewise with the room left (requests); what it returns joins
+        vLLM's running batch (its scheduler takes them at the next step), numbered after the
+        given ones, results after theirs. ``on_result(index, result)``: called as each request
+        ends.
         """
         if len(self._awake) < len(WAKE_TAGS):
             raise RuntimeError("VLLMEngine.generate called while asleep; call wake_up() first")
@@ -241,92 +251,40 @@ class VLLMEngine(VLLMTransfer, Engine):
                 "VLLMEngine.generate: the weights were discarded by sleep(discard_weights=True) "
                 "and no weight update has been loaded since; load one first"
             )
+        prompts, params = self._prepare(requests, sampling, "requests")
+        if not prompts:
+            return []
+        renormalized = filters_active(sampling, self.vocab_size)
+        if interrupt is None and abort_groups is None and admit is None and on_result is None:
+            outputs = self.llm.generate(
+                prompts, params, use_tqdm=False, lora_request=self._lora_request
+            )
+            return [_result(o.outputs[0], False, renormalized) for o in outputs]
+        steps = _Steps(self, sampling, renormalized, interrupt, abort_groups, admit, on_result)
+        return steps.run(prompts, params, [req.group for req in requests])
+
+    def _prepare(
+        self, requests: list[GenerationRequest], sampling: SamplingParams, name: str
+    ) -> tuple[list[dict], list]:
+        """vLLM's prompts and sampling parameters for ``requests`` (each its own seed and
+        budget); ValueError naming ``name[i]`` for a request the engine cannot take."""
         from vllm import SamplingParams as VSamplingParams
 
-        prompts = []
-        params = []
+        prompts, params = [], []
         for i, req in enumerate(requests):
             if len(req.prompt_ids) == 0:
-                raise ValueError(f"requests[{i}].prompt_ids is empty; give at least one token")
+                raise ValueError(f"{name}[{i}].prompt_ids is empty; give at least one token")
             budget = req.budget(sampling)
             if len(req.prompt_ids) + budget > self.max_model_len:
                 raise ValueError(
-                    f"requests[{i}]: prompt of {len(req.prompt_ids)} tokens + max_new_tokens="
+                    f"{name}[{i}]: prompt of {len(req.prompt_ids)} tokens + max_new_tokens="
                     f"{budget} exceeds the engine's max_model_len="
                     f"{self.max_model_len}; shorten rollout.max_input_len or "
                     "rollout.max_new_tokens, or raise max_model_len"
                 )
             prompts.append({"prompt_token_ids": [int(t) for t in req.prompt_ids]})
             params.append(VSamplingParams(**vllm_sampling_kwargs(sampling, req.seed, budget)))
-        if not prompts:
-            return []
-        if interrupt is None and abort_groups is None:
-            outputs = self.llm.generate(
-                prompts, params, use_tqdm=False, lora_request=self._lora_request
-            )
-            completions = [o.outputs[0] for o in outputs]
-            cut = [False] * len(completions)
-        else:
-            groups = [req.group for req in requests]
-            completions, cut = self._run_steps(prompts, params, interrupt, groups, abort_groups)
-        renormalized = filters_active(sampling, self.vocab_size)
-        results = []
-        for completion, ended in zip(completions, cut):
-            if completion is None:  # interrupted before it was scheduled
-                result = GenerationResult([], [], "interrupted")
-            else:
-                result = result_from_vllm_completion(completion, interrupted=ended)
-            if renormalized:
-                result.extra["logprobs_renormalized"] = True
-            results.append(result)
-        return results
-
-    def _run_steps(
-        self,
-        prompts: list[dict],
-        params: list,
-        interrupt: Callable[[], bool] | None,
-        groups: list[int],
-        abort_groups: Callable[[], frozenset[int]] | None = None,
-    ) -> tuple[list, list[bool]]:
-        """The requests through vLLM's engine one step at a time (what ``LLM.generate`` does,
-        with ``interrupt`` and ``abort_groups`` polled after each step; vLLM's ``LLMEngine.
-        add_request`` / ``step`` / ``abort_request``, alike in 0.24 and 0.32): each request's
-        latest ``CompletionOutput`` in request order (None where it never ran), and per request
-        whether it was cut: all still running once ``interrupt`` says so, those of ``groups``
-        (each request's group) that ``abort_groups`` names as soon as it does, aborted by id
-        (their KV blocks freed) while the rest of the call goes on."""
-        from vllm.sampling_params import RequestOutputKind
-
-        engine = self.llm.llm_engine
-        ids = []
-        for prompt, param in zip(prompts, params):
-            param.output_kind = RequestOutputKind.CUMULATIVE  # the tokens so far, every step
-            ids.append(f"crossrl-{next(self._request_ids)}")
-            engine.add_request(ids[-1], prompt, param, lora_request=self._lora_request)
-        latest: dict[str, Any] = {}
-        group_of = dict(zip(ids, groups))
-        cut: set[str] = set()
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id in group_of:
-                    latest[out.request_id] = out
-            running = [
-                r for r in ids if r not in cut and (r not in latest or not latest[r].finished)
-            ]
-            if running and interrupt is not None and interrupt():
-                engine.abort_request(running)
-                cut.update(running)
-                break
-            gone = abort_groups() if abort_groups is not None and running else frozenset()
-            dropped = [r for r in running if group_of[r] in gone]
-            if dropped:  # only these leave; the call goes on with the others
-                engine.abort_request(dropped)
-                cut.update(dropped)
-                if len(dropped) == len(running):
-                    break
-        completions = [latest[r].outputs[0] if r in latest else None for r in ids]
-        return completions, [r in cut for r in ids]
+        return prompts, params
 
     # ---------------------------------------------------------------- weights and memory
 
@@ -446,3 +404,105 @@ class VLLMEngine(VLLMTransfer, Engine):
             cleanup_dist_env_and_memory()
         except ImportError:  # older vLLM layouts: nothing more to release
             pass
+
+
+def _result(completion, ended: bool, renormalized: bool) -> GenerationResult:
+    """A request's ``GenerationResult`` from its latest ``CompletionOutput`` (None: it never
+    ran); ``ended``: cut by an interrupt or an abort."""
+    if completion is None:  # interrupted before it was scheduled
+        result = GenerationResult([], [], "interrupted")
+    else:
+        result = result_from_vllm_completion(completion, interrupted=ended)
+    if renormalized:
+        result.extra["logprobs_renormalized"] = True
+    return result
+
+
+class _Steps:
+    """One ``VLLMEngine.generate`` call driven one engine step at a time (what ``LLM.generate``
+    does, through vLLM's ``LLMEngine.add_request`` / ``step`` / ``abort_request``, alike in
+    0.24 and 0.32), with ``interrupt``, ``abort_groups`` and ``admit`` polled after each step:
+    all requests still running are aborted by id once ``interrupt`` says so, those of the
+    groups ``abort_groups`` names as soon as it does (their KV blocks freed, the rest goes on),
+    and the requests ``admit`` returns are added to vLLM's running batch. ``on_result`` hears
+    of each request as it ends."""
+
+    def __init__(self, owner, sampling, renormalized, interrupt, abort_groups, admit, on_result):
+        self.owner, self.sampling, self.renormalized = owner, sampling, renormalized
+        self.interrupt, self.abort_groups = interrupt, abort_groups
+        self.admit, self.on_result = admit, on_result
+        self.ids: list[str] = []
+        self.group_of: dict[str, int] = {}
+        self.latest: dict[str, Any] = {}
+        self.cut: set[str] = set()
+        self.reported: set[str] = set()
+
+    def _add(self, prompts: list[dict], params: list, groups: list[int]) -> None:
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.owner.llm.llm_engine
+        for prompt, param, group in zip(prompts, params, groups):
+            param.output_kind = RequestOutputKind.CUMULATIVE  # the tokens so far, every step
+            request_id = f"crossrl-{next(self.owner._request_ids)}"
+            self.ids.append(request_id)
+            self.group_of[request_id] = group
+            engine.add_request(request_id, prompt, param, lora_request=self.owner._lora_request)
+
+    def _report(self) -> None:
+        if self.on_result is None:
+            return
+        for index, request_id in enumerate(self.ids):
+            if request_id in self.reported:
+                continue
+            out = self.latest.get(request_id)
+            if request_id in self.cut or (out is not None and out.finished):
+                self.reported.add(request_id)
+                completion = None if out is None else out.outputs[0]
+                self.on_result(
+                    index, _result(completion, request_id in self.cut, self.renormalized)
+                )
+
+    def _admitted(self, running: int) -> None:
+        if self.admit is None:
+            return
+        joining = self.admit(max(0, self.owner.max_batch_size - running))
+        if joining:
+            prompts, params = self.owner._prepare(joining, self.sampling, "admitted")
+            self._add(prompts, params, [req.group for req in joining])
+
+    def run(self, prompts: list[dict], params: list, groups: list[int]) -> list[GenerationResult]:
+        """Every request's result, in order (those given, then those admitted)."""
+        engine = self.owner.llm.llm_engine
+        self._add(prompts, params, groups)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id in self.group_of:
+                    self.latest[out.request_id] = out
+            running = [
+                r
+                for r in self.ids
+                if r not in self.cut and (r not in self.latest or not self.latest[r].finished)
+            ]
+            if running and self.interrupt is not None and self.interrupt():
+                engine.abort_request(running)
+                self.cut.update(running)
+                break
+            gone = self.abort_groups() if self.abort_groups is not None and running else ()
+            dropped = [r for r in running if self.group_of[r] in gone]
+            if dropped:  # only these leave; the call goes on with the others
+                engine.abort_request(dropped)
+                self.cut.update(dropped)
+            self._report()
+            before = len(self.ids)
+            self._admitted(len(running) - len(dropped))
+            if len(running) == len(dropped) and len(self.ids) == before:
+                break  # every request ended or was aborted, and none joins
+        self._report()
+        return [
+            _result(
+                self.latest[r].outputs[0] if r in self.latest else None,
+                r in self.cut,
+                self.renormalized,
+            )
+            for r in self.ids
+        ]

@@ -4,7 +4,13 @@ gone raises ``ReplicaLostError``, so the router deals its requests to the others
 weights into the peers skips lost ones the same way
 (``trainer.loop.weights.engine_weights.load_into_peers``).
 
-A streamed run's peers can be interrupted as the local replica is: their actors have a
+A streamed run's peers serve the stream as the local replica does, through an engine server
+of their own (``rollout.engines.server``) behind ``RemoteServer``: each job of the stream is
+one ``EngineHost.serve`` call in the actor's ``serve`` concurrency group, where it waits for
+its requests while others join the peer's running batch; aborts by request id, pauses and
+resumes for weight loads go through its ``control`` group.
+
+Calls not served (a peer in this process) can be interrupted as the local replica's are: their actors have a
 ``control`` concurrency group (``peer_actor_options``) where ``EngineHost.interrupt_call`` runs
 beside the call in flight. ``RemoteEngine.generate`` names each call it sends, and while it
 waits, polls the stream's ``interrupt`` and ``abort_groups`` and passes on what they say; the
@@ -22,10 +28,13 @@ from dataclasses import dataclass
 
 from rollout.engines.base import Engine
 from rollout.engines.router import ReplicaLostError
-from trainer.loop.cluster.local import LocalRef, fetch
+from trainer.loop.cluster.local import LocalHandle, LocalRef, fetch
 
 #: The concurrency group of a peer's actor where calls to its call in flight run.
 CONTROL_GROUP = "control"
+#: The concurrency group of a peer's actor where the rollout host's jobs wait on the peer's
+#: engine server (``EngineHost.serve``), one thread each.
+SERVE_GROUP = "serve"
 #: Seconds between two looks at the stream's interrupt and aborts while a peer's call runs.
 POLL_S = 0.01
 _CALL_IDS = itertools.count()
@@ -37,7 +46,9 @@ def peer_actor_options(cfg) -> dict:
     be interrupted; none otherwise, so its tasks keep running on the actor's main thread."""
     if cfg.train.max_staleness is None:
         return {}
-    return {"concurrency_groups": {CONTROL_GROUP: 1}}
+    # every group the stream may run at once can wait on one peer (and validation's beside)
+    jobs = 2 * cfg.train.batch_size * (cfg.train.max_staleness + 1) + 8
+    return {"concurrency_groups": {CONTROL_GROUP: 1, SERVE_GROUP: jobs}}
 
 
 class RemoteEngine(Engine):
@@ -82,9 +93,120 @@ class RemoteEngine(Engine):
                 control.remote(call, sorted(gone - sent))
                 sent |= gone
 
+    def engine_server(self, version: int) -> RemoteServer | None:
+        """The peer's engine server (a streamed run's peer: ``controllable``), holding the
+        weights of ``version``; None where its actor has no ``serve`` group."""
+        if not self.interruptible or isinstance(self.handle, LocalHandle):
+            return None  # an in-process peer's calls run on the caller's thread: per call
+        return RemoteServer(self.handle, self.replica, version)
+
     def update_weights(self, named_tensors) -> None:
         """Not here: the replica's own training ranks sync it."""
         raise NotImplementedError("engine replicas are synced by their own training ranks")
+
+
+class _Call:
+    """One ``EngineHost.serve`` call in flight: its results, fetched once."""
+
+    def __init__(self, ref, replica: int | None) -> None:
+        self.ref, self.replica = ref, replica
+        self._lock = threading.Lock()
+        self._out: list | BaseException | None = None
+
+    def get(self) -> list:
+        import ray
+
+        with self._lock:
+            if self._out is None:
+                try:
+                    self._out = fetch(self.ref)
+                except ray.exceptions.RayActorError as err:
+                    text = str(err).strip()
+                    first = text.splitlines()[0] if text else type(err).__name__
+                    self._out = ReplicaLostError(f"engine replica {self.replica} is lost: {first}")
+                except BaseException as exc:  # noqa: BLE001 - each request's caller raises it
+                    self._out = exc
+        if isinstance(self._out, BaseException):
+            raise self._out
+        return self._out
+
+
+@dataclass
+class RemotePending:
+    """One request submitted to a peer's engine server (``RemoteServer.submit_many``)."""
+
+    request_id: str
+    call: _Call
+    index: int
+
+    def result(self, timeout: float | None = None):
+        """Its ``GenerationResult`` once the peer's call for its job has come back;
+        ``ReplicaLostError`` when the peer's process is gone."""
+        return self.call.get()[self.index]
+
+
+class RemoteServer:
+    """A peer replica's ``rollout.engines.server.EngineServer`` (in its ``EngineHost``), seen
+    from the rollout host as a local server is: a job's requests go in one call
+    (``EngineHost.serve``, in the actor's ``serve`` group, one thread per job waiting),
+    aborts, pauses and resumes go through its ``control`` group. A lost peer: its jobs raise
+    ``ReplicaLostError``; pausing, resuming and closing it do nothing."""
+
+    def __init__(self, handle, replica: int | None, version: int) -> None:
+        self.handle, self.replica = handle, replica
+        self._control = {
+            name: getattr(handle, name).options(concurrency_group=CONTROL_GROUP)
+            for name in (
+                "start_server",
+                "abort_requests",
+                "pause_server",
+                "resume_server",
+                "close_server",
+                "server_waits",
+            )
+        }
+        self._ask("start_server", version)
+
+    def _ask(self, name: str, *args):
+        import ray
+
+        try:
+            return fetch(self._control[name].remote(*args))
+        except ray.exceptions.RayActorError:
+            return None  # lost: its jobs say so
+
+    def submit_many(self, requests: list, sampling, request_ids: list[str]) -> list:
+        """Send one job's requests to the peer's server; a ``RemotePending`` per request."""
+        call = _Call(
+            self.handle.serve.options(concurrency_group=SERVE_GROUP).remote(
+                requests, sampling, request_ids
+            ),
+            self.replica,
+        )
+        return [RemotePending(rid, call, i) for i, rid in enumerate(request_ids)]
+
+    def abort(self, request_ids) -> int:
+        """End those requests on the peer after its current decode step (not waited for)."""
+        ids = list(request_ids)
+        self._control["abort_requests"].remote(ids)
+        return len(ids)
+
+    def pause(self, wait: bool = False) -> None:
+        """``EngineServer.pause`` on the peer; returns once its engine is idle."""
+        self._ask("pause_server", wait)
+
+    def resume(self, version: int | None = None) -> None:
+        """``EngineServer.resume`` on the peer."""
+        self._ask("resume_server", version)
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """``EngineServer.close`` on the peer (a lost peer is closed)."""
+        out = self._ask("close_server", timeout_s)
+        return True if out is None else bool(out)
+
+    def take_waits(self) -> list[float]:
+        """The peer's request waits since the last call (``EngineServer.take_waits``)."""
+        return list(self._ask("server_waits") or [])
 
 
 def _ready(ref, timeout_s: float) -> bool:

@@ -73,6 +73,7 @@ class EngineHost(EngineWeights):
         self.replica = replica
         self.engine = None
         self.calls = CallSignals()  # what the rollout host asks of its calls in flight
+        self.server = None  # a streamed run's peer: its engine server (start_server)
 
     def setup(self) -> dict[str, Any]:
         """Load tokenizer, model and engine."""
@@ -146,6 +147,43 @@ class EngineHost(EngineWeights):
         for ``interrupt_call`` (a stream's calls, ``RemoteEngine``)."""
         return self.calls.run(self.engine, requests, sampling, call)
 
+    # ---------------------------------------------------------------- the engine server
+    # A streamed run's peer serves the rollout host's jobs through an engine server of its
+    # own (``RemoteServer`` on the host's side): ``serve`` in the actor's ``serve`` group, the
+    # rest in its ``control`` group.
+
+    def start_server(self, version: int) -> None:
+        """Serve from now on, holding the weights of policy ``version`` (once per stream)."""
+        from rollout.engines.server import EngineServer
+
+        if self.server is None:
+            self.server = EngineServer(self.engine, version, name=f"engine-server-{self.replica}")
+
+    def serve(self, requests: list, sampling, request_ids: list[str]) -> list:
+        """One job's requests through the engine server; their results, in order."""
+        pending = self.server.submit_many(requests, sampling, request_ids)
+        return [p.result() for p in pending]
+
+    def abort_requests(self, request_ids: list[str]) -> int:
+        """``EngineServer.abort``."""
+        return self.server.abort(request_ids)
+
+    def pause_server(self, wait: bool = False) -> None:
+        """``EngineServer.pause`` (before a weight load, or while the ranks hold the devices)."""
+        self.server.pause(wait)
+
+    def resume_server(self, version: int | None = None) -> None:
+        """``EngineServer.resume``."""
+        self.server.resume(version)
+
+    def close_server(self, timeout_s: float = 30.0) -> bool:
+        """``EngineServer.close``."""
+        return self.server.close(timeout_s)
+
+    def server_waits(self) -> list[float]:
+        """``EngineServer.take_waits``."""
+        return self.server.take_waits()
+
     def interrupt_call(self, call: str, groups: list[int] | None = None) -> None:
         """End call ``call`` after its current decode step, or (``groups``) only the requests
         of those groups in it; runs in the actor's ``control`` group beside the call."""
@@ -166,7 +204,10 @@ class EngineHost(EngineWeights):
         return list(getattr(self.engine, "awake_tags", ()))
 
     def shutdown(self) -> None:
-        """Release the engine (its transfer engine with it)."""
+        """Stop the engine server, if any, and release the engine (its transfer engine with
+        it)."""
+        if self.server is not None:
+            self.server.close()
         if self.engine is not None:
             self.engine.shutdown()
 

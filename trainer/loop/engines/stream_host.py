@@ -17,6 +17,7 @@ that no step would train on);
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -61,6 +62,19 @@ def bias_metrics(
         "stream/aborted_mean_length": sum(sampled) / len(sampled) if sampled else 0.0,
         "stream/groups_aborted": float(len(aborted)),
         "stream/tokens_discarded": float(sum(sum(g.tokens.values()) for g in (*dropped, *aborted))),
+    }
+
+
+def turn_wait_metrics(waits: list[float]) -> dict[str, float]:
+    """A served replica's turns since the last batch: milliseconds from a request's submit to
+    the first decode step that took it, median and 99th percentile (none: nothing served)."""
+    if not waits:
+        return {}
+    ordered = sorted(waits)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {
+        "stream/turn_wait_ms": 1000 * statistics.median(ordered),
+        "stream/turn_wait_p99_ms": 1000 * p99,
     }
 
 
@@ -211,6 +225,7 @@ class StreamingHost:
                     sum(recent_calls) / len(recent_calls) if recent_calls else 0.0
                 ),
                 "stream/tokens_generated": float(made - last_made),
+                **turn_wait_metrics(engine.take_turn_waits()),
             }
         )
         sampled = [g.oldest for g in taken if g.tokens] or [g.oldest for g in taken]
