@@ -2,11 +2,12 @@
 replica, where that replica's requests queue for its next call, and which lane serves a
 prompt now.
 
-A prompt's requests go to the lane of its replica (``Engine.lane_of``, dealt by the prompt
-alone, so every turn of an episode finds its prefix there). A lane whose replica is out of the
-routing (``ReplicaRouter.serving``: lost, or a replacement that has not loaded the current
-weights yet) takes no work: its prompts are dealt over the lanes that serve, by the same rule
-as the router's failover (``deal_prompt`` over the survivors). A lane whose call finds its
+A new prompt's requests go to the least-loaded lane that serves (requests in flight; ties
+dealt by the prompt, ``deal_prompt``), and every later request of that prompt to the same lane
+while it runs, so every turn of its episodes finds its prefix there. A lane whose replica is
+out of the routing (``ReplicaRouter.serving``: lost, or a replacement that has not loaded the
+current weights yet) takes no work: its prompts are placed anew on the lanes that serve (a
+replacement joins the placing as soon as it serves). A lane whose call finds its
 replica lost (``ReplicaLostError``) is marked ``dead`` and never takes work again.
 
 ``follow``: the host connected a new router (a replacement replica started): the lanes are
@@ -80,11 +81,15 @@ class Lanes:
         self.engine = engine
         self.lanes = [make_lane(e) for e in _replicas(engine)]
         self.retired: list[Lane] = []  # lanes of a router followed away from, still in a call
+        self.placed: dict[int, int] = {}  # prompt -> the lane index its requests go to
+        self.load: dict[int, int] = {}  # lane index -> requests in flight there
 
-    def route(self, group: int) -> Lane:
-        """The lane that serves prompt ``group`` now: its replica's, else (that replica out
-        of the routing, or its lane dead) one dealt over those serving. ``ReplicaLostError``
-        when none serves."""
+    def route(self, group: int, place: bool = True) -> Lane:
+        """The lane that serves prompt ``group`` now: the one it was placed on (every turn of
+        its episodes finds its prefix there), else (a new prompt, or its replica out of the
+        routing, or its lane dead) the least-loaded lane serving, ties dealt by the prompt,
+        where it is placed unless ``place`` is False (a request of no prompt of the stream).
+        ``ReplicaLostError`` when none serves."""
         if len(self.lanes) == 1:
             return self.lanes[0]
         serving = getattr(self.engine, "serving", None)
@@ -95,8 +100,30 @@ class Lanes:
         ]
         if not live:
             raise ReplicaLostError("every engine replica is lost; none is left to generate")
-        own = self.engine.lane_of(group)
-        return self.lanes[own if own in live else live[deal_prompt(group, len(live))]]
+        placed = self.placed.get(group)
+        if placed is None or placed not in live:
+            least = min(self.load.get(i, 0) for i in live)
+            ties = [i for i in live if self.load.get(i, 0) == least]
+            placed = ties[deal_prompt(group, len(ties))]
+            if place:
+                self.placed[group] = placed
+        return self.lanes[placed]
+
+    def started(self, lane: Lane, requests: int) -> None:
+        """``requests`` more in flight on ``lane`` (``ended`` takes them off)."""
+        if lane in self.lanes:
+            index = self.lanes.index(lane)
+            self.load[index] = self.load.get(index, 0) + requests
+
+    def ended(self, lane: Lane, requests: int) -> None:
+        """``requests`` of ``lane``'s came back."""
+        if lane in self.lanes:
+            index = self.lanes.index(lane)
+            self.load[index] = max(0, self.load.get(index, 0) - requests)
+
+    def forget(self, group: int) -> None:
+        """Prompt ``group`` is done: its next request, if any, is placed anew."""
+        self.placed.pop(group, None)
 
     def follow(self, engine) -> list:
         """Serve through ``engine``'s replicas from now on; returns the jobs that were queued

@@ -229,7 +229,8 @@ class VersionedEngine:
             parts: dict[Lane, list[int]] = {}
             with self._cond:  # the lane that serves each prompt now
                 for i in todo:
-                    parts.setdefault(self._routing.route(requests[i].group), []).append(i)
+                    lane = self._routing.route(requests[i].group, place=track)
+                    parts.setdefault(lane, []).append(i)
             jobs = [
                 (
                     batch,
@@ -285,14 +286,22 @@ class VersionedEngine:
     def _run(self, jobs: list[_Job]) -> None:
         """Every job sent and answered: a served lane's to its server, request by request; the
         others queued on their lanes (``_run_queued``)."""
-        served = [job for job in jobs if job.lane.server is not None]
-        for job in served:
-            self._submit(job)
-        queued = [job for job in jobs if job.lane.server is None]
-        if queued:
-            self._run_queued(queued)
-        for job in served:
-            self._await(job)
+        with self._cond:  # what each lane has in flight places the next new prompts
+            for job in jobs:
+                self._routing.started(job.lane, len(job.requests))
+        try:
+            served = [job for job in jobs if job.lane.server is not None]
+            for job in served:
+                self._submit(job)
+            queued = [job for job in jobs if job.lane.server is None]
+            if queued:
+                self._run_queued(queued)
+            for job in served:
+                self._await(job)
+        finally:
+            with self._cond:
+                for job in jobs:
+                    self._routing.ended(job.lane, len(job.requests))
 
     def _submit(self, job: _Job) -> None:
         """Each of ``job``'s requests to its lane's server, under an id of its own (kept per
@@ -550,6 +559,7 @@ class VersionedEngine:
         """Tokens sampled for prompt ``group``, by policy version (and forgets the group)."""
         with self._cond:
             self._doomed.discard(group)
+            self._routing.forget(group)
             return self._tokens.pop(group, {})
 
     def lanes(self) -> list:

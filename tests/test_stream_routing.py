@@ -280,8 +280,9 @@ class _Peer:
     groups it served; with ``dies``, every call raises ``ReplicaLostError`` (its process is
     gone)."""
 
-    def __init__(self, dies: bool = False) -> None:
+    def __init__(self, dies: bool = False, hold: threading.Event | None = None) -> None:
         self.dies, self.tries, self.served, self.loads = dies, 0, [], 0
+        self.hold = hold  # set: calls answer; clear: they wait (keeping their load)
 
     def generate(self, requests, sampling, *_call, **_kwargs):
         from rollout.engines.router import ReplicaLostError
@@ -289,6 +290,8 @@ class _Peer:
         self.tries += 1
         if self.dies:
             raise ReplicaLostError("engine replica is lost: its process died")
+        if self.hold is not None:
+            assert self.hold.wait(60)
         self.served += [r.group for r in requests]
         return [GenerationResult([1], [0.0], "length") for _ in requests]
 
@@ -340,32 +343,64 @@ def _rollout_host(tmp_path, engine):
 def test_a_lost_replica_s_requests_go_to_live_lanes_and_its_replacement_serves_the_stream(
     tmp_path,
 ):
-    """Three replicas, prompt g on replica g % 3; replica 2 is lost at its first call. Its
-    request goes to a live lane (counted in ``stream/requests_resubmitted``) and its lane takes
-    no more work. The controller connects a replacement, which the next load fills: from then
-    on it serves prompt 5, dealt to replica 2. Before issue 57 the stream kept the router of its
-    start, and the replacement never served it."""
+    """Three replicas; each new prompt goes to the least-loaded one. Replicas 0 and 1 hold
+    their first calls, so replica 2 (lost at its first call) is the least loaded and takes a
+    prompt: its request goes to a live lane (counted in ``stream/requests_resubmitted``) and its
+    lane takes no more work. The controller connects a replacement, which the next load fills:
+    from then on new prompts go to it. Before issue 57 the stream kept the router of its start,
+    and the replacement never served it."""
     from trainer.loop.cluster.local import LocalHandle
 
-    local, a, lost, replacement = _Peer(), _Peer(), _Peer(dies=True), _Peer()
+    hold = threading.Event()
+    local, a, lost, replacement = _Peer(hold=hold), _Peer(hold=hold), _Peer(dies=True), _Peer()
     host = _rollout_host(tmp_path, local)
     assert host.connect([LocalHandle(a), LocalHandle(lost)]) == 3
     host.stream_start(0, 1)  # 2 prompts a step, s = 1: prompts 0..3 start
     try:
+        _until(lambda: lost.tries == 1)
+        hold.set()
         _until(lambda: host.stream.waiting == 4)
         metrics = host.stream_take(1, None, timeout_s=60)[0]["metrics"]
-        assert metrics["stream/requests_resubmitted"] == 1.0  # prompt 2's, once
+        assert metrics["stream/requests_resubmitted"] == 1.0  # the lost replica's one request
         assert lost.tries == 1 and lost.served == []
-        assert sorted(local.served) == [0, 2, 3] and a.served == [1]
+        assert sorted(local.served + a.served) == [0, 1, 2, 3]  # each prompt once, on a live one
         assert host.generator.take_lost() == [2]
         # the controller's replacement (trainer.loop.schedule.replicas): connected, then loaded
         host.connect([LocalHandle(a), LocalHandle(replacement)], waiting=[2])
         assert host.take_weights([1, "refs", "specs"]) == 1 and replacement.loads == 1
-        # prompts 4 and 5 start under version 1, each on its own replica
-        _until(lambda: 5 in replacement.served and 4 in a.served)
+        # prompts 4 and 5 start under version 1: the idle replacement takes one
+        _until(lambda: bool(replacement.served))
         assert lost.tries == 1
     finally:
         host.stream_shutdown(timeout_s=10)
+
+
+def test_a_new_prompt_goes_to_the_least_loaded_replica_and_stays_there_while_it_runs():
+    """``Lanes.route``: a new prompt is placed on the replica with the fewest requests in
+    flight (ties dealt by the prompt); its later turns stay there (its prefix) however loaded
+    that replica gets; once done (``forget``) it is placed anew; a request of no prompt of the
+    stream (``place=False``) is not placed; a replica out of the routing takes none."""
+    from rollout.engines.router import ReplicaRouter
+    from rollout.stream_lanes import Lanes
+
+    router = ReplicaRouter([_Peer(), _Peer(), _Peer()])
+    lanes = Lanes(router)
+    first = lanes.route(0)
+    assert first is lanes.lanes[0]  # all idle: dealt by the prompt, 0 % 3
+    lanes.started(first, 8)
+    assert lanes.route(1) is lanes.lanes[2]  # idle ones 1 and 2: 1 % 2
+    lanes.started(lanes.lanes[2], 8)
+    assert lanes.route(7) is lanes.lanes[1]  # the only idle one
+    lanes.started(lanes.lanes[1], 1)
+    lanes.started(first, 100)
+    assert lanes.route(0) is first  # its next turn: where its prefix is
+    lanes.forget(0)
+    assert lanes.route(0) is lanes.lanes[1]  # placed anew: the least loaded now
+    assert lanes.route(50, place=False) is lanes.lanes[1] and 50 not in lanes.placed
+    router.mark_lost(1)
+    assert lanes.route(0) is lanes.lanes[2]  # its replica left the routing: placed anew
+    lanes.ended(first, 108)
+    assert lanes.route(9) is first
 
 
 def test_a_shut_down_rollout_host_holds_no_other_replica_s_handle(tmp_path):
@@ -494,3 +529,43 @@ def test_a_load_with_partial_rollouts_ends_a_remote_replica_s_call_too(local_ray
         versioned.close(10)
         router.shutdown()
         ray.kill(peer)
+
+
+@pytest.mark.slow
+def test_a_streamed_run_on_two_replicas_serves_both_and_keeps_its_bound(local_ray, tmp_path):
+    """A streamed run (s = 1, partial rollouts) on two HF engine replicas of their own: replica
+    0 serves through its engine server in the rollout host, replica 1 through its own in its
+    process (``RemoteServer``); every step trains within the bound, each sampled token records
+    the policy that sampled it, and the served turns' waits are reported."""
+    from rollout.replay import load_rollout
+    from trainer.config import load_config
+    from trainer.loop.start.run import run_training
+    from trainer.records.jsonl_files import read_jsonl
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine_devices=2",
+            "train.max_staleness=1",
+            "rollout.partial_rollout=true",
+            "algorithm.rollout_correction=token",
+            "rollout.env=rollout.envs.longtail:LongTailEnv",
+            "rollout.max_turns=3",
+            "train.batch_size=4",
+            "train.mini_batch_size=2",
+            "train.total_steps=3",
+            "ray.in_process=false",
+            "run.resume=never",
+            f"run.dir={run_dir}",
+        ],
+    )
+    assert run_training(cfg) == 0
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for step, r in enumerate(records, start=1):
+        assert 0 <= r["stream/staleness_min"] <= r["stream/staleness_max"] <= 1
+        arrays = load_rollout(run_dir / "rollouts" / f"step_{step}.npz")
+        sampled = arrays["token/policy_version"][arrays["token/loss_mask"] > 0]
+        assert sampled.min() >= max(0, step - 2) and sampled.max() <= step - 1
+    assert any(r.get("stream/turn_wait_p99_ms", -1) >= 0 for r in records)
