@@ -115,6 +115,8 @@ class VersionedEngine:
     replica whose engine offers ``engine_server(version)`` (a peer's server in its own
     process, ``trainer.loop.engines.remote_engine.RemoteServer``)."""
 
+    joinable = False  # batches across callers itself: its callers' fronts send it each turn
+
     def __init__(
         self, engine, version: int = 0, *, partial: bool = False, serve: bool = True
     ) -> None:
@@ -581,6 +583,8 @@ class UntrackedEngine:
     ``tokens_of`` and none aborted. A validation's ``group`` numbers (its records' indices)
     are the same numbers as the stream's prompt ordinals; counted, a prompt streamed later
     would inherit the version validation sampled at and be dropped as stale."""
+
+    joinable = False  # as the VersionedEngine's
 
     def __init__(self, versioned: VersionedEngine) -> None:
         self.versioned = versioned

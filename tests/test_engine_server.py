@@ -163,3 +163,38 @@ def test_close_fails_every_waiting_caller_and_takes_no_more(engine, tok):
         waiting.result(timeout=5)
     with pytest.raises(ServerClosed):
         server.submit(GenerationRequest(tok.encode("x"), seed=1), SamplingParams())
+
+
+def test_a_continuous_rollout_s_turns_join_the_running_batch(engine, tok):
+    """The agent loop's front in continuous mode (``RequestBatcher(waves=False)``) on the HF
+    engine: a turn asked while another decodes joins its batch (one batch for both) and comes
+    back first, with what it samples alone and none of the server's own keys."""
+    import asyncio
+
+    from rollout.engines.batcher import RequestBatcher
+
+    sampling = SamplingParams(max_new_tokens=200)
+    long = GenerationRequest(tok.encode("a long story please"), seed=1, group=0)
+    short = GenerationRequest(tok.encode("say 42"), seed=2, group=1, max_new_tokens=5)
+
+    async def both():
+        batcher = RequestBatcher(engine, sampling, waves=False)
+        order: list[str] = []
+
+        async def ask(name, request, key, delay):
+            await asyncio.sleep(delay)
+            out = await batcher.generate(request, key)
+            order.append(name)
+            return out
+
+        try:
+            outs = await asyncio.gather(ask("long", long, 0, 0.0), ask("short", short, 1, 0.05))
+        finally:
+            batcher.close()
+        return outs, order, batcher.calls
+
+    (long_out, short_out), order, calls = asyncio.run(both())
+    assert order == ["short", "long"] and calls == [2]
+    assert short_out.token_ids == _alone(engine, short, sampling).token_ids
+    assert long_out.token_ids == _alone(engine, long, sampling).token_ids
+    assert "versions" not in short_out.extra and "request_id" not in long_out.extra

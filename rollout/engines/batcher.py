@@ -25,8 +25,12 @@ Two flush rules, applied per lane:
   loop's call, so logprobs repeat bit for bit whatever the environments' timing. Environment
   steps still overlap.
 
-vLLM's own async engine (continuous batching per token, not per call) could replace this front
-later without changing the agent loop.
+Continuous mode on a ``joinable`` lane (the HF engine, vLLM) goes further: the lane is an
+engine server (``rollout.engines.server.EngineServer``) for the rollout's length, and each
+request is submitted to it the moment the trajectory asks; it joins the running batch between
+decode steps and comes back as soon as it ends, so a turn never waits for a call to finish.
+Waves mode keeps one call per wave: which requests share a batch is then fixed by the
+trajectories alone, not by when they arrived.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ import asyncio
 import concurrent.futures
 
 from rollout.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams
+from rollout.engines.server import BatchStats, EngineServer, Pending
+
+#: What an engine server adds to a result's ``extra`` for itself (not the agent loop's).
+_SERVER_KEYS = ("versions", "request_id", "aborted")
 
 
 class _Lane:
@@ -50,6 +58,7 @@ class _Lane:
         self.thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix=f"generate-{index}"
         )
+        self.server: EngineServer | None = None  # continuous mode on a joinable engine
 
 
 class RequestBatcher:
@@ -63,6 +72,15 @@ class RequestBatcher:
         self.engine, self.sampling, self.waves = engine, sampling, waves
         self.calls: list[int] = []
         self._lanes = [_Lane(e, i) for i, e in enumerate(engine.lanes())]
+        if not waves:
+            for i, lane in enumerate(self._lanes):
+                if getattr(lane.engine, "joinable", False):
+                    lane.server = EngineServer(
+                        lane.engine, name=f"rollout-server-{i}", on_batch=self._on_batch
+                    )
+
+    def _on_batch(self, stats: BatchStats) -> None:
+        self.calls.append(stats.requests)  # from the server's thread (list.append is atomic)
 
     def _lane(self, group: int) -> _Lane:
         return self._lanes[self.engine.lane_of(group) if len(self._lanes) > 1 else 0]
@@ -83,16 +101,23 @@ class RequestBatcher:
     async def generate(self, request: GenerationRequest, key: int) -> GenerationResult:
         """Continue ``request`` in its lane's next engine call; ``key`` orders requests in a
         call."""
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         lane = self._lane(request.group)
+        if lane.server is not None:  # straight to the running batch
+            pending = lane.server.submit(request, self.sampling)
+            pending.add_done_callback(lambda p: loop.call_soon_threadsafe(_settle, future, p))
+            return await future
         lane.pending.append((key, request, future))
         self._schedule_flush(lane)
         return await future
 
     def close(self) -> None:
-        """Stop the worker threads (calls in flight finish first)."""
+        """Stop the worker threads and engine servers (calls in flight finish first)."""
         for lane in self._lanes:
             lane.thread.shutdown(wait=True)
+            if lane.server is not None:
+                lane.server.close()
 
     def _schedule_flush(self, lane: _Lane) -> None:
         # Deferred to the next loop iteration: requests submitted in this one join the call.
@@ -141,3 +166,18 @@ class RequestBatcher:
         finally:
             lane.busy = False
             self._schedule_flush(lane)
+
+
+def _settle(future: asyncio.Future, pending: Pending) -> None:
+    """``pending``'s outcome into ``future`` (on the event loop), the server's own keys out of
+    the result."""
+    if future.done():
+        return
+    try:
+        result = pending.result(0)
+    except BaseException as exc:  # noqa: BLE001 - raised in the awaiting trajectory
+        future.set_exception(exc)
+        return
+    for key in _SERVER_KEYS:
+        result.extra.pop(key, None)
+    future.set_result(result)

@@ -111,6 +111,24 @@ class Pending:
     error: BaseException | None = None
     first_step_at: float | None = None  # when a decode batch first took it (its turn's wait)
     done: threading.Event = field(default_factory=threading.Event)
+    _callbacks: list = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(self)`` once the request has ended (at once if it has), on the thread
+        that ended it."""
+        with self._lock:
+            if not self.done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _end(self) -> None:
+        with self._lock:
+            self.done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
 
     def left(self) -> int:
         """New tokens it may still sample."""
@@ -275,11 +293,11 @@ class EngineServer:
 
     def _finish(self, p: Pending, reason: str) -> None:
         p.finish_reason = reason
-        p.done.set()
+        p._end()
 
     def _fail(self, p: Pending, error: BaseException) -> None:
         p.error = error
-        p.done.set()
+        p._end()
 
     def _take(self, sampling: SamplingParams, room: int) -> list[GenerationRequest]:
         """Move up to ``room`` queued requests under ``sampling`` into the batch (under the
