@@ -48,13 +48,14 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
+from rollout.engines.base import GenerationResult
 from rollout.engines.router import ReplicaLostError
-from rollout.engines.server import BatchStats, EngineServer, Pending, ServerClosed, continued
+from rollout.engines.server import SERVER_KEYS, EngineServer, continued
+from rollout.stream_jobs import EngineClosed, GroupAborted, Job
 from rollout.stream_lanes import LINGER_S, LINGER_SHARE, Lane, Lanes, linger
+from rollout.stream_served import ServedLanes
 
 __all__ = [
     "LINGER_S",
@@ -66,42 +67,7 @@ __all__ = [
 ]
 
 
-#: What a server adds to a result's ``extra`` for itself, not carried into the caller's result.
-_SERVER_KEYS = ("versions", "request_id", "aborted")
-
-
-class GroupAborted(Exception):
-    """Group ``group``'s generation was stopped: it can no longer be trained within the
-    staleness bound (``VersionedEngine.abort_older_than``)."""
-
-    def __init__(self, group: int) -> None:
-        super().__init__(f"group {group} aborted: too stale for any later step to train on")
-        self.group = group
-
-
-class EngineClosed(RuntimeError):
-    """The stream's engine was closed (``VersionedEngine.close``, the stream shuts down): no
-    call starts, and the callers waiting for one stop."""
-
-
-@dataclass(eq=False)
-class _Job:
-    """One caller's requests for one lane (each with its own budget left), and what came
-    back."""
-
-    requests: list[GenerationRequest]
-    sampling: SamplingParams
-    lane: Lane
-    groups: frozenset = frozenset()  # tracked prompts among them (abortable)
-    outs: list[GenerationResult] | None = None
-    version: int = 0
-    error: BaseException | None = None
-    done: bool = False
-    redo: bool = False  # never answered (its lane's replica lost, or followed away): route again
-    pending: list[Pending] = field(default_factory=list)  # a served lane's requests in flight
-
-
-class VersionedEngine:
+class VersionedEngine(ServedLanes):
     """``engine`` (an ``rollout.engines.base.Engine``) tagged with the policy ``version`` of
     the weights it holds, its callers' requests batched per lane (see the module docstring).
     Forwards what the agent loop asks of an engine. ``busy_s``: seconds the lanes spent in
@@ -145,38 +111,6 @@ class VersionedEngine:
         self._resubmitted = 0  # requests moved off a lost replica's lane (take_resubmitted)
         self._serve_lanes()
 
-    def _serve_lanes(self) -> None:
-        """Give each joinable lane its replica's server (made once per replica engine)."""
-        if not self._serve:
-            return
-        for lane in self._lanes:
-            replica = getattr(lane.engine, "replica_engine", lane.engine)
-            # one server per replica engine, kept across the routers the host connects
-            server = self._servers.get(id(replica))
-            if server is None:
-                remote = getattr(replica, "engine_server", None)  # a peer's, in its process
-                server = remote(self.version) if remote is not None else None
-                if server is None and lane.joinable:
-                    server = EngineServer(
-                        lane.engine,
-                        self.version,
-                        name=f"engine-server-{len(self._servers)}",
-                        on_batch=self._on_batch,
-                    )
-                if server is None:
-                    continue  # its calls go through the lane's queue
-                self._servers[id(replica)] = server
-            lane.server = server
-
-    def _on_batch(self, stats: BatchStats) -> None:
-        """A server's batch ended: counted as a call of its lane."""
-        with self._cond:
-            self.engine_s += stats.seconds
-            self.busy_s += stats.seconds / len(self._lanes)
-            self.call_sizes.append(stats.requests)
-            self.generated_tokens += stats.tokens
-            self.interruptions += bool(stats.cut)
-
     @property
     def _lanes(self) -> list[Lane]:
         return self._routing.lanes
@@ -192,13 +126,6 @@ class VersionedEngine:
             self._serve_lanes()
             self.partial = self._partial and any(lane.interruptible for lane in self._lanes)
             self._cond.notify_all()
-
-    def take_turn_waits(self) -> list[float]:
-        """Seconds each request served since the last call waited for its first decode step
-        (every engine server's, ``EngineServer.take_waits``)."""
-        with self._cond:
-            servers = list(self._servers.values())
-        return [wait for server in servers for wait in server.take_waits()]
 
     def take_resubmitted(self) -> int:
         """Requests resubmitted to live lanes since the last call, their replica lost."""
@@ -236,7 +163,7 @@ class VersionedEngine:
             jobs = [
                 (
                     batch,
-                    _Job(
+                    Job(
                         [continued(requests[i], results[i].token_ids, sampling) for i in batch],
                         sampling,
                         lane,
@@ -269,7 +196,7 @@ class VersionedEngine:
         into.token_ids += out.token_ids
         into.logprobs += out.logprobs
         into.extra["versions"] += versions
-        into.extra.update((k, v) for k, v in out.extra.items() if k not in _SERVER_KEYS)
+        into.extra.update((k, v) for k, v in out.extra.items() if k not in SERVER_KEYS)
         into.finish_reason = out.finish_reason
         if out.token_ids and group is not None:
             with self._cond:
@@ -285,7 +212,7 @@ class VersionedEngine:
                 if requests[i].group in self._doomed:
                     raise GroupAborted(requests[i].group)
 
-    def _run(self, jobs: list[_Job]) -> None:
+    def _run(self, jobs: list[Job]) -> None:
         """Every job sent and answered: a served lane's to its server, request by request; the
         others queued on their lanes (``_run_queued``)."""
         with self._cond:  # what each lane has in flight places the next new prompts
@@ -305,54 +232,7 @@ class VersionedEngine:
                 for job in jobs:
                     self._routing.ended(job.lane, len(job.requests))
 
-    def _submit(self, job: _Job) -> None:
-        """Each of ``job``'s requests to its lane's server, under an id of its own (kept per
-        tracked group, so an abort reaches it); none if its group is aborted already."""
-        with self._cond:
-            if self._closed:
-                raise EngineClosed("the stream's engine is closed (the stream shuts down)")
-            doomed = job.groups & self._doomed
-            if doomed:
-                job.error, job.done = GroupAborted(min(doomed)), True
-                return
-            server = job.lane.server
-            request_ids = [f"v{next(self._request_ids)}" for _ in job.requests]
-            for request, request_id in zip(job.requests, request_ids):
-                if request.group in job.groups:
-                    self._served.setdefault(request.group, {})[request_id] = server
-            try:
-                job.pending = server.submit_many(job.requests, job.sampling, request_ids)
-            except ServerClosed as exc:
-                raise EngineClosed("the stream's engine is closed") from exc
-
-    def _await(self, job: _Job) -> None:
-        """Wait for ``job``'s requests on its server; its outputs, or the first error."""
-        if job.done:
-            return
-        outs, error = [], None
-        for pending in job.pending:
-            try:
-                outs.append(pending.result())
-            except ServerClosed:
-                error = error or EngineClosed("the stream's engine is closed")
-            except BaseException as exc:  # noqa: BLE001 - raised by the caller (_generate)
-                error = error or exc
-        with self._cond:
-            for request, pending in zip(job.requests, job.pending):
-                self._served.get(request.group, {}).pop(pending.request_id, None)
-            if isinstance(error, ReplicaLostError) and job.lane.reports_loss:
-                # Its replica is gone: the lane takes no work again, the router deals its
-                # prompts to the others, and this job is routed again.
-                if not job.lane.dead:
-                    job.lane.engine.mark_lost()
-                self._routing.lost(job.lane)
-                self._resubmitted += len(job.requests)
-                job.redo = job.done = True
-                return
-        job.outs, job.error = (outs if error is None else None), error
-        job.version, job.done = self.version, True
-
-    def _run_queued(self, jobs: list[_Job]) -> None:
+    def _run_queued(self, jobs: list[Job]) -> None:
         """Queue ``jobs`` on their lanes and drive the lanes until every one has come back:
         this thread sends a free lane's whole queue (``_call``) or waits for another's call."""
         with self._cond:
@@ -403,7 +283,7 @@ class VersionedEngine:
         if aborted:
             self._cond.notify_all()
 
-    def _call(self, lane: Lane, batch: list[_Job], version: int, epoch: int) -> None:
+    def _call(self, lane: Lane, batch: list[Job], version: int, epoch: int) -> None:
         """One engine call for every job of ``batch`` on ``lane`` (one sampling setting)."""
         groups = set().union(*(job.groups for job in batch))  # the call's tracked groups
         requests = [r for job in batch for r in job.requests]
@@ -527,14 +407,7 @@ class VersionedEngine:
                 self._doomed.update(new)
                 self._doom_epoch += 1
                 self._cond.notify_all()
-                by_server: dict[int, tuple[EngineServer, list[str]]] = {}
-                for group in new:  # a served group's requests in flight, by request id
-                    served = self._served.get(group, {})
-                    self.group_aborts += bool(served)
-                    for request_id, server in served.items():
-                        by_server.setdefault(id(server), (server, []))[1].append(request_id)
-                for server, request_ids in by_server.values():
-                    server.abort(request_ids)
+                self._abort_served(new)
         return new
 
     def close(self, timeout_s: float) -> bool:

@@ -164,6 +164,7 @@ def test_a_turn_submitted_while_a_call_runs_joins_it_and_comes_back_first(model,
         release.set()
         for thread, _ in (first, second):
             thread.join(60)
+        versioned.close(60)  # the servers' batches counted (on_batch) before they are read
     finally:
         hook.remove()
     assert finished == [1, 0]  # the short turn came back before the call's slowest request
@@ -178,12 +179,13 @@ def test_an_abort_ends_a_joined_group_and_the_call_goes_on(model, tok):
     """Group 1 joins the call of group 0, then is aborted (too stale): its caller raises
     ``GroupAborted``, group 0 finishes its tokens in the same call."""
     engine, versioned = _stream(model, tok)
-    sampling = SamplingParams(max_new_tokens=30)
+    sampling = SamplingParams(max_new_tokens=400)  # group 1 still runs when it is aborted
     versioned._tokens[1] = {0: 3}  # group 1 sampled under version 0 before
     hook, release, count = _gate(model, 3)
     finished: list[int] = []
     try:
-        first = _ask(versioned, [GenerationRequest([5, 17, 33], 1, group=0)], sampling, finished)
+        long = [GenerationRequest([5, 17, 33], 1, group=0, max_new_tokens=200)]
+        first = _ask(versioned, long, sampling, finished)
         _until(lambda: _busy(versioned))
         second = _ask(versioned, [GenerationRequest([40, 41], 2, group=1)], sampling, finished)
         _until(lambda: _asked(versioned))
@@ -193,10 +195,11 @@ def test_an_abort_ends_a_joined_group_and_the_call_goes_on(model, tok):
         assert versioned.abort_older_than(1) == [1]
         for thread, _ in (first, second):
             thread.join(60)
+        versioned.close(60)  # the servers' batches counted (on_batch) before they are read
     finally:
         hook.remove()
     assert isinstance(second[1].get("error"), GroupAborted)
-    assert len(first[1]["value"][0].token_ids) == 30 and at < 30
+    assert len(first[1]["value"][0].token_ids) == 200 and at < 200
     assert versioned.call_sizes == [2] and versioned.group_aborts == 1
     assert versioned.interruptions == 0
 
@@ -220,6 +223,7 @@ def test_a_load_with_partial_rollouts_ends_a_call_with_joined_requests(model, to
         versioned.load(lambda: model.load_state_dict(state), 1)
         for thread, _ in (first, second):
             thread.join(60)
+        versioned.close(60)  # the servers' batches counted (on_batch) before they are read
     finally:
         hook.remove()
     for _, out in (first, second):

@@ -39,10 +39,7 @@ import asyncio
 import concurrent.futures
 
 from rollout.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams
-from rollout.engines.server import BatchStats, EngineServer, Pending
-
-#: What an engine server adds to a result's ``extra`` for itself (not the agent loop's).
-_SERVER_KEYS = ("versions", "request_id", "aborted")
+from rollout.engines.server import SERVER_KEYS, BatchStats, EngineServer, Pending
 
 
 class _Lane:
@@ -178,6 +175,6 @@ def _settle(future: asyncio.Future, pending: Pending) -> None:
     except BaseException as exc:  # noqa: BLE001 - raised in the awaiting trajectory
         future.set_exception(exc)
         return
-    for key in _SERVER_KEYS:
+    for key in SERVER_KEYS:
         result.extra.pop(key, None)
     future.set_result(result)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
 
 __all__ = [
+    "SERVER_KEYS",
     "JOIN_SHARE",
     "JOIN_WAIT_S",
     "QUIET_S",
@@ -54,6 +55,8 @@ __all__ = [
 JOIN_SHARE = 0.25
 #: ...or once the oldest of them has waited this many seconds.
 JOIN_WAIT_S = 0.02
+#: What a server adds to a result's ``extra`` for itself (its callers' own results drop them).
+SERVER_KEYS = ("versions", "request_id", "aborted")
 #: How many of the latest requests' waits (submit to first decode step) ``waits`` keeps.
 WAITS_KEPT = 4096
 #: A fresh batch (none running) begins once no request has arrived for this many seconds (the

@@ -61,10 +61,10 @@ from rollout.engines.base import (
 )
 from rollout.engines.vllm_io import (
     filters_active,
-    result_from_vllm_completion,
     vllm_sampling_kwargs,
 )
 from rollout.engines.vllm_lora import VLLMAdapter
+from rollout.engines.vllm_steps import Steps, vllm_result
 from rollout.engines.vllm_transfer import VLLMTransfer, transfer_options
 
 logger = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ class VLLMEngine(VLLMTransfer, Engine):
         self._names_checked = False  # the first update's names are checked (VLLMTransfer)
         self._request_ids = itertools.count()
 
-    interruptible = True  # ``interrupt`` is polled after every engine step (``_Steps``)
+    interruptible = True  # ``interrupt`` is polled after every engine step (``vllm_steps.Steps``)
     abortable = True  # ``abort_groups`` too: one group's requests end, the others go on
     joinable = True  # ``admit`` too: requests join vLLM's running batch between steps
     max_batch_size = 256  # requests ``admit`` is offered room for (vLLM schedules them)
@@ -259,8 +259,8 @@ class VLLMEngine(VLLMTransfer, Engine):
             outputs = self.llm.generate(
                 prompts, params, use_tqdm=False, lora_request=self._lora_request
             )
-            return [_result(o.outputs[0], False, renormalized) for o in outputs]
-        steps = _Steps(self, sampling, renormalized, interrupt, abort_groups, admit, on_result)
+            return [vllm_result(o.outputs[0], False, renormalized) for o in outputs]
+        steps = Steps(self, sampling, renormalized, interrupt, abort_groups, admit, on_result)
         return steps.run(prompts, params, [req.group for req in requests])
 
     def _prepare(
@@ -404,105 +404,3 @@ class VLLMEngine(VLLMTransfer, Engine):
             cleanup_dist_env_and_memory()
         except ImportError:  # older vLLM layouts: nothing more to release
             pass
-
-
-def _result(completion, ended: bool, renormalized: bool) -> GenerationResult:
-    """A request's ``GenerationResult`` from its latest ``CompletionOutput`` (None: it never
-    ran); ``ended``: cut by an interrupt or an abort."""
-    if completion is None:  # interrupted before it was scheduled
-        result = GenerationResult([], [], "interrupted")
-    else:
-        result = result_from_vllm_completion(completion, interrupted=ended)
-    if renormalized:
-        result.extra["logprobs_renormalized"] = True
-    return result
-
-
-class _Steps:
-    """One ``VLLMEngine.generate`` call driven one engine step at a time (what ``LLM.generate``
-    does, through vLLM's ``LLMEngine.add_request`` / ``step`` / ``abort_request``, alike in
-    0.24 and 0.32), with ``interrupt``, ``abort_groups`` and ``admit`` polled after each step:
-    all requests still running are aborted by id once ``interrupt`` says so, those of the
-    groups ``abort_groups`` names as soon as it does (their KV blocks freed, the rest goes on),
-    and the requests ``admit`` returns are added to vLLM's running batch. ``on_result`` hears
-    of each request as it ends."""
-
-    def __init__(self, owner, sampling, renormalized, interrupt, abort_groups, admit, on_result):
-        self.owner, self.sampling, self.renormalized = owner, sampling, renormalized
-        self.interrupt, self.abort_groups = interrupt, abort_groups
-        self.admit, self.on_result = admit, on_result
-        self.ids: list[str] = []
-        self.group_of: dict[str, int] = {}
-        self.latest: dict[str, Any] = {}
-        self.cut: set[str] = set()
-        self.reported: set[str] = set()
-
-    def _add(self, prompts: list[dict], params: list, groups: list[int]) -> None:
-        from vllm.sampling_params import RequestOutputKind
-
-        engine = self.owner.llm.llm_engine
-        for prompt, param, group in zip(prompts, params, groups):
-            param.output_kind = RequestOutputKind.CUMULATIVE  # the tokens so far, every step
-            request_id = f"crossrl-{next(self.owner._request_ids)}"
-            self.ids.append(request_id)
-            self.group_of[request_id] = group
-            engine.add_request(request_id, prompt, param, lora_request=self.owner._lora_request)
-
-    def _report(self) -> None:
-        if self.on_result is None:
-            return
-        for index, request_id in enumerate(self.ids):
-            if request_id in self.reported:
-                continue
-            out = self.latest.get(request_id)
-            if request_id in self.cut or (out is not None and out.finished):
-                self.reported.add(request_id)
-                completion = None if out is None else out.outputs[0]
-                self.on_result(
-                    index, _result(completion, request_id in self.cut, self.renormalized)
-                )
-
-    def _admitted(self, running: int) -> None:
-        if self.admit is None:
-            return
-        joining = self.admit(max(0, self.owner.max_batch_size - running))
-        if joining:
-            prompts, params = self.owner._prepare(joining, self.sampling, "admitted")
-            self._add(prompts, params, [req.group for req in joining])
-
-    def run(self, prompts: list[dict], params: list, groups: list[int]) -> list[GenerationResult]:
-        """Every request's result, in order (those given, then those admitted)."""
-        engine = self.owner.llm.llm_engine
-        self._add(prompts, params, groups)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id in self.group_of:
-                    self.latest[out.request_id] = out
-            running = [
-                r
-                for r in self.ids
-                if r not in self.cut and (r not in self.latest or not self.latest[r].finished)
-            ]
-            if running and self.interrupt is not None and self.interrupt():
-                engine.abort_request(running)
-                self.cut.update(running)
-                break
-            gone = self.abort_groups() if self.abort_groups is not None and running else ()
-            dropped = [r for r in running if self.group_of[r] in gone]
-            if dropped:  # only these leave; the call goes on with the others
-                engine.abort_request(dropped)
-                self.cut.update(dropped)
-            self._report()
-            before = len(self.ids)
-            self._admitted(len(running) - len(dropped))
-            if len(running) == len(dropped) and len(self.ids) == before:
-                break  # every request ended or was aborted, and none joins
-        self._report()
-        return [
-            _result(
-                self.latest[r].outputs[0] if r in self.latest else None,
-                r in self.cut,
-                self.renormalized,
-            )
-            for r in self.ids
-        ]
