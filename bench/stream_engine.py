@@ -4,9 +4,9 @@ served three ways on the HF engine (``--engine vllm``: the CPU lane's vLLM):
 
 - ``serial``: one engine call at a time, each carrying one group's n requests (the stream's
   engine before issue 49: a lock around the engine);
-- ``batched``: through ``rollout.versioned.VersionedEngine`` without engine servers
-  (``serve=False``), which sends every group waiting on a replica in one call (the per-call
-  path before issue 57);
+- ``batched``: through ``rollout.versioned.VersionedEngine`` over the engine with joins
+  turned off (``_PerCall``): each replica's server sends what waits as one call and what
+  arrives meanwhile as the next (the shape of the per-call path before issue 57);
 - ``served``: the same with engine servers (what ships, issue 57): each replica's requests go
   to its ``rollout.engines.server.EngineServer`` as they come and join the running batch
   between decode steps. Its turn wait (submit to the first decode step that takes the
@@ -66,6 +66,22 @@ def _requests(tok, groups: int, n: int, new_tokens: int, mixed: bool):
     ]
 
 
+class _PerCall:
+    """``engine`` with its batches closed to joiners (``joinable`` false): one call each."""
+
+    joinable = False
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.interruptible = bool(getattr(engine, "interruptible", False))
+        self.abortable = bool(getattr(engine, "abortable", False))
+        self.max_batch_size = int(getattr(engine, "max_batch_size", 256))
+
+    def generate(self, requests, sampling, **kwargs):
+        """The engine's own call, nothing admitted into it."""
+        return self.engine.generate(requests, sampling, **kwargs)
+
+
 def _threads(call, per_group) -> float:
     started = time.perf_counter()
     threads = [threading.Thread(target=call, args=(requests,)) for requests in per_group]
@@ -120,17 +136,20 @@ def run(
 
     def modes():
         served = ReplicaRouter(engines) if replicas > 1 else engine
+        per_call = [_PerCall(e) for e in engines]
         yield "serial", lambda: _threads(serial, per_group), None
-        versioned = VersionedEngine(served, serve=False)
-        yield "batched", lambda: _threads(batched(versioned), per_group), versioned
-        serving = VersionedEngine(served)
+        for name, front in (
+            ("batched", ReplicaRouter(per_call) if replicas > 1 else per_call[0]),
+            ("served", served),
+        ):
+            versioned = VersionedEngine(front)
 
-        def serve() -> float:
-            seconds = _threads(batched(serving), per_group)
-            serving.close(timeout_s=30)  # its servers' last batches counted (``on_batch``)
-            return seconds
+            def timed(versioned=versioned) -> float:
+                seconds = _threads(batched(versioned), per_group)
+                versioned.close(timeout_s=30)  # its servers' last batches counted (on_batch)
+                return seconds
 
-        yield "served", serve, serving
+            yield name, timed, versioned
         everything = [r for requests in per_group for r in requests]
         yield "ceiling", lambda: _threads(ceiling, [everything]), None
 
@@ -144,7 +163,8 @@ def run(
             seconds[name].append(timed())
             if versioned is not None:
                 sizes[name].append(statistics.mean(versioned.call_sizes))
-                waits += [w for server in versioned._servers.values() for w in server.waits]
+                if name == "served":
+                    waits += [w for server in versioned._servers.values() for w in server.waits]
     tokens = turns * sum(r.budget(sampling) for requests in per_group for r in requests)
     rate = {name: tokens / statistics.median(s) for name, s in seconds.items()}
     return {

@@ -1,8 +1,7 @@
-"""The served lanes of the stream's engine (``rollout.versioned.VersionedEngine``): a
-replica whose engine takes requests into a running batch (``Engine.joinable``) or offers a
-server of its own in its process (``engine_server``) gets an engine server
-(``rollout.engines.server``), and its callers' jobs go there request by request, under ids an
-abort can name, instead of through the lane's queue of calls."""
+"""The served lanes of the stream's engine (``rollout.versioned.VersionedEngine``): each
+replica's engine server (``rollout.engines.server``; a peer replica's own, in its process,
+where it offers one: ``engine_server``), and its callers' jobs sent there request by request,
+under ids an abort can name."""
 
 from __future__ import annotations
 
@@ -18,9 +17,7 @@ class ServedLanes:
     counters are the engine's own)."""
 
     def _serve_lanes(self) -> None:
-        """Give each joinable lane its replica's server (made once per replica engine)."""
-        if not self._serve:
-            return
+        """Give each lane its replica's server (made once per replica engine)."""
         for lane in self._lanes:
             replica = getattr(lane.engine, "replica_engine", lane.engine)
             # one server per replica engine, kept across the routers the host connects
@@ -28,15 +25,16 @@ class ServedLanes:
             if server is None:
                 remote = getattr(replica, "engine_server", None)  # a peer's, in its process
                 server = remote(self.version) if remote is not None else None
-                if server is None and lane.joinable:
+                if server is not None:
+                    self._peers.add(id(server))
+                else:
                     server = EngineServer(
                         lane.engine,
                         self.version,
                         name=f"engine-server-{len(self._servers)}",
                         on_batch=self._on_batch,
+                        reports_loss=True,
                     )
-                if server is None:
-                    continue  # its calls go through the lane's queue
                 self._servers[id(replica)] = server
             lane.server = server
 
@@ -48,6 +46,16 @@ class ServedLanes:
             self.call_sizes.append(stats.requests)
             self.generated_tokens += stats.tokens
             self.interruptions += bool(stats.cut)
+
+    def count_peer_batches(self) -> None:
+        """Count the batches the peers' servers ran since the last call (a peer's server, in
+        its own process, reports them when asked: ``take_batches``) as the local servers'
+        are counted (``_on_batch``), so ``busy_s`` and ``call_sizes`` cover every replica."""
+        with self._cond:
+            peers = [s for s in self._servers.values() if id(s) in self._peers]
+        for server in peers:
+            for stats in server.take_batches():
+                self._on_batch(stats)
 
     def take_turn_waits(self) -> list[float]:
         """Seconds each request served since the last call waited for its first decode step

@@ -15,7 +15,9 @@ from tests.test_streaming import _Engine, _until
 
 class _Replica:
     """Holds each call until ``gate`` opens (so callers pile up), records every call's
-    prompts; with ``interruptible``, polls ``interrupt`` while held."""
+    prompts (by seed: ``_ask`` seeds a group's requests with its number, and an engine server
+    numbers its batch's requests in ``group``); with ``interruptible``, polls ``interrupt``
+    while held."""
 
     def __init__(self, name: str, gate: threading.Event, interruptible: bool = False) -> None:
         self.name, self.gate, self.interruptible = name, gate, interruptible
@@ -23,7 +25,7 @@ class _Replica:
         self.calls: list[list[int]] = []
 
     def generate(self, requests, sampling, interrupt=None):
-        self.calls.append([r.group for r in requests])
+        self.calls.append([r.seed for r in requests])
         gate = self.first_gate if len(self.calls) == 1 else self.gate
         while not gate.wait(0.01):
             if interrupt is not None and interrupt():
@@ -68,7 +70,7 @@ def test_every_live_groups_turns_go_in_one_call_per_replica():
     first = [_ask(versioned, 0, out), _ask(versioned, 1, out)]
     _until(lambda: len(a.calls) == 1 and len(b.calls) == 1)  # both lanes busy at once
     rest = [_ask(versioned, g, out) for g in (2, 3, 4, 5, 6)]
-    _until(lambda: sum(len(lane.pending) for lane in versioned._lanes) == 5)
+    _until(lambda: sum(lane.server.queued() for lane in versioned._lanes) == 10)  # 5 x 2
     gate.set()
     for thread in first + rest:
         thread.join(5)
@@ -93,7 +95,7 @@ def test_a_group_too_stale_for_any_step_is_aborted_mid_call_and_at_its_next_call
     threads = [_ask(versioned, 9, out)]  # the replica busy: the next two wait together
     _until(lambda: len(replica.calls) == 1)
     threads += [_ask(versioned, 3, out), _ask(versioned, 8, out)]
-    _until(lambda: len(versioned._lanes[0].pending) == 2)
+    _until(lambda: versioned._lanes[0].server.queued() == 4)  # two groups, two each
     replica.first_gate.set()
     _until(lambda: len(replica.calls) == 2)
     assert sorted(replica.calls[1]) == [3, 3, 8, 8]  # one call for both groups
@@ -106,7 +108,10 @@ def test_a_group_too_stale_for_any_step_is_aborted_mid_call_and_at_its_next_call
         thread.join(5)
     assert isinstance(out[3], GroupAborted) and out[3].group == 3
     assert [r.token_ids for r in out[8]] == [[4, 1, 2, 3]] * 2  # continued after the cut
-    assert replica.calls[2] == [8, 8] and versioned.interruptions == 1
+    from rollout.engines.server import continued
+
+    after_cut = continued(GenerationRequest([1], seed=8, group=8), [4], SamplingParams())
+    assert replica.calls[2] == [after_cut.seed] * 2 and versioned.interruptions == 1
     with pytest.raises(GroupAborted):
         versioned.generate([GenerationRequest([1], seed=0, group=3)], SamplingParams())
     # its tokens, the cut call's two included, are what its sampler discards
@@ -133,7 +138,7 @@ def test_an_aborted_group_frees_its_slot_and_its_prompt_is_dropped_or_sampled_ag
     try:
         taken, _, _ = sampler.take(1, min_version=0, timeout_s=10)
         assert taken[0].ordinal == 1
-        engine.version = 2
+        engine.load(lambda: None, 2)  # a weight load, nothing to load
         _until(lambda: engine._tokens.get(0) == {0: 3})
         threading.Timer(0.2, stale.set).start()
         taken, dropped, _ = sampler.take(1, min_version=2, timeout_s=10)

@@ -151,7 +151,7 @@ def test_retry_samples_a_stale_prompt_again_at_most_max_retries_times_then_gives
     try:
         for version in (1, 2, 3):  # three attempts of prompt 0, each aborted
             assert sampled.get(timeout=30) == 0
-            engine.version = version
+            engine.load(lambda: None, version)  # a weight load, nothing to load
             assert engine.abort_older_than(version) == [0]
             go.release()
         assert sampled.get(timeout=30) == 1  # given up: the stream goes on to new prompts
@@ -395,7 +395,7 @@ def test_a_call_that_cannot_be_interrupted_is_waited_for_within_the_bound(tmp_pa
     host = _host(tmp_path, engine=Stuck())
     host.stream_start(0, 1)
     try:
-        _until(lambda: any(lane.busy for lane in host.versioned._lanes))
+        _until(lambda: any(lane.server.running() for lane in host.versioned._lanes))
         late = host.stream_shutdown(timeout_s=0.5)
         assert late and all(name.startswith("stream-") for name in late)
         err = capsys.readouterr().err.strip()

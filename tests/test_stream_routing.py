@@ -122,7 +122,9 @@ class _Held:
     """A replica whose calls wait for ``gate`` (polling ``interrupt`` and, when
     ``abortable``, ``abort_groups``); the requests of groups ``abort_groups`` names end at
     once with one token, the rest with three once the gate opens. Records every call's
-    groups, and whether ``interrupt`` ever said True."""
+    requests by their seed (``_ask`` seeds a group's requests with its number: an engine server
+    numbers the requests of its batch in their ``group``, for its aborts), and whether
+    ``interrupt`` ever said True."""
 
     interruptible = True
 
@@ -134,7 +136,7 @@ class _Held:
         self.ended: set[int] = set()  # groups whose requests abort_groups ended
 
     def generate(self, requests, sampling, interrupt=None, abort_groups=None):
-        self.calls.append([r.group for r in requests])
+        self.calls.append([r.seed for r in requests])
         gate = self.first if len(self.calls) == 1 else self.gate
         ended: dict[int, GenerationResult] = {}
         while not gate.wait(0.01) and len(ended) < len(requests):
@@ -145,7 +147,7 @@ class _Held:
             for i, request in enumerate(requests):
                 if request.group in gone and i not in ended:
                     ended[i] = GenerationResult([4], [0.0], "interrupted")
-                    self.ended.add(request.group)
+                    self.ended.add(request.seed)
         reason = "interrupted" if self.interrupted else "length"
         return [
             ended.get(i, GenerationResult([1, 2, 3], [0.0] * 3, reason))
@@ -168,7 +170,7 @@ def test_a_group_aborted_while_queued_is_never_sent():
     first = _ask(versioned, 9)
     _until(lambda: len(replica.calls) == 1)
     rest = {g: _ask(versioned, g) for g in (3, 8)}
-    _until(lambda: len(versioned._lanes[0].pending) == 2)
+    _until(lambda: versioned._lanes[0].server.queued() == 4)  # two groups, two each
     assert versioned.abort_older_than(1) == [3]
     replica.first.set()
     replica.gate.set()
@@ -190,7 +192,7 @@ def test_an_abort_ends_only_its_group_s_requests_and_the_call_goes_on():
     first = _ask(versioned, 9)  # the replica busy: the next two wait together
     _until(lambda: len(replica.calls) == 1)
     both = {g: _ask(versioned, g) for g in (3, 8)}
-    _until(lambda: len(versioned._lanes[0].pending) == 2)
+    _until(lambda: versioned._lanes[0].server.queued() == 4)  # two groups, two each
     replica.first.set()
     first[0].join(30)
     versioned.tokens_of(9)  # finished: its sampler takes its counts
@@ -277,7 +279,7 @@ def test_vllm_takes_a_budget_per_request_and_ends_an_aborted_group_alone(tmp_pat
 class _Peer:
     """An ``EngineHost`` stand-in behind a ``LocalHandle`` (a peer replica; replica 0 when
     used as the host's own engine): answers each request with one token and records the
-    groups it served; with ``dies``, every call raises ``ReplicaLostError`` (its process is
+    prompts it served (by seed: an engine server numbers its batch's requests in ``group``); with ``dies``, every call raises ``ReplicaLostError`` (its process is
     gone)."""
 
     def __init__(self, dies: bool = False, hold: threading.Event | None = None) -> None:
@@ -292,13 +294,22 @@ class _Peer:
             raise ReplicaLostError("engine replica is lost: its process died")
         if self.hold is not None:
             assert self.hold.wait(60)
-        self.served += [r.group for r in requests]
+        self.served += [r.seed for r in requests]  # its prompt's ordinal (``_rollout_host``)
         return [GenerationResult([1], [0.0], "length") for _ in requests]
 
     def load_host_buckets(self, refs, specs) -> None:
         self.loads += 1
 
+    def start_server(self, version: int) -> None:
+        """``EngineHost.start_server``: its engine (itself) served from now on."""
+        from rollout.engines.server import EngineServer
+
+        if getattr(self, "server", None) is None:
+            self.server = EngineServer(self, version)
+
     def shutdown(self) -> None:
+        if getattr(self, "server", None) is not None:
+            self.server.close()
         self.shut = True
 
 
@@ -323,7 +334,8 @@ def _rollout_host(tmp_path, engine):
 
     class Host(RolloutHost):
         def _sample(self, ordinal, items, engine=None, env_slots=None):
-            engine.generate([GenerationRequest([1], seed=0, group=ordinal)], SamplingParams())
+            request = GenerationRequest([1], seed=ordinal, group=ordinal)
+            engine.generate([request], SamplingParams())
             return RolloutOutput(rows=[], metrics={}, faults=[])
 
         def _batch_out(self, step, out, record_dir, version):
@@ -503,7 +515,7 @@ def test_a_load_with_partial_rollouts_ends_a_remote_replica_s_call_too(local_ray
     calls = peer.engine_calls.options(concurrency_group="control")  # beside its call
     router = ReplicaRouter([_UntilInterrupted(), RemoteEngine(peer, 1, controllable=True)])
     versioned = VersionedEngine(router, partial=True)
-    assert versioned.partial and all(lane.abortable for lane in versioned._lanes)
+    assert versioned.partial and all(lane.interruptible for lane in versioned._lanes)
     try:
         versioned._tokens[3] = {0: 5}  # group 3 sampled under version 0 before
         sampling = SamplingParams(max_new_tokens=4)

@@ -13,6 +13,12 @@ oldest has waited ``JOIN_WAIT_S`` seconds. A fresh batch begins once requests st
 (``QUIET_S``), so the callers a batch answered at one step, asking again together, begin the
 next one together rather than one joining after another.
 
+Waves (``submit_wave``): requests submitted together as one engine call, exactly the
+``generate(requests, sampling)`` the caller would have made itself: begun with nothing else
+in the batch, joined by no one, split by nobody (however many), and ended only by its engine;
+so which requests share a call, and their padding, depend on the caller alone (what a
+deterministic admission order needs: identical runs under ``run.deterministic``).
+
 Abort (``abort``): a request still queued leaves at once; a running one ends after the current
 decode step; both come back with the tokens they have, finish reason ``interrupted`` and
 ``extra["aborted"]``. Nothing else in the batch is cut.
@@ -113,6 +119,8 @@ class Pending:
     aborted: bool = False
     error: BaseException | None = None
     first_step_at: float | None = None  # when a decode batch first took it (its turn's wait)
+    extra: dict = field(default_factory=dict)  # what the engine added to its results
+    wave: int | None = None  # submitted in this wave (``submit_wave``): one call, alone
     done: threading.Event = field(default_factory=threading.Event)
     _callbacks: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -137,19 +145,27 @@ class Pending:
         """New tokens it may still sample."""
         return self.request.budget(self.sampling) - len(self.tokens)
 
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        """Wait (at most ``timeout`` seconds) for the request to end; its result, or the error
-        its batch raised. TimeoutError if it is still running."""
+    def outcome(self, timeout: float | None = None) -> GenerationResult:
+        """Wait (at most ``timeout`` seconds) for the request to end; what its engine returned,
+        over every batch it ran in (tokens, log-probs, finish reason and the engine's own
+        ``extra``, none of the server's keys), or the error its batch raised. TimeoutError if
+        it is still running."""
         if not self.done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} still running after {timeout} s")
         if self.error is not None:
             raise self.error
-        extra = {"versions": list(self.versions), "request_id": self.request_id}
-        if self.aborted:
-            extra["aborted"] = True
         return GenerationResult(
-            list(self.tokens), list(self.logprobs), self.finish_reason or "length", extra
+            list(self.tokens), list(self.logprobs), self.finish_reason or "length", dict(self.extra)
         )
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """``outcome``, with the server's keys in its ``extra`` (``SERVER_KEYS``): the policy
+        version of each token, the request id and, if it was, ``aborted``."""
+        out = self.outcome(timeout)
+        out.extra.update(versions=list(self.versions), request_id=self.request_id)
+        if self.aborted:
+            out.extra["aborted"] = True
+        return out
 
 
 class EngineServer:
@@ -158,7 +174,8 @@ class EngineServer:
     docstring). ``tokens``: tokens sampled; ``batches``: decode batches begun; ``joined``:
     requests that joined a running batch; ``waits``: seconds from submit to the first decode
     step, of the latest ``WAITS_KEPT`` requests; ``on_batch``: told of each batch as it ends (from
-    the server's thread, no lock held)."""
+    the server's thread, no lock held); ``reports_loss``: ``engine`` being one replica of a
+    router that says so (``ReplicaEngine``), its loss raises to the callers (see ``_options``)."""
 
     def __init__(
         self,
@@ -167,11 +184,16 @@ class EngineServer:
         *,
         name: str = "engine-server",
         on_batch: Callable[[BatchStats], None] | None = None,
+        reports_loss: bool = False,
     ) -> None:
         self.engine = engine
+        self.reports_loss = reports_loss and bool(getattr(engine, "reports_loss", False))
         self.on_batch = on_batch
         self.version = version
-        self.max_batch = int(getattr(engine, "max_batch_size", 256))
+        # a joinable engine's batch holds its rows; another's call takes whatever waits (the
+        # engine splits it as it must)
+        joinable = bool(getattr(engine, "joinable", False))
+        self.max_batch = int(getattr(engine, "max_batch_size", 256)) if joinable else 1 << 30
         self._cond = threading.Condition()
         self._queue: deque[Pending] = deque()
         self._slots: list[Pending] = []  # the running batch's requests, by engine index
@@ -184,8 +206,10 @@ class EngineServer:
         self._batch_tokens = 0  # tokens the running batch has reported
         self._closed = False
         self._ids = itertools.count()
+        self._waves = itertools.count()
         self.tokens = self.batches = self.joined = 0
         self.waits: deque[float] = deque(maxlen=WAITS_KEPT)
+        self._batches: deque[BatchStats] = deque(maxlen=WAITS_KEPT)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -196,16 +220,34 @@ class EngineServer:
     ) -> Pending:
         """Queue ``request`` (sampled under ``sampling``, up to its own budget); returns its
         ``Pending`` at once. ServerClosed once closed."""
-        pending = Pending(
-            request_id if request_id is not None else f"r{next(self._ids)}",
-            request,
-            sampling,
-            time.perf_counter(),
-        )
+        return self._queued([request], sampling, [request_id], None)[0]
+
+    def submit_wave(
+        self, requests: list[GenerationRequest], sampling: SamplingParams
+    ) -> list[Pending]:
+        """Queue ``requests`` as one wave: one engine call of exactly these requests, in this
+        order, with no other request in it and none joining (see the module docstring);
+        their ``Pending`` in order. ServerClosed once closed."""
+        if not requests:
+            return []
+        return self._queued(requests, sampling, [None] * len(requests), next(self._waves))
+
+    def _queued(
+        self,
+        requests: list[GenerationRequest],
+        sampling: SamplingParams,
+        request_ids: list[str | None],
+        wave: int | None,
+    ) -> list[Pending]:
+        now = time.perf_counter()
+        pending = [
+            Pending(i if i is not None else f"r{next(self._ids)}", r, sampling, now, wave=wave)
+            for r, i in zip(requests, request_ids)
+        ]
         with self._cond:
             if self._closed:
                 raise ServerClosed("the engine server is closed")
-            self._queue.append(pending)
+            self._queue.extend(pending)
             self._cond.notify_all()
         return pending
 
@@ -252,10 +294,24 @@ class EngineServer:
             self.waits.clear()
         return waits
 
+    def take_batches(self) -> list[BatchStats]:
+        """The batches that ended since the last call (the latest ``WAITS_KEPT``), oldest
+        first; forgets them (what a caller in another process reads instead of
+        ``on_batch``)."""
+        with self._cond:
+            batches = list(self._batches)
+            self._batches.clear()
+        return batches
+
     def queued(self) -> int:
         """Requests waiting for a batch."""
         with self._cond:
             return len(self._queue)
+
+    def running(self) -> int:
+        """Requests in the running batch (0: no batch runs)."""
+        with self._cond:
+            return len(self._slots) if self._in_batch else 0
 
     # ---------------------------------------------------------------- weights
 
@@ -282,10 +338,11 @@ class EngineServer:
             self._pauses -= 1
             self._cond.notify_all()
 
-    def close(self, timeout_s: float = 30.0) -> bool:
-        """Stop for good: the running batch ends after its decode step, every request not
-        finished raises ServerClosed to its caller. True once the loop has ended, False if it
-        is still in a batch after ``timeout_s`` seconds."""
+    def close(self, timeout_s: float | None = 30.0) -> bool:
+        """Stop for good: the running batch ends after its decode step (a wave, or an engine
+        that cannot be interrupted, when its call ends), every request not finished raises
+        ServerClosed to its caller. True once the loop has ended, False if it is still in a
+        batch after ``timeout_s`` seconds (None: wait for it)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -305,7 +362,7 @@ class EngineServer:
     def _take(self, sampling: SamplingParams, room: int) -> list[GenerationRequest]:
         """Move up to ``room`` queued requests under ``sampling`` into the batch (under the
         lock); their engine requests, numbered after those in it."""
-        taking = [p for p in self._queue if p.sampling == sampling][:room]
+        taking = [p for p in self._queue if p.sampling == sampling and p.wave is None][:room]
         now = time.perf_counter()
         for p in taking:
             self._queue.remove(p)
@@ -320,10 +377,41 @@ class EngineServer:
             for k, p in enumerate(taking)
         ]
 
+    def _take_wave(self, wave: int) -> list[GenerationRequest]:
+        """Move every request of ``wave`` into the batch, in order (under the lock)."""
+        taking = [p for p in self._queue if p.wave == wave]
+        now = time.perf_counter()
+        for p in taking:
+            self._queue.remove(p)
+            p.first_step_at = now
+            self.waits.append(now - p.submitted_at)
+        self._slots += taking
+        return [p.request for p in taking]
+
+    def _options(self, sampling: SamplingParams) -> dict:
+        """What a batch's engine call takes besides its requests, as far as the engine
+        offers it: ``interrupt`` (a pause, a close, or an abort the engine cannot make alone
+        ends the batch after a decode step), ``abort_groups`` (one request ends alone),
+        ``admit``/``on_result`` (requests join and leave), ``failover=False`` (with
+        ``reports_loss``: a lost replica's batch raises ``ReplicaLostError`` to its callers,
+        for them to route again, instead of the router dealing it to another replica)."""
+        engine, kwargs = self.engine, {}
+        abortable = getattr(engine, "abortable", False)
+        if getattr(engine, "interruptible", False):
+            kwargs["interrupt"] = self._interrupted if abortable else self._interrupted_or_aborted
+        if abortable:
+            kwargs["abort_groups"] = self._aborted_now
+        if getattr(engine, "joinable", False):
+            kwargs["admit"] = lambda room: self._admit(sampling, room)
+            kwargs["on_result"] = self._on_result
+        if self.reports_loss:
+            kwargs["failover"] = False
+        return kwargs
+
     def _ready(self, sampling: SamplingParams, running: int) -> float:
         """Seconds until the requests waiting under ``sampling`` should go into the batch
         (``running`` rows in it): 0 now, ``inf`` with none waiting (under the lock)."""
-        waiting = [p for p in self._queue if p.sampling == sampling]
+        waiting = [p for p in self._queue if p.sampling == sampling and p.wave is None]
         if not waiting:
             return float("inf")
         now = time.perf_counter()
@@ -350,10 +438,11 @@ class EngineServer:
             self._reported.add(index)
             p.tokens += out.token_ids
             p.logprobs += out.logprobs
+            p.extra.update(out.extra)
             p.versions += [self._batch_version] * len(out.token_ids)
             self.tokens += len(out.token_ids)
             self._batch_tokens += len(out.token_ids)
-            if out.finish_reason != "interrupted":
+            if out.finish_reason != "interrupted" or p.wave is not None:
                 self._finish(p, out.finish_reason)
             elif p.aborted:
                 self._finish(p, "interrupted")
@@ -363,6 +452,11 @@ class EngineServer:
 
     def _interrupted(self) -> bool:
         return bool(self._cuts) or self._closed
+
+    def _interrupted_or_aborted(self) -> bool:
+        # an engine that cannot end one request alone ends them all; the others go on from
+        # their prefix in the next batch
+        return self._interrupted() or bool(self._aborting)
 
     def _aborted_now(self) -> frozenset[int]:
         with self._cond:
@@ -395,30 +489,33 @@ class EngineServer:
                     if self._pauses or not self._queue:
                         self._cond.wait()
                         continue
-                    wait_s = self._ready(self._queue[0].sampling, 0)
+                    head = self._queue[0]
+                    wait_s = 0.0 if head.wave is not None else self._ready(head.sampling, 0)
                     if wait_s <= 0:
                         break
                     self._cond.wait(wait_s)
                 if self._closed:
                     self._end_batch(None)
                     return
-                sampling = self._queue[0].sampling
-                first = self._take(sampling, self.max_batch)
+                head = self._queue[0]
+                sampling, wave = head.sampling, head.wave
+                if wave is not None:
+                    first = self._take_wave(wave)
+                else:
+                    first = self._take(sampling, self.max_batch)
                 self._batch_version, self._in_batch = self.version, True
                 self._batch_tokens = 0
                 self.batches += 1
-            engine, kwargs = self.engine, {}
-            if getattr(engine, "interruptible", False):
-                kwargs["interrupt"] = self._interrupted
-            if getattr(engine, "abortable", False):
-                kwargs["abort_groups"] = self._aborted_now
-            joinable = getattr(engine, "joinable", False)
-            if joinable:
-                kwargs["admit"] = lambda room, s=sampling: self._admit(s, room)
-                kwargs["on_result"] = self._on_result
+            engine = self.engine
+            kwargs = {} if wave is not None else self._options(sampling)
             error, started = None, time.perf_counter()
             try:
                 outs = engine.generate(first, sampling, **kwargs)
+                if len(outs) < len(first) or (wave is not None and len(outs) != len(first)):
+                    raise RuntimeError(
+                        f"{type(engine).__name__}.generate returned {len(outs)} results for "
+                        f"{len(first)} requests"
+                    )
                 for index, out in enumerate(outs):  # those it did not report as they ended
                     if index not in self._reported:  # (cut by a pause, or not joinable)
                         self._on_result(index, out)
@@ -427,5 +524,7 @@ class EngineServer:
             with self._cond:
                 size, tokens = len(self._slots), self._batch_tokens
                 cut = self._end_batch(error)
+                stats = BatchStats(size, time.perf_counter() - started, tokens, cut)
+                self._batches.append(stats)
             if self.on_batch is not None:
-                self.on_batch(BatchStats(size, time.perf_counter() - started, tokens, cut))
+                self.on_batch(stats)

@@ -93,11 +93,16 @@ class RemoteEngine(Engine):
                 control.remote(call, sorted(gone - sent))
                 sent |= gone
 
-    def engine_server(self, version: int) -> RemoteServer | None:
+    def engine_server(self, version: int):
         """The peer's engine server (a streamed run's peer: ``controllable``), holding the
-        weights of ``version``; None where its actor has no ``serve`` group."""
-        if not self.interruptible or isinstance(self.handle, LocalHandle):
-            return None  # an in-process peer's calls run on the caller's thread: per call
+        weights of ``version``: a ``RemoteServer``, or an in-process peer's
+        ``EngineServer`` itself; None where its actor has no ``serve`` group."""
+        if not self.interruptible:
+            return None
+        if isinstance(self.handle, LocalHandle):  # in this process: its server, no proxy
+            host = self.handle.target
+            host.start_server(version)
+            return host.server
         return RemoteServer(self.handle, self.replica, version)
 
     def update_weights(self, named_tensors) -> None:
@@ -163,6 +168,7 @@ class RemoteServer:
                 "resume_server",
                 "close_server",
                 "server_waits",
+                "server_batches",
             )
         }
         self._ask("start_server", version)
@@ -207,6 +213,11 @@ class RemoteServer:
     def take_waits(self) -> list[float]:
         """The peer's request waits since the last call (``EngineServer.take_waits``)."""
         return list(self._ask("server_waits") or [])
+
+    def take_batches(self) -> list:
+        """The peer's batches (``BatchStats``) since the last call, oldest first (a local
+        server reports each through its ``on_batch`` instead)."""
+        return list(self._ask("server_batches") or [])
 
 
 def _ready(ref, timeout_s: float) -> bool:

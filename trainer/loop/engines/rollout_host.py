@@ -184,6 +184,10 @@ class EngineHost(EngineWeights):
         """``EngineServer.take_waits``."""
         return self.server.take_waits()
 
+    def server_batches(self) -> list:
+        """``EngineServer.take_batches``."""
+        return self.server.take_batches()
+
     def interrupt_call(self, call: str, groups: list[int] | None = None) -> None:
         """End call ``call`` after its current decode step, or (``groups``) only the requests
         of those groups in it; runs in the actor's ``control`` group beside the call."""

@@ -179,6 +179,7 @@ class StreamingHost:
         retried, given_up = self.stream.take_retries()
         # since the last step's batch was handed over: how much of it each side waited
         engine = self.versioned
+        engine.count_peer_batches()
         now, busy, cut = time.perf_counter(), engine.busy_s, engine.interruptions
         calls, made = len(engine.call_sizes), engine.generated_tokens
         last_at, last_busy, last_cut, last_calls, last_made = self.last_take or (
