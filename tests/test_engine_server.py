@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from rollout.engines import GenerationRequest, SamplingParams, make_engine
+from rollout.engines import GenerationRequest, GenerationResult, SamplingParams, make_engine
 from rollout.engines.server import EngineServer, ServerClosed, continued
 from rollout.models import load_model
 from rollout.tokenizer import load_tokenizer
@@ -198,3 +198,53 @@ def test_a_continuous_rollout_s_turns_join_the_running_batch(engine, tok):
     assert short_out.token_ids == _alone(engine, short, sampling).token_ids
     assert long_out.token_ids == _alone(engine, long, sampling).token_ids
     assert "versions" not in short_out.extra and "request_id" not in long_out.extra
+
+
+class _Recorder:
+    """A plain engine (not joinable): records each call's requests (by seed) and answers each
+    with its seed as one token, plus a key of its own in ``extra``."""
+
+    max_batch_size = 2
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+        self.gate = threading.Event()
+
+    def generate(self, requests, sampling):
+        self.calls.append([r.seed for r in requests])
+        assert self.gate.wait(30)
+        return [GenerationResult([r.seed], [0.0], "stop", {"engine_key": r.seed}) for r in requests]
+
+
+def test_a_wave_is_one_engine_call_of_exactly_its_requests_whatever_else_waits(engine, tok):
+    """``submit_wave``: the wave's requests, more than the engine's batch holds, go in one
+    call, in the order given, as the caller's own ``generate`` would send them; requests
+    submitted one by one meanwhile wait for the next batch; a wave's results equal the
+    engine's own call on the same list, bit for bit (what identical runs rest on)."""
+    recorder = _Recorder()
+    server = EngineServer(recorder)
+    try:
+        sampling = SamplingParams(max_new_tokens=1)
+        wave = server.submit_wave([GenerationRequest([1], seed=s) for s in (5, 3, 9)], sampling)
+        _until(lambda: len(recorder.calls) == 1)
+        single = server.submit(GenerationRequest([1], seed=7), sampling)
+        recorder.gate.set()
+        assert [p.result(30).token_ids for p in wave] == [[5], [3], [9]]
+        assert single.result(30).token_ids == [7]
+        assert recorder.calls == [[5, 3, 9], [7]]
+        # the engine's own keys come back; the server's stay out of what the engine returned
+        assert wave[0].outcome(0).extra == {"engine_key": 5}
+        assert set(wave[0].result(0).extra) == {"engine_key", "versions", "request_id"}
+    finally:
+        server.close(timeout_s=30)
+
+    sampling = SamplingParams(max_new_tokens=6)
+    requests = [GenerationRequest(tok.encode("x" * (1 + k)), seed=40 + k) for k in range(3)]
+    server = EngineServer(engine)
+    try:
+        served = [p.result(60) for p in server.submit_wave(requests, sampling)]
+    finally:
+        server.close(timeout_s=30)
+    direct = engine.generate(requests, sampling)
+    assert [r.token_ids for r in served] == [r.token_ids for r in direct]
+    assert [r.logprobs for r in served] == [r.logprobs for r in direct]

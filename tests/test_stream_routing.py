@@ -581,3 +581,32 @@ def test_a_streamed_run_on_two_replicas_serves_both_and_keeps_its_bound(local_ra
         sampled = arrays["token/policy_version"][arrays["token/loss_mask"] > 0]
         assert sampled.min() >= max(0, step - 2) and sampled.max() <= step - 1
     assert any(r.get("stream/turn_wait_p99_ms", -1) >= 0 for r in records)
+
+
+def test_a_peer_s_batches_count_in_the_stream_s_engine_time_as_the_local_replica_s():
+    """Replica 1 is a peer serving through its own engine server (here in this process, its
+    host's ``EngineServer`` itself); its batches reach the stream's counters when the step
+    asks (``count_peer_batches``), as the local replica's do as they end, so
+    ``stream/engine_idle_share`` and ``stream/requests_per_call`` cover every replica. Before,
+    a peer's served batches counted nowhere."""
+    from rollout.engines.router import ReplicaRouter
+    from trainer.loop.cluster.local import LocalHandle
+    from trainer.loop.engines.remote_engine import RemoteEngine
+
+    local, peer = _Peer(), _Peer()
+    router = ReplicaRouter([local, RemoteEngine(LocalHandle(peer), 1, controllable=True)])
+    versioned = VersionedEngine(router)
+    try:
+        assert versioned._lanes[1].server is peer.server  # no proxy in one process
+        sampling = SamplingParams(max_new_tokens=1)
+        for group in (0, 1):  # all idle: prompt g dealt to replica g
+            versioned.generate([GenerationRequest([1], seed=group, group=group)] * 3, sampling)
+        assert local.served == [0, 0, 0] and peer.served == [1, 1, 1]
+        assert versioned.call_sizes == [3]  # the local server's batch, counted as it ended
+        versioned.count_peer_batches()
+        assert versioned.call_sizes == [3, 3] and versioned.generated_tokens == 6
+        versioned.count_peer_batches()  # each batch once
+        assert versioned.call_sizes == [3, 3]
+    finally:
+        versioned.close(10)
+        peer.shutdown()
