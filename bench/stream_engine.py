@@ -8,7 +8,7 @@ served three ways on the HF engine (``--engine vllm``: the CPU lane's vLLM):
   turned off (``_PerCall``): each replica's server sends what waits as one call and what
   arrives meanwhile as the next (the shape of the per-call path before issue 57);
 - ``served``: the same with engine servers (what ships, issue 57): each replica's requests go
-  to its ``rollout.engines.server.EngineServer`` as they come and join the running batch
+  to its ``rollout.engines.serving.server.EngineServer`` as they come and join the running batch
   between decode steps. Its turn wait (submit to the first decode step that takes the
   request) is reported as median and p99;
 - ``ceiling``: per turn one plain engine call with all G x n requests, from one worker thread
@@ -107,7 +107,7 @@ def run(
     import torch
 
     from rollout.engines import SamplingParams
-    from rollout.engines.router import ReplicaRouter
+    from rollout.engines.serving.router import ReplicaRouter
     from rollout.versioned import VersionedEngine
 
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 colocated engine maps without a copy (``shared_buffer``; the reader's ``open_shared_buffer``)
 and the weight-transfer engines of vLLM (or crossrl's own where none ships) each kind of push
 goes through, with the class whose static trainer helpers the ranks call
-(``rollout.engines.transfer``, ``rollout.engines.shm_transfer``). Mixed into
+(``rollout.engines.weights.transfer``, ``rollout.engines.weights.shm_transfer``). Mixed into
 ``hal.base.DeviceBackend``; a device's backend overrides the names.
 """
 
@@ -15,16 +15,19 @@ class WeightHandoff:
     """The weight path's facts and buffers of one device type (``DeviceBackend``'s part)."""
 
     #: The weight-transfer engine vLLM's workers take pushes through on this device type
-    #: (``WeightTransferConfig.backend``; the CPU's is crossrl's own, ``rollout.engines.transfer``)
+    #: (``WeightTransferConfig.backend``; the CPU's is crossrl's own, ``rollout.engines.weights.transfer``)
     #: and the class whose static ``trainer_init`` / ``trainer_send_weights`` the trainer calls.
     weight_transfer_engine: str = "crossrl_gloo"
-    weight_transfer_trainer: tuple[str, str] = ("rollout.engines.transfer", "GlooWeightTransfer")
+    weight_transfer_trainer: tuple[str, str] = (
+        "rollout.engines.weights.transfer",
+        "GlooWeightTransfer",
+    )
     #: The same for a colocated engine, whose workers sit on the ranks' own devices and map
     #: the ranks' buffers (``WeightTransferConfig.backend``: vLLM's ``ipc`` on CUDA; on the
     #: CPU crossrl's ``crossrl_shm``, /dev/shm files), and its trainer class.
     colocated_transfer_engine: str = "crossrl_shm"
     colocated_transfer_trainer: tuple[str, str] = (
-        "rollout.engines.shm_transfer",
+        "rollout.engines.weights.shm_transfer",
         "SharedMemoryTransfer",
     )
 

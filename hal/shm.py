@@ -62,7 +62,7 @@ def close_shm_file(path: str) -> None:
 
 class SharedCounters:
     """``n`` int64 counters in a small file that the processes of one host share (a
-    doorbell: ``rollout.engines.stream``); every read and write holds ``flock`` on the file.
+    doorbell: ``rollout.engines.weights.stream``); every read and write holds ``flock`` on the file.
 
     Why a lock rather than plain stores into a mapping: x86 makes one core's stores visible
     to the others in program order, but aarch64 (the hosts of Ascend A3 nodes) may show a

@@ -1,5 +1,5 @@
 """A gloo process group of its own, outside ``torch.distributed``'s default one, for crossrl's
-own weight transport on the CPU (``rollout.engines.transfer``: the CPU lane's vLLM engine and
+own weight transport on the CPU (``rollout.engines.weights.transfer``: the CPU lane's vLLM engine and
 the HF engine). Its members share no default group (an engine has none), so each builds the
 group directly on a store they all reach. On accelerators no group is built here: vLLM's and
 vllm-ascend's own weight-transfer engines build theirs (``DeviceBackend.

@@ -2,7 +2,7 @@
 
 ``run_rollouts`` runs every trajectory of a step as its own asyncio task: generate a turn, step
 its environment, generate the next turn, while the other trajectories go on. Turns reach the
-engine through ``rollout/engines/batcher.py``, which sends the requests waiting at that moment
+engine through ``rollout/engines/serving/batcher.py``, which sends the requests waiting at that moment
 to ``engine.generate`` in one call on a worker thread. Environment ``reset``/``step`` run on a
 thread pool (or on the event loop when they are ``async def`` or the env is ``inline``), at most
 ``env_concurrency`` at once, each bounded by ``env_timeout_s`` (``rollout/env_calls.py``). A turn's request seed is ``stable_seed(seed, step,
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from batching import Row
 from rollout.engines.base import Engine, GenerationRequest, SamplingParams
-from rollout.engines.batcher import RequestBatcher
+from rollout.engines.serving.batcher import RequestBatcher
 from rollout.env_calls import (
     EnvCalls,
     EnvTimeout,
@@ -130,7 +130,7 @@ def run_rollouts(
     same time on other threads (``rollout.env_calls.EnvCalls``: a streamed run's groups share
     ``rollout.env_concurrency``). ``deterministic``: engine calls hold every live
     trajectory's turn (lockstep calls, logprobs repeat bit for bit); False: the engine takes
-    whatever waits whenever it is free (``rollout/engines/batcher.py``). Rows come out in
+    whatever waits whenever it is free (``rollout/engines/serving/batcher.py``). Rows come out in
     trajectory order either way. Runs its own event loop (on a helper thread when the caller's
     thread already runs one).
     """

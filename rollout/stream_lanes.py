@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.engines.router import ReplicaLostError, deal_prompt
+from rollout.engines.serving.router import ReplicaLostError, deal_prompt
 
 __all__ = ["Lane", "Lanes"]
 
@@ -29,7 +29,7 @@ class Lane:
     """One replica: its engine, whether a batch of it can end after a decode step
     (``interruptible``), whether its loss raises ``ReplicaLostError`` to the callers rather
     than being failed over by the router (``reports_loss``: a ``ReplicaRouter`` lane), and its
-    engine server (``rollout.engines.server``, set by ``VersionedEngine``)."""
+    engine server (``rollout.engines.serving.server``, set by ``VersionedEngine``)."""
 
     engine: Any
     interruptible: bool

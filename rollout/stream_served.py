@@ -1,12 +1,12 @@
 """The served lanes of the stream's engine (``rollout.versioned.VersionedEngine``): each
-replica's engine server (``rollout.engines.server``; a peer replica's own, in its process,
+replica's engine server (``rollout.engines.serving.server``; a peer replica's own, in its process,
 where it offers one: ``engine_server``), and its callers' jobs sent there request by request,
 under ids an abort can name."""
 
 from __future__ import annotations
 
-from rollout.engines.router import ReplicaLostError
-from rollout.engines.server import BatchStats, EngineServer, ServerClosed
+from rollout.engines.serving.router import ReplicaLostError
+from rollout.engines.serving.server import BatchStats, EngineServer, ServerClosed
 from rollout.stream_jobs import EngineClosed, GroupAborted, Job
 
 __all__ = ["ServedLanes"]

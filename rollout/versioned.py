@@ -6,7 +6,7 @@ Each group of a stream runs its own agent loop, whose turns arrive here as separ
 ``generate`` calls from many threads at once. Each call's requests go to the **lane** of their
 prompt (one per engine replica, ``Engine.lanes``; ``rollout.stream_lanes`` places a new prompt
 on the least-loaded replica and keeps every later turn of it there), and from there to that
-replica's engine server (``rollout.engines.server.EngineServer``; a peer replica's, in its own
+replica's engine server (``rollout.engines.serving.server.EngineServer``; a peer replica's, in its own
 process, ``engine_server``): each request is submitted as it comes under an id of its own,
 joins the running batch between decode steps where the engine is ``joinable`` (the HF engine,
 vLLM; another engine takes what waits when its last batch ends) and comes back as it ends.
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout.engines.base import GenerationResult
-from rollout.engines.server import SERVER_KEYS, EngineServer, continued
+from rollout.engines.serving.server import SERVER_KEYS, EngineServer, continued
 from rollout.stream_jobs import EngineClosed, GroupAborted, Job
 from rollout.stream_lanes import Lane, Lanes
 from rollout.stream_served import ServedLanes

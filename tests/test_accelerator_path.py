@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rollout.engines.base import Engine
-from rollout.engines.buckets import plan_buckets, stream_buckets, weight_group
+from rollout.engines.weights.buckets import plan_buckets, stream_buckets, weight_group
 from trainer.loop.cluster.group import free_port
 from trainer.loop.cluster.local import LocalRef
 
@@ -144,7 +144,7 @@ class RecordingEngine(Engine):
         raise NotImplementedError
 
     def load_shared_bucket(self, open_bucket, handles, specs) -> None:
-        from rollout.engines.buckets import unpack_bucket
+        from rollout.engines.weights.buckets import unpack_bucket
 
         self.calls += 1
         for handle in handles:  # tp worker t reads tp rank t's copy
@@ -191,7 +191,7 @@ class _FutureRef(LocalRef):
 
 
 def _stream(rank: int, world: int, port: int, queue, bucket_bytes: int, delay_s: float) -> None:
-    import rollout.engines.buckets as buckets_mod
+    import rollout.engines.weights.buckets as buckets_mod
     from trainer.config import load_config
     from trainer.loop.engines.rollout_host import EngineHost
     from trainer.loop.ranks.fsdp_worker import WorkerSpec

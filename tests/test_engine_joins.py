@@ -1,6 +1,6 @@
 """Issue 57's engine loop: requests join a running engine call between decode steps
-(``Engine.joinable``; the HF engine's step loop, ``rollout.engines.hf_steps``; the stream's
-lanes through their engine server, ``rollout.engines.server``) and each comes back as soon as
+(``Engine.joinable``; the HF engine's step loop, ``rollout.engines.hf.steps``; the stream's
+lanes through their engine server, ``rollout.engines.serving.server``) and each comes back as soon as
 it ends. A joined request
 draws the tokens it draws alone (its own seeded sampler), loads and aborts reach it as any
 other request of the call."""

@@ -1,4 +1,4 @@
-"""Issue 57: one replica's engine as a server (``rollout.engines.server.EngineServer``) over the
+"""Issue 57: one replica's engine as a server (``rollout.engines.serving.server.EngineServer``) over the
 HF engine's step loop: requests at any moment from any thread, abort by request id, weights
 taken between decode steps with every token's policy version exact."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollout.engines import GenerationRequest, GenerationResult, SamplingParams, make_engine
-from rollout.engines.server import EngineServer, ServerClosed, continued
+from rollout.engines.serving.server import EngineServer, ServerClosed, continued
 from rollout.models import load_model
 from rollout.tokenizer import load_tokenizer
 
@@ -171,7 +171,7 @@ def test_a_continuous_rollout_s_turns_join_the_running_batch(engine, tok):
     back first, with what it samples alone and none of the server's own keys."""
     import asyncio
 
-    from rollout.engines.batcher import RequestBatcher
+    from rollout.engines.serving.batcher import RequestBatcher
 
     sampling = SamplingParams(max_new_tokens=200)
     long = GenerationRequest(tok.encode("a long story please"), seed=1, group=0)

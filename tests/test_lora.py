@@ -145,7 +145,7 @@ def test_a_vllm_push_carries_the_adapters_unfolded_and_keeps_a_small_update(tmp_
     into a bf16 W of N(0, 0.02), W + s B A, most of it rounds away)."""
     from types import SimpleNamespace
 
-    from rollout.engines.buckets import pack_tensor, plan_buckets, unpack_bucket
+    from rollout.engines.weights.buckets import pack_tensor, plan_buckets, unpack_bucket
     from trainer.config import load_config
     from trainer.loop.plan.lora_layout import lora_push, pushes_whole_weights
     from trainer.loop.weights.weight_push import WeightPush

@@ -1,5 +1,5 @@
 """Small untruths a newcomer met (issue 32, item 7): a GAE run's critic warned from FSDP2 on
-every update, and ``rollout/engines/vllm_engine.py`` cited a vLLM the lanes do not install.
+every update, and ``rollout/engines/vllm/engine.py`` cited a vLLM the lanes do not install.
 (A ``rollout.device`` this machine has none of is tested in ``tests/test_config_errors.py``.)
 """
 
@@ -117,7 +117,7 @@ def _minor(version: str) -> str:
 def test_vllm_engine_cites_the_versions_the_lanes_pin():
     """Every release number the engine module names (``0.XY``, ``0.XY.Z``) is one a lane
     installs, and every lane's release is named next to its lane."""
-    source = (ROOT / "rollout" / "engines" / "vllm_engine.py").read_text()
+    source = (ROOT / "rollout" / "engines" / "vllm" / "engine.py").read_text()
     pins = _pins()
     assert pins.keys() == {"gpu", "npu", "cpu"}, pins
     cited = {_minor(v) for v in re.findall(r"\b\d+\.\d{2}(?:\.\d+)?", source)}
@@ -128,5 +128,5 @@ def test_vllm_engine_cites_the_versions_the_lanes_pin():
     labels = {"gpu": "gpu lane", "npu": "Ascend lane", "cpu": "cpu lane"}
     for lane, version in pins.items():
         assert re.search(rf"\b{re.escape(version)}\b[^()]*\({labels[lane]}\b", source), (
-            f"the {lane} lane's vLLM {version} is not named with its lane in vllm_engine.py"
+            f"the {lane} lane's vLLM {version} is not named with its lane in rollout/engines/vllm/engine.py"
         )

@@ -76,8 +76,8 @@ class _FakeLLM:
 
 
 def _engine_with_workers(monkeypatch, tp: int, calls: list):
-    from rollout.engines.vllm_engine import VLLMEngine
-    from rollout.engines.vllm_worker import VLLMWorkerExtension
+    from rollout.engines.vllm.engine import VLLMEngine
+    from rollout.engines.vllm.worker import VLLMWorkerExtension
 
     class Worker(VLLMWorkerExtension):
         def __init__(self, rank: int) -> None:

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 import hal
 from hal.shm import SharedCounters
 from rollout.engines.base import WAKE_TAGS, Engine
-from rollout.engines.stream import RANK, Doorbell, PushAborted, receive_weight_stream
+from rollout.engines.weights.stream import RANK, Doorbell, PushAborted, receive_weight_stream
 from trainer.loop.cluster.local import LocalRef
 
 JOB = [
@@ -176,7 +176,7 @@ class FakeLLM:
         self.model.deferring = True
 
     def update_weights(self, request: dict) -> None:
-        from rollout.engines.shm_transfer import SharedUpdateInfo, load_chunk
+        from rollout.engines.weights.shm_transfer import SharedUpdateInfo, load_chunk
 
         load_chunk(SharedUpdateInfo(**request["update_info"]), self.model.load_weights)
         self.chunks += 1
@@ -190,7 +190,7 @@ class FakeLLM:
 
 def _vllm_engine(model: FakeVllmModel):
     """The shipped ``VLLMEngine`` (its ``VLLMTransfer`` calls) around ``FakeLLM``."""
-    from rollout.engines.vllm_engine import VLLMEngine
+    from rollout.engines.vllm.engine import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.llm, engine.layerwise_reload, engine.in_process = FakeLLM(model), True, True
@@ -252,7 +252,7 @@ class FailingEngine(Engine):
 
 
 def test_an_engine_error_fails_the_push_at_once_with_its_message(worker, monkeypatch):
-    import rollout.engines.stream as stream
+    import rollout.engines.weights.stream as stream
 
     # Were the engine's reply not watched, the push would wait out this and report a timeout.
     monkeypatch.setattr(stream, "STREAM_TIMEOUT_S", 60.0)

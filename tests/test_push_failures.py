@@ -65,7 +65,7 @@ class FakeWorkers:
         self.active = self.reload_open = True
 
     def update_weights(self, request: dict) -> None:
-        from rollout.engines.shm_transfer import SharedUpdateInfo, load_chunk
+        from rollout.engines.weights.shm_transfer import SharedUpdateInfo, load_chunk
 
         if not self.active:
             raise RuntimeError("start_weight_update must be called before update_weights.")
@@ -91,7 +91,7 @@ class FakeWorkers:
 
 
 def _engine(llm: FakeWorkers):
-    from rollout.engines.vllm_engine import VLLMEngine
+    from rollout.engines.vllm.engine import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.llm, engine.layerwise_reload, engine.in_process = llm, True, True

@@ -1,4 +1,4 @@
-"""Every pushed name is loaded (issue 56, item 9; ``rollout.engines.loaded_names``): an engine's
+"""Every pushed name is loaded (issue 56, item 9; ``rollout.engines.weights.loaded_names``): an engine's
 first push is checked name by name, and a tensor pushed that loads into no parameter is one
 error naming it; a tied ``lm_head.weight`` is not pushed.
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from rollout.engines.base import WAKE_TAGS
-from rollout.engines.transfer import GlooWeightTransfer, update_info
+from rollout.engines.weights.transfer import GlooWeightTransfer, update_info
 from trainer.loop.cluster.group import free_port
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -55,7 +55,7 @@ def _fake_worker():
     left out)."""
     from contextlib import nullcontext
 
-    from rollout.engines.vllm_worker import VLLMWorkerExtension
+    from rollout.engines.vllm.worker import VLLMWorkerExtension
 
     class FakeWorker(VLLMWorkerExtension):
         def __init__(self) -> None:
@@ -97,7 +97,7 @@ class FakeLLM:
 
 
 def _engine(llm: FakeLLM):
-    from rollout.engines.vllm_engine import VLLMEngine
+    from rollout.engines.vllm.engine import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.llm, engine.layerwise_reload, engine.in_process = llm, False, True
@@ -223,7 +223,7 @@ def test_a_vllm_cpu_engine_names_a_pushed_tensor_its_model_has_not(tmp_path, mon
     from safetensors.torch import load_file
 
     from rollout.engines.base import GenerationRequest, SamplingParams
-    from rollout.engines.transfer import ENGINE_NAME
+    from rollout.engines.weights.transfer import ENGINE_NAME
     from tests.test_rollout_vllm import _save_tiny_qwen2, _tiny_engine
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")

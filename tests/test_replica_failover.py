@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rollout.engines import GenerationRequest, GenerationResult, SamplingParams
-from rollout.engines.router import ReplicaLostError, ReplicaRouter, deal_prompt
+from rollout.engines.serving.router import ReplicaLostError, ReplicaRouter, deal_prompt
 
 
 class _Replica:

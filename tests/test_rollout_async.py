@@ -386,7 +386,7 @@ class CountingReplica(ReplyEngine):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_a_slow_replica_holds_up_only_its_own_prompts(tok, deterministic):
-    from rollout.engines.router import ReplicaRouter, deal_prompt
+    from rollout.engines.serving.router import ReplicaRouter, deal_prompt
 
     # Prompts 0 and 2 go to replica 0, prompt 1 to replica 1 (dealt by prompt index). Replica
     # 0's first call is held until replica 1 has served all three turns of its prompt: with

@@ -13,9 +13,9 @@ import torch
 
 import hal
 from rollout.engines import GenerationRequest, GenerationResult, SamplingParams, make_engine
-from rollout.engines.buckets import TensorSpec, pack_tensor, plan_buckets, unpack_bucket
-from rollout.engines.router import ReplicaRouter
-from rollout.engines.vllm_engine import executor_backend
+from rollout.engines.serving.router import ReplicaRouter
+from rollout.engines.vllm.engine import executor_backend
+from rollout.engines.weights.buckets import TensorSpec, pack_tensor, plan_buckets, unpack_bucket
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def test_hf_engine_sleeps_and_wakes_weights_before_kv_cache():
 
 _READER = """
 import pickle, sys, torch, hal
-from rollout.engines.buckets import TensorSpec, unpack_bucket
+from rollout.engines.weights.buckets import TensorSpec, unpack_bucket
 handle = pickle.loads(bytes.fromhex(sys.argv[1]))
 specs = [TensorSpec(*s) for s in eval(sys.argv[2])]
 flat = hal.open_shared_buffer(handle)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollout.engines import GenerationRequest, SamplingParams, make_engine
-from rollout.engines.hf_engine import filter_logits, sample_inverse_cdf
+from rollout.engines.hf.engine import filter_logits, sample_inverse_cdf
 from rollout.models import load_model
 from rollout.tokenizer import load_tokenizer
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from rollout.engines.base import GenerationRequest, SamplingParams
-from rollout.engines.vllm_io import (
+from rollout.engines.vllm.io import (
     VLLM_TOP_K_OFF,
     filters_active,
     result_from_vllm_completion,
@@ -130,7 +130,7 @@ def test_result_from_completion_rejects_missing_logprobs():
 
 
 def test_importing_the_engine_module_does_not_import_vllm():
-    code = "import sys, rollout.engines.vllm_engine, rollout.engines; print('vllm' in sys.modules)"
+    code = "import sys, rollout.engines.vllm.engine, rollout.engines; print('vllm' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
@@ -138,7 +138,7 @@ def test_importing_the_engine_module_does_not_import_vllm():
 
 
 def test_missing_model_dir_is_a_value_error(tmp_path):
-    from rollout.engines.vllm_engine import resolve_model_dir
+    from rollout.engines.vllm.engine import resolve_model_dir
 
     with pytest.raises(ValueError, match="config.json"):
         resolve_model_dir(tmp_path / "nope", seed=0)
@@ -378,13 +378,13 @@ def test_a_weight_load_interrupts_vllm_mid_call_and_the_rest_samples_under_it(
 def test_requests_join_vllm_s_running_batch_through_the_engine_server_and_abort_by_id(
     engine, monkeypatch
 ):
-    """The engine server (``rollout.engines.server``) over vLLM's step loop: requests submitted
+    """The engine server (``rollout.engines.serving.server``) over vLLM's step loop: requests submitted
     while a batch runs join it between engine steps (one batch), each samples what it samples
     alone, and an abort by request id ends that request alone."""
     import dataclasses
     import time
 
-    from rollout.engines.server import EngineServer
+    from rollout.engines.serving.server import EngineServer
 
     steps = []
     step = engine.llm.llm_engine.step

@@ -1,4 +1,4 @@
-"""The vLLM engine serving LoRA adapters (``model.lora``, ``rollout.engines.vllm_lora``), on the
+"""The vLLM engine serving LoRA adapters (``model.lora``, ``rollout.engines.vllm.lora``), on the
 CPU lane's vLLM (``@pytest.mark.vllm``, skipped unless vllm imports)::
 
     .venv-vllm/bin/python -m pytest tests/test_rollout_vllm_lora.py -m vllm -q
@@ -92,7 +92,7 @@ def test_vllm_serves_lora_adapters_beside_embeddings_loaded_whole(model_dirs, tm
 @needs_vllm
 def test_vllm_serves_lora_adapters_loaded_in_place_and_an_exported_adapter(model_dirs, tmp_path):
     """A LoRA engine (``lora=``) serves the adapters each update carries, loaded in place
-    (``rollout.engines.vllm_lora``), and an adapter directory as ``crossrl export`` writes it;
+    (``rollout.engines.vllm.lora``), and an adapter directory as ``crossrl export`` writes it;
     both sample with the logprobs of the base with those adapters (peft, transformers)."""
     from peft import PeftModel
     from vllm.lora.request import LoRARequest

@@ -1,5 +1,5 @@
 """Colocated engines take weights through vLLM's weight-transfer API
-(``rollout.engines.shm_transfer``; ``WeightPush.push_transfer``): CUDA's ``ipc`` and the NPU's
+(``rollout.engines.weights.shm_transfer``; ``WeightPush.push_transfer``): CUDA's ``ipc`` and the NPU's
 ``npu_ipc`` are the pinned wheels' own engines (names read from the wheels,
 ``scripts/record_transfer_api.py``), the CPU's ``crossrl_shm`` speaks their update format.
 
@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 import hal
 from hal.shm import shm_dir
-from rollout.engines.shm_transfer import (
+from rollout.engines.weights.shm_transfer import (
     ENGINE_NAME,
     SharedMemoryTransfer,
     SharedUpdateInfo,
@@ -176,6 +176,6 @@ def test_the_cpu_takes_crossrls_own_colocated_engine():
     backend = hal.get_backend("cpu")
     assert backend.colocated_transfer_engine == ENGINE_NAME
     assert backend.colocated_transfer_trainer == (
-        "rollout.engines.shm_transfer",
+        "rollout.engines.weights.shm_transfer",
         "SharedMemoryTransfer",
     )

@@ -1,12 +1,12 @@
 """A weight snapshot for engines of their own without a rank-0 funnel: every training rank
 publishes its own rows of each tensor, and the engine joins the ranks' pieces of a bucket into
-whole tensors (``rollout.engines.buckets.pack_pieces`` / ``assemble_pieces``)."""
+whole tensors (``rollout.engines.weights.buckets.pack_pieces`` / ``assemble_pieces``)."""
 
 from __future__ import annotations
 
 import torch
 
-from rollout.engines.buckets import assemble_pieces, pack_pieces, unpack_bucket
+from rollout.engines.weights.buckets import assemble_pieces, pack_pieces, unpack_bucket
 
 
 def _shards(tensor: torch.Tensor, world: int) -> list[torch.Tensor]:

@@ -1,5 +1,5 @@
 """Issue 57's defects 1-4 of the stream's engine side (``rollout.versioned.VersionedEngine``,
-``rollout.engines.router``, ``trainer.loop.engines.remote_engine``): a replacement replica
+``rollout.engines.serving.router``, ``trainer.loop.engines.remote_engine``): a replacement replica
 serves the stream and a lost replica's requests go to live lanes, counted (1); continued
 requests with different budgets left share one engine call (2); an abort ends only its own
 group's requests, and a group aborted while queued is never sent (3); a load with partial
@@ -287,7 +287,7 @@ class _Peer:
         self.hold = hold  # set: calls answer; clear: they wait (keeping their load)
 
     def generate(self, requests, sampling, *_call, **_kwargs):
-        from rollout.engines.router import ReplicaLostError
+        from rollout.engines.serving.router import ReplicaLostError
 
         self.tries += 1
         if self.dies:
@@ -302,7 +302,7 @@ class _Peer:
 
     def start_server(self, version: int) -> None:
         """``EngineHost.start_server``: its engine (itself) served from now on."""
-        from rollout.engines.server import EngineServer
+        from rollout.engines.serving.server import EngineServer
 
         if getattr(self, "server", None) is None:
             self.server = EngineServer(self, version)
@@ -392,7 +392,7 @@ def test_a_new_prompt_goes_to_the_least_loaded_replica_and_stays_there_while_it_
     flight (ties dealt by the prompt); its later turns stay there (its prefix) however loaded
     that replica gets; once done (``forget``) it is placed anew; a request of no prompt of the
     stream (``place=False``) is not placed; a replica out of the routing takes none."""
-    from rollout.engines.router import ReplicaRouter
+    from rollout.engines.serving.router import ReplicaRouter
     from rollout.stream_lanes import Lanes
 
     router = ReplicaRouter([_Peer(), _Peer(), _Peer()])
@@ -495,7 +495,7 @@ def test_a_load_with_partial_rollouts_ends_a_remote_replica_s_call_too(local_ray
     the load, and the callers go on under the new weights."""
     import ray
 
-    from rollout.engines.router import ReplicaRouter
+    from rollout.engines.serving.router import ReplicaRouter
     from tests.test_stream_routing import _PeerHost  # by a name Ray's workers import
     from trainer.config import load_config
     from trainer.loop.engines.remote_engine import RemoteEngine, peer_actor_options
@@ -589,7 +589,7 @@ def test_a_peer_s_batches_count_in_the_stream_s_engine_time_as_the_local_replica
     asks (``count_peer_batches``), as the local replica's do as they end, so
     ``stream/engine_idle_share`` and ``stream/requests_per_call`` cover every replica. Before,
     a peer's served batches counted nowhere."""
-    from rollout.engines.router import ReplicaRouter
+    from rollout.engines.serving.router import ReplicaRouter
     from trainer.loop.cluster.local import LocalHandle
     from trainer.loop.engines.remote_engine import RemoteEngine
 

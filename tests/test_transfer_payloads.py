@@ -12,7 +12,7 @@ its lane pins (vLLM 0.24.0 for ``ipc`` / ``nccl``; vLLM 0.26.0 under vllm-ascend
 - the colocated push's payload (``WeightPush.push_transfer``'s ``send``, through the shipped
   push, the helper's update info built as the wheel's trainer helper builds it);
 - the collective push's ``init_info`` (``WeightGroupAddress.init_info``) and ``update_info``
-  (``rollout.engines.transfer.update_info``, what ``WeightSender.send`` stages).
+  (``rollout.engines.weights.transfer.update_info``, what ``WeightSender.send`` stages).
 
 What this cannot check: anything outside the parse (the engines' transport, IPC handles, the
 model's loaders), and a rule that reads more of vLLM than the recorded source and stand-ins.
@@ -189,7 +189,11 @@ def test_the_collective_push_init_and_update_info_pass_the_engines_own_parse(dev
     """``WeightGroupAddress.init_info`` and the sender's ``update_info`` parse under the
     recorded rule of the HAL's engine of its own (vLLM 0.24's ``nccl``, vllm-ascend's ``hccl``
     on 0.26), every key kept."""
-    from rollout.engines.transfer import PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS, update_info
+    from rollout.engines.weights.transfer import (
+        PACKED_BUFFER_BYTES,
+        PACKED_NUM_BUFFERS,
+        update_info,
+    )
     from trainer.loop.weights.weight_group import WeightGroupAddress
 
     backend = hal.backend_class(device)()

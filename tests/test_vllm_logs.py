@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 
-from rollout.engines.vllm_logs import ENGINE_LOGGERS, set_engine_log_level
+from rollout.engines.vllm.logs import ENGINE_LOGGERS, set_engine_log_level
 from trainer.config import ConfigError, load_config
 
 #: A line of vLLM's own log format (``vllm/logger.py``, 0.24 and 0.32):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import hal
-from rollout.engines.transfer import ENGINE_NAME, GlooWeightTransfer
+from rollout.engines.weights.transfer import ENGINE_NAME, GlooWeightTransfer
 from trainer.config import ConfigError, load_config
 from trainer.loop.cluster.group import free_port
 
@@ -36,14 +36,14 @@ class _Held:
         self.joined = 0
 
     def init_weight_transfer(self, init_info: dict) -> None:
-        from rollout.engines.transfer import TransferInitInfo, TransferReceiver
+        from rollout.engines.weights.transfer import TransferInitInfo, TransferReceiver
 
         self.receiver = TransferReceiver(CPU)
         self.receiver.join(TransferInitInfo(**init_info), 0)
         self.joined += 1
 
     def receive_weights(self, update_info: dict) -> int:
-        from rollout.engines.transfer import TransferUpdateInfo
+        from rollout.engines.weights.transfer import TransferUpdateInfo
 
         def load(named):
             for name, tensor in named:
@@ -248,7 +248,7 @@ def test_the_budget_keeps_the_staged_push_off_the_device_and_its_chunks_in_the_u
     longer holds the model, the update holds the chunks the sender sends while the step
     trains, and ``crossrl layout`` says where the copy is. On the CPU the host is the device:
     the copy stays in the table."""
-    from rollout.engines.transfer import PACKED_BUFFER_BYTES
+    from rollout.engines.weights.transfer import PACKED_BUFFER_BYTES
     from trainer.loop.plan.memory_budget import budget_for
     from trainer.loop.plan.memory_report import format_budget
 

@@ -1,4 +1,4 @@
-"""Weights into engines through the engines' weight-transfer API (``rollout.engines.transfer``,
+"""Weights into engines through the engines' weight-transfer API (``rollout.engines.weights.transfer``,
 ``trainer.loop.weights.weight_group``).
 
 Device-free (any venv): vLLM's packed format (chunks closed past the bound, views on unpack);
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import hal
-from rollout.engines.transfer import (
+from rollout.engines.weights.transfer import (
     ENGINE_NAME,
     GlooWeightTransfer,
     TransferUpdateInfo,

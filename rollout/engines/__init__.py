@@ -29,7 +29,7 @@ def make_engine(name: str, model, tokenizer=None, **opts) -> Engine:
     go to ``HFEngine``. ``vllm``: ``model`` and ``opts`` go to ``VLLMEngine`` unchanged.
     """
     if name == "hf":
-        from rollout.engines.hf_engine import HFEngine
+        from rollout.engines.hf.engine import HFEngine
 
         if not hasattr(model, "config"):
             from rollout.models import load_model
@@ -42,7 +42,7 @@ def make_engine(name: str, model, tokenizer=None, **opts) -> Engine:
             )
         return HFEngine(model, tokenizer, **opts)
     if name == "vllm":
-        from rollout.engines.vllm_engine import VLLMEngine
+        from rollout.engines.vllm.engine import VLLMEngine
 
         return VLLMEngine(model, tokenizer, **opts)
     raise ValueError(f"rollout.engine={name!r}: use one of {list(ENGINES)}")

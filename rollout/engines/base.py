@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:  # torch is imported by the engines themselves, not by who only plans with them
     import torch
 
-    from rollout.engines.buckets import TensorSpec
+    from rollout.engines.weights.buckets import TensorSpec
 
 #: What ``Engine.wake_up`` can retake, in the order the weight sync wakes them.
 WAKE_TAGS = ("weights", "kv_cache")
@@ -56,7 +56,7 @@ class GenerationRequest:
     """One prompt to continue. ``seed`` seeds this request's own sampler, so what it samples
     does not depend on which other requests share the batch. ``group``: the prompt's index in
     the run's prompt stream; engine replicas are dealt requests by it, so every sample and turn
-    of one prompt goes to the same replica (``rollout.engines.router``). ``max_new_tokens``:
+    of one prompt goes to the same replica (``rollout.engines.serving.router``). ``max_new_tokens``:
     this request's own budget of new tokens (None: the call's ``SamplingParams``), so one call
     can carry requests with different budgets left (a stream's continued requests)."""
 
@@ -107,7 +107,7 @@ class Engine(ABC):
     left in the batch, in requests, returning requests that join the running call; their
     results follow the given ones', in the order admitted) and ``on_result(index, result)``
     (called as each request ends, before the call returns), so a call runs for as long as it
-    has work (``rollout.engines.server``)."""
+    has work (``rollout.engines.serving.server``)."""
 
     interruptible = False
     abortable = False
@@ -141,7 +141,7 @@ class Engine(ABC):
         Returns once the bucket's memory has been read (device copies finished included);
         nothing of it may be kept past the call: the writer refills the slot with a later
         bucket (an engine that holds tensors until a layer is complete must copy them)."""
-        from rollout.engines.buckets import unpack_bucket
+        from rollout.engines.weights.buckets import unpack_bucket
 
         self.update_weights(unpack_bucket(open_bucket(handles[0]), specs))
         wait_for_device()  # the writer may reuse the memory once this returns
@@ -154,7 +154,7 @@ class Engine(ABC):
         import torch
 
         import hal
-        from rollout.engines.transfer import TransferInitInfo, TransferReceiver
+        from rollout.engines.weights.transfer import TransferInitInfo, TransferReceiver
 
         device = getattr(self, "device", torch.device("cpu"))
         self._receiver = TransferReceiver(hal.get_backend(torch.device(device).type))
@@ -164,7 +164,7 @@ class Engine(ABC):
         """Take one whole push (``update_info``: names, dtype names, shapes, packing) from
         the transfer group, loading each chunk by name as it arrives (``update_weights``);
         returns the tensor count."""
-        from rollout.engines.transfer import TransferUpdateInfo
+        from rollout.engines.weights.transfer import TransferUpdateInfo
 
         count = self._receiver.receive(TransferUpdateInfo(**update_info), self.update_weights)
         self.finish_weight_update()
@@ -178,7 +178,7 @@ class Engine(ABC):
     def lanes(self) -> list[Engine]:
         """The engines that serve this one's requests independently of each other, in lane
         order: a replica router's replicas, else this engine alone. A caller that batches
-        requests (``rollout.engines.batcher``) keeps one call in flight per lane, so a slow
+        requests (``rollout.engines.serving.batcher``) keeps one call in flight per lane, so a slow
         replica holds up only the requests dealt to it."""
         return [self]
 

@@ -175,7 +175,7 @@ class RolloutConfig(BaseModel):
         "error",
         description="how much of the vllm engine's own logging reaches the console: error = "
         "its errors only; warning adds its warnings; info its start-up report; debug "
-        "everything (rollout.engines.vllm_logs)",
+        "everything (rollout.engines.vllm.logs)",
     )
     max_sample_batches: int = Field(
         1,

@@ -1,11 +1,11 @@
 """A peer engine replica's actor handle seen as an ``Engine`` by the rollout host's router
-(``rollout.engines.router``): its ``generate`` waits for the peer, and a peer whose process is
+(``rollout.engines.serving.router``): its ``generate`` waits for the peer, and a peer whose process is
 gone raises ``ReplicaLostError``, so the router deals its requests to the others. Loading new
 weights into the peers skips lost ones the same way
 (``trainer.loop.weights.engine_weights.load_into_peers``).
 
 A streamed run's peers serve the stream as the local replica does, through an engine server
-of their own (``rollout.engines.server``) behind ``RemoteServer``: each job of the stream is
+of their own (``rollout.engines.serving.server``) behind ``RemoteServer``: each job of the stream is
 one ``EngineHost.serve`` call in the actor's ``serve`` concurrency group, where it waits for
 its requests while others join the peer's running batch; aborts by request id, pauses and
 resumes for weight loads go through its ``control`` group.
@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 
 from rollout.engines.base import Engine
-from rollout.engines.router import ReplicaLostError
+from rollout.engines.serving.router import ReplicaLostError
 from trainer.loop.cluster.local import LocalHandle, LocalRef, fetch
 
 #: The concurrency group of a peer's actor where calls to its call in flight run.
@@ -151,7 +151,7 @@ class RemotePending:
 
 
 class RemoteServer:
-    """A peer replica's ``rollout.engines.server.EngineServer`` (in its ``EngineHost``), seen
+    """A peer replica's ``rollout.engines.serving.server.EngineServer`` (in its ``EngineHost``), seen
     from the rollout host as a local server is: a job's requests go in one call
     (``EngineHost.serve``, in the actor's ``serve`` group, one thread per job waiting),
     aborts, pauses and resumes go through its ``control`` group. A lost peer: its jobs raise

@@ -21,7 +21,7 @@ import hal
 from batching import StepBatch
 from rollout.agent_loop import RolloutOutput
 from rollout.engines.capacity import concurrent_sequences
-from rollout.engines.vllm_logs import set_engine_log_level
+from rollout.engines.vllm.logs import set_engine_log_level
 from trainer.config.schema import Config
 from trainer.loop.cluster.group import agree_on_settings
 from trainer.loop.cluster.local import put
@@ -154,7 +154,7 @@ class EngineHost(EngineWeights):
 
     def start_server(self, version: int) -> None:
         """Serve from now on, holding the weights of policy ``version`` (once per stream)."""
-        from rollout.engines.server import EngineServer
+        from rollout.engines.serving.server import EngineServer
 
         if self.server is None:
             self.server = EngineServer(self.engine, version, name=f"engine-server-{self.replica}")
@@ -230,7 +230,7 @@ def engine_memory_fraction(cfg: Config, on_accelerator: bool) -> float:
 class RolloutHost(StreamingHost, EngineHost):
     """Replica 0, which also owns the environment, the prompt stream and the agent loop:
     ``rollout(step) -> (metadata, [batch_ref])``. With several replicas its agent loop deals
-    requests to all of them by prompt (``rollout.engines.router``); only it reads prompts."""
+    requests to all of them by prompt (``rollout.engines.serving.router``); only it reads prompts."""
 
     def setup(self) -> dict[str, Any]:
         """Load tokenizer, model and engine; check the environment spec."""
@@ -269,7 +269,7 @@ class RolloutHost(StreamingHost, EngineHost):
         handles, in replica order); returns the replica count. ``waiting``: replica indices
         that do not hold the weights this host holds (a replacement, whose engines load
         snapshots: ``take_weights``); they serve once the next snapshot is loaded into them."""
-        from rollout.engines.router import ReplicaRouter
+        from rollout.engines.serving.router import ReplicaRouter
         from trainer.loop.engines.remote_engine import RemoteEngine
 
         self.peers = list(peers)

@@ -8,7 +8,7 @@ asks no device, so ``crossrl layout`` and the tests run it anywhere; the control
 exactly this shape (one placement group of ``tp`` bundles per replica, see
 ``trainer.loop.cluster.group.make_placement``).
 
-``deal_prompt`` (``rollout.engines.router``) says which replica serves a prompt: all ``rollout.n`` samples of a prompt, on
+``deal_prompt`` (``rollout.engines.serving.router``) says which replica serves a prompt: all ``rollout.n`` samples of a prompt, on
 every turn, go to one replica, chosen from the prompt's index in the run's prompt stream only
 (never from timing), so runs stay reproducible and the samples of a group share the
 replica's prefix cache.
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rollout.engines.router import deal_prompt
+from rollout.engines.serving.router import deal_prompt
 from trainer.config.schema import Config
 
 __all__ = [

@@ -78,7 +78,7 @@ def _transport_words(layout: Layout) -> str:
     """How new weights reach engines of their own, for ``format_layout``."""
     if layout.weight_transport == "collective":
         import hal
-        from rollout.engines.transfer import ENGINE_NAME
+        from rollout.engines.weights.transfer import ENGINE_NAME
 
         named = hal.backend_class(layout.device).weight_transfer_engine  # no device needed
         name = named if layout.engine == "vllm" else ENGINE_NAME

@@ -26,7 +26,7 @@ def lora_push(cfg: Config) -> str:
     place, whatever the engine: the HF engine holds the same adapters on its base; vLLM and
     vllm-ascend serve them as a LoRA adapter and take what trains whole beside them (the
     embedding and LM head with ``model.lora.train_embeddings``) into their base with the
-    model's own loader (``rollout.engines.vllm_lora``). Never whole weights with the adapters
+    model's own loader (``rollout.engines.vllm.lora``). Never whole weights with the adapters
     folded in: ``W + (alpha / r) B A`` rounded to a bf16 engine's dtype keeps only part of a
     small update, which ``W x + (alpha / r) B (A x)`` keeps."""
     return "adapters"

@@ -282,7 +282,7 @@ def _push_staging(
     """The weight push's staging buffer and its one gathered fp32 tensor, bytes; ``room``: what
     the device has left beside the ranks' state, the contexts and the engine's weights. After
     the fixes the ranks offload first, then stream the weights through a staging buffer sized
-    from what is left (``rollout.engines.buckets.stream_buckets``): the whole model when it
+    from what is left (``rollout.engines.weights.buckets.stream_buckets``): the whole model when it
     fits, else two slots of half the room."""
     eb = DTYPE_BYTES[cfg.model.dtype]
     gathered = 0.0 if host else shape.largest_tensor_params * 4
@@ -325,7 +325,7 @@ def transfer_bytes(
     one communicator and its chunks. On the CPU (``host``) the device is the host: the staged
     model counts there (on an accelerator ``crossrl layout`` names its host bytes,
     ``snapshot_budget.format_snapshots``). Nothing for host snapshots or colocated engines."""
-    from rollout.engines.transfer import PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS
+    from rollout.engines.weights.transfer import PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS
 
     if weight_transport_rule(cfg, device=device or None) != "collective":
         return TransferBytes()

@@ -223,7 +223,7 @@ def format_snapshots(cfg: Config, shape: ModelShape | None) -> str | None:
     None when no snapshot is taken or the model's shape is unknown."""
     count = live_snapshots(cfg)
     if shape is not None and cfg.rollout.engine_devices and not count:
-        from rollout.engines.transfer import PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS
+        from rollout.engines.weights.transfer import PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS
 
         one = snapshot_bytes(shape, cfg.model.dtype)
         chunks = f"{PACKED_NUM_BUFFERS} chunks of {PACKED_BUFFER_BYTES >> 20} MiB"

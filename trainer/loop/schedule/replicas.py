@@ -1,7 +1,7 @@
 """Lost engine replicas are replaced between a rollout and the weight sync.
 
 When a peer replica's process dies mid-rollout, the rollout host deals its unfinished requests
-to the surviving replicas (``rollout.engines.router``) and names it in the rollout's metadata
+to the surviving replicas (``rollout.engines.serving.router``) and names it in the rollout's metadata
 (``lost_replicas``). The controller then, in two calls:
 
 - ``start(meta)``, right after the rollout and before the engines sleep: counts the losses

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.engines.buckets import tensor_nbytes
+from rollout.engines.weights.buckets import tensor_nbytes
 from trainer.loop.cluster.local import fetch
 
 
@@ -71,7 +71,7 @@ class ColocatedPush:
         rank raises that one line."""
         import importlib
 
-        from rollout.engines.transfer import PACKED_BUFFER_BYTES
+        from rollout.engines.weights.transfer import PACKED_BUFFER_BYTES
         from rollout.models import parse_dtype
         from trainer.loop.weights.gather import whole_tensors
 

@@ -32,7 +32,7 @@ class EngineWeights:
         shared with this process (``trainer.loop.ranks.policy.PolicyWorker.push_weights``);
         returns the tensor count. The weights are woken first when they sleep, so the sync
         needs no call of its own for that (the KV cache stays asleep)."""
-        from rollout.engines.buckets import TensorSpec
+        from rollout.engines.weights.buckets import TensorSpec
 
         specs = [TensorSpec(*s) for s in specs]
         self.engine.wake_up(["weights"])
@@ -40,11 +40,11 @@ class EngineWeights:
         return len(specs)
 
     def load_weight_stream(self, slots: list, doorbell: tuple, buckets: list) -> int:
-        """Load a whole streamed weight push in this one call (``rollout.engines.stream``):
+        """Load a whole streamed weight push in this one call (``rollout.engines.weights.stream``):
         ``buckets`` in order from the staging ``slots`` this replica's training ranks fill on
         their devices, each once every tp rank has written it. Wakes the weights first;
         returns the tensor count."""
-        from rollout.engines.stream import receive_weight_stream
+        from rollout.engines.weights.stream import receive_weight_stream
 
         self.engine.wake_up(["weights"])
         return receive_weight_stream(self.engine, hal.open_shared_buffer, slots, doorbell, buckets)
@@ -147,7 +147,7 @@ def read_snapshot_bucket(refs: list, specs: list, bucket: int) -> list:
     import ray
     import torch
 
-    from rollout.engines.buckets import TensorSpec, assemble_pieces, unpack_bucket
+    from rollout.engines.weights.buckets import TensorSpec, assemble_pieces, unpack_bucket
 
     arrays = ray.get([rank_refs[bucket] for rank_refs in refs])
     with warnings.catch_warnings():  # Ray's arrays are read-only; the engine copies

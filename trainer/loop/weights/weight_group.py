@@ -1,5 +1,5 @@
 """The push to engines of their own through the engines' weight-transfer API
-(``rollout.weight_transport=collective``; ``rollout.engines.transfer``).
+(``rollout.weight_transport=collective``; ``rollout.engines.weights.transfer``).
 
 The members: training rank 0 (the sender, member 0) and every worker of every engine replica
 (a vLLM engine's tp workers each, an HF engine as one), member ``1 + replica x workers +
@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.engines.transfer import (
+from rollout.engines.weights.transfer import (
     ENGINE_NAME,
     PACKED_BUFFER_BYTES,
     PACKED_NUM_BUFFERS,

@@ -6,7 +6,7 @@ Every rank takes part (gathering a shard is a collective). Three ways, chosen pe
   (``EngineHost.load_weights``);
 - CPU ranks that share one host: the whole model in one /dev/shm buffer that each rank
   fills with its own FSDP shard's rows (shared memory replaces the gather);
-- otherwise (accelerators): a streamed push (``rollout.engines.stream``). Each rank packs
+- otherwise (accelerators): a streamed push (``rollout.engines.weights.stream``). Each rank packs
   gathered tensors, in the engine's dtype, into staging buffers on its own device, shared
   with the engine by IPC handle; the tp group's first rank makes ONE engine call for all
   buckets, and a doorbell (counters in a host file, under a lock) orders the two sides; a
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import hal
-from rollout.engines.buckets import tensor_nbytes
+from rollout.engines.weights.buckets import tensor_nbytes
 from trainer.loop.cluster.local import LocalHandle, LocalRef, fetch
 from trainer.loop.weights.colocated_push import ColocatedPush
 
@@ -76,7 +76,7 @@ class WeightPush(ColocatedPush):
         if not self.spec.cfg.model.lora.enabled:
             # A tied LM head is the embedding: vLLM's loaders skip ``lm_head.`` then, so only
             # the first name of a tied group is pushed (every pushed name must load,
-            # rollout.engines.loaded_names).
+            # rollout.engines.weights.loaded_names).
             tied = {name for group in tied_parameter_names(self.model) for name in group[1:]}
             return {n: t for n, t in state.items() if n not in tied}
         from rollout.lora import trained_names
@@ -109,8 +109,8 @@ class WeightPush(ColocatedPush):
         """The streamed push (module docstring); any backend (the CPU's shared buffers are
         /dev/shm files, which is how tests drive it). Returns the buckets sent by this rank
         (the tp group's first rank sends them all, the others 0)."""
-        from rollout.engines.buckets import pack_tensor, plan_buckets
-        from rollout.engines.stream import RANK, STREAM_TIMEOUT_S, Doorbell, PushAborted
+        from rollout.engines.weights.buckets import pack_tensor, plan_buckets
+        from rollout.engines.weights.stream import RANK, STREAM_TIMEOUT_S, Doorbell, PushAborted
         from rollout.models import parse_dtype
 
         cfg, rank = self.spec.cfg, self.spec.rank
@@ -174,11 +174,11 @@ class WeightPush(ColocatedPush):
         return len(buckets) if tp_rank == 0 else 0
 
     def _stream_bucket_bytes(self, shapes, dtype: torch.dtype, copies: int = 1) -> tuple[int, int]:
-        """``(bucket_bytes, slots)`` for this push (``rollout.engines.buckets.stream_buckets``)
+        """``(bucket_bytes, slots)`` for this push (``rollout.engines.weights.buckets.stream_buckets``)
         from the least free device memory over all ranks (a collective), so every rank plans
         the same buckets. ``copies``: of each bucket the push holds at once (2 where the
         engine copies a chunk out of the buffer before loading it)."""
-        from rollout.engines.buckets import plan_buckets, stream_buckets
+        from rollout.engines.weights.buckets import plan_buckets, stream_buckets
 
         _, model_bytes = plan_buckets(shapes, dtype, 1 << 62)
         model_bytes *= copies
@@ -224,7 +224,7 @@ class WeightPush(ColocatedPush):
         own FSDP shard's rows in place, so shared memory replaces the gather collective, and
         after one barrier every replica reads the full weights from it. Returns 1 bucket on
         the ranks that sent (each tp group's first), else 0."""
-        from rollout.engines.buckets import plan_buckets, tensor_view
+        from rollout.engines.weights.buckets import plan_buckets, tensor_view
         from rollout.models import parse_dtype
 
         cfg, rank, world = self.spec.cfg, self.spec.rank, self.spec.world_size
@@ -277,7 +277,7 @@ class WeightPush(ColocatedPush):
         every rank's."""
         import ray
 
-        from rollout.engines.buckets import pack_pieces, plan_buckets
+        from rollout.engines.weights.buckets import pack_pieces, plan_buckets
         from rollout.models import parse_dtype
 
         state = self.push_state()
@@ -319,7 +319,7 @@ class WeightPush(ColocatedPush):
         replicas, naming the transfer group's first generation, broadcasts failing past
         ``timeout_s`` seconds; returns the ``WeightGroupAddress`` every member takes
         (``join_weight_group``)."""
-        from rollout.engines.transfer import ENGINE_NAME
+        from rollout.engines.weights.transfer import ENGINE_NAME
         from trainer.loop.weights.membership import start_membership
         from trainer.loop.weights.weight_group import WeightGroupAddress, serve_store
 

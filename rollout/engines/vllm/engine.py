@@ -24,7 +24,7 @@ Facts about the V1 engine this file relies on:
   tokens, so each logprob is larger than ours by ``-log(kept mass)``; vLLM has no mode for the
   pre-filter value, so results then carry ``extra["logprobs_renormalized"] = True``.
 - Weight sync. Engines of their own take pushes through vLLM's weight-transfer API
-  (``VLLMTransfer``, ``rollout.engines.transfer``). Colocated ones load buckets through our
+  (``VLLMTransfer``, ``rollout.engines.weights.transfer``). Colocated ones load buckets through our
   ``VLLMWorkerExtension`` (``vllm_worker.py``, by name through ``collective_rpc``): vLLM's
   layerwise reload split into begin / load per bucket / finish (its one-shot
   ``reload_weights`` must see every shard of a layer in one call), plus a tied lm_head's
@@ -34,7 +34,7 @@ Facts about the V1 engine this file relies on:
   vLLM caches its environment once the first engine starts: later ones share its choice.
 - Sleep mode exists on GPU (and on Ascend through vllm-ascend); the CPU platform has none
   (``enable_sleep_mode`` is switched off with a warning; ``sleep``/``wake_up`` record state).
-- LoRA (``lora``): updates are adapters, served in place (``rollout.engines.vllm_lora``).
+- LoRA (``lora``): updates are adapters, served in place (``rollout.engines.vllm.lora``).
 """
 
 from __future__ import annotations
@@ -59,13 +59,13 @@ from rollout.engines.base import (
     OnResult,
     SamplingParams,
 )
-from rollout.engines.vllm_io import (
+from rollout.engines.vllm.io import (
     filters_active,
     vllm_sampling_kwargs,
 )
-from rollout.engines.vllm_lora import VLLMAdapter
-from rollout.engines.vllm_steps import Steps, vllm_result
-from rollout.engines.vllm_transfer import VLLMTransfer, transfer_options
+from rollout.engines.vllm.lora import VLLMAdapter
+from rollout.engines.vllm.steps import Steps, vllm_result
+from rollout.engines.vllm.transfer import VLLMTransfer, transfer_options
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class VLLMEngine(VLLMTransfer, Engine):
             kwargs["max_model_len"] = max_model_len
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-        kwargs["worker_extension_cls"] = "rollout.engines.vllm_worker.VLLMWorkerExtension"
+        kwargs["worker_extension_cls"] = "rollout.engines.vllm.worker.VLLMWorkerExtension"
         backend = executor_backend(tensor_parallel_size, in_process)
         if backend is not None:
             kwargs["distributed_executor_backend"] = backend

@@ -44,7 +44,7 @@ def weight_group(name: str) -> str:
     all its shards arrived (vLLM's layerwise reload: fused q/k/v, gate/up) finishes every
     complete layer within one bucket. A padded parameter (a vocabulary padded to a multiple)
     is never complete before the update's end, so an engine that defers anything copies it
-    out of the bucket (``rollout.engines.vllm_worker``): a bucket's memory is rewritten
+    out of the bucket (``rollout.engines.vllm.worker``): a bucket's memory is rewritten
     once the engine has read it."""
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):

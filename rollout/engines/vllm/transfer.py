@@ -1,5 +1,5 @@
 """The vLLM engine's side of a push through vLLM's own weight-transfer API
-(``rollout.engines.transfer``): mixed into ``VLLMEngine``.
+(``rollout.engines.weights.transfer``): mixed into ``VLLMEngine``.
 
 Names checked against both pinned releases: ``LLM.init_weight_transfer_engine({"init_info":
 ...})``, ``start_weight_update()`` (0.24's ``is_checkpoint_format`` defaults to True: the
@@ -21,7 +21,7 @@ def transfer_options(backend: str | None) -> dict[str, Any]:
     loader registers them in the workers)."""
     if backend is None:
         return {}
-    from rollout.engines import transfer_engines
+    from rollout.engines.weights import transfer_engines
 
     if backend in (transfer_engines.GLOO_ENGINE, transfer_engines.SHM_ENGINE):
         transfer_engines.register()
@@ -83,7 +83,7 @@ class VLLMTransfer:
 
     def watch_loaded_names(self) -> None:
         """Before the engine's first update: every worker records which pushed names load no
-        parameter (``rollout.engines.loaded_names``; ``check_loaded_names`` after it). An
+        parameter (``rollout.engines.weights.loaded_names``; ``check_loaded_names`` after it). An
         engine built without ``VLLMEngine.__init__`` (a test's) is not checked."""
         if getattr(self, "_names_checked", True) or self.adapter is not None:
             return
@@ -93,7 +93,7 @@ class VLLMTransfer:
     def check_loaded_names(self, report: bool = True) -> None:
         """After the first update (``watch_loaded_names``): raise one error naming the pushed
         tensors no worker loaded (``report``; else only stop watching)."""
-        from rollout.engines.loaded_names import unloaded_error, unloaded_on_every_worker
+        from rollout.engines.weights.loaded_names import unloaded_error, unloaded_on_every_worker
 
         if not getattr(self, "_names_watched", False):
             return

@@ -1,4 +1,4 @@
-"""The HF engine's decode loop (``rollout.engines.hf_engine.HFEngine``): one batch of rows on a
+"""The HF engine's decode loop (``rollout.engines.hf.engine.HFEngine``): one batch of rows on a
 KV cache, sampling one token per row per step, in which requests join between decode steps
 and leave when done.
 
@@ -12,7 +12,7 @@ Joining (``admit``): between two decode steps the loop asks ``admit(room)`` for 
 ``room`` more requests; they are prefilled (each distinct prompt once) and joined to the batch:
 the cache is laid out anew with every row right-aligned at one column (left padding masked
 out, the columns no row uses any more dropped), the rows that ended leave it, and the buffers
-are sized for what every row has left (``rollout.engines.kv_buffer.join_rows``). A call with
+are sized for what every row has left (``rollout.engines.hf.kv_buffer.join_rows``). A call with
 ``admit`` thus runs for as long as it has rows; it ends once none is left and none joins.
 Without ``admit`` the loop is the engine's plain batched call, its floats unchanged.
 """
@@ -30,8 +30,8 @@ from rollout.engines.base import (
     OnResult,
     SamplingParams,
 )
-from rollout.engines.kv_buffer import BufferLayer, join_rows, share_prefill
-from rollout.engines.sampler import filter_logits, sample_inverse_cdf
+from rollout.engines.hf.kv_buffer import BufferLayer, join_rows, share_prefill
+from rollout.engines.hf.sampler import filter_logits, sample_inverse_cdf
 
 #: Finished rows leave the decode batch once they are 1/_COMPACT_FRACTION of its rows: dropping
 #: them copies the cache, so it waits until it saves a sizeable share of every later step.

@@ -1,6 +1,6 @@
 """crossrl's requests and results in vLLM's terms (pure: no vLLM import): one request's
 ``vllm.SamplingParams`` keywords, whether its top-k / top-p filters renormalise vLLM's
-log-probs, and one ``CompletionOutput`` as a ``GenerationResult`` (``rollout.engines.vllm_engine``
+log-probs, and one ``CompletionOutput`` as a ``GenerationResult`` (``rollout.engines.vllm.engine``
 sends and reads them).
 """
 

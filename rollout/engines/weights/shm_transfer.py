@@ -5,7 +5,7 @@ collective to the engine: vLLM ships the ``ipc`` engine (device IPC handles) and
 ``npu_ipc`` for it, with a static ``trainer_send_weights`` on the trainer's side. The HAL names
 them per device type (``DeviceBackend.colocated_transfer_engine`` / ``..._trainer``). This
 module is the CPU's counterpart, ``crossrl_shm`` (its vLLM engine class registered with vLLM's
-factory by ``rollout.engines.transfer_engines.register``), with the same protocol, so the CPU
+factory by ``rollout.engines.weights.transfer_engines.register``), with the same protocol, so the CPU
 lane runs vLLM's own ``update_weights`` path for colocated engines too:
 
 - every training rank yields each tensor whole, in the engine's dtype (gathering a shard is a
@@ -71,7 +71,7 @@ def read_chunk(info: SharedUpdateInfo, key: str | None = None) -> list[tuple[str
     """The named tensors of chunk ``info`` as views of the buffer of device ``key`` (None:
     this process's), mapped here without a copy."""
     import hal
-    from rollout.engines.transfer import unpack_chunk
+    from rollout.engines.weights.transfer import unpack_chunk
 
     key = key or device_key()
     if key not in info.ipc_handles:

@@ -16,7 +16,7 @@ copied to the rows that continue it (the n samples of a GRPO group: 8x fewer pre
 and a head common to all distinct prompts (chat template opening, system prompt) is prefilled
 once when that saves enough tokens;
 the KV cache is written in place into buffers sized for the whole call
-(``rollout/engines/kv_buffer.py``) instead of growing by ``torch.cat`` each step; rows that
+(``rollout/engines/hf/kv_buffer.py``) instead of growing by ``torch.cat`` each step; rows that
 sampled a stop token leave the batch once they are an eighth of it; only the last position's
 logits are computed. A request's tokens and logprobs do not depend on which of these paths it
 took, beyond float effects of the batch's shape.
@@ -38,9 +38,9 @@ from rollout.engines.base import (
     GenerationResult,
     SamplingParams,
 )
-from rollout.engines.hf_steps import Admit, DecodeBatch, OnResult
-from rollout.engines.kv_buffer import KVArena
-from rollout.engines.sampler import filter_logits, sample_inverse_cdf
+from rollout.engines.hf.kv_buffer import KVArena
+from rollout.engines.hf.sampler import filter_logits, sample_inverse_cdf
+from rollout.engines.hf.steps import Admit, DecodeBatch, OnResult
 
 __all__ = ["HFEngine", "filter_logits", "sample_inverse_cdf"]
 
@@ -119,7 +119,7 @@ class HFEngine(Engine):
         ``abort_groups``: polled likewise; the requests of the groups it names end there (as
         interrupted), the others go on. ``admit`` (``joinable``): polled likewise with the
         room left in the batch (requests), it returns requests that join the running batch
-        (``rollout.engines.hf_steps``), numbered after the given ones in the order admitted;
+        (``rollout.engines.hf.steps``), numbered after the given ones in the order admitted;
         their results follow the given ones'. ``on_result(index, result)``: called as each
         request ends, before the call returns."""
         if len(self._awake) < len(WAKE_TAGS):
@@ -261,9 +261,9 @@ class HFEngine(Engine):
         """Take one whole push from the transfer group (``Engine.receive_weights``); a pushed
         name the model does not have is received with the rest (the sender's broadcast runs
         to its end) and then raised, every such name in one line
-        (``rollout.engines.loaded_names.unloaded_error``). Returns the tensor count."""
-        from rollout.engines.loaded_names import unloaded_error
-        from rollout.engines.transfer import TransferUpdateInfo
+        (``rollout.engines.weights.loaded_names.unloaded_error``). Returns the tensor count."""
+        from rollout.engines.weights.loaded_names import unloaded_error
+        from rollout.engines.weights.transfer import TransferUpdateInfo
 
         known = set(self.model.state_dict())
         missing = [name for name in update_info["names"] if name not in known]

@@ -1,6 +1,6 @@
 """One replica's engine as a server: a step loop that is always running, which takes a request
 at any moment, aborts a request by its id and takes new weights between two decode steps
-(``EngineServer``; the HF engine's loop is ``rollout.engines.hf_steps.DecodeBatch``).
+(``EngineServer``; the HF engine's loop is ``rollout.engines.hf.steps.DecodeBatch``).
 
 A caller submits one request (``submit``: a ``GenerationRequest`` and its ``SamplingParams``)
 and waits on what comes back (``Pending.result``); many callers submit from many threads. The

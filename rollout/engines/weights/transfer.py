@@ -20,7 +20,7 @@ flattened to bytes and concatenated, a chunk closed once it holds more than
 chunks by the same rule), one broadcast per chunk from member 0.
 
 Nothing here imports vLLM: the trainer's ranks and the HF engine use it without vLLM
-installed; the vLLM-facing engine class is built in ``rollout.engines.transfer_engines``.
+installed; the vLLM-facing engine class is built in ``rollout.engines.weights.transfer_engines``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """crossrl's weight-transfer engines for vLLM's ``WeightTransferEngineFactory`` (imports vLLM):
-``crossrl_gloo`` (``rollout.engines.transfer``'s receiver: pushes over gloo to engines of their
-own) and ``crossrl_shm`` (``rollout.engines.shm_transfer``'s chunks: colocated engines), on one
+``crossrl_gloo`` (``rollout.engines.weights.transfer``'s receiver: pushes over gloo to engines of their
+own) and ``crossrl_shm`` (``rollout.engines.weights.shm_transfer``'s chunks: colocated engines), on one
 base that fits both pinned engine APIs. ``register`` is vLLM's plugin hook (the
 ``vllm.general_plugins`` entry point ``crossrl_weight_transfer`` in setup.cfg, run by vLLM's
 plugin loader in every vLLM process, workers included, as vllm-ascend registers its engines).
@@ -8,10 +8,10 @@ plugin loader in every vLLM process, workers included, as vllm-ascend registers 
 
 from __future__ import annotations
 
-from rollout.engines.shm_transfer import ENGINE_NAME as SHM_ENGINE
-from rollout.engines.shm_transfer import SharedMemoryTransfer, SharedUpdateInfo, load_chunk
-from rollout.engines.transfer import ENGINE_NAME as GLOO_ENGINE
-from rollout.engines.transfer import (
+from rollout.engines.weights.shm_transfer import ENGINE_NAME as SHM_ENGINE
+from rollout.engines.weights.shm_transfer import SharedMemoryTransfer, SharedUpdateInfo, load_chunk
+from rollout.engines.weights.transfer import ENGINE_NAME as GLOO_ENGINE
+from rollout.engines.weights.transfer import (
     GlooWeightTransfer,
     TransferInitInfo,
     TransferReceiver,
@@ -51,7 +51,7 @@ def reload_engine_base() -> type:
                 initialize_layerwise_reload(self.model)
 
         def finish_weight_update(self) -> None:
-            from rollout.engines.vllm_worker import refresh_after_load
+            from rollout.engines.vllm.worker import refresh_after_load
 
             if self.layerwise:
                 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -1,4 +1,4 @@
-"""The worker side of the vLLM engine (``rollout.engines.vllm_engine``): methods vLLM mixes into
+"""The worker side of the vLLM engine (``rollout.engines.vllm.engine``): methods vLLM mixes into
 each of its workers by name (``worker_extension_cls``), so the engine reaches them through
 ``LLM.collective_rpc`` whether the workers run in the engine's process or in their own. This
 module imports vllm only inside the methods, which run where vLLM already is."""
@@ -81,7 +81,7 @@ class VLLMWorkerExtension:
     def crossrl_load_whole(self, weights=None, path: str | None = None) -> int:
         """Load whole HF-named tensors (``weights``, or the safetensors file ``path``) into the
         model outside any reload: a LoRA run's embedding and LM head, trained whole beside the
-        adapters vLLM serves (``rollout.engines.vllm_lora``). The model's ``load_weights`` puts
+        adapters vLLM serves (``rollout.engines.vllm.lora``). The model's ``load_weights`` puts
         them in place (its own name mapping and tensor-parallel split); then each module they
         landed in re-runs its post-load step (on the CPU the embedding's and LM head's oneDNN
         prepack; elsewhere a no-op for unquantized ones). A layerwise reload would take every
@@ -108,15 +108,15 @@ class VLLMWorkerExtension:
 
     def crossrl_watch_loaded_names(self) -> None:
         """Record which pushed names load no parameter until ``crossrl_unloaded_names``
-        (``rollout.engines.loaded_names.watch``, on this worker's model)."""
-        from rollout.engines.loaded_names import watch
+        (``rollout.engines.weights.loaded_names.watch``, on this worker's model)."""
+        from rollout.engines.weights.loaded_names import watch
 
         watch(self.model_runner.get_model())
 
     def crossrl_unloaded_names(self):
         """Stop recording: the pushed names this worker's model loaded no parameter for and
-        the tensors handed (``rollout.engines.loaded_names.unloaded``)."""
-        from rollout.engines.loaded_names import unloaded
+        the tensors handed (``rollout.engines.weights.loaded_names.unloaded``)."""
+        from rollout.engines.weights.loaded_names import unloaded
 
         return unloaded(self.model_runner.get_model())
 
@@ -140,7 +140,7 @@ def refresh_after_load(model) -> None:
     a tied ``lm_head``, so no reload re-runs it. On the CPU that step prepacks the matrix for
     oneDNN, so without this the logits keep the old embedding (measured: logprob error ~7
     after an update); elsewhere it is a no-op for unquantized heads. Used by this extension
-    and by crossrl's weight-transfer engine (``rollout.engines.transfer``)."""
+    and by crossrl's weight-transfer engine (``rollout.engines.weights.transfer``)."""
     lm_head = getattr(model, "lm_head", None)
     head_w = getattr(lm_head, "weight", None)
     tied = head_w is not None and any(

@@ -1,7 +1,7 @@
 """A streamed weight push: all of a step's buckets in one engine call.
 
 The training ranks of one tp group and their engine replica share a node. Each rank packs
-bucket k into staging slot ``k % slots`` on its own device (``rollout.engines.buckets``),
+bucket k into staging slot ``k % slots`` on its own device (``rollout.engines.weights.buckets``),
 waits for its device to finish the copies, then rings the doorbell: ``ready[tp rank] = k + 1``.
 The engine, in a single call (``receive_weight_stream``), waits until *every* tp rank has
 rung for bucket k (so no worker reads a peer's slot that is still being written), loads it,
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rollout.engines.buckets import TensorSpec
+from rollout.engines.weights.buckets import TensorSpec
 
 #: How long a side waits for the other before it gives up, in seconds.
 STREAM_TIMEOUT_S = 600.0

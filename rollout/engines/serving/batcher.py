@@ -3,7 +3,7 @@
 The agent loop runs every trajectory as its own asyncio task; each awaits
 ``RequestBatcher.generate(request, key)`` for its next turn. Every **lane** (a replica of the
 engine, ``Engine.lanes``; a plain engine is one) is served for the rollout's length by an
-engine server of its own (``rollout.engines.server.EngineServer``), a loop on its own thread:
+engine server of its own (``rollout.engines.serving.server.EngineServer``), a loop on its own thread:
 the event loop keeps running environment steps while the lanes decode, and the trajectories of
 a fast replica take their next turns while a slow one is still busy. A request goes to the lane
 of its prompt (``Engine.lane_of``, dealt by the prompt alone).
@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 
 from rollout.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams
-from rollout.engines.server import BatchStats, EngineServer, Pending
+from rollout.engines.serving.server import BatchStats, EngineServer, Pending
 
 
 class _Lane:

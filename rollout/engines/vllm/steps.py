@@ -1,6 +1,6 @@
 """``VLLMEngine.generate`` one engine step at a time (``Steps``), for calls that are
 interrupted, have groups aborted, take requests into the running batch, or report each
-request as it ends (the engine server's calls, ``rollout.engines.server``); and a vLLM
+request as it ends (the engine server's calls, ``rollout.engines.serving.server``); and a vLLM
 completion as a ``GenerationResult`` (``vllm_result``). vLLM is never imported here."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollout.engines.base import GenerationResult
-from rollout.engines.vllm_io import result_from_vllm_completion
+from rollout.engines.vllm.io import result_from_vllm_completion
 
 __all__ = ["Steps", "vllm_result"]
 
