@@ -27,6 +27,7 @@ Two admission orders, per lane:
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 from rollout.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams
 from rollout.engines.serving.server import BatchStats, EngineServer, Pending
@@ -109,13 +110,26 @@ class RequestBatcher:
         lane.pending = []
         loop = asyncio.get_running_loop()
         pending = lane.server.submit_wave([request for _, request, _ in wave], self.sampling)
-        for (_, _, future), p in zip(wave, pending):
-            _relay(p, future, loop)
+        futures = [future for _, _, future in wave]
+        left = itertools.count(len(pending) - 1, -1)  # next(): how many end after this one
+
+        def ended(_: Pending) -> None:  # the last of the wave wakes the loop, once for all
+            if next(left) == 0:
+                loop.call_soon_threadsafe(_settle_all, futures, pending)
+
+        for p in pending:
+            p.add_done_callback(ended)
 
 
 def _relay(pending: Pending, future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
     """Settle ``future`` (on ``loop``) once ``pending`` ends."""
     pending.add_done_callback(lambda p: loop.call_soon_threadsafe(_settle, future, p))
+
+
+def _settle_all(futures: list[asyncio.Future], pending: list[Pending]) -> None:
+    """``_settle`` for each of a wave's requests."""
+    for future, p in zip(futures, pending):
+        _settle(future, p)
 
 
 def _settle(future: asyncio.Future, pending: Pending) -> None:

@@ -363,9 +363,9 @@ class EngineServer:
         """Move up to ``room`` queued requests under ``sampling`` into the batch (under the
         lock); their engine requests, numbered after those in it."""
         taking = [p for p in self._queue if p.sampling == sampling and p.wave is None][:room]
+        self._queue = _without(self._queue, taking)
         now = time.perf_counter()
         for p in taking:
-            self._queue.remove(p)
             if p.first_step_at is None:
                 p.first_step_at = now
                 self.waits.append(now - p.submitted_at)
@@ -380,9 +380,9 @@ class EngineServer:
     def _take_wave(self, wave: int) -> list[GenerationRequest]:
         """Move every request of ``wave`` into the batch, in order (under the lock)."""
         taking = [p for p in self._queue if p.wave == wave]
+        self._queue = _without(self._queue, taking)
         now = time.perf_counter()
         for p in taking:
-            self._queue.remove(p)
             p.first_step_at = now
             self.waits.append(now - p.submitted_at)
         self._slots += taking
@@ -528,3 +528,11 @@ class EngineServer:
                 self._batches.append(stats)
             if self.on_batch is not None:
                 self.on_batch(stats)
+
+
+def _without(queue: deque, taken: list) -> deque:
+    """``queue`` less ``taken`` (some of its entries), in order, in one pass."""
+    if not taken:
+        return queue
+    gone = {id(p) for p in taken}
+    return deque(p for p in queue if id(p) not in gone)
