@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
-from rollout.engines.serving.server import Pending
+from rollout.engines.serving.requests import Pending
 from rollout.stream_lanes import Lane
 
 __all__ = ["EngineClosed", "GroupAborted", "Job"]

@@ -5,8 +5,9 @@ under ids an abort can name."""
 
 from __future__ import annotations
 
+from rollout.engines.serving.requests import BatchStats, ServerClosed
 from rollout.engines.serving.router import ReplicaLostError
-from rollout.engines.serving.server import BatchStats, EngineServer, ServerClosed
+from rollout.engines.serving.server import EngineServer
 from rollout.stream_jobs import EngineClosed, GroupAborted, Job
 
 __all__ = ["ServedLanes"]

@@ -41,7 +41,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout.engines.base import GenerationResult
-from rollout.engines.serving.server import SERVER_KEYS, EngineServer, continued
+from rollout.engines.serving.requests import SERVER_KEYS, continued
+from rollout.engines.serving.server import EngineServer
 from rollout.stream_jobs import EngineClosed, GroupAborted, Job
 from rollout.stream_lanes import Lane, Lanes
 from rollout.stream_served import ServedLanes

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rollout.engines import GenerationRequest, GenerationResult, SamplingParams, make_engine
-from rollout.engines.serving.server import EngineServer, ServerClosed, continued
+from rollout.engines.serving.requests import ServerClosed, continued
+from rollout.engines.serving.server import EngineServer
 from rollout.models import load_model
 from rollout.tokenizer import load_tokenizer
 

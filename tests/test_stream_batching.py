@@ -108,7 +108,7 @@ def test_a_group_too_stale_for_any_step_is_aborted_mid_call_and_at_its_next_call
         thread.join(5)
     assert isinstance(out[3], GroupAborted) and out[3].group == 3
     assert [r.token_ids for r in out[8]] == [[4, 1, 2, 3]] * 2  # continued after the cut
-    from rollout.engines.serving.server import continued
+    from rollout.engines.serving.requests import continued
 
     after_cut = continued(GenerationRequest([1], seed=8, group=8), [4], SamplingParams())
     assert replica.calls[2] == [after_cut.seed] * 2 and versioned.interruptions == 1

@@ -30,7 +30,8 @@ import asyncio
 import itertools
 
 from rollout.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams
-from rollout.engines.serving.server import BatchStats, EngineServer, Pending
+from rollout.engines.serving.requests import BatchStats, Pending
+from rollout.engines.serving.server import EngineServer
 
 
 class _Lane:
