@@ -217,12 +217,38 @@ def _tiny_engine(model_dir: Path, **options):
     )
 
 
-@pytest.fixture(scope="module")
-def engine(model_dirs):
+@pytest.fixture(scope="module", params=["steps", "async"])
+def engine(model_dirs, request):
+    """The tiny engine, once per ``engine_loop``: vLLM's ``LLMEngine`` stepped in this process,
+    and ``AsyncLLM`` (its engine core in a process of its own): every test below runs on both."""
     # enable_sleep_mode: ignored with a warning where the platform has none (CPU)
-    eng = _tiny_engine(model_dirs[0], enable_sleep_mode=True)
+    eng = _tiny_engine(model_dirs[0], enable_sleep_mode=True, engine_loop=request.param)
+    assert eng.engine_loop == request.param
     yield eng
     eng.shutdown()
+
+
+def _count_steps(engine, monkeypatch) -> list:
+    """A list that grows as ``engine`` decodes: by one per engine step (``engine_loop``
+    ``steps``: vLLM's ``LLMEngine.step``), or per output a request's stream hands over
+    (``async``: one per running request and engine step)."""
+    steps: list[int] = []
+    if engine.engine_loop == "steps":
+        step = engine.llm.llm_engine.step
+        monkeypatch.setattr(engine.llm.llm_engine, "step", lambda: steps.append(1) or step())
+        return steps
+    generate = engine.llm.generate
+
+    def counted(*args, **kwargs):
+        async def relay():
+            async for out in generate(*args, **kwargs):
+                steps.append(1)
+                yield out
+
+        return relay()
+
+    monkeypatch.setattr(engine.llm, "generate", counted)
+    return steps
 
 
 def _requests(seed0=100):
@@ -338,13 +364,11 @@ def test_a_weight_load_interrupts_vllm_mid_call_and_the_rest_samples_under_it(
 
     versioned = VersionedEngine(engine, version=0, partial=True)
     assert versioned.partial
-    steps = []
-    step = engine.llm.llm_engine.step
-    monkeypatch.setattr(engine.llm.llm_engine, "step", lambda: steps.append(1) or step())
+    steps = _count_steps(engine, monkeypatch)
     new_state = load_file(str(model_dirs[1] / "model.safetensors"))
 
     def load_mid_call():
-        while len(steps) < 4:
+        while len(steps) < 16:
             time.sleep(0.001)
         versioned.load(lambda: engine.update_weights(new_state.items()), 1)
 
@@ -386,9 +410,7 @@ def test_requests_join_vllm_s_running_batch_through_the_engine_server_and_abort_
 
     from rollout.engines.serving.server import EngineServer
 
-    steps = []
-    step = engine.llm.llm_engine.step
-    monkeypatch.setattr(engine.llm.llm_engine, "step", lambda: steps.append(1) or step())
+    steps = _count_steps(engine, monkeypatch)
     sp = SamplingParams(max_new_tokens=240, temperature=1.0)
     reqs = [dataclasses.replace(r, max_new_tokens=60) for r in _requests()]
     long = GenerationRequest(prompt_ids=PROMPTS[0], seed=7)

