@@ -7,24 +7,52 @@ the calling thread (the engine server's) as they come; between two batches of ou
 most ``POLL_S`` apart) the call polls what its caller asks: once ``interrupt`` says so every
 request still running is aborted by id; the requests of the groups ``abort_groups`` names
 are aborted alone; what ``admit`` returns is added to the engine at once (vLLM's scheduler
-takes it at its next step). A request's tokens are the ones its last output carried: tokens
-vLLM sampled after that and before the abort reached it are dropped with the request, so a
-continuation goes on from exactly what the caller was told. vLLM is never imported here.
+takes it at its next step). Outputs come as deltas (``RequestOutputKind.DELTA``: each
+carries the tokens sampled since the last one vLLM handed over, merged when the caller falls
+behind), gathered per request (``Sampled``). A request's tokens are the ones its outputs have
+carried so far: tokens vLLM sampled after that and before the abort reached it are dropped
+with the request, so a continuation goes on from exactly what the caller was told. vLLM is
+never imported here.
 """
 
 from __future__ import annotations
 
 import queue
-from typing import Any
 
 from rollout.engines.base import GenerationResult
 from rollout.engines.vllm.steps import vllm_result
 
-__all__ = ["POLL_S", "AsyncSteps"]
+__all__ = ["POLL_S", "AsyncSteps", "Sampled"]
 
 #: Seconds the call waits for outputs before it polls its caller's interrupt, aborts and
 #: joiners anyway (outputs arrive once per engine step while requests run).
 POLL_S = 0.005
+
+
+class Sampled:
+    """What one request's delta outputs carried, gathered: a ``CompletionOutput`` as
+    ``result_from_vllm_completion`` reads one (``token_ids``, ``logprobs``, ``finish_reason``,
+    ``stop_reason``), and ``finished``."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.finish_reason: str | None = None
+        self.stop_reason = None
+        self.finished = False
+
+    def add(self, output) -> None:
+        """One ``RequestOutput`` (delta) of this request. An output with no new tokens (the
+        last one of an aborted or finished request) may carry the whole log-prob list: only
+        as many entries as it has new tokens are taken, from its end."""
+        completion = output.outputs[0]
+        new = len(completion.token_ids)
+        if new:
+            self.token_ids += completion.token_ids
+            self.logprobs += completion.logprobs[len(completion.logprobs) - new :]
+        self.finish_reason = completion.finish_reason
+        self.stop_reason = completion.stop_reason
+        self.finished = bool(output.finished)
 
 
 class AsyncSteps:
@@ -38,7 +66,7 @@ class AsyncSteps:
         self.handle = owner.llm
         self.ids: list[str] = []
         self.group_of: dict[str, int] = {}
-        self.latest: dict[str, Any] = {}
+        self.latest: dict[str, Sampled] = {}
         self.cut: set[str] = set()
         self.reported: set[str] = set()
         self.events: queue.SimpleQueue = queue.SimpleQueue()
@@ -56,18 +84,15 @@ class AsyncSteps:
         from vllm.sampling_params import RequestOutputKind
 
         for prompt, param, group in zip(prompts, params, groups):
-            param.output_kind = RequestOutputKind.CUMULATIVE  # the tokens so far, every step
+            param.output_kind = RequestOutputKind.DELTA  # the tokens since the last output
             request_id = f"crossrl-{next(self.owner._request_ids)}"
             self.ids.append(request_id)
+            self.latest[request_id] = Sampled()
             self.group_of[request_id] = group
             self.handle.start(self._stream(request_id, prompt, param))
 
     def _running(self) -> list[str]:
-        return [
-            r
-            for r in self.ids
-            if r not in self.cut and (r not in self.latest or not self.latest[r].finished)
-        ]
+        return [r for r in self.ids if r not in self.cut and not self.latest[r].finished]
 
     def _take_outputs(self, wait: bool) -> None:
         """The outputs relayed so far (waiting up to ``POLL_S`` for the first, if ``wait``);
@@ -85,7 +110,7 @@ class AsyncSteps:
             if error is not None:
                 self._abort(self._running())
                 raise error
-            self.latest[request_id] = out
+            self.latest[request_id].add(out)
 
     def _abort(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -98,13 +123,9 @@ class AsyncSteps:
         for index, request_id in enumerate(self.ids):
             if request_id in self.reported:
                 continue
-            out = self.latest.get(request_id)
-            if request_id in self.cut or (out is not None and out.finished):
+            if request_id in self.cut or self.latest[request_id].finished:
                 self.reported.add(request_id)
-                completion = None if out is None else out.outputs[0]
-                self.on_result(
-                    index, vllm_result(completion, request_id in self.cut, self.renormalized)
-                )
+                self.on_result(index, self._result(request_id))
 
     def _admitted(self, running: int) -> bool:
         if self.admit is None:
@@ -132,11 +153,7 @@ class AsyncSteps:
             if len(running) == len(dropped) and not joined:
                 break  # every request ended or was aborted, and none joins
         self._report()
-        return [
-            vllm_result(
-                self.latest[r].outputs[0] if r in self.latest else None,
-                r in self.cut,
-                self.renormalized,
-            )
-            for r in self.ids
-        ]
+        return [self._result(r) for r in self.ids]
+
+    def _result(self, request_id: str) -> GenerationResult:
+        return vllm_result(self.latest[request_id], request_id in self.cut, self.renormalized)
