@@ -222,6 +222,9 @@ class VLLMEngine(VLLMTransfer, Engine):
             self.llm = AsyncLLMHandle(kwargs)
         else:
             self.llm = LLM(**kwargs)
+        # pushes name a mixture's experts fused (transformers 5); vLLM 0.24's and 0.26's
+        # loaders take them one expert a name (``rollout.engines.weights.expert_names``)
+        self.llm.collective_rpc("crossrl_split_fused_experts")
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self._awake: set[str] = set(WAKE_TAGS)

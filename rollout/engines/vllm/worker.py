@@ -56,6 +56,13 @@ class VLLMWorkerExtension:
 
         return hal.get_backend(device).set_deterministic(int(seed))
 
+    def crossrl_split_fused_experts(self) -> None:
+        """Make this worker's model take transformers' fused expert names in every push
+        (``rollout.engines.weights.expert_names.split_fused_experts``); once, at start."""
+        from rollout.engines.weights.expert_names import split_fused_experts
+
+        split_fused_experts(self.model_runner.get_model())
+
     def crossrl_begin_weight_update(self, layerwise: bool = True) -> None:
         """Prepare every layer to collect new weights (``layerwise``: through vLLM's layerwise
         reload; else each bucket goes straight to the model's ``load_weights``, the path

@@ -29,7 +29,8 @@ def watch(model) -> None:
     if _RECORD in vars(model):
         return
     original = model.load_weights
-    record = {"unloaded": [], "silent": False, "handed": 0}
+    # an instance's own loader (``expert_names.split_fused_experts``) comes back after
+    record = {"unloaded": [], "silent": False, "handed": 0, "own": vars(model).get("load_weights")}
 
     def load_weights(weights: Iterable, *args, **kwargs):
         loaded: set[str] = set()
@@ -54,6 +55,8 @@ def unloaded(model) -> tuple[list[str], int] | None:
     reports no names."""
     record = vars(model).pop(_RECORD, None)
     vars(model).pop("load_weights", None)
+    if record is not None and record["own"] is not None:
+        vars(model)["load_weights"] = record["own"]
     if record is None or record["silent"]:
         return None
     return list(dict.fromkeys(record["unloaded"])), int(record["handed"])
