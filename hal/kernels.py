@@ -8,6 +8,12 @@ Ops (``OPS``):
 - ``swiglu``: the gated MLP's ``silu(gate(x)) * up(x)`` (modules with ``gate_proj`` /
   ``up_proj`` / ``down_proj`` and a SiLU);
 - ``rope``: the rotation of queries and keys in each attention module (``_patch_rope``);
+- ``moe_experts``: a mixture-of-experts layer's experts (transformers' fused experts modules,
+  ``hal.moe_experts``): the reference is the module's own forward (transformers' dispatch);
+  CUDA takes torch's grouped GEMM (``F.grouped_mm``, bf16 only: other dtypes run the
+  reference), the NPU torch_npu's ``npu_grouped_matmul`` inside an autograd function of
+  ours (it has none). The tests hold both, and transformers' eager loop, to
+  ``hal.moe_experts.reference_experts`` (float32, one expert at a time: the golden);
 - ``optimizer``: AdamW's step, torch's ``fused`` kernel over each parameter's (DTensor)
   shard instead of ``foreach`` (torch registers ``_fused_adamw_`` for DTensor; torch_npu
   2.10.0.post4 implements it for NPU tensors, ``wrapper_NPU___fused_adamw_`` in its library).
@@ -52,13 +58,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hal import npu_kernels
+from hal import moe_experts, npu_kernels
 
 #: The ops a kernel set chooses for, in report order.
-OPS = ("rms_norm", "swiglu", "rope", "lm_head", "optimizer", "compile")
+OPS = ("rms_norm", "swiglu", "rope", "moe_experts", "lm_head", "optimizer", "compile")
 REFERENCE = "reference"
 #: The ops inside a decoder layer: the eager reference under ``train.compile_blocks``.
-LAYER_OPS = ("rms_norm", "swiglu", "rope")
+LAYER_OPS = ("rms_norm", "swiglu", "rope", "moe_experts")
 #: The model instance's attribute holding its fused LM head (``KernelSet.apply``).
 HEAD_KERNEL = "crossrl_head_kernel"
 #: HF RMSNorm classes whose forward is Llama's formula (the fused kernels compute exactly it).
@@ -104,6 +110,9 @@ LIGER = {
     "rms_norm": Provider("liger", "liger_kernel.ops.rms_norm", "LigerRMSNormFunction"),
     "swiglu": Provider("liger", "liger_kernel.ops.swiglu", "LigerSiLUMulFunction"),
     "rope": Provider("liger", "liger_kernel.ops.rope", "LigerRopeFunction"),
+    "moe_experts": Provider(
+        "torch.grouped_mm", "torch.nn.functional", "grouped_mm", convention="torch"
+    ),
     "lm_head": FUSED_HEAD,
     "optimizer": Provider("fused-adamw"),
     "compile": COMPILE,
@@ -117,6 +126,9 @@ TORCH_NPU = {
     "swiglu": Provider("torch_npu.npu_swiglu", "torch_npu", "npu_swiglu", convention="torch_npu"),
     "rope": Provider(
         "torch_npu.npu_rotary_mul", "torch_npu", "npu_rotary_mul", convention="torch_npu"
+    ),
+    "moe_experts": Provider(
+        "torch_npu.npu_grouped_matmul", "torch_npu", "npu_grouped_matmul", convention="torch_npu"
     ),
     "lm_head": FUSED_HEAD,
     "optimizer": Provider("fused-adamw"),
@@ -156,10 +168,30 @@ def _head_call(provider: Provider, fn) -> Callable:
     )
 
 
+def _experts_call(provider: Provider, fn) -> Callable:
+    """``(experts, hidden, top_k_index, top_k_weights) -> out`` through ``provider``'s grouped
+    GEMM (``hal.moe_experts.grouped_experts``)."""
+    gmm = (
+        moe_experts.npu_gmm(fn) if provider.convention == "torch_npu" else moe_experts.torch_gmm(fn)
+    )
+    return lambda module, hidden, index, weights: moe_experts.grouped_experts(
+        module, hidden, index, weights, gmm
+    )
+
+
+def _experts_fit(provider: Provider) -> Callable:
+    """Whether a call's arguments suit ``provider``'s grouped GEMM: torch's CUDA kernel takes
+    bf16 only."""
+    if provider.convention == "torch_npu":
+        return lambda module, hidden, index, weights: True
+    return lambda module, hidden, index, weights: hidden.dtype == torch.bfloat16
+
+
 _CALLS = {
     "rms_norm": _rms_norm_call,
     "swiglu": _swiglu_call,
     "rope": _rope_call,
+    "moe_experts": _experts_call,
     "lm_head": _head_call,
 }
 
@@ -174,6 +206,8 @@ class KernelSet:
     calls: dict[str, Callable] = field(default_factory=dict)
     #: op -> the chosen provider's calling convention (``Provider.convention``)
     conventions: dict[str, str] = field(default_factory=dict)
+    #: op -> whether a call's arguments suit its kernel (absent: always)
+    fits: dict[str, Callable] = field(default_factory=dict)
 
     def report(self) -> dict[str, str]:
         """op -> kernel, with the reason after the reference where one was passed over."""
@@ -229,7 +263,7 @@ class KernelSet:
         before ``fully_shard``; returns the modules patched per op. Each patched forward runs
         the module's own forward once its op has fallen back. The fused head is set as the
         model's ``HEAD_KERNEL`` (``head_kernel``)."""
-        patched = {"rms_norm": 0, "swiglu": 0, "rope": 0, "lm_head": 0}
+        patched = {"rms_norm": 0, "swiglu": 0, "rope": 0, "moe_experts": 0, "lm_head": 0}
         self._keep_scaled_rope(model)
         if "lm_head" in self.calls:
             model.__dict__[HEAD_KERNEL] = self.head_kernel
@@ -243,6 +277,9 @@ class KernelSet:
                 patched["swiglu"] += 1
             elif "rope" in self.calls and _patch_rope(module, self):
                 patched["rope"] += 1
+            elif "moe_experts" in self.calls and moe_experts.is_fused_experts(module):
+                _patch_experts(module, self)
+                patched["moe_experts"] += 1
         return patched
 
     def _keep_scaled_rope(self, model: torch.nn.Module) -> None:
@@ -318,6 +355,18 @@ def _patch(module: torch.nn.Module, kernels: KernelSet, op: str, fused: Callable
     module.forward = kernels.guarded(op, lambda x: fused(module, call, x), module.forward)
 
 
+def _patch_experts(module: torch.nn.Module, kernels: KernelSet) -> None:
+    """``module.forward`` = the chosen experts kernel while it runs and suits the call
+    (``KernelSet.fits``), else the module's own forward."""
+    call, fits = kernels.calls["moe_experts"], kernels.fits.get("moe_experts")
+    module.forward = kernels.guarded(
+        "moe_experts",
+        lambda hidden, index, weights: call(module, hidden, index, weights),
+        module.forward,
+        when=None if fits is None else lambda h, i, w: fits(module, h, i, w),
+    )
+
+
 def _patch_rope(module: torch.nn.Module, kernels: KernelSet) -> bool:
     """An attention module whose class's forward rotates q and k through its modeling
     module's ``apply_rotary_pos_emb`` (transformers 5's Llama / Qwen2 / Qwen3 attention)
@@ -372,7 +421,7 @@ def choose_kernels(
     keeps the reference optimizer (its step runs on the host's state); ``compile_blocks``
     (``train.compile_blocks``) takes ``compile`` where offered, and with it the reference for
     the ops inside a layer (``LAYER_OPS``: inductor fuses the eager code)."""
-    chosen, reasons, calls, conventions = {}, {}, {}, {}
+    chosen, reasons, calls, conventions, fits = {}, {}, {}, {}, {}
     for op in OPS:
         chosen[op] = REFERENCE
         provider = providers.get(op)
@@ -401,6 +450,8 @@ def choose_kernels(
             continue
         chosen[op], calls[op] = provider.name, _CALLS[op](provider, fn)
         conventions[op] = provider.convention
+        if op == "moe_experts":
+            fits[op] = _experts_fit(provider)
     if chosen["compile"] != REFERENCE:
         # inductor fuses the eager ops of a compiled layer; an autograd function of a library
         # inside it only breaks the graph
@@ -408,4 +459,4 @@ def choose_kernels(
             if chosen[op] != REFERENCE:
                 chosen[op], reasons[op] = REFERENCE, "train.compile_blocks: inductor fuses it"
                 calls.pop(op)
-    return KernelSet(chosen, reasons, calls, conventions)
+    return KernelSet(chosen, reasons, calls, conventions, fits)

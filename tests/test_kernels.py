@@ -98,6 +98,30 @@ def _npu_swiglu(input, dim=-1):  # noqa: A002
     return torch.nn.functional.silu(first) * second
 
 
+def _npu_grouped_matmul(x, weight, *, group_list, split_item, group_type, group_list_type=0):
+    """torch_npu 2.10.0.post4's rule (``op_plugin/meta/_meta_registrations.py``; see
+    ``hal.moe_experts``): lists in, one 3D weight ``[E, K, N]`` or one 2D ``[M, N]``; group
+    ends (type 0) or sizes (type 1); ``group_type`` 0 groups the rows of ``x`` (output ``[M,
+    N]``), 2 the columns of ``x`` ``[K, M]`` (output ``[E, K, N]``); one output (split_item
+    2 or 3). No autograd (the real op has none)."""
+    assert split_item in (2, 3) and group_type in (0, 2) and len(x) == len(weight) == 1
+    ends = group_list if group_list_type == 0 else torch.cumsum(group_list, 0)
+    ends = [0, *[int(e) for e in ends]]
+    a, b = x[0].detach(), weight[0].detach()
+    if group_type == 0:
+        assert b.dim() == 3 and a.shape[1] == b.shape[1] and ends[-1] <= a.shape[0]
+        out = a.new_zeros(a.shape[0], b.shape[2])
+        for g in range(len(ends) - 1):
+            out[ends[g] : ends[g + 1]] = a[ends[g] : ends[g + 1]] @ b[g]
+        return [out]
+    assert b.dim() == 2 and a.shape[1] == b.shape[0]
+    return [
+        torch.stack(
+            [a[:, ends[g] : ends[g + 1]] @ b[ends[g] : ends[g + 1]] for g in range(len(ends) - 1)]
+        )
+    ]
+
+
 #: Where the stand-ins live: a module name of their own (a fake ``torch_npu`` in
 #: ``sys.modules`` would fool transformers' and accelerate's own NPU checks).
 STAND_IN = "crossrl_test_kernel_stand_ins"
@@ -114,6 +138,8 @@ def stand_ins(monkeypatch):
         npu_rms_norm=_npu_rms_norm,
         npu_swiglu=_npu_swiglu,
         npu_rotary_mul=_npu_rotary_mul,
+        npu_grouped_matmul=_npu_grouped_matmul,
+        grouped_mm=torch.nn.functional.grouped_mm,  # torch's own: it runs on the CPU too
     )
     monkeypatch.setitem(sys.modules, STAND_IN, module)
 
@@ -176,7 +202,13 @@ def test_each_fused_op_gives_the_references_values_and_gradients(stand_ins, prov
     reference, fused = _tiny(), _tiny()
     patched = kernels.apply(fused)
     layers = fused.config.num_hidden_layers
-    assert patched == {"rms_norm": 2 * layers + 1, "swiglu": layers, "rope": layers, "lm_head": 1}
+    assert patched == {
+        "rms_norm": 2 * layers + 1,
+        "swiglu": layers,
+        "rope": layers,
+        "moe_experts": 0,
+        "lm_head": 1,
+    }
     want, want_grads = _run(reference)
     got, got_grads = _run(fused)
     assert kernels.chosen == _fused(providers), kernels.reasons  # none fell
@@ -252,7 +284,8 @@ def test_a_kernel_that_does_not_load_is_never_chosen():
     kernels = choose_kernels(missing)
     assert kernels.chosen["swiglu"] == REFERENCE
     assert "did not load: ModuleNotFoundError" in kernels.reasons["swiglu"]
-    assert kernels.apply(_tiny()) == {"rms_norm": 0, "swiglu": 0, "rope": 0, "lm_head": 0}
+    patched = kernels.apply(_tiny())
+    assert patched == {"rms_norm": 0, "swiglu": 0, "rope": 0, "moe_experts": 0, "lm_head": 0}
 
 
 def test_the_keys_and_settings_that_keep_the_reference(stand_ins):
@@ -264,6 +297,7 @@ def test_the_keys_and_settings_that_keep_the_reference(stand_ins):
         "rms_norm": REFERENCE,
         "swiglu": "liger",
         "rope": "liger",
+        "moe_experts": "torch.grouped_mm",
         "lm_head": "crossrl-fused-head",
         "optimizer": "fused-adamw",
         "compile": REFERENCE,

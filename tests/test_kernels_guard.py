@@ -66,12 +66,13 @@ def test_compiled_blocks_take_the_eager_ops_inside_a_layer(providers):
         "rms_norm": REFERENCE,
         "swiglu": REFERENCE,
         "rope": REFERENCE,
+        "moe_experts": REFERENCE,
         "lm_head": providers["lm_head"].name,
         "optimizer": providers["optimizer"].name,
         "compile": "torch.compile",
     }
     assert kernels.reasons["swiglu"] == "train.compile_blocks: inductor fuses it"
     patched = kernels.apply(_tiny())
-    assert patched == {"rms_norm": 0, "swiglu": 0, "rope": 0, "lm_head": 1}
+    assert patched == {"rms_norm": 0, "swiglu": 0, "rope": 0, "moe_experts": 0, "lm_head": 1}
     # without compilation the layer's ops keep their kernels
     assert choose_kernels(_here(providers)).chosen["swiglu"] == providers["swiglu"].name

@@ -1,0 +1,161 @@
+"""A mixture-of-experts layer's experts, computed per device (``hal.kernels`` op
+``moe_experts``).
+
+transformers 5 keeps a layer's experts as one module with fused 3D weights (``Qwen3MoeExperts``
+and the other ``@use_experts_implementation`` classes): ``gate_up_proj [E, 2I, H]`` (each
+expert's gate rows, then its up rows), ``down_proj [E, H, I]`` and ``act_fn``, called as
+``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``. Each token's k
+(token, expert) slots go through their expert: ``down(act(gate(x)) * up(x))``, times the
+slot's routing weight, summed over the k slots.
+
+- ``reference_experts``: the golden the tests hold every implementation to (transformers'
+  eager loop and each grouped GEMM): one expert at a time in float32, each slot's row written once and the k slots summed in a fixed order
+  (no ``index_add_``, whose CUDA accumulation order is not fixed).
+- ``grouped_experts``: the slots sorted by expert (a stable sort), both projections as one
+  grouped GEMM each (``gmm(x [S, K], w [E, K, N], counts [E]) -> [S, N]``: rows of expert e
+  against ``w[e]``), and the rows put back. ``torch_gmm``: torch's ``F.grouped_mm``
+  (``torch._grouped_mm``: a CUDA kernel, bf16, SM >= 80; its backward is torch's own);
+  ``npu_gmm``: torch_npu's ``npu_grouped_matmul``, which has no autograd, inside
+  ``NpuGroupedMatmul`` with the backward verl's ``NPUGmmFunction`` and MindSpeed's FSDP2
+  ``gmm`` use: ``dx = gmm(dy, w^T)`` and ``dw = gmm(x^T, dy, group_type=2)``.
+
+torch_npu 2.10.0.post4's rule for ``npu_grouped_matmul(x, weight, *, group_list, split_item,
+group_type, group_list_type)`` (``op_plugin/meta/_meta_registrations.py``): ``x`` and
+``weight`` are lists; one 3D weight ``[E, K, N]`` and ``split_item`` 2 or 3 give one output;
+``group_type`` 0 groups the rows of ``x`` (output ``[M, N]``), 2 groups its columns (the
+weight gradient: ``x`` ``[K, M]``, ``weight`` ``[M, N]``, output ``[E, K, N]``);
+``group_list`` holds the groups' ends (``group_list_type`` 0, a cumulative sum) or their sizes
+(1). The tests run each convention against the reference with a CPU stand-in that follows
+that rule (and torch's own ``F.grouped_mm``, which also runs on the CPU for aligned shapes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "NpuGroupedMatmul",
+    "grouped_experts",
+    "is_fused_experts",
+    "npu_gmm",
+    "reference_experts",
+    "torch_gmm",
+]
+
+#: ``gmm(x [S, K], weight [E, K, N], counts [E]) -> [S, N]``.
+Gmm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def is_fused_experts(module: torch.nn.Module) -> bool:
+    """A transformers experts module this op computes: fused ``gate_up_proj [E, 2I, H]`` and
+    ``down_proj [E, H, I]`` (not transposed, no biases, gated), an ``act_fn``."""
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        return False
+    if gate_up.dim() != 3 or down.dim() != 3 or not hasattr(module, "act_fn"):
+        return False
+    plain = not getattr(module, "is_transposed", False) and not getattr(module, "has_bias", False)
+    gated = getattr(module, "has_gate", True) and getattr(module, "is_concatenated", True)
+    return plain and gated and gate_up.shape[0] == down.shape[0]
+
+
+def reference_experts(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The experts' output (module docstring), one expert at a time in float32; slots routed
+    to no expert of this module (an id >= E) add nothing."""
+    tokens, k = top_k_index.shape
+    experts = module.gate_up_proj.shape[0]
+    x = hidden_states.float()
+    slots = top_k_index.reshape(-1)
+    weights = top_k_weights.reshape(-1).float()
+    out = x.new_zeros(tokens * k, x.shape[-1])
+    for e in range(experts):
+        rows = (slots == e).nonzero().squeeze(-1)
+        if rows.numel() == 0:
+            continue
+        gate, up = F.linear(x[rows // k], module.gate_up_proj[e].float()).chunk(2, dim=-1)
+        y = F.linear(module.act_fn(gate) * up, module.down_proj[e].float())
+        out = out.index_copy(0, rows, y * weights[rows, None])
+    return out.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def grouped_experts(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gmm: Gmm,
+) -> torch.Tensor:
+    """The experts' output through ``gmm`` (module docstring), in the hidden states' dtype;
+    the k slots are summed in float32. Shapes never depend on the routing (the expert counts
+    by ``histc``, as transformers counts them), so it also runs on fake tensors; a slot
+    routed to no expert here (an id >= E) goes through the last expert with weight 0."""
+    tokens, k = top_k_index.shape
+    experts = module.gate_up_proj.shape[0]
+    slots = top_k_index.reshape(-1)
+    routed = slots < experts
+    slots = slots.clamp(max=experts - 1)
+    order = torch.argsort(slots, stable=True)
+    # histc: float input on the CPU (its integer histc is missing), int elsewhere
+    counted = slots.float() if slots.device.type in ("cpu", "mps") else slots.int()
+    counts = torch.histc(counted, bins=experts, min=0, max=experts - 1).long()
+    x = hidden_states[order // k]
+    gate, up = gmm(x, module.gate_up_proj.transpose(1, 2), counts).chunk(2, dim=-1)
+    y = gmm(module.act_fn(gate) * up, module.down_proj.transpose(1, 2), counts)
+    weights = (top_k_weights.reshape(-1) * routed)[order, None]
+    y = y.float() * weights.float()
+    out = torch.zeros_like(y).index_copy(0, order, y)
+    return out.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def torch_gmm(fn) -> Gmm:
+    """``gmm`` through torch's ``F.grouped_mm`` (``fn``): groups by their ends, int32."""
+
+    def gmm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ends = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        return fn(x, weight.to(x.dtype), offs=ends)
+
+    return gmm
+
+
+class NpuGroupedMatmul(torch.autograd.Function):
+    """``npu_grouped_matmul`` (``fn``) over rows grouped by ``ends`` (cumulative), with its
+    backward: ``dx = gmm(dy, w^T)``, ``dw = gmm(x^T, dy)`` grouped along the columns of
+    ``x^T`` (``group_type`` 2: one ``[K, N]`` gradient per expert)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, ends, fn):
+        ctx.save_for_backward(x, weight, ends)
+        ctx.fn = fn
+        return fn([x], [weight], group_list=ends, split_item=3, group_type=0)[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, ends = ctx.saved_tensors
+        fn, dy = ctx.fn, dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            w_t = weight.transpose(1, 2).contiguous()
+            dx = fn([dy], [w_t], group_list=ends, split_item=3, group_type=0)[0]
+        if ctx.needs_input_grad[1]:
+            dw = fn([x.t().contiguous()], [dy], group_list=ends, split_item=3, group_type=2)[0]
+        return dx, dw, None, None
+
+
+def npu_gmm(fn) -> Gmm:
+    """``gmm`` through torch_npu's ``npu_grouped_matmul`` (``fn``), with its backward
+    (``NpuGroupedMatmul``); the groups' ends as int64 (``group_list_type`` 0)."""
+
+    def gmm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ends = torch.cumsum(counts, dim=0)
+        return NpuGroupedMatmul.apply(x.contiguous(), weight.contiguous().to(x.dtype), ends, fn)
+
+    return gmm
