@@ -48,7 +48,7 @@ def _train(run_dir, *keys: str) -> list[dict]:
 @pytest.mark.parametrize("engine_loop", ["async", "steps"])
 def test_train_with_vllm_engine(tmp_path, engine_loop):
     """Both engine loops (``rollout.engine_loop``; every other test here runs the default,
-    ``async``) train, sampling under the pushed weights after step 1."""
+    ``steps``) train, sampling under the pushed weights after step 1."""
     metrics = _train(tmp_path / "run", "train.total_steps=2", f"rollout.engine_loop={engine_loop}")
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:

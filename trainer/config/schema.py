@@ -110,12 +110,13 @@ class RolloutConfig(BaseModel):
         "hf", description="generation engine: hf (transformers, runs anywhere) or vllm"
     )
     engine_loop: Literal["async", "steps"] = Field(
-        "async",
+        "steps",
         description="how the vllm engine runs (the hf engine always runs crossrl's own step "
-        "loop): async = vLLM's AsyncLLM, its engine core a loop of its own in a process of "
-        "its own that takes each request as it comes, aborts by request id and pauses for "
-        "weight loads; steps = vLLM's LLMEngine stepped by crossrl's engine server in the "
-        "replica's own process (rollout.engines.vllm)",
+        "loop): steps = vLLM's LLMEngine stepped by crossrl's engine server in the replica's "
+        "own process; async = vLLM's AsyncLLM, its engine core a loop of its own in a "
+        "process of its own (each request taken as it comes, aborted by id, paused for "
+        "weight loads), whose import-time warnings reach the console at any "
+        "rollout.engine_log_level (docs/vllm.md)",
     )
     env: str = Field(
         "recall", description="environment: a built-in name, or module:Class for your own"
