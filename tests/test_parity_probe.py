@@ -144,8 +144,9 @@ def test_deterministic_settings_recorded(probes):
     # and what each role's ops ran (hal.kernels): the CPU's reference set
     assert "# kernels (train.kernels), per role, as its ranks chose them:" in text
     assert (
-        "#   actor: rms_norm=reference, swiglu=reference, rope=reference, lm_head=reference, "
-        "optimizer=reference, compile=reference (train.compile_blocks=false)" in text
+        "#   actor: rms_norm=reference, swiglu=reference, rope=reference, "
+        "moe_experts=reference, lm_head=reference, optimizer=reference, compile=reference "
+        "(train.compile_blocks=false)" in text
     )
     assert load_config(str(probes["dp2"] / "config.yaml"), []).run.deterministic is True
 
