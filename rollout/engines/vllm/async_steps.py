@@ -20,7 +20,7 @@ from __future__ import annotations
 import queue
 
 from rollout.engines.base import GenerationResult
-from rollout.engines.vllm.steps import vllm_result
+from rollout.engines.vllm.steps import Steps, vllm_result
 
 __all__ = ["POLL_S", "AsyncSteps", "Sampled"]
 
@@ -55,20 +55,14 @@ class Sampled:
         self.finished = bool(output.finished)
 
 
-class AsyncSteps:
+class AsyncSteps(Steps):
     """One ``VLLMEngine.generate`` call over ``owner.llm`` (an ``AsyncLLMHandle``); arguments
-    as ``Steps``'s."""
+    as ``Steps``'s, whose admission (``_admitted``) it shares."""
 
     def __init__(self, owner, sampling, renormalized, interrupt, abort_groups, admit, on_result):
-        self.owner, self.sampling, self.renormalized = owner, sampling, renormalized
-        self.interrupt, self.abort_groups = interrupt, abort_groups
-        self.admit, self.on_result = admit, on_result
+        super().__init__(owner, sampling, renormalized, interrupt, abort_groups, admit, on_result)
         self.handle = owner.llm
-        self.ids: list[str] = []
-        self.group_of: dict[str, int] = {}
         self.latest: dict[str, Sampled] = {}
-        self.cut: set[str] = set()
-        self.reported: set[str] = set()
         self.events: queue.SimpleQueue = queue.SimpleQueue()
 
     async def _stream(self, request_id: str, prompt: dict, param) -> None:
@@ -126,15 +120,6 @@ class AsyncSteps:
             if request_id in self.cut or self.latest[request_id].finished:
                 self.reported.add(request_id)
                 self.on_result(index, self._result(request_id))
-
-    def _admitted(self, running: int) -> bool:
-        if self.admit is None:
-            return False
-        joining = self.admit(max(0, self.owner.max_batch_size - running))
-        if joining:
-            prompts, params = self.owner._prepare(joining, self.sampling, "admitted")
-            self._add(prompts, params, [req.group for req in joining])
-        return bool(joining)
 
     def run(self, prompts: list[dict], params: list, groups: list[int]) -> list[GenerationResult]:
         """Every request's result, in order (those given, then those admitted)."""

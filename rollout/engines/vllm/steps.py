@@ -69,13 +69,16 @@ class Steps:
                     index, vllm_result(completion, request_id in self.cut, self.renormalized)
                 )
 
-    def _admitted(self, running: int) -> None:
+    def _admitted(self, running: int) -> bool:
+        """Add what ``admit`` returns for the room left (``running`` requests in the batch);
+        whether any request joined."""
         if self.admit is None:
-            return
+            return False
         joining = self.admit(max(0, self.owner.max_batch_size - running))
         if joining:
             prompts, params = self.owner._prepare(joining, self.sampling, "admitted")
             self._add(prompts, params, [req.group for req in joining])
+        return bool(joining)
 
     def run(self, prompts: list[dict], params: list, groups: list[int]) -> list[GenerationResult]:
         """Every request's result, in order (those given, then those admitted)."""
