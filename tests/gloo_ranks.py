@@ -16,3 +16,13 @@ def finish_rank() -> NoReturn:
     ``os._exit`` skips it. A rank whose check failed raises instead, as before."""
     dist.barrier()
     os._exit(0)
+
+
+def report_and_finish(queue, item) -> NoReturn:
+    """A spawned rank whose checks passed puts ``item`` on its ``multiprocessing`` queue,
+    flushes it (``os._exit`` would drop what the queue's feeder thread has not sent yet),
+    then ends as ``finish_rank`` does."""
+    queue.put(item)
+    queue.close()
+    queue.join_thread()
+    finish_rank()

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from rollout.engines.base import Engine
 from rollout.engines.weights.buckets import plan_buckets, stream_buckets, weight_group
+from tests.gloo_ranks import report_and_finish
 from trainer.loop.cluster.group import free_port
 from trainer.loop.cluster.local import LocalRef
 
@@ -97,8 +98,7 @@ def _accumulate(rank: int, world: int, port: int, queue) -> None:
     (loss * world).backward()
     unsynced = held_gradient_bytes(worker.model)
     worker.model.set_requires_gradient_sync(True)
-    worker.shutdown()
-    queue.put((rank, (param_bytes, held, after_update, after_offload, unsynced)))
+    report_and_finish(queue, (rank, (param_bytes, held, after_update, after_offload, unsynced)))
 
 
 def worker_loss(worker, rows):
@@ -224,7 +224,6 @@ def _stream(rank: int, world: int, port: int, queue, bucket_bytes: int, delay_s:
     sent = worker.push_weights_streamed(host, bucket_bytes)
     # what the push carries: the state, a tied LM head under the embedding's name only
     expected = {n: t.detach().numpy().copy() for n, t in full_state(worker.push_state())}
-    worker.shutdown()
     result = None
     if rank == 0:
         result = {
@@ -234,7 +233,7 @@ def _stream(rank: int, world: int, port: int, queue, bucket_bytes: int, delay_s:
             "read": engine.read,
             "expected": expected,
         }
-    queue.put((rank, (sent, result)))
+    report_and_finish(queue, (rank, (sent, result)))
 
 
 @pytest.mark.slow

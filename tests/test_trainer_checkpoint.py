@@ -534,6 +534,7 @@ def _reshard_rank(rank, world, port, arrays, staging, legacy, resume_from, queue
     checkpoint and train step 3 again. Else: load each dir of ``resume_from`` and train step 3
     from it."""
     from batching import StepBatch, plan_minibatches
+    from tests.gloo_ranks import report_and_finish
     from trainer.config import load_config
     from trainer.loop.ranks.fsdp_worker import WorkerSpec
     from trainer.loop.ranks.policy import PolicyWorker
@@ -582,8 +583,7 @@ def _reshard_rank(rank, world, port, arrays, staging, legacy, resume_from, queue
         for ckpt in resume_from:
             worker.load_pieces(ckpt)
             out[ckpt] = step()
-    worker.shutdown()
-    queue.put((rank, out))
+    report_and_finish(queue, (rank, out))  # gloo's teardown can abort a passed rank
 
 
 def _spawn_ranks(world: int, arrays, staging=None, legacy=None, resume_from=()) -> dict[int, dict]:
