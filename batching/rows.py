@@ -27,6 +27,10 @@ class Row:
     whose mask is 1 (on the last response token if none is, on the last token if the response
     is empty). `response_versions`, when given (streamed rollouts), holds the policy version
     that sampled each response token (-1 where none did: observations, appended EOS).
+    `routed_experts`, when given (a mixture whose engine returned its routing), holds int
+    ``[prompt + response tokens, MoE layers, top_k]``: each token's experts as the engine
+    routed it, stored as expert id + 1 (0 where the engine gave none: the trainer routes that
+    token itself).
     """
 
     prompt_ids: list[int]
@@ -41,6 +45,7 @@ class Row:
     step_reward: float = 0.0
     token_rewards: list[float] | None = None
     response_versions: list[int] | None = None
+    routed_experts: np.ndarray | None = None
 
 
 def _validate_row(i: int, row: Row) -> None:
@@ -62,6 +67,14 @@ def _validate_row(i: int, row: Row) -> None:
             f"rows[{i}].response_versions has {len(row.response_versions)} entries but "
             f"response_ids has {n_resp}; give one version per response token or None"
         )
+    routes = row.routed_experts
+    if routes is not None:
+        tokens = len(row.prompt_ids) + n_resp
+        if np.ndim(routes) != 3 or len(routes) != tokens:
+            raise ValueError(
+                f"rows[{i}].routed_experts has shape {np.shape(routes)} but the row has {tokens} "
+                "tokens; give [tokens, MoE layers, top_k] (expert id + 1, 0 = none) or None"
+            )
     if row.token_rewards is not None and len(row.token_rewards) != n_resp:
         raise ValueError(
             f"rows[{i}].token_rewards has {len(row.token_rewards)} entries but response_ids "
@@ -133,6 +146,22 @@ def pack_rows(
             if row.response_versions is not None:
                 versions[int(cu[i] + prompt_len[i]) : int(cu[i + 1])] = row.response_versions
         token_fields["policy_version"] = torch.from_numpy(versions)
+    routed = [r.routed_experts for r in rows if r.routed_experts is not None]
+    if routed:  # a mixture's engine routing: [L, K, T], token axis last; 0 = none
+        shapes = {tuple(np.shape(r)[1:]) for r in routed}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"rows' routed_experts disagree on [MoE layers, top_k]: {sorted(shapes)}; every "
+                "row of a batch comes from one model"
+            )
+        layers, top_k = shapes.pop()
+        routes = np.zeros((num_tokens, layers, top_k), dtype=np.int16)
+        for i, row in enumerate(rows):
+            if row.routed_experts is not None:
+                routes[int(cu[i]) : int(cu[i + 1])] = row.routed_experts
+        token_fields["routed_experts"] = torch.from_numpy(
+            np.ascontiguousarray(routes.transpose(1, 2, 0))
+        )
     row_fields = {
         "uid": torch.tensor([int(r.uid) for r in rows], dtype=torch.int64),
         "trajectory_id": torch.tensor([int(r.trajectory_id) for r in rows], dtype=torch.int64),

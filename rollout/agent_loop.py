@@ -211,6 +211,20 @@ def run_rollouts(
     return RolloutOutput(rows=rows, metrics=rollout_metrics(trajs, rows), faults=faults)
 
 
+def _keep_routes(t: Trajectory, turn: Turn, routes, *, whole: bool) -> None:
+    """A mixture's engine routing for ``turn`` (``rollout.trajectories.stitched_routes`` reads
+    it). Whole mode: each turn's request extends the last, whose routes already cover the
+    tokens up to where they end, so only the new ones are kept."""
+    if routes is None:
+        return
+    start = 0
+    if whole:
+        last = next((x for x in reversed(t.turns) if x.routes is not None), None)
+        if last is not None:
+            start = min(last.routes_from + len(last.routes), len(routes))
+    turn.routes, turn.routes_from = routes[start:], start
+
+
 @dataclass(frozen=True)
 class _Context:
     """What every trajectory task of one ``run_rollouts`` call shares (read-only)."""
@@ -287,6 +301,7 @@ async def _roll_one(
             record = Turn(
                 prompt_ids=prompt, response_ids=gen, mask=mask, logprobs=lps, versions=vers
             )
+            _keep_routes(t, record, res.extra.get("routed_experts"), whole=not ctx.step_wise)
             t.turns.append(record)
             t.messages.append({"role": "assistant", "content": text})
             try:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from batching import Row
 from rollout.envs.base import DEFAULT_REWARD_RANGE
 from rollout.envs.prompts import PromptItem
@@ -25,6 +27,10 @@ class Turn:
     reward: float = 0.0
     obs_ids: list[int] = field(default_factory=list)  # whole mode: template + observation after it
     versions: list[int] | None = None  # policy version per response token (-1: not sampled)
+    # A mixture's engine routing (``rollout.moe_routing``): int16 [tokens, MoE layers, top_k],
+    # expert id + 1, for the tokens of prompt + response from position ``routes_from`` on.
+    routes: np.ndarray | None = None
+    routes_from: int = 0
 
 
 @dataclass
@@ -85,6 +91,7 @@ def rows_of(t: Trajectory, *, step_wise: bool, merge: bool) -> list[Row]:
         if merge:
             parts = merge_turns(parts)
     rows = []
+    routed = any(x.routes is not None for x in t.turns)
     for k, (prompt, resp, mask, lps, step_index, step_reward, vers) in enumerate(parts):
         last = k == len(parts) - 1
         token_rewards = [0.0] * len(resp)
@@ -105,9 +112,37 @@ def rows_of(t: Trajectory, *, step_wise: bool, merge: bool) -> list[Row]:
                 step_reward=step_reward,
                 token_rewards=token_rewards,
                 response_versions=list(vers) if versioned else None,
+                routed_experts=stitched_routes(t.turns, list(prompt) + list(resp))
+                if routed
+                else None,
             )
         )
     return rows
+
+
+def stitched_routes(turns: list[Turn], tokens: list[int]) -> np.ndarray | None:
+    """The engine routing of a row of ``tokens`` (``Row.routed_experts``): each position as
+    the first turn whose request held that token there routed it (a response token as the
+    request that sampled it; a prompt token as the request that first read it, which is also
+    what a prefix-cached later request reuses). A turn counts up to where its request (prompt
+    + response) stops agreeing with the row; positions no turn routed are 0 (the trainer
+    routes them). None when no turn carries routes."""
+    given = [x for x in turns if x.routes is not None]
+    if not given:
+        return None
+    out = np.zeros((len(tokens), *given[0].routes.shape[1:]), dtype=given[0].routes.dtype)
+    covered = 0
+    for x in given:
+        seq = x.prompt_ids + x.response_ids
+        agree = next((i for i, (a, b) in enumerate(zip(seq, tokens)) if a != b), None)
+        end = min(
+            x.routes_from + len(x.routes), min(len(seq), len(tokens)) if agree is None else agree
+        )
+        if end > covered:
+            start = max(covered, x.routes_from)
+            out[start:end] = x.routes[start - x.routes_from : end - x.routes_from]
+            covered = end
+    return out
 
 
 def merge_turns(parts: list[tuple]) -> list[tuple]:

@@ -65,3 +65,63 @@ def test_the_default_job_trains_the_tiny_moe_and_its_experts_learn(tmp_path):
     initial = load_model("builtin:tiny-moe", seed=cfg.seed).state_dict()
     for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.gate.weight"):
         assert not torch.equal(trained[name].float(), initial[name].float()), name
+
+
+def _run(tmp_path, name: str, *overrides: str) -> list[dict]:
+    from trainer.config import load_config
+    from trainer.loop.start.run import run_training
+    from trainer.records.jsonl_files import read_jsonl
+
+    run_dir = tmp_path / name
+    cfg = load_config(
+        None,
+        [
+            "model.path=builtin:tiny-moe",
+            "train.total_steps=2",
+            "run.resume=never",
+            f"run.dir={run_dir}",
+            *overrides,
+        ],
+    )
+    assert run_training(cfg) == 0
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+KEYS = ("actor/loss", "actor/grad_norm", "actor/entropy", "rollout/score_mean")
+
+
+def test_replaying_the_engines_routing_changes_nothing_where_engine_and_trainer_agree(tmp_path):
+    """fp32 on both sides and one update per step (every forward on the weights that
+    sampled): the engine's routing is the trainer's own, so a replayed run, its layers
+    checkpointed (the recompute reuses the forward's routing), trains as the plain one; the
+    flip rate says 0."""
+    one_update = "train.mini_batch_size=16"
+    plain = _run(tmp_path, "plain", one_update)
+    replayed = _run(
+        tmp_path,
+        "replayed",
+        one_update,
+        "algorithm.routing_replay=rollout",
+        "train.activation_checkpointing=true",
+    )
+    for a, b in zip(plain, replayed, strict=True):
+        assert "actor/routing_flip_rate" not in a
+        assert b["actor/routing_flip_rate"] == 0.0
+        for key in KEYS:
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), key
+
+
+def test_the_flip_rate_measures_a_bf16_trainer_against_an_fp32_engine(tmp_path):
+    """A bf16 trainer routes some tokens otherwise than the fp32 engine that sampled them:
+    ``measure`` reports it and trains as a run without replay; ``rollout`` measures the same
+    rate on the same first step (before any update), then trains on the engine's routing."""
+    bf16 = "train.param_dtype=bfloat16"
+    plain = _run(tmp_path, "plain", bf16)
+    measured = _run(tmp_path, "measured", bf16, "algorithm.routing_replay=measure")
+    replayed = _run(tmp_path, "replayed", bf16, "algorithm.routing_replay=rollout")
+    assert measured[0]["actor/routing_flip_rate"] > 0
+    assert replayed[0]["actor/routing_flip_rate"] == measured[0]["actor/routing_flip_rate"]
+    for a, b in zip(plain, measured, strict=True):
+        for key in KEYS:
+            assert a[key] == b[key], key
+    assert replayed[0]["actor/loss"] != measured[0]["actor/loss"]  # later updates replay

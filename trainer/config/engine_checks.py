@@ -17,6 +17,15 @@ def engine_problems(cfg: Config) -> list[Problem]:
     generate while the ranks train, so they need devices of their own, and the loss must
     correct for the older behaviour policy."""
     p = []
+    if cfg.algorithm.routing_replay != "none" and cfg.rollout.engine != "hf":
+        p.append(
+            problem(
+                "algorithm.routing_replay",
+                cfg.algorithm.routing_replay,
+                f"the {cfg.rollout.engine} engine does not return its routing to crossrl yet "
+                "(the HF engine does): set rollout.engine=hf, or algorithm.routing_replay=none",
+            )
+        )
     if cfg.rollout.device not in (None, cfg.device) and not cfg.rollout.engine_devices:
         p.append(
             problem(

@@ -310,6 +310,14 @@ class AlgorithmConfig(BaseModel):
     rollout_correction_cap: float = Field(
         2.0, ge=1, description="upper bound of the rollout-correction weights (>= 1)"
     )
+    routing_replay: Literal["none", "measure", "rollout"] = Field(
+        "none",
+        description="mixture-of-experts models: the engine returns each token's experts; "
+        "rollout: the actor routes as the engine did (R3) in the old-log-prob pass, the "
+        "update and its recompute (the reference routes for itself); measure: the actor "
+        "routes itself. Either reports actor/routing_flip_rate, the share of (loss token, "
+        "MoE layer) decisions where the actor's own top-k differs from the engine's",
+    )
 
 
 class Config(BaseModel):

@@ -24,6 +24,7 @@ took, beyond float effects of the batch's shape.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import threading
@@ -41,6 +42,7 @@ from rollout.engines.base import (
 from rollout.engines.hf.kv_buffer import KVArena
 from rollout.engines.hf.sampler import filter_logits, sample_inverse_cdf
 from rollout.engines.hf.steps import Admit, DecodeBatch, OnResult
+from rollout.moe_routing import control_routers, prompt_routes, recording
 
 __all__ = ["HFEngine", "filter_logits", "sample_inverse_cdf"]
 
@@ -64,6 +66,7 @@ class HFEngine(Engine):
         *,
         pad_token_id: int | None = None,
         max_batch_size: int = 256,
+        routed_experts: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1 request")
@@ -86,6 +89,11 @@ class HFEngine(Engine):
         self._arena = KVArena()  # KV cache memory, kept between calls until sleep()
         self._lock = threading.Lock()  # one generate call at a time (they share the arena)
         self._awake: set[str] = set(WAKE_TAGS)
+        # A mixture's routing, returned per request (``routed_experts``: what vLLM's
+        # enable_return_routed_experts gives): the routers record what they choose.
+        self.return_routes = routed_experts and bool(
+            control_routers(model, required="algorithm.routing_replay")
+        )
 
     interruptible = True  # ``interrupt`` is polled after every decode step
     abortable = True  # ``abort_groups`` too: one group's requests end, the others go on
@@ -191,13 +199,25 @@ class HFEngine(Engine):
 
     def _prefill(self, prompts: list[list[int]]):
         """The prompts through the model: the last position's logits ``[prompts, vocab]``, the
-        KV cache and the attention mask ``[prompts, width]``.
+        KV cache, the attention mask ``[prompts, width]`` and, when the engine returns a
+        mixture's routing (``return_routes``), each prompt's routes (int16
+        ``[len(prompt), MoE layers, top_k]``, expert id + 1), else None.
 
         The prompts' common head (a chat template's opening, a system prompt) goes through the
         model once when that saves at least ``_MIN_SHARED_HEAD_TOKENS`` tokens; the rest of each
         prompt follows it in one batched forward, left-padded, so a row's padding sits between
         the head and its rest (masked out, positions counted over real tokens only).
         """
+        sink: list[torch.Tensor] = []
+        with recording(sink) if self.return_routes else contextlib.nullcontext():
+            logits, cache, attention_mask, head = self._prefill_forward(prompts)
+        routes = (
+            prompt_routes(sink, [len(p) for p in prompts], head) if self.return_routes else None
+        )
+        return logits, cache, attention_mask, routes
+
+    def _prefill_forward(self, prompts: list[list[int]]):
+        """``_prefill``'s forwards: logits, cache, mask and the shared head's length."""
         device = self._device
         head = len(os.path.commonprefix(prompts))
         head = min(head, min(len(p) for p in prompts) - 1)  # every prompt keeps a token
@@ -230,7 +250,7 @@ class HFEngine(Engine):
             **{self._cache_kw: cache},
             **self._last_logits_only,
         )
-        return out.logits[:, -1, :], _cache_of(out), attention_mask
+        return out.logits[:, -1, :], _cache_of(out), attention_mask, head
 
     # ---------------------------------------------------------------- weights and memory
 

@@ -19,8 +19,10 @@ Without ``admit`` the loop is the engine's plain batched call, its floats unchan
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from rollout.engines.base import (
@@ -32,6 +34,7 @@ from rollout.engines.base import (
 )
 from rollout.engines.hf.kv_buffer import BufferLayer, join_rows, share_prefill
 from rollout.engines.hf.sampler import filter_logits, sample_inverse_cdf
+from rollout.moe_routing import recording, step_routes
 
 #: Finished rows leave the decode batch once they are 1/_COMPACT_FRACTION of its rows: dropping
 #: them copies the cache, so it waits until it saves a sizeable share of every later step.
@@ -65,6 +68,7 @@ class DecodeBatch:
         self.cut: list[bool] = []  # ended by an abort of its group or an interrupt
         self.sent: list[bool] = []  # handed to on_result
         self.draw_of: list[torch.Tensor] = []  # each request's uniforms, one per token
+        self.routes: list[list[np.ndarray]] = []  # a mixture's routing per request, in pieces
 
     # ---------------------------------------------------------------- requests
 
@@ -80,6 +84,7 @@ class DecodeBatch:
             self.ended.append(False)
             self.cut.append(False)
             self.sent.append(False)
+            self.routes.append([])
             # All of a request's uniforms come from one call (the same numbers as one call per
             # token); a prefix of torch.rand's stream does not depend on the count drawn.
             self.draw_of.append(
@@ -96,7 +101,10 @@ class DecodeBatch:
     def result(self, b: int) -> GenerationResult:
         """Request ``b``'s result as it stands."""
         reason = "stop" if self.stopped[b] else ("interrupted" if self.cut[b] else "length")
-        return GenerationResult(self.tokens[b], self.logprobs[b], reason)
+        out = GenerationResult(self.tokens[b], self.logprobs[b], reason)
+        if self.routes[b]:  # every token fed: the prompt's and each sampled one but the last
+            out.extra["routed_experts"] = np.concatenate(self.routes[b])
+        return out
 
     def _deliver(self, rows: list[int]) -> None:
         if self.on_result is None:
@@ -116,7 +124,8 @@ class DecodeBatch:
         source_ids = [
             distinct.setdefault(tuple(self.requests[b].prompt_ids), len(distinct)) for b in rows
         ]
-        logits, cache, prompt_mask = self.engine._prefill([list(p) for p in distinct])
+        logits, cache, prompt_mask, routes = self.engine._prefill([list(p) for p in distinct])
+        self._take_prompt_routes(rows, source_ids, routes)
         width = prompt_mask.shape[-1]
         source = torch.tensor(source_ids, dtype=torch.long, device=device)
         steps = max(self.budgets[b] for b in rows)
@@ -131,6 +140,11 @@ class DecodeBatch:
         self.draws = self._draws(rows, steps)
         self.live = list(rows)  # the request of each batch row
 
+    def _take_prompt_routes(self, rows: list[int], source_ids: list[int], routes) -> None:
+        if routes is not None:
+            for b, source in zip(rows, source_ids, strict=True):
+                self.routes[b] = [routes[source]]
+
     def _joinable(self) -> bool:
         return all(isinstance(layer, BufferLayer) for layer in self.cache.layers)
 
@@ -142,7 +156,8 @@ class DecodeBatch:
         source_ids = [
             distinct.setdefault(tuple(self.requests[b].prompt_ids), len(distinct)) for b in joined
         ]
-        logits, cache, prompt_mask = self.engine._prefill([list(p) for p in distinct])
+        logits, cache, prompt_mask, routes = self.engine._prefill([list(p) for p in distinct])
+        self._take_prompt_routes(joined, source_ids, routes)
         source = torch.tensor(source_ids, dtype=torch.long, device=device)
         kept = torch.tensor(keep, dtype=torch.long, device=device)
         old = self.mask[:, : self.filled].index_select(0, kept)
@@ -205,14 +220,21 @@ class DecodeBatch:
         step_ids = torch.tensor(
             [self.tokens[b][-1] for b in self.live], dtype=torch.long, device=engine.device
         ).unsqueeze(-1)
-        out = engine.model(
-            input_ids=step_ids,
-            attention_mask=self.mask[:, : self.filled + 1],
-            position_ids=self.next_pos,
-            use_cache=True,
-            **{engine._cache_kw: self.cache},
-            **engine._last_logits_only,
-        )
+        sink: list[torch.Tensor] = []
+        with recording(sink) if engine.return_routes else contextlib.nullcontext():
+            out = engine.model(
+                input_ids=step_ids,
+                attention_mask=self.mask[:, : self.filled + 1],
+                position_ids=self.next_pos,
+                use_cache=True,
+                **{engine._cache_kw: self.cache},
+                **engine._last_logits_only,
+            )
+        if sink:  # the fed token's routing, for the rows still running (an ended row's is not)
+            routes = step_routes(sink, len(self.live))
+            for row, b in enumerate(self.live):
+                if not self.ended[b]:
+                    self.routes[b].append(routes[row])
         self.logits = out.logits[:, -1, :]
         self.next_pos = self.next_pos + 1
         self.filled += 1

@@ -104,7 +104,8 @@ class EngineHost(EngineWeights):
 
                 inject(model, lora.rank, lora.alpha, 0.0, lora.target_modules)
             model.eval()
-            self.engine = make_engine("hf", model, self.tokenizer)
+            routed = cfg.algorithm.routing_replay != "none"  # a mixture's routing, returned
+            self.engine = make_engine("hf", model, self.tokenizer, routed_experts=routed)
         else:
             directory = builtin_weights_dir(model_path, cfg.seed) if is_builtin else model_path
             quiet = set_engine_log_level(roll.engine_log_level)  # before vLLM reads it, once

@@ -27,6 +27,7 @@ import torch
 import hal
 from batching import PromptSharing
 from hal.kernels import HEAD_KERNEL
+from rollout.moe_routing import RouteFlips, replaying
 
 #: Largest float32 logits chunk of the lean path, in bytes: ``LEAN_CHUNK_BYTES // (4 * V)``
 #: tokens per chunk (220 tokens at Qwen2.5's 151,936-token vocabulary). Backward holds a few
@@ -282,6 +283,7 @@ def packed_token_logprobs(
     entropy_grad: bool = False,
     chunk_tokens: int | None = None,
     sharing: PromptSharing | None = None,
+    replay: RouteFlips | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability and entropy ``[T]`` (float32, nats) of every token of one packed row
     under ``model``'s ``softmax(logits / temperature)``, aligned as ``token_logprobs`` (0 at
@@ -293,7 +295,10 @@ def packed_token_logprobs(
     ``token_entropy``). ``entropy_grad``: whether the entropy carries gradient (it does when
     it is in the loss); it is detached otherwise. ``sharing``: the row's shared layout
     (``batching.share_prompts``): the model runs each shared prompt once
-    (``shared_token_logprobs``); the values come back in the usual layout.
+    (``shared_token_logprobs``); the values come back in the usual layout. ``replay``: a
+    mixture's routes (``rollout.moe_routing``; ``algorithm.routing_replay``), ``[L, K, T]``
+    in this layout; after the call its ``per_target`` holds, per token, the share of MoE
+    layers whose own choice differed at the position that predicts it (0 at row starts).
     """
     if sharing is not None:
         return shared_token_logprobs(
@@ -305,7 +310,29 @@ def packed_token_logprobs(
             lean=lean,
             entropy_grad=entropy_grad,
             chunk_tokens=chunk_tokens,
+            replay=replay,
         )
+    with replaying(replay):
+        logprobs, entropy = _usual_logprobs(
+            model,
+            input_ids,
+            position_ids,
+            cu_seqlens,
+            temperature,
+            lean,
+            entropy_grad,
+            chunk_tokens,
+        )
+    if replay is not None:
+        share = replay.flip_share(input_ids.shape[0], input_ids.device)
+        replay.per_target = shift_to_targets(share, cu_seqlens)
+    return logprobs, entropy
+
+
+def _usual_logprobs(
+    model, input_ids, position_ids, cu_seqlens, temperature, lean, entropy_grad, chunk_tokens
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``packed_token_logprobs`` in the usual layout (one forward over the packed row)."""
     if not lean:
         logits = hal.packed_forward(model, input_ids, position_ids, cu_seqlens)
         chunk = {} if chunk_tokens is None else {"chunk_tokens": chunk_tokens}
@@ -340,6 +367,7 @@ def shared_token_logprobs(
     lean: bool = True,
     entropy_grad: bool = False,
     chunk_tokens: int | None = None,
+    replay: RouteFlips | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``packed_token_logprobs`` of a packed row whose rows share prompts, run in the shared
     layout: each shared prompt once, every row's rest attending to it (``hal.packed_forward``'s
@@ -352,6 +380,47 @@ def shared_token_logprobs(
     cu = torch.tensor(sharing.offsets, dtype=torch.int32, device=device)
     at = torch.from_numpy(sharing.eval_hidden).to(device)
     targets = torch.from_numpy(sharing.eval_targets).to(device)
+    if replay is not None:  # a shared prompt routes as its first row's engine request did
+        replay.routes = replay.routes.index_select(-1, index.to(replay.routes.device))
+    with replaying(replay):
+        logprob, entropy = _shared_stats(
+            model,
+            shared_ids,
+            shared_pos,
+            cu,
+            sharing,
+            at,
+            targets,
+            temperature,
+            lean,
+            entropy_grad,
+            chunk_tokens,
+        )
+    back = torch.from_numpy(sharing.eval_of_token).to(device)
+    starts = torch.from_numpy(sharing.row_starts).to(device)
+    if replay is not None:
+        share = replay.flip_share(shared_ids.shape[0], device).index_select(0, at)
+        replay.per_target = share.index_select(0, back).masked_fill(starts, 0.0)
+    return (
+        logprob.index_select(0, back).masked_fill(starts, 0.0),
+        entropy.index_select(0, back).masked_fill(starts, 0.0),
+    )
+
+
+def _shared_stats(
+    model,
+    shared_ids,
+    shared_pos,
+    cu,
+    sharing,
+    at,
+    targets,
+    temperature,
+    lean,
+    entropy_grad,
+    chunk_tokens,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy of each scored pair of the shared layout (``eval_hidden``)."""
     if lean:
         stats = hal.packed_forward(
             _LeanCall(model, entropy_grad),
@@ -373,9 +442,4 @@ def shared_token_logprobs(
         entropy = logits_entropy(
             logits if entropy_grad else logits.detach(), temperature=temperature, **chunk
         ).float()
-    back = torch.from_numpy(sharing.eval_of_token).to(device)
-    starts = torch.from_numpy(sharing.row_starts).to(device)
-    return (
-        logprob.index_select(0, back).masked_fill(starts, 0.0),
-        entropy.index_select(0, back).masked_fill(starts, 0.0),
-    )
+    return logprob, entropy

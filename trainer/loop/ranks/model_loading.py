@@ -10,6 +10,7 @@ import torch
 
 import hal
 from rollout.models import tied_parameter_names  # noqa: F401 - the tracker and bench call it here
+from rollout.moe_routing import checkpoint_contexts, control_routers, moe_routers
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -40,7 +41,9 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> int:
             f"train.activation_checkpointing=true: {type(model).__name__} does not support "
             "activation checkpointing; set train.activation_checkpointing=false"
         )
-    kwargs = {"use_reentrant": False}
+    kwargs: dict = {"use_reentrant": False}
+    if moe_routers(model):  # the recompute routes as the forward did (rollout.moe_routing)
+        kwargs["context_fn"] = checkpoint_contexts
     if hasattr(model, "activation_checkpointing_enable"):  # newer transformers' name for it
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -82,12 +85,17 @@ class ModelLoading:
         from rollout.models import build_empty_model
 
         hal.register_attention()
-        return build_empty_model(
+        model = build_empty_model(
             self.spec.model_path,
             dtype=torch.float32,
             seed=self.spec.cfg.seed,
             attn_implementation=hal.ATTN_IMPLEMENTATION,
         )
+        # A mixture's routers: replayable, and routing in a recompute as in its forward.
+        replay = self.spec.cfg.algorithm.routing_replay
+        required = None if replay == "none" else f"algorithm.routing_replay={replay}"
+        control_routers(model, required=required)
+        return model
 
     def _shard(self, model: torch.nn.Module) -> None:
         """FSDP2 in place: each decoder layer, then the root. ``train.param_offload`` keeps

@@ -9,6 +9,7 @@ import torch
 
 import hal
 from batching import LossNormalizers, PromptSharing, StepBatch, loss_normalizers, share_prompts
+from rollout.moe_routing import RouteFlips
 from trainer.config.schema import Config
 from trainer.loop.ranks.forward import packed_token_logprobs
 from trainer.loop.ranks.fsdp_worker import FSDPWorker
@@ -37,6 +38,17 @@ def sharing_kernel(cfg: Config, device: torch.device) -> str | None:
     return hal.shared_prompt_kernel(torch.device(device), parse_dtype(cfg.train.param_dtype))
 
 
+def route_replay(mb: StepBatch, cfg: Config, device: torch.device) -> RouteFlips | None:
+    """The actor's routing replay for micro-batch ``mb`` (``algorithm.routing_replay``): the
+    engine's routes on ``device``, enforced (``rollout``) or only compared (``measure``); None
+    when off or when the batch carries no routes (a dense model's engine returns none)."""
+    mode = cfg.algorithm.routing_replay
+    routes = mb.token_fields.get("routed_experts")
+    if mode == "none" or routes is None:
+        return None
+    return RouteFlips(routes.to(device), enforce=mode == "rollout")
+
+
 def actor_micro_batch_loss(
     model: torch.nn.Module,
     mb: StepBatch,
@@ -58,6 +70,7 @@ def actor_micro_batch_loss(
 
     algo = cfg.algorithm
     cu = mb.cu_seqlens.to(device)
+    replay = route_replay(mb, cfg, device)
     # Entropy is always logged; it carries gradient only when it is in the loss.
     logprobs, entropy = packed_token_logprobs(
         model,
@@ -68,6 +81,7 @@ def actor_micro_batch_loss(
         lean=cfg.train.lean_logprobs,
         entropy_grad=bool(algo.entropy_coef),
         sharing=prompt_sharing(mb, cfg, device),
+        replay=replay,
     )
     mask = mb.loss_mask.to(device)
     field = mb.token_fields
@@ -94,7 +108,15 @@ def actor_micro_batch_loss(
     keep = mask > 0
     sums["old_logprob"] = old[keep].double().sum()
     sums["new_logprob"] = logprobs.detach()[keep].double().sum()
+    if replay is not None and keep_old is not None:  # on the weights that sampled
+        sums.update(routing_sums(replay, mask))
     return loss, sums
+
+
+def routing_sums(replay: RouteFlips, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``routing_flips`` (flipped MoE-layer shares summed over loss tokens) and
+    ``routing_tokens`` (the loss tokens): ``actor/routing_flip_rate`` is their ratio."""
+    return {"routing_flips": (replay.per_target * mask).sum(), "routing_tokens": mask.sum()}
 
 
 def inject_lora(model: torch.nn.Module, lora) -> list[str]:
@@ -131,6 +153,7 @@ class PolicyWorker(WeightPush, FSDPWorker):
         (``rollout.lora.base_copies``): the reference forward swaps them in."""
         facts = super().setup(master_addr, master_port)
         cfg = self.spec.cfg
+        self.routing_pending: dict[str, float] = {}  # routing_sums of the old-log-prob pass
         self.lora_base: dict[str, torch.Tensor] = {}
         if self.spec.role == "actor" and cfg.model.lora.enabled and cfg.algorithm.kl_coef > 0:
             from rollout.lora import base_copies
@@ -148,6 +171,8 @@ class PolicyWorker(WeightPush, FSDPWorker):
 
     def _logprobs(self, mb: StepBatch) -> torch.Tensor:
         cfg = self.spec.cfg
+        # the actor's old log-probs route as the update will; the reference routes itself
+        replay = route_replay(mb, cfg, self.device) if self.spec.trainable else None
         logprobs, _ = packed_token_logprobs(
             self.model,
             self.to_device(mb.input_ids),
@@ -156,7 +181,12 @@ class PolicyWorker(WeightPush, FSDPWorker):
             temperature=cfg.rollout.temperature,
             lean=cfg.train.lean_logprobs,
             sharing=prompt_sharing(mb, cfg, self.device),
+            replay=replay,
         )
+        if replay is not None:  # measured on the weights that sampled; reported by the update
+            sums = routing_sums(replay, self.to_device(mb.loss_mask))
+            for key, value in sums.items():
+                self.routing_pending[key] = self.routing_pending.get(key, 0.0) + float(value)
         return logprobs
 
     def compute_logprobs(self, micro_batches: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -231,7 +261,11 @@ class PolicyWorker(WeightPush, FSDPWorker):
                 self.model, mb, normalizers, self.spec.cfg, self.device, keep_old=keep
             )
 
-        return self.run_micro_batches(micro_batches, loss_fn)
+        stats = self.run_micro_batches(micro_batches, loss_fn)
+        for key, value in self.routing_pending.items():  # the old-log-prob pass's, once
+            stats.values[key] = stats.values.get(key, 0.0) + value
+        self.routing_pending = {}
+        return stats
 
     def _drops_out(self) -> bool:
         """Whether the model's training forward drops anything (a dropout module with p > 0:

@@ -23,6 +23,7 @@ class Reduce(enum.Enum):
     SHARED_UPDATE_MEAN = "the same on every rank: rank 0's value, mean over updates"
     SHARED_LAST = "the same on every rank: the last update's value"
     SHARED_COUNT = "the same on every rank: rank 0's value, summed over updates"
+    RATIO = "summed over micro-batches, ranks and updates; divided by the sum of Stat.per"
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Stat:
     reduce: Reduce
     metric: str | None = None
     fingerprint: str | None = None
+    per: str | None = None  # RATIO: the statistic whose sum divides this one's
 
 
 _TOKEN, _SHARE = Reduce.PER_LOSS_TOKEN, Reduce.RANK_SUM_UPDATE_MEAN
@@ -57,6 +59,10 @@ SCHEMAS: dict[str, tuple[Stat, ...]] = {
         Stat("kl", _TOKEN, "kl"),
         Stat("lr", _LAST, "lr"),
         Stat("skipped", _COUNT, "skipped_updates"),  # non-finite loss or grad norm
+        # algorithm.routing_replay, on the weights that sampled: (loss token, MoE layer)
+        # decisions where the actor's own top-k differs from the engine's, per decision
+        Stat("routing_flips", Reduce.RATIO, "routing_flip_rate", per="routing_tokens"),
+        Stat("routing_tokens", Reduce.RATIO, per="routing_tokens"),
     ),
     "critic": (
         Stat("loss", _SHARE),
@@ -123,7 +129,11 @@ class StepStats:
         for report in per_rank:
             self.loss_tokens += report.loss_tokens
             for stat in SCHEMAS[self.role]:
-                if stat.reduce in (Reduce.PER_LOSS_TOKEN, Reduce.RANK_SUM_UPDATE_MEAN):
+                if stat.reduce in (
+                    Reduce.PER_LOSS_TOKEN,
+                    Reduce.RANK_SUM_UPDATE_MEAN,
+                    Reduce.RATIO,
+                ):
                     if stat.key in report.values:
                         self.values[stat.key] = (
                             self.values.get(stat.key, 0.0) + report.values[stat.key]
@@ -141,6 +151,9 @@ class StepStats:
             if strict_tokens and self.loss_tokens <= 0:
                 return None
             return total / max(1.0, self.loss_tokens)
+        if stat.reduce is Reduce.RATIO:
+            per = self.values.get(stat.per, 0.0)
+            return total / per if per > 0 else None
         if stat.reduce in (Reduce.SHARED_LAST, Reduce.SHARED_COUNT):
             return total
         return total / max(1, self.updates)
