@@ -39,6 +39,7 @@ __all__ = [
     "RouteFlips",
     "checkpoint_contexts",
     "control_routers",
+    "moe_layer_indices",
     "moe_routers",
     "prompt_routes",
     "recording",
@@ -81,27 +82,39 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return routers
 
 
+def moe_layer_indices(model: torch.nn.Module, *, required: str | None = None) -> list[int]:
+    """The decoder-layer indices of ``model``'s supported routers (the rows of vLLM's
+    per-layer routing that crossrl keeps); ``required`` as ``control_routers``'s."""
+    _check_supported(model, required)
+    return [
+        i
+        for i, layer in enumerate(_decoder_layers(model))
+        if type(getattr(getattr(layer, "mlp", None), "gate", None)).__name__ in ROUTER_CLASSES
+    ]
+
+
+def _check_supported(model: torch.nn.Module, required: str | None) -> None:
+    if required is None or not is_moe(model):
+        return
+    layers = _decoder_layers(model)
+    gates = [getattr(getattr(x, "mlp", None), "gate", None) for x in layers]
+    expected = sum(getattr(getattr(x, "mlp", None), "experts", None) is not None for x in layers)
+    supported = sum(type(g).__name__ in ROUTER_CLASSES for g in gates)
+    if not supported or supported != expected:
+        found = sorted({type(g).__name__ for g in gates})
+        raise ValueError(
+            f"{required}: {type(model).__name__}'s routers ({', '.join(found)}) are not ones "
+            f"crossrl replays ({', '.join(ROUTER_CLASSES)}); set algorithm.routing_replay=none"
+        )
+
+
 def control_routers(model: torch.nn.Module, *, required: str | None = None) -> int:
     """Give every supported router of ``model`` the controlled forward (module docstring);
     returns how many MoE layers it covers. ``required`` (a config key, e.g.
     ``algorithm.routing_replay=rollout``): a mixture whose routers are not all supported
     raises, naming it, instead of training unreplayed."""
+    _check_supported(model, required)
     routers = moe_routers(model)
-    if required is not None and is_moe(model):
-        expected = sum(
-            getattr(getattr(layer, "mlp", None), "experts", None) is not None
-            for layer in _decoder_layers(model)
-        )
-        if not routers or len(routers) != expected:
-            found = {
-                type(getattr(getattr(x, "mlp", None), "gate", None)).__name__
-                for x in _decoder_layers(model)
-            }
-            raise ValueError(
-                f"{required}: {type(model).__name__}'s routers ({', '.join(sorted(found))}) "
-                f"are not ones crossrl replays ({', '.join(ROUTER_CLASSES)}); set "
-                "algorithm.routing_replay=none"
-            )
     for index, router in enumerate(routers):
         router.crossrl_moe_layer = index
         router.forward = types.MethodType(_routed_forward, router)

@@ -276,3 +276,59 @@ def test_packed_rows_carry_routes_token_axis_last_and_padding_routes_nothing():
     assert not padded.token_fields["routed_experts"][..., 5:].any()
     with pytest.raises(ValueError, match=r"rows\[0\].routed_experts has shape \(4, 3, 2\)"):
         StepBatch.from_rows([row(2, 3, a[:4])])
+
+
+# ---------------------------------------------------------------- vLLM's routing
+
+
+class _Completion:
+    """A vLLM ``CompletionOutput`` as ``result_from_vllm_completion`` reads one."""
+
+    def __init__(self, tokens, routes):
+        self.token_ids = tokens
+        self.logprobs = [{t: -0.5} for t in tokens]
+        self.finish_reason = "length"
+        self.stop_reason = None
+        self.routed_experts = routes
+
+
+def test_vllms_routing_becomes_crossrls_the_moe_layers_rows_expert_id_plus_one():
+    from rollout.engines.vllm.io import result_from_vllm_completion
+
+    # vLLM 0.24: one row per decoder layer (layer 0 dense: its row unused), uint8 ids
+    routes = np.array([[[0, 0], [3, 7], [1, 2]], [[0, 0], [4, 5], [6, 0]]], dtype=np.uint8)
+    out = result_from_vllm_completion(_Completion([9, 9], routes), moe_layers=[1, 2])
+    got = out.extra["routed_experts"]
+    assert got.dtype == np.int16
+    np.testing.assert_array_equal(got, [[[4, 8], [2, 3]], [[5, 6], [7, 1]]])
+    plain = result_from_vllm_completion(_Completion([9, 9], routes))  # not asked for it
+    assert "routed_experts" not in plain.extra
+    with pytest.raises(RuntimeError, match=r"routed_experts of shape \(2, 3, 2\)"):
+        result_from_vllm_completion(_Completion([9, 9], routes), moe_layers=[1, 3])
+
+
+def test_asyncllms_delta_outputs_keep_the_routing_of_the_finishing_one():
+    from rollout.engines.vllm.async_steps import Sampled
+
+    routes = np.ones((3, 2, 2), dtype=np.uint8)
+    sampled = Sampled()
+    for tokens, finished, given in (([4], False, None), ([5], True, routes)):
+        sampled.add(types.SimpleNamespace(outputs=[_Completion(tokens, given)], finished=finished))
+    assert sampled.token_ids == [4, 5] and sampled.routed_experts is routes
+
+
+def test_the_moe_layers_are_the_decoder_layers_with_routers():
+    from rollout.models import build_empty_model
+    from rollout.moe_routing import moe_layer_indices
+
+    assert moe_layer_indices(build_empty_model("builtin:tiny-moe")) == [1]
+    assert moe_layer_indices(build_empty_model("builtin:tiny")) == []
+
+
+def test_routing_replay_with_vllm_on_the_cpu_is_refused_before_start_up():
+    from trainer.config import load_config
+    from trainer.config.errors import ConfigError
+
+    keys = ["device=cpu", "rollout.engine=vllm", "algorithm.routing_replay=rollout"]
+    with pytest.raises(ConfigError, match="algorithm.routing_replay: got 'rollout'; vLLM's CPU"):
+        load_config(None, keys, check_environment=False)

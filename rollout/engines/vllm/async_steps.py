@@ -32,7 +32,7 @@ POLL_S = 0.005
 class Sampled:
     """What one request's delta outputs carried, gathered: a ``CompletionOutput`` as
     ``result_from_vllm_completion`` reads one (``token_ids``, ``logprobs``, ``finish_reason``,
-    ``stop_reason``), and ``finished``."""
+    ``stop_reason``, ``routed_experts``), and ``finished``."""
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
@@ -40,6 +40,7 @@ class Sampled:
         self.finish_reason: str | None = None
         self.stop_reason = None
         self.finished = False
+        self.routed_experts = None  # a mixture's routing, on the finishing output only
 
     def add(self, output) -> None:
         """One ``RequestOutput`` (delta) of this request. An output with no new tokens (the
@@ -53,6 +54,8 @@ class Sampled:
         self.finish_reason = completion.finish_reason
         self.stop_reason = completion.stop_reason
         self.finished = bool(output.finished)
+        if getattr(completion, "routed_experts", None) is not None:
+            self.routed_experts = completion.routed_experts
 
 
 class AsyncSteps(Steps):
@@ -141,4 +144,5 @@ class AsyncSteps(Steps):
         return [self._result(r) for r in self.ids]
 
     def _result(self, request_id: str) -> GenerationResult:
-        return vllm_result(self.latest[request_id], request_id in self.cut, self.renormalized)
+        cut = request_id in self.cut
+        return vllm_result(self.latest[request_id], cut, self.renormalized, self.owner.moe_layers)

@@ -106,6 +106,8 @@ CPU_MAX_NUM_SEQS = 256
 #: How ``VLLMEngine`` drives vLLM (its ``engine_loop``): ``steps`` (``LLMEngine`` one step at a
 #: time, in this process by default) or ``async`` (``AsyncLLM``, its core in its own process).
 ENGINE_LOOPS = ("steps", "async")
+#: The config key that asks engines for a mixture's routing.
+ROUTING_KEY = "algorithm.routing_replay"
 
 
 class VLLMEngine(VLLMTransfer, Engine):
@@ -149,6 +151,7 @@ class VLLMEngine(VLLMTransfer, Engine):
         lora: Mapping[str, Any] | None = None,
         weight_transfer: str | None = None,
         engine_loop: str = "steps",
+        routed_experts: bool = False,
     ) -> None:
         if engine_loop not in ENGINE_LOOPS:
             raise ValueError(f"engine_loop={engine_loop!r}: use one of {list(ENGINE_LOOPS)}")
@@ -214,6 +217,13 @@ class VLLMEngine(VLLMTransfer, Engine):
             kwargs["max_num_seqs"] = CPU_MAX_NUM_SEQS
         if self.lora:
             kwargs.update(self.adapter.engine_options())
+        # A mixture's routing per request (enable_return_routed_experts, 0.24 / 0.26): the
+        # rows of its MoE layers, as the trainer's routers number them (rollout.moe_routing).
+        self.moe_layers = self._moe_layers(current_platform) if routed_experts else None
+        if self.moe_layers:
+            kwargs["enable_return_routed_experts"] = True
+        else:
+            self.moe_layers = None
         kwargs.update(transfer_options(weight_transfer))
         kwargs.update(engine_kwargs or {})
         if engine_loop == "async":
@@ -233,6 +243,21 @@ class VLLMEngine(VLLMTransfer, Engine):
         self._names_checked = False  # the first update's names are checked (VLLMTransfer)
         self._request_ids = itertools.count()
 
+    def _moe_layers(self, platform) -> list[int]:
+        """The decoder layers whose routing the engine returns: the model's MoE layers."""
+        from rollout.models import build_empty_model
+        from rollout.moe_routing import moe_layer_indices
+
+        layers = moe_layer_indices(build_empty_model(self.model_dir), required=ROUTING_KEY)
+        if layers and platform.is_cpu():
+            raise ValueError(
+                f"{ROUTING_KEY}: vLLM's CPU build returns no routing (its aux outputs need Model "
+                "Runner V2 and Triton); use rollout.engine=hf on the CPU, or "
+                "algorithm.routing_replay=none"
+            )
+        return layers
+
+    moe_layers: list[int] | None = None  # returns a mixture's routing for these layers
     interruptible = True  # ``interrupt`` is polled after every engine step (``vllm_steps.Steps``)
     abortable = True  # ``abort_groups`` too: one group's requests end, the others go on
     joinable = True  # ``admit`` too: requests join vLLM's running batch between steps
@@ -281,7 +306,8 @@ class VLLMEngine(VLLMTransfer, Engine):
             outputs = self.llm.generate(
                 prompts, params, use_tqdm=False, lora_request=self._lora_request
             )
-            return [vllm_result(o.outputs[0], False, renormalized) for o in outputs]
+            layers = self.moe_layers
+            return [vllm_result(o.outputs[0], False, renormalized, layers) for o in outputs]
         if self.engine_loop == "async":
             from rollout.engines.vllm.async_steps import AsyncSteps
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from rollout.engines.base import GenerationResult, SamplingParams
 
 # vLLM's "top-k off" value: -1, which every pinned vLLM accepts (0 also means off in 0.24 and
@@ -47,7 +49,23 @@ def filters_active(sampling: SamplingParams, vocab_size: int | None = None) -> b
     return top_k_on or sampling.top_p < 1.0
 
 
-def result_from_vllm_completion(completion: Any, interrupted: bool = False) -> GenerationResult:
+def crossrl_routes(routes: Any, moe_layers: list[int]) -> np.ndarray:
+    """vLLM's ``CompletionOutput.routed_experts`` (``[tokens, num_hidden_layers, top_k]``
+    expert ids, one row per decoder layer, dense ones included: read in 0.24's
+    ``routed_experts_capturer``) as crossrl's routes: the MoE layers' rows (``moe_layers``,
+    decoder-layer indices), int16 expert id + 1 (``rollout.moe_routing``)."""
+    routes = np.asarray(routes)
+    if routes.ndim != 3 or (moe_layers and max(moe_layers) >= routes.shape[1]):
+        raise RuntimeError(
+            f"vLLM returned routed_experts of shape {routes.shape}; expected [tokens, layers, "
+            f"top_k] with a row for each of the decoder layers {moe_layers}"
+        )
+    return routes[:, moe_layers, :].astype(np.int16) + 1
+
+
+def result_from_vllm_completion(
+    completion: Any, interrupted: bool = False, moe_layers: list[int] | None = None
+) -> GenerationResult:
     """Map one vLLM ``CompletionOutput`` (duck-typed: ``token_ids``, ``logprobs``,
     ``finish_reason``, ``stop_reason``) to a ``GenerationResult``.
 
@@ -82,6 +100,9 @@ def result_from_vllm_completion(completion: Any, interrupted: bool = False) -> G
     extra = {}
     if completion.stop_reason is not None:
         extra["stop_reason"] = completion.stop_reason
+    routes = getattr(completion, "routed_experts", None)
+    if moe_layers is not None and routes is not None:
+        extra["routed_experts"] = crossrl_routes(routes, moe_layers)
     return GenerationResult(
         token_ids=token_ids, logprobs=logprobs, finish_reason=reason, extra=extra
     )

@@ -13,13 +13,16 @@ from rollout.engines.vllm.io import result_from_vllm_completion
 __all__ = ["Steps", "vllm_result"]
 
 
-def vllm_result(completion, ended: bool, renormalized: bool) -> GenerationResult:
+def vllm_result(
+    completion, ended: bool, renormalized: bool, moe_layers: list[int] | None = None
+) -> GenerationResult:
     """A request's ``GenerationResult`` from its latest ``CompletionOutput`` (None: it never
-    ran); ``ended``: cut by an interrupt or an abort."""
+    ran); ``ended``: cut by an interrupt or an abort; ``moe_layers``: the engine returns a
+    mixture's routing (``VLLMEngine.moe_layers``)."""
     if completion is None:  # interrupted before it was scheduled
         result = GenerationResult([], [], "interrupted")
     else:
-        result = result_from_vllm_completion(completion, interrupted=ended)
+        result = result_from_vllm_completion(completion, interrupted=ended, moe_layers=moe_layers)
     if renormalized:
         result.extra["logprobs_renormalized"] = True
     return result
@@ -65,8 +68,9 @@ class Steps:
             if request_id in self.cut or (out is not None and out.finished):
                 self.reported.add(request_id)
                 completion = None if out is None else out.outputs[0]
+                cut = request_id in self.cut
                 self.on_result(
-                    index, vllm_result(completion, request_id in self.cut, self.renormalized)
+                    index, vllm_result(completion, cut, self.renormalized, self.owner.moe_layers)
                 )
 
     def _admitted(self, running: int) -> bool:
@@ -113,6 +117,7 @@ class Steps:
                 self.latest[r].outputs[0] if r in self.latest else None,
                 r in self.cut,
                 self.renormalized,
+                self.owner.moe_layers,
             )
             for r in self.ids
         ]

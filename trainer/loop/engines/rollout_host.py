@@ -94,6 +94,7 @@ class EngineHost(EngineWeights):
         self.startup.done("tokenizer")
         roll = cfg.rollout
         invariance = engine_batch_invariance(cfg, backend)
+        routed = cfg.algorithm.routing_replay != "none"  # a mixture's routing, returned
         if roll.engine == "hf":
             model = load_model(
                 model_path, dtype=cfg.model.dtype, seed=cfg.seed, device=backend.device(0)
@@ -104,7 +105,6 @@ class EngineHost(EngineWeights):
 
                 inject(model, lora.rank, lora.alpha, 0.0, lora.target_modules)
             model.eval()
-            routed = cfg.algorithm.routing_replay != "none"  # a mixture's routing, returned
             self.engine = make_engine("hf", model, self.tokenizer, routed_experts=routed)
         else:
             directory = builtin_weights_dir(model_path, cfg.seed) if is_builtin else model_path
@@ -128,6 +128,7 @@ class EngineHost(EngineWeights):
                 lora=_served_adapters(cfg),
                 weight_transfer=_transfer_engine(cfg, backend),
                 engine_loop=roll.engine_loop,
+                routed_experts=routed,
             )
             if cfg.run.deterministic:
                 # At tp > 1 each device has a worker process of its own, and the
