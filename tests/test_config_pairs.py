@@ -57,7 +57,7 @@ def test_device_file_sets_only_layout_keys_over_its_base(path):
 @pytest.mark.parametrize("name", GPU)
 def test_real_jobs_are_bf16_agents_on_local_models(name):
     cfg = load_config(CONFIGS / "gpu" / name, check_environment=False)
-    assert cfg.model.path.startswith("/models/Qwen2.5-")
+    assert cfg.model.path.startswith(("/models/Qwen2.5-", "/models/Qwen3-"))
     assert cfg.model.dtype == "bfloat16"
     assert cfg.rollout.engine == "vllm"
     assert cfg.rollout.step_wise and cfg.rollout.max_turns > 1

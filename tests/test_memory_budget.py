@@ -46,7 +46,7 @@ def _budget(name: str, *overrides: str, before_fixes: bool = False):
 # ----------------------------------------------------------------------------- shapes
 
 
-def test_parameter_counts_of_the_published_qwen25_shapes():
+def test_parameter_counts_of_the_published_shapes():
     counts = {
         name: ModelShape.from_config(config, "table").num_params
         for name, config in PUBLISHED_SHAPES.items()
@@ -56,17 +56,20 @@ def test_parameter_counts_of_the_published_qwen25_shapes():
         "Qwen2.5-0.5B": 494_032_768,
         "Qwen2.5-1.5B": 1_543_714_304,
         "Qwen2.5-7B": 7_615_616_512,
+        "Qwen3-30B-A3B": 30_532_122_624,
     }
-    assert [round(c / 1e9, 2) for c in counts.values()] == [0.49, 1.54, 7.62]
+    assert [round(c / 1e9, 2) for c in counts.values()] == [0.49, 1.54, 7.62, 30.53]
 
 
-@pytest.mark.parametrize("name", ["Qwen2.5-0.5B", "Qwen2.5-7B"])
+@pytest.mark.parametrize("name", ["Qwen2.5-0.5B", "Qwen2.5-7B", "Qwen3-30B-A3B"])
 def test_parameter_count_matches_the_transformers_model(name):
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    values = dict(PUBLISHED_SHAPES[name])
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**PUBLISHED_SHAPES[name]))
+        model = AutoModelForCausalLM.from_config(config)
     shape = ModelShape.from_config(PUBLISHED_SHAPES[name], "table")
     assert sum(p.numel() for p in model.parameters()) == shape.num_params
     largest = max(p.numel() for p in model.parameters())

@@ -191,7 +191,7 @@ def _padded(rows: int, ranks: int) -> int:
     return -(-rows // ranks) * ranks
 
 
-#: Published shapes of the Qwen2.5 sizes the shipped configs train, for a ``model.path`` that
+#: Published shapes of the models the shipped configs train, for a ``model.path`` that
 #: is not on this machine (a cluster's /models/... read on a laptop); matched by name.
 PUBLISHED_SHAPES: dict[str, dict] = {
     "Qwen2.5-0.5B": {
@@ -224,14 +224,32 @@ PUBLISHED_SHAPES: dict[str, dict] = {
         "tie_word_embeddings": False,
         "model_type": "qwen2",
     },
+    "Qwen3-30B-A3B": {  # its config.json on the Hub (2025-07 revision)
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "model_type": "qwen3_moe",
+    },
 }
-_PUBLISHED_NAME = re.compile(r"qwen2\.5-(0\.5|1\.5|7)b(?![0-9.])")
+_PUBLISHED_NAME = re.compile(r"(qwen2\.5-(0\.5|1\.5|7)b|qwen3-30b-a3b)(?![0-9.])")
 
 
 def model_shape(path: str) -> ModelShape | None:
     """The shape of the model at ``path`` (``model.path``'s forms): a ``builtin:`` model's
     shipped config.json, else ``<path>/config.json`` when it is here, else the published
-    Qwen2.5 shape its directory name names (``PUBLISHED_SHAPES``); None when none applies."""
+    Qwen2.5 or Qwen3-30B-A3B shape its directory name names (``PUBLISHED_SHAPES``); None when
+    none applies."""
     if path.startswith("builtin:"):
         from rollout.assets import BUILTIN_MODELS_DIR
 
@@ -244,10 +262,10 @@ def model_shape(path: str) -> ModelShape | None:
     match = _PUBLISHED_NAME.search(Path(path).name.lower())
     if match is None:
         return None
-    name = f"Qwen2.5-{match.group(1).upper()}B"
+    name = "Qwen3-30B-A3B" if match.group(2) is None else f"Qwen2.5-{match.group(2).upper()}B"
     return ModelShape.from_config(
         PUBLISHED_SHAPES[name],
-        f"crossrl's table of published shapes, by the name {name}\n    (no {file} on this machine)",
+        f"crossrl's table of published shapes ({name})\n    (no {file} on this machine)",
     )
 
 
