@@ -245,7 +245,10 @@ class CheckpointTensors:
 
     Holds only the names and which file has each; ``read(name)`` copies one tensor into
     memory. Each read opens and closes its file, so the memory-mapped pages leave the process
-    with it: reading a whole model this way never holds more than one tensor.
+    with it: reading a whole model this way never holds more than one tensor. A mixture's
+    experts stored one per expert (every published Qwen-MoE checkpoint) are also read under
+    transformers 5's fused names (``...mlp.experts.gate_up_proj`` / ``down_proj``), stacked
+    one fused tensor at a time (``rollout.engines.weights.expert_names.fused_experts``).
     """
 
     def __init__(self, directory: Path) -> None:
@@ -258,12 +261,30 @@ class CheckpointTensors:
                 self.files.update(dict.fromkeys(handle.keys(), file))
 
     def __contains__(self, name: object) -> bool:
-        return name in self.files
+        if name in self.files:
+            return True
+        return isinstance(name, str) and self._fused_base(name) is not None
+
+    def _fused_base(self, name: str) -> str | None:
+        from rollout.engines.weights.expert_names import FUSED_DOWN, FUSED_GATE_UP
+
+        for fused, part in ((FUSED_GATE_UP, "gate_proj"), (FUSED_DOWN, "down_proj")):
+            if name.endswith(fused):
+                base = name[: -len(fused)] + "mlp.experts."
+                return base if f"{base}0.{part}.weight" in self.files else None
+        return None
 
     def read(self, name: str) -> torch.Tensor:
         """Tensor ``name`` as stored (its file's dtype), on the CPU."""
         from safetensors import safe_open
 
+        if name not in self.files:
+            from rollout.engines.weights.expert_names import fused_experts
+
+            fused = fused_experts(name, self.files, self.read)
+            if fused is None:
+                raise KeyError(f"{name!r} is not in the safetensors files of {self.directory}")
+            return fused
         with safe_open(str(self.files[name]), framework="pt") as handle:
             return handle.get_tensor(name)
 

@@ -79,3 +79,56 @@ def test_a_split_model_loads_fused_names_one_expert_a_name_through_a_watched_pus
     model.seen.clear()
     model.load_weights([("l.mlp.experts.down_proj", torch.zeros(1, 4, 3))])
     assert model.seen == ["l.mlp.experts.0.down_proj.weight"]  # still split after the watch
+
+
+def _per_expert_checkpoint(directory, seed: int = 3) -> dict:
+    """The tiny MoE saved as published MoE checkpoints are: one tensor per expert."""
+    from safetensors.torch import save_file
+
+    state = load_model("builtin:tiny-moe", seed=seed).state_dict()
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copy(builtin_config_dir("builtin:tiny-moe") / "config.json", directory)
+    split = {n: t.contiguous().clone() for n, t in per_expert(state.items())}
+    save_file(split, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return state
+
+
+def test_a_per_expert_checkpoint_reads_under_the_fused_names_one_tensor_at_a_time(tmp_path):
+    from rollout.models import CheckpointTensors
+
+    state = _per_expert_checkpoint(tmp_path / "moe")
+    source = CheckpointTensors(tmp_path / "moe")
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    assert fused in source and "model.layers.1.mlp.experts.down_proj" in source
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in source  # the dense layer has none
+    for name, tensor in state.items():
+        assert torch.equal(source.read(name), tensor), name
+    with pytest.raises(KeyError, match="model.layers.9.mlp.experts.down_proj"):
+        source.read("model.layers.9.mlp.experts.down_proj")
+
+
+def test_the_actor_starts_from_a_per_expert_checkpoint_without_a_whole_copy(tmp_path, monkeypatch):
+    """The trainer's start-up streams the per-expert checkpoint tensor by tensor: transformers'
+    ``from_pretrained`` (one whole fp32 copy on rank 0: 122 GB for Qwen3-30B-A3B) never runs,
+    and the actor holds exactly the checkpoint's weights."""
+    import rollout.models
+    from trainer.config import load_config
+    from trainer.loop.cluster.group import free_port
+    from trainer.loop.ranks.fsdp_worker import WorkerSpec
+    from trainer.loop.ranks.policy import PolicyWorker
+
+    state = _per_expert_checkpoint(tmp_path / "moe")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("from_pretrained ran: the checkpoint was read whole")
+
+    monkeypatch.setattr(rollout.models, "load_model", refuse)
+    cfg = load_config(None, [f"model.path={tmp_path / 'moe'}", "model.dtype=float32"])
+    worker = PolicyWorker(WorkerSpec(role="actor", rank=0, cfg=cfg))
+    worker.setup("127.0.0.1", free_port())
+    try:
+        got = worker.full_state_dict()
+        for name, tensor in state.items():
+            assert torch.equal(got[name], tensor), name
+    finally:
+        worker.shutdown()

@@ -61,6 +61,13 @@ def test_the_default_job_trains_the_tiny_moe_and_its_experts_learn(tmp_path):
     from trainer.commands.export import export_run
 
     out = export_run(run_dir, tmp_path / "export")
+    # one tensor per expert, as published checkpoints are: what vLLM 0.24's and 0.26's
+    # loaders map (they skip transformers 5's fused names)
+    from rollout.models import CheckpointTensors
+
+    names = CheckpointTensors(out).files
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in names
+    assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in names)
     trained = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
     initial = load_model("builtin:tiny-moe", seed=cfg.seed).state_dict()
     for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.gate.weight"):

@@ -18,11 +18,11 @@ Mixtral's ``w1`` / ``w3`` / ``w2`` names are not mapped (not a pinned test model
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 
 import torch
 
-__all__ = ["FUSED_DOWN", "FUSED_GATE_UP", "per_expert", "split_fused_experts"]
+__all__ = ["FUSED_DOWN", "FUSED_GATE_UP", "fused_experts", "per_expert", "split_fused_experts"]
 
 #: The fused experts' names' endings in transformers 5.
 FUSED_GATE_UP = "mlp.experts.gate_up_proj"
@@ -59,6 +59,32 @@ def per_expert(
                 yield f"{base}{e}.down_proj.weight", tensor[e]
         else:
             yield name, tensor
+
+
+def fused_experts(name: str, names: Container[str], read: Callable[[str], torch.Tensor]):
+    """The fused experts tensor ``name`` (``...mlp.experts.gate_up_proj`` or ``down_proj``)
+    built from a checkpoint's per-expert tensors (``names`` holds them, ``read`` reads one),
+    stacked as transformers 5 loads them; None when ``name`` is no fused name or the
+    checkpoint has no per-expert tensors for it. One fused tensor in memory at a time (plus
+    one expert's): a loader that streams tensor by tensor never holds the whole model."""
+    if name.endswith(FUSED_GATE_UP):
+        base, parts = name[: -len("gate_up_proj")], ("gate_proj", "up_proj")
+    elif name.endswith(FUSED_DOWN):
+        base, parts = name[: -len("down_proj")], ("down_proj",)
+    else:
+        return None
+    count = 0
+    while f"{base}{count}.{parts[0]}.weight" in names:
+        count += 1
+    if not count:
+        return None
+    first = [read(f"{base}0.{part}.weight") for part in parts]
+    rows = sum(t.shape[0] for t in first)
+    out = torch.empty((count, rows, first[0].shape[1]), dtype=first[0].dtype)
+    for e in range(count):
+        pieces = first if e == 0 else [read(f"{base}{e}.{part}.weight") for part in parts]
+        torch.cat(pieces, dim=0, out=out[e])
+    return out
 
 
 #: The attribute a model's converting ``load_weights`` is marked with.

@@ -134,8 +134,10 @@ class ModelLoading:
 
         Tensor by tensor, rank 0 reads a weight from the checkpoint's safetensors files and
         broadcasts it, and every rank keeps its shard: no process holds more than its shards
-        and one full tensor. A checkpoint whose names transformers converts on load is read
-        whole by rank 0 through ``from_pretrained`` instead (one full copy on the host).
+        and one full tensor (a mixture's per-expert tensors are stacked into each fused one as
+        it is read: ``rollout.models.CheckpointTensors``). A checkpoint whose names
+        transformers converts otherwise is read whole by rank 0 through ``from_pretrained``
+        instead (one full copy on the host).
         ``own``: full tensors the role built for real (the critic's value head), sent instead.
         """
         import torch.distributed as dist
