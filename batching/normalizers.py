@@ -33,7 +33,8 @@ class LossNormalizers:
     """Global counts of one mini-batch, padding rows excluded.
 
     num_rows: real rows. num_loss_tokens: real tokens with `loss_mask` 1.
-    num_trajectories: distinct trajectories among the real rows.
+    num_trajectories: distinct trajectories among the real rows. num_tokens: every token of
+    the real rows, prompts included (what a mixture's load-balancing loss averages over).
     Per-row loss-token counts need no global exchange: rows are never split across
     micro-batches, so a micro-batch counts its own rows' tokens.
     """
@@ -41,6 +42,7 @@ class LossNormalizers:
     num_rows: int
     num_loss_tokens: int
     num_trajectories: int
+    num_tokens: int = 0
 
 
 def loss_normalizers(
@@ -69,6 +71,7 @@ def loss_normalizers(
         num_rows=int(idx_t.numel()),
         num_loss_tokens=int(loss_tokens.sum()),
         num_trajectories=int(torch.unique(batch.trajectory_id.index_select(0, idx_t)).numel()),
+        num_tokens=int(np.asarray(batch.seq_lens)[idx_t.numpy()].sum()),
     )
 
 

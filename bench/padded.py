@@ -76,7 +76,10 @@ def padded_normalizers(micro_batches: list[PaddedMicroBatch]) -> LossNormalizers
     own trajectory)."""
     rows = sum(int(mb.input_ids.shape[0]) for mb in micro_batches)
     loss_tokens = sum(int(mb.loss_mask.sum()) for mb in micro_batches)
-    return LossNormalizers(num_rows=rows, num_loss_tokens=loss_tokens, num_trajectories=rows)
+    tokens = sum(int(mb.attention_mask.sum()) for mb in micro_batches)
+    return LossNormalizers(
+        num_rows=rows, num_loss_tokens=loss_tokens, num_trajectories=rows, num_tokens=tokens
+    )
 
 
 def _from_previous(values: torch.Tensor) -> torch.Tensor:

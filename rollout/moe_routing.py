@@ -10,7 +10,7 @@ to the bit: the top-k values are the softmax gathered at the top-k experts. The 
 per thread (an engine and a trainer may share a process):
 
 - ``recording(sink)``: each router call appends its choice (``[N, K]`` expert ids) to ``sink``;
-- ``replaying(RouteFlips(routes))``: each MoE layer takes the given experts (``routes``
+- ``replaying(RouterPass(routes))``: each MoE layer takes the given experts (``routes``
   ``[L, K, N]``, expert id + 1, 0 where a token has none and routes itself); its weights are
   its own softmax at those experts, renormalised as the family does, so gradients reach the
   router as usual; ``flips`` counts, per token, the MoE layers whose own top-k set differs
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 __all__ = [
     "ROUTE_DTYPE",
     "ROUTER_CLASSES",
-    "RouteFlips",
+    "RouterPass",
     "checkpoint_contexts",
     "control_routers",
     "moe_layer_indices",
@@ -127,6 +127,10 @@ def _routed_forward(self, hidden_states: torch.Tensor):
     logits = F.linear(hidden_states, self.weight)
     probs = torch.softmax(logits, dtype=torch.float, dim=-1)
     chosen = _choose(self.crossrl_moe_layer, probs, self.top_k)
+    router_pass: RouterPass | None = getattr(_STATE, "replay", None)
+    if router_pass is not None and router_pass.weights is not None:
+        if getattr(_STATE, "reuse", None) is None:  # the forward's loads, not a recompute's
+            router_pass.add_loads(probs, chosen)
     scores = probs.gather(-1, chosen)
     if self.norm_topk_prob:
         scores = scores / scores.sum(dim=-1, keepdim=True)
@@ -138,8 +142,8 @@ def _choose(layer: int, probs: torch.Tensor, top_k: int) -> torch.Tensor:
     if reuse is not None:  # a checkpoint's recompute: the forward's own choice
         return next(reuse)
     chosen = torch.topk(probs.detach(), top_k, dim=-1).indices  # ids only: nothing saved
-    replay: RouteFlips | None = getattr(_STATE, "replay", None)
-    if replay is not None:
+    replay: RouterPass | None = getattr(_STATE, "replay", None)
+    if replay is not None and replay.routes is not None:
         given = replay.routes[layer].to(probs.device, torch.long).transpose(0, 1) - 1  # [N, K]
         has = given[:, 0] >= 0
         differs = (chosen.sort(-1).values != given.sort(-1).values).any(-1) & has
@@ -174,27 +178,67 @@ def prompt_routes(sink: list[torch.Tensor], lens: list[int], head: int) -> list[
     return out
 
 
-class RouteFlips:
-    """A replay's routes (``[L, K, N]``, expert id + 1, on the model's device) and, per token,
-    how many MoE layers' own top-k differed from them (``flips``, float32 ``[N]``; 0 where a
-    token had no route). ``enforce`` False: the layers only count (they route themselves)."""
+class RouterPass:
+    """What one trainer forward asks of a mixture's routers, and what they report.
 
-    def __init__(self, routes: torch.Tensor, *, enforce: bool = True) -> None:
-        if routes.dim() != 3:
+    ``routes`` (``[L, K, N]``, expert id + 1, on the model's device; None: route freely): the
+    engine's routing, replayed (``enforce``) or only compared; ``flips`` counts, per token,
+    the MoE layers whose own top-k differed (float32 ``[N]``; 0 where a token had no route).
+    ``weights`` (float32 ``[N]``; None: no loads): how many of the batch's real tokens each
+    position stands for (0 for padding; a prompt shared by several rows and run once counts
+    for each of them), by which each layer reports its expert loads for the load-balancing
+    loss: ``counts`` (top-k slots per expert, no gradient) and ``prob_sums`` (router
+    probabilities summed per expert, with gradient), one ``[E]`` per MoE layer."""
+
+    def __init__(
+        self,
+        routes: torch.Tensor | None = None,
+        *,
+        enforce: bool = True,
+        weights: torch.Tensor | None = None,
+    ) -> None:
+        if routes is not None and routes.dim() != 3:
             raise ValueError(
                 f"routes has shape {tuple(routes.shape)}; expected [layers, top_k, tokens]"
             )
-        self.routes, self.enforce = routes, enforce
+        self.routes, self.enforce, self.weights = routes, enforce, weights
         self.flips: torch.Tensor | float = 0.0
         self.per_target: torch.Tensor | None = None  # set by the trainer's forward
+        self._raw: list[tuple[torch.Tensor, torch.Tensor]] = []  # (probs, chosen) per layer
+
+    def in_layout(self, index: torch.Tensor, multiplicity: torch.Tensor) -> None:
+        """Take the tokens at ``index`` (a shared-prompt layout's ``token_index``), each
+        standing for ``multiplicity`` tokens of the usual layout."""
+        if self.routes is not None:
+            self.routes = self.routes.index_select(-1, index.to(self.routes.device))
+        if self.weights is not None:
+            taken = self.weights.index_select(0, index.to(self.weights.device))
+            self.weights = taken * multiplicity.to(taken)
 
     def flip_share(self, num_tokens: int, device: torch.device) -> torch.Tensor:
         """Per token, the share of MoE layers whose own choice differed (float32 ``[N]``)."""
-        layers = max(int(self.routes.shape[0]), 1)
         flips = self.flips
-        if not isinstance(flips, torch.Tensor):
+        if self.routes is None or not isinstance(flips, torch.Tensor):
             return torch.zeros(num_tokens, dtype=torch.float32, device=device)
-        return flips.to(device) / layers
+        return flips.to(device) / max(int(self.routes.shape[0]), 1)
+
+    def add_loads(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
+        """One MoE layer's router output (``probs`` ``[N, E]``, ``chosen`` ``[N, K]``), kept
+        as it is: the loads are computed after the forward (``loads``), so a checkpointed
+        layer's forward runs no operation its recompute would not."""
+        self._raw.append((probs, chosen))
+
+    def loads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per MoE layer, the ``weights``-weighted top-k slots per expert (no gradient) and
+        router probabilities summed per expert (with gradient): ``(counts, prob_sums)``."""
+        counts, prob_sums = [], []
+        for probs, chosen in self._raw:
+            weights = self.weights.to(probs.device, torch.float32)
+            slots = weights.repeat_interleave(chosen.shape[-1])
+            per_expert = torch.bincount(chosen.reshape(-1), slots, minlength=probs.shape[-1])
+            counts.append(per_expert.float())
+            prob_sums.append((probs * weights[:, None]).sum(0))
+        return counts, prob_sums
 
 
 @contextlib.contextmanager
@@ -212,9 +256,10 @@ def recording(sink: list[torch.Tensor]) -> contextlib.AbstractContextManager:
     return _setting("record", sink)
 
 
-def replaying(replay: RouteFlips | None) -> contextlib.AbstractContextManager:
-    """Each MoE layer in this thread routes as ``replay.routes`` says (module docstring) and
-    counts into ``replay.flips`` the layers whose own choice differed. ``None``: no replay."""
+def replaying(replay: RouterPass | None) -> contextlib.AbstractContextManager:
+    """Each MoE layer in this thread routes as ``replay.routes`` says (module docstring),
+    counts into ``replay.flips`` the layers whose own choice differed and reports its loads
+    when ``replay.real`` is given. ``None``: the routers route freely."""
     if replay is None:
         return contextlib.nullcontext(None)
     return _setting("replay", replay)

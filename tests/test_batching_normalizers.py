@@ -164,6 +164,7 @@ def test_normalizers_count_real_rows_tokens_and_trajectories():
         num_rows=len(rows),
         num_loss_tokens=sum(sum(r.response_mask) for r in rows),
         num_trajectories=len({r.trajectory_id for r in rows}),
+        num_tokens=sum(len(r.prompt_ids) + len(r.response_ids) for r in rows),
     )
     assert loss_normalizers(batch) == want
     assert loss_normalizers(padded) == want
@@ -174,6 +175,7 @@ def test_normalizers_count_real_rows_tokens_and_trajectories():
     per_mb = [loss_normalizers(batch, mb) for mb in plan.mini_batches]
     assert sum(n.num_rows for n in per_mb) == want.num_rows
     assert sum(n.num_loss_tokens for n in per_mb) == want.num_loss_tokens
+    assert sum(n.num_tokens for n in per_mb) == want.num_tokens
     assert [n.num_trajectories for n in per_mb] == [mb.num_trajectories for mb in plan.mini_batches]
 
 

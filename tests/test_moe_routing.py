@@ -13,7 +13,7 @@ import torch
 from rollout.models import load_model
 from rollout.moe_routing import (
     ROUTE_DTYPE,
-    RouteFlips,
+    RouterPass,
     checkpoint_contexts,
     control_routers,
     moe_routers,
@@ -80,7 +80,7 @@ def test_recording_gives_each_moe_layers_choice_and_replaying_them_changes_nothi
         plain = model(input_ids=ids).logits
     assert len(sink) == len(moe_routers(model))
     routes = torch.stack([c.transpose(0, 1) for c in sink]).to(ROUTE_DTYPE) + 1  # [L, K, N]
-    with torch.no_grad(), replaying(RouteFlips(routes)) as flips:
+    with torch.no_grad(), replaying(RouterPass(routes)) as flips:
         again = model(input_ids=ids).logits
     assert torch.equal(plain, again)
     assert torch.equal(flips.flip_share(13, torch.device("cpu")), torch.zeros(13))
@@ -98,7 +98,7 @@ def test_replay_routes_as_told_counts_flips_and_leaves_unrouted_tokens_alone():
     told[0, :, 4] = (told[0, :, 4] % experts) + 1  # token 4, first MoE layer: other experts
     told[:, :, 9] = 0  # token 9 routes itself
     seen: list[torch.Tensor] = []
-    with torch.no_grad(), replaying(RouteFlips(told)) as flips, recording(seen):
+    with torch.no_grad(), replaying(RouterPass(told)) as flips, recording(seen):
         replayed = model(input_ids=ids).logits
     assert torch.equal(seen[0][4], told[0, :, 4].long() - 1)  # the layer took the experts given
     share = flips.flip_share(11, torch.device("cpu"))
@@ -332,3 +332,56 @@ def test_routing_replay_with_vllm_on_the_cpu_is_refused_before_start_up():
     keys = ["device=cpu", "rollout.engine=vllm", "algorithm.routing_replay=rollout"]
     with pytest.raises(ConfigError, match="algorithm.routing_replay: got 'rollout'; vLLM's CPU"):
         load_config(None, keys, check_environment=False)
+
+
+# ---------------------------------------------------------------- the load-balancing loss
+
+
+def _router_output(assignments: list[list[int]], probs: list[float]) -> RouterPass:
+    """A pass whose one MoE layer sent token i to ``assignments[i]`` with ``probs`` each."""
+    router = RouterPass(weights=torch.ones(len(assignments)))
+    chosen = torch.tensor(assignments)
+    router.add_loads(torch.tensor([probs] * len(assignments)), chosen)
+    return router
+
+
+def test_the_load_balancing_loss_is_the_coefficient_under_uniform_routing_and_grows_with_skew():
+    from trainer.loop.ranks.policy import load_balance_loss
+
+    uniform = _router_output([[0, 1], [2, 3], [4, 5], [6, 7]], [1 / 8] * 8)  # one slot each
+    assert load_balance_loss(uniform, 4, 0.01).item() == pytest.approx(0.01)
+    skewed = _router_output([[0, 1]] * 4, [0.5, 0.5, 0, 0, 0, 0, 0, 0])  # two experts take all
+    assert load_balance_loss(skewed, 4, 0.01).item() == pytest.approx(0.01 * 8 * 0.5)
+    assert load_balance_loss(RouterPass(weights=torch.ones(4)), 4, 0.01) is None  # dense
+
+
+def test_the_loads_leave_padding_out_and_count_a_shared_prompt_for_each_of_its_rows():
+    """Three rows, two of them sharing a prompt, and a padding row: the loads of the usual
+    layout (padding weighted 0) equal the shared layout's (the shared prompt run once,
+    weighted by its two rows), and the padding row moves nothing."""
+    import hal
+    from batching import share_prompts
+    from trainer.loop.ranks.forward import packed_token_logprobs
+
+    hal.register_attention()
+    model = load_model("builtin:tiny-moe", seed=2, attn_implementation=hal.ATTN_IMPLEMENTATION)
+    control_routers(model)
+    prompt = [5, 6, 7, 8, 9, 10]
+    rows = [prompt + [20, 21, 22], prompt + [30, 31], [40, 41, 42, 43], [1, 1]]  # last: padding
+    ids = torch.tensor([t for r in rows for t in r])
+    pos = torch.cat([torch.arange(len(r)) for r in rows])
+    cu = torch.tensor([0, 9, 17, 21, 23], dtype=torch.int32)
+    weights = torch.cat([torch.ones(21), torch.zeros(2)])
+    prompt_lens = np.array([6, 6, 2, 1])
+    sharing = share_prompts(ids.numpy(), cu.numpy(), prompt_lens)
+    assert sharing is not None and sharing.num_tokens == 23 - 6
+    passes = []
+    for layout in (None, sharing):
+        router = RouterPass(weights=weights.clone())
+        with torch.no_grad():
+            packed_token_logprobs(model, ids, pos, cu, sharing=layout, replay=router)
+        passes.append(router)
+    (usual_counts, usual_probs), (shared_counts, shared_probs) = (p.loads() for p in passes)
+    for a, b in zip(usual_counts + usual_probs, shared_counts + shared_probs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert usual_counts[0].sum().item() == 21 * model.config.num_experts_per_tok  # real slots

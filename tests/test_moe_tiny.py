@@ -4,6 +4,7 @@ the trainer run transformers' own MoE modules, experts fused per layer)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rollout.models import builtin_config_dir, load_model
@@ -132,3 +133,21 @@ def test_the_flip_rate_measures_a_bf16_trainer_against_an_fp32_engine(tmp_path):
         for key in KEYS:
             assert a[key] == b[key], key
     assert replayed[0]["actor/loss"] != measured[0]["actor/loss"]  # later updates replay
+
+
+def test_the_load_balancing_loss_trains_through_checkpointed_layers_and_replay(tmp_path):
+    """``algorithm.router_aux_loss_coef`` with routing replay, layers checkpointed or not: the
+    same run (the recompute neither routes anew nor counts loads twice), the loss logged near
+    its coefficient at step 1 (the tiny MoE's router starts near uniform: E * sum f P is 1
+    there), and a run without it trains otherwise."""
+    aux = ["algorithm.router_aux_loss_coef=0.01", "algorithm.routing_replay=rollout"]
+    kept = _run(tmp_path, "kept", *aux)
+    recomputed = _run(tmp_path, "recomputed", *aux, "train.activation_checkpointing=true")
+    without = _run(tmp_path, "without", "algorithm.routing_replay=rollout")
+    assert kept[0]["actor/router_aux_loss"] == pytest.approx(0.01, rel=0.1)
+    for a, b, c in zip(kept, recomputed, without, strict=True):
+        assert a["actor/router_aux_loss"] > 0
+        assert "actor/router_aux_loss" not in c
+        for key in (*KEYS, "actor/router_aux_loss"):
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), key
+    assert kept[0]["actor/loss"] != without[0]["actor/loss"]

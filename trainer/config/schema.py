@@ -310,6 +310,14 @@ class AlgorithmConfig(BaseModel):
     rollout_correction_cap: float = Field(
         2.0, ge=1, description="upper bound of the rollout-correction weights (>= 1)"
     )
+    router_aux_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="weight of a mixture's load-balancing loss (Switch's, averaged over MoE "
+        "layers); 0 = off, as RL recipes run. Its expert loads are those of the global batch "
+        "(every data-parallel rank's real tokens of a micro-batch step: one all-reduce), "
+        "padding rows out; logged as actor/router_aux_loss",
+    )
     routing_replay: Literal["none", "measure", "rollout"] = Field(
         "none",
         description="mixture-of-experts models: the engine returns each token's experts; "

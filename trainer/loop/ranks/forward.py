@@ -22,12 +22,13 @@ import functools
 import types
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 import hal
 from batching import PromptSharing
 from hal.kernels import HEAD_KERNEL
-from rollout.moe_routing import RouteFlips, replaying
+from rollout.moe_routing import RouterPass, replaying
 
 #: Largest float32 logits chunk of the lean path, in bytes: ``LEAN_CHUNK_BYTES // (4 * V)``
 #: tokens per chunk (220 tokens at Qwen2.5's 151,936-token vocabulary). Backward holds a few
@@ -283,7 +284,7 @@ def packed_token_logprobs(
     entropy_grad: bool = False,
     chunk_tokens: int | None = None,
     sharing: PromptSharing | None = None,
-    replay: RouteFlips | None = None,
+    replay: RouterPass | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability and entropy ``[T]`` (float32, nats) of every token of one packed row
     under ``model``'s ``softmax(logits / temperature)``, aligned as ``token_logprobs`` (0 at
@@ -367,7 +368,7 @@ def shared_token_logprobs(
     lean: bool = True,
     entropy_grad: bool = False,
     chunk_tokens: int | None = None,
-    replay: RouteFlips | None = None,
+    replay: RouterPass | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``packed_token_logprobs`` of a packed row whose rows share prompts, run in the shared
     layout: each shared prompt once, every row's rest attending to it (``hal.packed_forward``'s
@@ -381,7 +382,7 @@ def shared_token_logprobs(
     at = torch.from_numpy(sharing.eval_hidden).to(device)
     targets = torch.from_numpy(sharing.eval_targets).to(device)
     if replay is not None:  # a shared prompt routes as its first row's engine request did
-        replay.routes = replay.routes.index_select(-1, index.to(replay.routes.device))
+        replay.in_layout(index, shared_multiplicity(sharing))
     with replaying(replay):
         logprob, entropy = _shared_stats(
             model,
@@ -405,6 +406,18 @@ def shared_token_logprobs(
         logprob.index_select(0, back).masked_fill(starts, 0.0),
         entropy.index_select(0, back).masked_fill(starts, 0.0),
     )
+
+
+def shared_multiplicity(sharing: PromptSharing) -> torch.Tensor:
+    """How many tokens of the usual layout each position of the shared layout stands for
+    (float32 ``[T_s]``): a shared prompt's, as many as the rows that continue it; every other
+    one, itself."""
+    counts = np.ones(sharing.num_tokens, dtype=np.float32)
+    children = np.bincount([p for p in sharing.parents if p >= 0], minlength=len(sharing.parents))
+    for segment, rows in enumerate(children):
+        if rows:
+            counts[sharing.offsets[segment] : sharing.offsets[segment + 1]] = rows
+    return torch.from_numpy(counts)
 
 
 def _shared_stats(

@@ -9,7 +9,7 @@ import torch
 
 import hal
 from batching import LossNormalizers, PromptSharing, StepBatch, loss_normalizers, share_prompts
-from rollout.moe_routing import RouteFlips
+from rollout.moe_routing import RouterPass
 from trainer.config.schema import Config
 from trainer.loop.ranks.forward import packed_token_logprobs
 from trainer.loop.ranks.fsdp_worker import FSDPWorker
@@ -38,15 +38,48 @@ def sharing_kernel(cfg: Config, device: torch.device) -> str | None:
     return hal.shared_prompt_kernel(torch.device(device), parse_dtype(cfg.train.param_dtype))
 
 
-def route_replay(mb: StepBatch, cfg: Config, device: torch.device) -> RouteFlips | None:
-    """The actor's routing replay for micro-batch ``mb`` (``algorithm.routing_replay``): the
-    engine's routes on ``device``, enforced (``rollout``) or only compared (``measure``); None
-    when off or when the batch carries no routes (a dense model's engine returns none)."""
+def route_replay(
+    mb: StepBatch, cfg: Config, device: torch.device, *, loads: bool = False
+) -> RouterPass | None:
+    """What the actor's routers do for micro-batch ``mb``: replay the engine's routes
+    (``algorithm.routing_replay``: enforced with ``rollout``, only compared with ``measure``;
+    not when the batch carries none: a dense model's engine returns none) and, with
+    ``loads`` (the update of a run with ``algorithm.router_aux_loss_coef`` > 0), report the
+    real tokens' expert loads. None when neither applies."""
     mode = cfg.algorithm.routing_replay
     routes = mb.token_fields.get("routed_experts")
-    if mode == "none" or routes is None:
+    routes = None if mode == "none" or routes is None else routes.to(device)
+    loads = loads and cfg.algorithm.router_aux_loss_coef > 0
+    if routes is None and not loads:
         return None
-    return RouteFlips(routes.to(device), enforce=mode == "rollout")
+    weights = None
+    if loads:  # 1 for each real token, 0 for padding
+        seq_lens = torch.from_numpy(np.asarray(mb.seq_lens))
+        weights = torch.repeat_interleave((~mb.is_padding).float(), seq_lens).to(device)
+    return RouterPass(routes, enforce=mode == "rollout", weights=weights)
+
+
+def load_balance_loss(router: RouterPass, num_tokens: int, coef: float) -> torch.Tensor | None:
+    """The routers' load-balancing loss (``algorithm.router_aux_loss_coef``; Switch's, per
+    MoE layer, averaged over layers) of one micro-batch, as this rank's share of its
+    mini-batch's: ``coef * E * sum_e f_e * P_e``. ``f_e``: the share of the top-k slots that
+    went to expert ``e`` over this micro-batch step's real tokens on every data-parallel rank
+    (one all-reduce: the loads of the global batch, not of one rank's rows); ``P_e``: the
+    mean router probability of ``e``, this rank's real tokens summed over the mini-batch's
+    ``num_tokens`` real tokens (so the ranks' and micro-batches' shares add up to the mean).
+    Padding rows count in neither. None when the model reported no loads (dense)."""
+    import torch.distributed as dist
+
+    counts, prob_sums = router.loads() if router.weights is not None else ([], [])
+    if not counts:
+        return None
+    counts = torch.stack(counts)  # [L, E]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    experts = counts.shape[-1]
+    share = counts / counts.sum(-1, keepdim=True).clamp(min=1.0)
+    probs = torch.stack(prob_sums) / max(num_tokens, 1)
+    return coef * experts * (share * probs).sum(-1).mean()
 
 
 def actor_micro_batch_loss(
@@ -70,7 +103,7 @@ def actor_micro_batch_loss(
 
     algo = cfg.algorithm
     cu = mb.cu_seqlens.to(device)
-    replay = route_replay(mb, cfg, device)
+    replay = route_replay(mb, cfg, device, loads=True)
     # Entropy is always logged; it carries gradient only when it is in the loss.
     logprobs, entropy = packed_token_logprobs(
         model,
@@ -108,12 +141,21 @@ def actor_micro_batch_loss(
     keep = mask > 0
     sums["old_logprob"] = old[keep].double().sum()
     sums["new_logprob"] = logprobs.detach()[keep].double().sum()
-    if replay is not None and keep_old is not None:  # on the weights that sampled
-        sums.update(routing_sums(replay, mask))
+    if replay is not None and replay.routes is not None and keep_old is not None:
+        sums.update(routing_sums(replay, mask))  # on the weights that sampled
+    aux = (
+        None
+        if replay is None
+        else load_balance_loss(replay, normalizers.num_tokens, algo.router_aux_loss_coef)
+    )
+    if aux is not None:
+        loss = loss + aux
+        sums["loss"] = loss.detach()
+        sums["router_aux_loss"] = aux.detach()
     return loss, sums
 
 
-def routing_sums(replay: RouteFlips, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def routing_sums(replay: RouterPass, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """``routing_flips`` (flipped MoE-layer shares summed over loss tokens) and
     ``routing_tokens`` (the loss tokens): ``actor/routing_flip_rate`` is their ratio."""
     return {"routing_flips": (replay.per_target * mask).sum(), "routing_tokens": mask.sum()}

@@ -63,6 +63,7 @@ SCHEMAS: dict[str, tuple[Stat, ...]] = {
         # decisions where the actor's own top-k differs from the engine's, per decision
         Stat("routing_flips", Reduce.RATIO, "routing_flip_rate", per="routing_tokens"),
         Stat("routing_tokens", Reduce.RATIO, per="routing_tokens"),
+        Stat("router_aux_loss", _SHARE, "router_aux_loss"),  # algorithm.router_aux_loss_coef
     ),
     "critic": (
         Stat("loss", _SHARE),
