@@ -25,6 +25,13 @@ class TrainConfig(BaseModel):
         4, ge=1, description="prompts per mini-batch (one optimizer step); divides batch_size"
     )
     dp_size: int = Field(1, ge=1, description="data-parallel ranks (devices) of the trainer")
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks (of train.dp_size, which it divides) that split a mixture's "
+        "experts by expert: tokens go to their experts' ranks and back by all-to-all; each "
+        "expert is sharded over the remaining dp_size / expert_parallel_size ranks; 1 = off",
+    )
     max_tokens_per_micro_batch: Annotated[int, Field(ge=2)] | Literal["auto"] | None = Field(
         None,
         description="tokens per micro-batch per rank (a longer row goes alone); "

@@ -274,7 +274,12 @@ class FSDPWorker(BatchStore, CheckpointPieces, ModelLoading):
         sums = {key: float(value) for key, value in sums.items()}
         # grad_clip null: no clipping, but the norm is still measured (an infinite max norm)
         max_norm = self.spec.optim.grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if self.spec.cfg.train.expert_parallel_size > 1:  # parameters on two meshes
+            from trainer.loop.ranks.expert_parallel import grad_norm as clip_over_meshes
+
+            grad_norm = clip_over_meshes(list(model.parameters()), max_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)

@@ -123,7 +123,23 @@ class ModelLoading:
         )
         # The mesh names the HAL's device: FSDP2's default mesh takes the machine's
         # accelerator, so a device=cpu run on a GPU node would quietly shard onto the GPU.
-        mesh = init_device_mesh(self.backend.device_type, (self.spec.world_size,))
+        world, ep = self.spec.world_size, train.expert_parallel_size
+        if ep > 1:  # experts split over ep ranks (trainer.loop.ranks.expert_parallel)
+            from trainer.loop.ranks.expert_parallel import shard_experts
+
+            grid = init_device_mesh(
+                self.backend.device_type, (world // ep, ep), mesh_dim_names=("dp", "ep")
+            )
+            policies = {"mp_policy": mp, "offload_policy": offload}
+            sharded = shard_experts(model, grid, lambda m, **kw: fully_shard(m, **kw, **policies))
+            if not sharded and self.spec.role == "actor":
+                raise ValueError(
+                    f"train.expert_parallel_size={ep}: {self.spec.model_path} has no experts "
+                    "crossrl can split (transformers' fused experts modules); set it to 1"
+                )
+            mesh = grid._flatten("dp_ep")
+        else:
+            mesh = init_device_mesh(self.backend.device_type, (world,))
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
         fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)

@@ -1,0 +1,146 @@
+"""Expert parallelism (``train.expert_parallel_size``, ``trainer.loop.ranks.expert_parallel``):
+the tiny MoE's experts split over 2 and 4 gloo ranks give the update of the unsplit run, to
+fp32 rounding: the loss, the gradient norm and every parameter after one optimizer step.
+
+Each layout runs the real ``PolicyWorker`` (FSDP2 over gloo) in spawned processes on
+``test_trainer_dp_invariance``'s recorded multi-turn batch, replayed routing and the
+load-balancing loss on, so the all-to-all carries every gradient the job takes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from batching import StepBatch, plan_minibatches
+from tests.gloo_ranks import report_and_finish
+from tests.test_trainer_dp_invariance import JOB, _assert_same_params, _recorded_batch
+from trainer.loop.cluster.group import free_port
+
+MOE = [*(k for k in JOB if not k.startswith("model.path")), "model.path=builtin:tiny-moe"]
+MOE += ["algorithm.router_aux_loss_coef=0.01", "train.grad_clip=1.0"]
+
+
+def _run_rank(rank: int, world: int, ep: int, port: int, arrays, queue) -> None:
+    from trainer.config import load_config
+    from trainer.loop.ranks.fsdp_worker import WorkerSpec
+    from trainer.loop.ranks.policy import PolicyWorker
+
+    torch.set_num_threads(1)
+    batch = StepBatch.from_numpy(arrays)
+    plan = plan_minibatches(
+        batch.row_fields["trajectory_id"].numpy(),
+        batch.seq_lens,
+        mini_batch_size=3,
+        dp_size=world,
+        group_ids=batch.row_fields["uid"].numpy(),
+    )
+    (mini,) = plan.mini_batches
+    overrides = [*MOE, f"train.dp_size={world}", f"train.expert_parallel_size={ep}"]
+    cfg = load_config(None, overrides, check_environment=False)
+    worker = PolicyWorker(WorkerSpec(role="actor", rank=rank, cfg=cfg))
+    worker.setup("127.0.0.1", port)
+    worker.load_batch([arrays])
+    worker.compute_advantages()
+    report = worker.train_mini_batch(mini.micro_batches[rank], mini.rows.tolist())
+    state = {k: v.numpy().copy() for k, v in worker.full_state_dict().items()}
+    local = {  # where each experts weight lives: the (dp, ep) mesh, or the flat one
+        n: p.device_mesh.mesh_dim_names
+        for n, p in worker.model.named_parameters()
+        if n.endswith("experts.gate_up_proj")
+    }
+    report_and_finish(queue, (rank, (state, dict(report.values), local)))
+
+
+def _train(world: int, ep: int) -> tuple[dict, dict, dict]:
+    arrays = _recorded_batch().to_numpy()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_run_rank, args=(r, world, ep, port, arrays, queue))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    per_rank = dict(queue.get(timeout=300) for _ in range(world))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    state, metrics, local = per_rank[0]
+    metrics = dict(metrics, loss=sum(per_rank[r][1]["loss"] for r in range(world)))
+    return state, metrics, local
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "ep"), [(2, 2), (4, 4), (4, 2)])
+def test_split_experts_train_as_the_unsplit_run(world, ep):
+    base_state, base_metrics, base_local = _train(world, 1)
+    state, metrics, local = _train(world, ep)
+    _assert_same_params(base_state, state)
+    for key in ("grad_norm", "loss", "router_aux_loss"):
+        assert metrics[key] == pytest.approx(base_metrics[key], rel=1e-5, abs=1e-9), key
+    assert set(local.values()) == {("dp", "ep")} and ("dp", "ep") not in base_local.values()
+    from rollout.models import load_model
+
+    initial = load_model("builtin:tiny-moe", dtype="float32", seed=1).state_dict()
+    expert = "model.layers.1.mlp.experts.gate_up_proj"
+    assert np.abs(state[expert] - initial[expert].numpy()).max() > 1e-4  # the experts moved
+
+
+def test_expert_parallel_size_that_cannot_split_is_refused_by_key():
+    from trainer.config import load_config
+    from trainer.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.expert_parallel_size: got 3; must divide"):
+        load_config(None, ["train.dp_size=4", "train.expert_parallel_size=3"])
+    with pytest.raises(ConfigError, match=r"cannot go with train.param_offload=true yet"):
+        load_config(
+            None,
+            ["train.dp_size=2", "train.expert_parallel_size=2", "train.param_offload=true"],
+        )
+
+
+def _job(run_dir, steps: int, ep: int, resume: str) -> list[dict]:
+    from trainer.config import load_config
+    from trainer.loop.start.run import run_training
+    from trainer.records.jsonl_files import read_jsonl
+
+    keys = [
+        "model.path=builtin:tiny-moe",
+        f"run.dir={run_dir}",
+        "train.dp_size=2",
+        f"train.total_steps={steps}",
+        f"run.resume={resume}",
+        f"train.expert_parallel_size={ep}",
+        "algorithm.routing_replay=rollout",
+    ]
+    assert run_training(load_config(None, keys)) == 0
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_a_split_run_resumes_unsplit_and_exports_whole_experts(tmp_path):
+    """The default job on the tiny MoE at dp 2: two steps with the experts split over both
+    ranks, resumed for a third unsplit, equal three unsplit steps (the checkpoint holds whole
+    experts whatever the split); the export loads in transformers with the trained experts."""
+    plain = _job(tmp_path / "plain", 3, 1, "never")
+    _job(tmp_path / "split", 2, 2, "never")
+    resumed = _job(tmp_path / "split", 3, 1, "auto")
+    assert [m["step"] for m in resumed] == [1, 2, 3]
+    for a, b in zip(plain, resumed, strict=True):
+        for key in ("actor/loss", "actor/grad_norm", "rollout/score_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-9), (a["step"], key)
+    from transformers import AutoModelForCausalLM
+
+    from trainer.commands.export import export_run
+
+    out = export_run(tmp_path / "split", tmp_path / "export")
+    exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    from rollout.models import load_model
+
+    initial = load_model("builtin:tiny-moe", seed=1).state_dict()
+    expert = "model.layers.1.mlp.experts.gate_up_proj"
+    assert not torch.equal(exported[expert], initial[expert])
