@@ -56,12 +56,13 @@ def test_parameter_counts_of_the_published_shapes():
         "Qwen2.5-0.5B": 494_032_768,
         "Qwen2.5-1.5B": 1_543_714_304,
         "Qwen2.5-7B": 7_615_616_512,
+        "Qwen3-235B-A22B": 235_093_634_560,
         "Qwen3-30B-A3B": 30_532_122_624,
     }
-    assert [round(c / 1e9, 2) for c in counts.values()] == [0.49, 1.54, 7.62, 30.53]
+    assert [round(c / 1e9, 2) for c in counts.values()] == [0.49, 1.54, 7.62, 235.09, 30.53]
 
 
-@pytest.mark.parametrize("name", ["Qwen2.5-0.5B", "Qwen2.5-7B", "Qwen3-30B-A3B"])
+@pytest.mark.parametrize("name", ["Qwen2.5-0.5B", "Qwen2.5-7B", "Qwen3-30B-A3B", "Qwen3-235B-A22B"])
 def test_parameter_count_matches_the_transformers_model(name):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

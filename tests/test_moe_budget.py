@@ -232,3 +232,28 @@ def test_experts_inside_a_nested_config_or_with_a_bad_count_are_refused(tmp_path
     (bad / "config.json").write_text(json.dumps(broken))
     with pytest.raises(ModelShapeError, match="num_experts_per_tok='two'"):
         model_shape(str(bad))
+
+
+def test_expert_parallelism_gathers_a_layers_share_of_the_experts(capsys):
+    """``train.expert_parallel_size``: a rank gathers only its ep group's experts of a layer
+    (FSDP2 shards them by their dim 1 over the rest, so no expert rows are padded); the rest of
+    the state is sharded over every rank as before. ``crossrl layout`` says so."""
+    plain = budget_for(_cfg("Qwen3-30B-A3B"), "cuda", DEFAULT_DEVICE_MEMORY_BYTES["cuda"])
+    shape = plain.shape
+    e = shape.experts
+    experts = e.count * 3 * e.intermediate_size * shape.hidden_size  # gate, up, down
+    for ep in (2, 4, 8):
+        saved = shape.padded_layer_params(8) - shape.padded_layer_params(8, ep)
+        assert saved == experts - experts // ep
+    split = budget_for(
+        _cfg("Qwen3-30B-A3B", "train.expert_parallel_size=8"),
+        "cuda",
+        DEFAULT_DEVICE_MEMORY_BYTES["cuda"],
+    )
+    for part in ("params", "optim"):  # the state: sharded over every rank either way
+        assert split.phase("rollout").parts[part] == plain.phase("rollout").parts[part]
+    # the update's backward holds less (its peak may become the optimizer step's)
+    assert split.phase("update").total < plain.phase("update").total
+    config = f"model.path={FIXTURES / 'Qwen3-30B-A3B'}"
+    assert main(["layout", "--config", GPU_7B, config, "train.expert_parallel_size=8"]) == 0
+    assert "expert parallel: 16 experts a rank of 8" in capsys.readouterr().out

@@ -207,17 +207,24 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}e9" if n >= 1e8 else f"{n:,}"
 
 
-def _experts_line(shape: ModelShape) -> list[str]:
-    """The line saying what a mixture of experts counts (none for a dense model)."""
+def _experts_line(shape: ModelShape, ep: int = 1) -> list[str]:
+    """The lines saying what a mixture of experts counts (none for a dense model) and how
+    its experts split (``train.expert_parallel_size``)."""
     e = shape.experts
     if e is None:
         return []
     shared = f" + shared {e.shared_intermediate_size}" if e.shared_intermediate_size else ""
-    return [
+    lines = [
         f"  experts: {e.count} x width {e.intermediate_size} in {e.sparse_layers}/"
         f"{shape.num_hidden_layers} layers (params, grads, optim); {e.per_token} active a "
         f"token{shared}"
     ]
+    if ep > 1:
+        lines.append(
+            f"  expert parallel: {e.count // ep} experts a rank of {ep} "
+            "(train.expert_parallel_size); a layer gathers its share"
+        )
+    return lines
 
 
 def format_budget(budget: MemoryBudget | None, cfg: Config) -> str:
@@ -245,7 +252,7 @@ def format_budget(budget: MemoryBudget | None, cfg: Config) -> str:
     lines = [
         f"memory {where}, {title}:",
         f"  model: {_count(shape.num_params)} parameters, shape from {shape.source}",
-        *_experts_line(shape),
+        *_experts_line(shape, cfg.train.expert_parallel_size),
         f"  device: {mem / GB:.1f} GB ({budget.memory_source})",
         f"  micro-batch: {budget.micro_batch_tokens:,} tokens (train.max_tokens_per_micro_batch"
         f"={tokens if tokens is not None else 'null'})",

@@ -135,8 +135,14 @@ class ModelShape:
             layers += self.layer_tensors(sparse=True) * self.sparse_layers
         return layers + [vocab, (self.hidden_size, 1), vocab]
 
-    def _params(self, sparse: bool, ranks: int = 1) -> int:
-        return sum(_padded(rows, ranks) * per_row for rows, per_row in self.layer_tensors(sparse))
+    def _params(self, sparse: bool, ranks: int = 1, ep: int = 1) -> int:
+        tensors = self.layer_tensors(sparse)
+        own = 0
+        if sparse and ep > 1:  # the experts' gate-up and down: each ep rank gathers its own
+            (experts, gate_up), (_, down), *rest = tensors[len(self._attention_tensors()) :]
+            tensors = [*self._attention_tensors(), *rest]
+            own = experts // ep * (gate_up + down)  # FSDP2 shards them by dim 1: no row padding
+        return own + sum(_padded(rows, ranks) * per_row for rows, per_row in tensors)
 
     @property
     def layer_params(self) -> int:
@@ -145,11 +151,12 @@ class ModelShape:
         experts, router and shared experts, and two RMSNorms."""
         return self.padded_layer_params(1)
 
-    def padded_layer_params(self, ranks: int) -> int:
+    def padded_layer_params(self, ranks: int, ep: int = 1) -> int:
         """``layer_params`` as FSDP2 gathers them from ``ranks`` ranks: every tensor's rows
-        padded to a multiple of ``ranks`` (``padded_params``)."""
+        padded to a multiple of ``ranks`` (``padded_params``); with the experts split over
+        ``ep`` ranks (``train.expert_parallel_size``) a sparse layer gathers its share."""
         dense = self._params(False, ranks) if self.sparse_layers < self.num_hidden_layers else 0
-        return max(dense, self._params(True, ranks) if self.sparse_layers else 0)
+        return max(dense, self._params(True, ranks, ep) if self.sparse_layers else 0)
 
     def padded_params(self, ranks: int) -> int:
         """``num_params`` as FSDP2 shards them over ``ranks`` ranks: it pads each tensor's rows
@@ -224,6 +231,23 @@ PUBLISHED_SHAPES: dict[str, dict] = {
         "tie_word_embeddings": False,
         "model_type": "qwen2",
     },
+    "Qwen3-235B-A22B": {  # its config.json on the Hub (2025-07 revision)
+        "hidden_size": 4096,
+        "num_hidden_layers": 94,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "model_type": "qwen3_moe",
+    },
     "Qwen3-30B-A3B": {  # its config.json on the Hub (2025-07 revision)
         "hidden_size": 2048,
         "num_hidden_layers": 48,
@@ -242,7 +266,7 @@ PUBLISHED_SHAPES: dict[str, dict] = {
         "model_type": "qwen3_moe",
     },
 }
-_PUBLISHED_NAME = re.compile(r"(qwen2\.5-(0\.5|1\.5|7)b|qwen3-30b-a3b)(?![0-9.])")
+_PUBLISHED_NAME = re.compile(r"(qwen2\.5-(0\.5|1\.5|7)b|qwen3-(30b-a3b|235b-a22b))(?![0-9.])")
 
 
 def model_shape(path: str) -> ModelShape | None:
@@ -262,7 +286,10 @@ def model_shape(path: str) -> ModelShape | None:
     match = _PUBLISHED_NAME.search(Path(path).name.lower())
     if match is None:
         return None
-    name = "Qwen3-30B-A3B" if match.group(2) is None else f"Qwen2.5-{match.group(2).upper()}B"
+    if match.group(2) is None:
+        name = f"Qwen3-{match.group(3).upper()}"
+    else:
+        name = f"Qwen2.5-{match.group(2).upper()}B"
     return ModelShape.from_config(
         PUBLISHED_SHAPES[name],
         f"crossrl's table of published shapes ({name})\n    (no {file} on this machine)",

@@ -246,7 +246,8 @@ class RankState:
         head = 0 if tied else self._head(role_shape, lm_head)
         root = role_shape.embedding_params + role_shape.hidden_size + head
         # a layer's reduce-scatter input: its gradients, which LoRA has for the adapters alone
-        layer = role_shape.padded_layer_params(self.cfg.train.dp_size)
+        train = self.cfg.train
+        layer = role_shape.padded_layer_params(train.dp_size, train.expert_parallel_size)
         scattered = layer if trained == n else trained / role_shape.num_hidden_layers
         return (2 * layer + root) * pb + scattered * rb
 
