@@ -343,6 +343,13 @@ class DeviceBackend(CollectiveFaults, MemoryFaults, WeightHandoff):
         on vLLM's own platforms)."""
         return {}
 
+    def vllm_expert_parallel_options(self, enabled: bool) -> dict:
+        """``vllm.LLM`` keyword arguments that split a mixture's experts over an engine
+        replica's tensor-parallel ranks (``rollout.expert_parallel``): vLLM 0.24's and 0.32's
+        ``enable_expert_parallel`` (its all-to-all backend left at the release's default);
+        vllm-ascend 0.26 takes the same argument and picks its MoE communication itself."""
+        return {"enable_expert_parallel": True} if enabled else {}
+
     def check_engine_build(self) -> None:
         """Raise a one-line error naming the fix when the installed vLLM platform plugin was
         built for another chip than this node's (nothing to check on vLLM's own platforms)."""

@@ -144,3 +144,27 @@ def test_a_split_run_resumes_unsplit_and_exports_whole_experts(tmp_path):
     initial = load_model("builtin:tiny-moe", seed=1).state_dict()
     expert = "model.layers.1.mlp.experts.gate_up_proj"
     assert not torch.equal(exported[expert], initial[expert])
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "npu"])
+def test_engine_expert_parallelism_is_vllms_own_option_on_every_backend(device):
+    """``rollout.expert_parallel``: the HAL hands vLLM (and vllm-ascend, which takes vLLM's
+    argument) ``enable_expert_parallel``; nothing when off. Built without the device."""
+    from hal.registry import backend_class
+
+    backend = backend_class(device)()
+    assert backend.vllm_expert_parallel_options(True) == {"enable_expert_parallel": True}
+    assert backend.vllm_expert_parallel_options(False) == {}
+
+
+def test_engine_expert_parallelism_needs_vllm_over_several_ranks():
+    from trainer.config import load_config
+    from trainer.config.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"rollout.expert_parallel: got true; .*engine=vllm \(now hf\)"
+    ):
+        load_config(None, ["rollout.expert_parallel=true"], check_environment=False)
+    gpu = "configs/gpu/qwen3-30b-a3b-grpo.yaml"
+    cfg = load_config(gpu, ["rollout.expert_parallel=true"], check_environment=False)
+    assert cfg.rollout.expert_parallel and cfg.rollout.tensor_parallel_size == 4

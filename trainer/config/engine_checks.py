@@ -17,6 +17,17 @@ def engine_problems(cfg: Config) -> list[Problem]:
     generate while the ranks train, so they need devices of their own, and the loss must
     correct for the older behaviour policy."""
     p = []
+    ro = cfg.rollout
+    if ro.expert_parallel and (ro.engine != "vllm" or ro.tensor_parallel_size < 2):
+        p.append(
+            problem(
+                "rollout.expert_parallel",
+                ro.expert_parallel,
+                "splits a vllm replica's experts over its tensor-parallel ranks: it needs "
+                f"rollout.engine=vllm (now {ro.engine}) and rollout.tensor_parallel_size >= 2 "
+                f"(now {ro.tensor_parallel_size}); set rollout.expert_parallel=false",
+            )
+        )
     on_cpu = (cfg.rollout.device or cfg.device) == "cpu"
     if cfg.algorithm.routing_replay != "none" and cfg.rollout.engine == "vllm" and on_cpu:
         p.append(

@@ -109,6 +109,13 @@ class RolloutConfig(BaseModel):
     engine: Literal["hf", "vllm"] = Field(
         "hf", description="generation engine: hf (transformers, runs anywhere) or vllm"
     )
+    expert_parallel: bool = Field(
+        False,
+        description="a mixture's vllm engine replica splits its experts over its "
+        "rollout.tensor_parallel_size ranks (vLLM's enable_expert_parallel, with the "
+        "release's default all-to-all; vllm-ascend picks its own) instead of sharding each "
+        "expert across them",
+    )
     engine_loop: Literal["async", "steps"] = Field(
         "steps",
         description="how the vllm engine runs (the hf engine always runs crossrl's own step "
@@ -414,6 +421,8 @@ LAYOUT_KEYS: frozenset[str] = frozenset(
         "train.dp_size",
         "rollout.memory_fraction",
         "rollout.tensor_parallel_size",
+        "rollout.expert_parallel",
+        "train.expert_parallel_size",
         "rollout.engine_devices",
         "train.max_tokens_per_micro_batch",
         "train.param_offload",

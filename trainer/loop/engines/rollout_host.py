@@ -124,7 +124,11 @@ class EngineHost(EngineWeights):
                 # colocated: free the devices while the ranks train (ignored on the CPU)
                 enable_sleep_mode=backend.is_accelerator and not roll.engine_devices,
                 layerwise_reload=backend.vllm_layerwise_reload,
-                engine_kwargs={**quiet, **backend.vllm_engine_options()},
+                engine_kwargs={
+                    **quiet,
+                    **backend.vllm_engine_options(),
+                    **backend.vllm_expert_parallel_options(roll.expert_parallel),
+                },
                 lora=_served_adapters(cfg),
                 weight_transfer=_transfer_engine(cfg, backend),
                 engine_loop=roll.engine_loop,
