@@ -59,6 +59,11 @@ class _RecordingBackend:
     def vllm_engine_options(self) -> dict:
         return {}
 
+    def vllm_expert_parallel_options(self, enabled: bool) -> dict:
+        from hal.npu import NpuBackend
+
+        return NpuBackend.vllm_expert_parallel_options(self, enabled)  # the backend's own
+
     def check_engine_build(self) -> None:
         """The installed engine build matches the chip (nothing to check in this stand-in)."""
 
