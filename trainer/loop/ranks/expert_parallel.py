@@ -12,11 +12,11 @@ as before (``full_tensor``).
 
 The forward (``dispatching_forward``) is dropless: each slot's row goes to its expert's rank
 by one all-to-all of the ep group (``all_to_all_single_autograd`` of torch's functional
-collectives, which carries gradients back the same way), the rank computes its experts over the rows it got,
-sorted by expert, and a second all-to-all returns them; the routing weights are applied where
-the token lives. The exchanged sizes are counted first (one all-to-all of the per-expert
-counts), so every collective is of known size: the collectives are the device's own through
-the HAL's process group (NCCL, HCCL, gloo on the CPU).
+collectives, which carries gradients back the same way), the rank computes its experts over
+the rows it got, sorted by expert, and a second all-to-all returns them; the routing weights
+are applied where the token lives. The exchanged sizes are counted first (one all-to-all of
+the per-expert counts), so every collective is of known size, through the HAL's process group
+(each device's collective library; gloo on the CPU).
 
 Gradients: FSDP2 averages an expert's gradient over ``dp`` (``dp_size / ep`` ranks) where the
 other parameters average over all ``dp_size``; each rank's loss is its share of the global loss
