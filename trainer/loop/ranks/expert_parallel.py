@@ -63,8 +63,9 @@ class _GradScale(torch.autograd.Function):
 def shard_experts(model: torch.nn.Module, mesh, fsdp: Callable[..., None]) -> int:
     """Shard every fused experts module of ``model`` by expert over ``mesh["ep"]``, make it an
     FSDP2 unit over ``mesh["dp"]`` (``fsdp(module, mesh=..., shard_placement_fn=...)``:
-    ``fully_shard`` with the worker's policies) and give it the dispatching forward. Returns the modules sharded.
-    ValueError, naming ``train.expert_parallel_size``, when an expert count does not divide."""
+    ``fully_shard`` with the worker's policies) and give it the dispatching forward. Returns
+    the modules sharded. ValueError, naming ``train.expert_parallel_size``, when an expert
+    count does not divide."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     ep = mesh["ep"].size()
