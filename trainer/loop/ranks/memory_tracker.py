@@ -71,6 +71,10 @@ CATEGORIES = (
 )
 
 
+#: The tracker's categories FSDP2's CPU offload (``train.param_offload``) keeps on the host.
+HOST_CATEGORIES = ("Sharded Param", "Sharded Grad", "OptState")
+
+
 @dataclass(frozen=True)
 class TrackedStep:
     """One rank's step under the tracker: bytes by tracker category, per role (``actor`` and
@@ -88,6 +92,15 @@ class TrackedStep:
     def update(self) -> float:
         """Bytes on one device during the update: every role's, as the budget adds them."""
         return float(sum(self.total(role) for role in self.roles))
+
+    def on_device(self, param_offload: bool) -> float:
+        """``update`` without what ``train.param_offload`` keeps in host memory: FSDP2's CPU
+        offload holds the sharded parameters and gradients there, and the optimizer steps
+        there, while the tracker counts every tensor where it was made."""
+        if not param_offload:
+            return self.update
+        host = sum(self.roles[role].get(cat, 0.0) for role in self.roles for cat in HOST_CATEGORIES)
+        return self.update - float(host)
 
 
 class _FlashMemory(torch.autograd.Function):
@@ -389,7 +402,8 @@ def measured_update(cfg: Config, step: TrackedStep) -> tuple[MemoryBudget, float
     """The budget of ``cfg`` at ``step``'s shape on ``cfg.device`` and, to compare with the
     tracker's ``step.update``, its update phase without the device contexts (no tensors) and
     the kernel set's own buffers (the tracker runs the reference kernels), and the tracker's
-    update; returns ``(budget, estimate bytes, tracker bytes)``."""
+    update on the device (``TrackedStep.on_device``: without what ``train.param_offload``
+    keeps on the host); returns ``(budget, estimate bytes, tracker bytes)``."""
     from hal import DEFAULT_DEVICE_MEMORY_BYTES
 
     # A config for the CPU (or auto) is measured as on the first default accelerator.
@@ -401,7 +415,7 @@ def measured_update(cfg: Config, step: TrackedStep) -> tuple[MemoryBudget, float
     budget = estimate_memory(cfg, step.shape, DEFAULT_DEVICE_MEMORY_BYTES[device], device=device)
     update = budget.phase("update")
     apart = update.parts["ctx"] + update.parts.get("kernel", 0.0)
-    return budget, update.total - apart, step.update
+    return budget, update.total - apart, step.on_device(cfg.train.param_offload)
 
 
 def format_comparison(cfg: Config, step: TrackedStep) -> str:
