@@ -313,49 +313,36 @@ def packed_token_logprobs(
             chunk_tokens=chunk_tokens,
             replay=replay,
         )
+    chunk = {} if chunk_tokens is None else {"chunk_tokens": chunk_tokens}
     with replaying(replay):
-        logprobs, entropy = _usual_logprobs(
-            model,
-            input_ids,
-            position_ids,
-            cu_seqlens,
-            temperature,
-            lean,
-            entropy_grad,
-            chunk_tokens,
-        )
+        if not lean:
+            logits = hal.packed_forward(model, input_ids, position_ids, cu_seqlens)
+            logprobs = token_logprobs(
+                logits, input_ids, cu_seqlens, temperature=temperature, **chunk
+            )
+            entropy = token_entropy(
+                logits if entropy_grad else logits.detach(),
+                cu_seqlens,
+                temperature=temperature,
+                **chunk,
+            )
+        else:
+            stats = hal.packed_forward(
+                _LeanCall(model, entropy_grad),
+                input_ids,
+                position_ids,
+                cu_seqlens,
+                targets=next_token_targets(input_ids),
+                temperature=temperature,
+                chunk_tokens=chunk_tokens,
+            )
+            logprobs = shift_to_targets(stats[:, 0], cu_seqlens)
+            held = stats[:, 1] if entropy_grad else stats[:, 1].detach()
+            entropy = shift_to_targets(held, cu_seqlens)
     if replay is not None:
         share = replay.flip_share(input_ids.shape[0], input_ids.device)
         replay.per_target = shift_to_targets(share, cu_seqlens)
     return logprobs, entropy
-
-
-def _usual_logprobs(
-    model, input_ids, position_ids, cu_seqlens, temperature, lean, entropy_grad, chunk_tokens
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``packed_token_logprobs`` in the usual layout (one forward over the packed row)."""
-    if not lean:
-        logits = hal.packed_forward(model, input_ids, position_ids, cu_seqlens)
-        chunk = {} if chunk_tokens is None else {"chunk_tokens": chunk_tokens}
-        logprobs = token_logprobs(logits, input_ids, cu_seqlens, temperature=temperature, **chunk)
-        entropy = token_entropy(
-            logits if entropy_grad else logits.detach(),
-            cu_seqlens,
-            temperature=temperature,
-            **chunk,
-        )
-        return logprobs, entropy
-    stats = hal.packed_forward(
-        _LeanCall(model, entropy_grad),
-        input_ids,
-        position_ids,
-        cu_seqlens,
-        targets=next_token_targets(input_ids),
-        temperature=temperature,
-        chunk_tokens=chunk_tokens,
-    )
-    entropy = stats[:, 1] if entropy_grad else stats[:, 1].detach()
-    return shift_to_targets(stats[:, 0], cu_seqlens), shift_to_targets(entropy, cu_seqlens)
 
 
 def shared_token_logprobs(
@@ -384,19 +371,27 @@ def shared_token_logprobs(
     if replay is not None:  # a shared prompt routes as its first row's engine request did
         replay.in_layout(index, shared_multiplicity(sharing))
     with replaying(replay):
-        logprob, entropy = _shared_stats(
-            model,
-            shared_ids,
-            shared_pos,
-            cu,
-            sharing,
-            at,
-            targets,
-            temperature,
-            lean,
-            entropy_grad,
-            chunk_tokens,
-        )
+        if lean:
+            stats = hal.packed_forward(
+                _LeanCall(model, entropy_grad),
+                shared_ids,
+                shared_pos,
+                cu,
+                parents=sharing.parents,
+                targets=targets,
+                eval_index=at,
+                temperature=temperature,
+                chunk_tokens=chunk_tokens,
+            )
+            logprob, entropy = stats[:, 0], stats[:, 1]
+        else:
+            logits = hal.packed_forward(model, shared_ids, shared_pos, cu, parents=sharing.parents)
+            logits = logits.index_select(0, at)
+            chunk = {} if chunk_tokens is None else {"chunk_tokens": chunk_tokens}
+            logprob = target_logprobs(logits, targets, temperature=temperature, **chunk)
+            entropy = logits_entropy(
+                logits if entropy_grad else logits.detach(), temperature=temperature, **chunk
+            ).float()
     back = torch.from_numpy(sharing.eval_of_token).to(device)
     starts = torch.from_numpy(sharing.row_starts).to(device)
     if replay is not None:
@@ -418,41 +413,3 @@ def shared_multiplicity(sharing: PromptSharing) -> torch.Tensor:
         if rows:
             counts[sharing.offsets[segment] : sharing.offsets[segment + 1]] = rows
     return torch.from_numpy(counts)
-
-
-def _shared_stats(
-    model,
-    shared_ids,
-    shared_pos,
-    cu,
-    sharing,
-    at,
-    targets,
-    temperature,
-    lean,
-    entropy_grad,
-    chunk_tokens,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob and entropy of each scored pair of the shared layout (``eval_hidden``)."""
-    if lean:
-        stats = hal.packed_forward(
-            _LeanCall(model, entropy_grad),
-            shared_ids,
-            shared_pos,
-            cu,
-            parents=sharing.parents,
-            targets=targets,
-            eval_index=at,
-            temperature=temperature,
-            chunk_tokens=chunk_tokens,
-        )
-        logprob, entropy = stats[:, 0], stats[:, 1]
-    else:
-        logits = hal.packed_forward(model, shared_ids, shared_pos, cu, parents=sharing.parents)
-        logits = logits.index_select(0, at)
-        chunk = {} if chunk_tokens is None else {"chunk_tokens": chunk_tokens}
-        logprob = target_logprobs(logits, targets, temperature=temperature, **chunk)
-        entropy = logits_entropy(
-            logits if entropy_grad else logits.detach(), temperature=temperature, **chunk
-        ).float()
-    return logprob, entropy
