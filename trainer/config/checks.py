@@ -16,6 +16,7 @@ from pathlib import Path
 from rollout.assets import BUILTIN_MODELS
 from trainer.config.engine_checks import engine_problems
 from trainer.config.errors import Problem, problem, raise_first
+from trainer.config.parallel_checks import expert_parallel_problems
 from trainer.config.schema import Config
 
 log = logging.getLogger("crossrl.config")
@@ -47,37 +48,6 @@ def compile_problem(cfg: Config, *, chosen: bool = False) -> Problem | None:
     )
 
 
-def _expert_parallel_problems(cfg: Config) -> list[Problem]:
-    """``train.expert_parallel_size``: a divisor of ``train.dp_size``; not yet with LoRA
-    adapters or FSDP2's CPU offload (neither is tested beside the experts' own mesh)."""
-    tr, ep = cfg.train, cfg.train.expert_parallel_size
-    if ep == 1:
-        return []
-    if tr.dp_size % ep:
-        return [
-            problem(
-                "train.expert_parallel_size",
-                ep,
-                f"must divide train.dp_size ({tr.dp_size}): the experts split over groups of "
-                f"{ep} ranks; use a divisor of {tr.dp_size}",
-            )
-        ]
-    for key, on in (
-        ("model.lora.enabled", cfg.model.lora.enabled),
-        ("train.param_offload", tr.param_offload),
-    ):
-        if on:
-            return [
-                problem(
-                    "train.expert_parallel_size",
-                    ep,
-                    f"cannot go with {key}=true yet; set train.expert_parallel_size=1 or "
-                    f"{key}=false",
-                )
-            ]
-    return []
-
-
 def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
     """Checks that relate fields to each other; no file, package or device is looked at."""
     p: list[Problem] = []
@@ -106,7 +76,7 @@ def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
     compiled = compile_problem(cfg)
     if compiled:
         p.append(compiled)
-    p += _expert_parallel_problems(cfg)
+    p += expert_parallel_problems(cfg)
     if alg.adv_estimator == "gae" and not cfg.critic.enable:
         p.append(
             problem(
