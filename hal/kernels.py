@@ -12,8 +12,10 @@ Ops (``OPS``):
   ``hal.moe_experts``): the reference is the module's own forward (transformers' dispatch);
   CUDA takes torch's grouped GEMM (``F.grouped_mm``, bf16 only: other dtypes run the
   reference), the NPU torch_npu's ``npu_grouped_matmul`` inside an autograd function of
-  ours (it has none). The tests hold both, and transformers' eager loop, to
-  ``hal.moe_experts.reference_experts`` (float32, one expert at a time: the golden);
+  ours (it has none), with its ``npu_swiglu`` and, in bf16, its token permute and unpermute.
+  The tests hold both, and transformers' eager loop, to
+  ``hal.moe_experts.reference_experts`` (float32, one expert at a time: the golden).
+  Expert parallelism's local experts take the same kernel (``KernelSet.expert_rows``);
 - ``optimizer``: AdamW's step, torch's ``fused`` kernel over each parameter's (DTensor)
   shard instead of ``foreach`` (torch registers ``_fused_adamw_`` for DTensor; torch_npu
   2.10.0.post4 implements it for NPU tensors, ``wrapper_NPU___fused_adamw_`` in its library).
@@ -168,23 +170,30 @@ def _head_call(provider: Provider, fn) -> Callable:
     )
 
 
-def _experts_call(provider: Provider, fn) -> Callable:
-    """``(experts, hidden, top_k_index, top_k_weights) -> out`` through ``provider``'s grouped
-    GEMM (``hal.moe_experts.grouped_experts``)."""
-    gmm = (
-        moe_experts.npu_gmm(fn) if provider.convention == "torch_npu" else moe_experts.torch_gmm(fn)
-    )
-    return lambda module, hidden, index, weights: moe_experts.grouped_experts(
-        module, hidden, index, weights, gmm
-    )
+#: torch_npu's ops beside ``npu_grouped_matmul`` that its experts call takes where present
+#: (``hal.moe_experts.NpuOps`` field -> torch_npu's name).
+NPU_MOE_OPS = {
+    "token_permute": "npu_moe_token_permute",
+    "token_unpermute": "npu_moe_token_unpermute",
+    "swiglu": "npu_swiglu",
+}
 
 
-def _experts_fit(provider: Provider) -> Callable:
-    """Whether a call's arguments suit ``provider``'s grouped GEMM: torch's CUDA kernel takes
-    bf16 only."""
-    if provider.convention == "torch_npu":
-        return lambda module, hidden, index, weights: True
-    return lambda module, hidden, index, weights: hidden.dtype == torch.bfloat16
+def _experts_call(provider: Provider, fn) -> moe_experts.ExpertsKernel:
+    """The experts (``hal.moe_experts.ExpertsKernel``: the module's call and the grouped
+    rows') through ``provider``'s grouped GEMM; on the NPU with torch_npu's permute,
+    unpermute and SwiGLU from the same module."""
+    if provider.convention != "torch_npu":
+        return moe_experts.torch_experts(fn)
+    library = importlib.import_module(provider.module)
+    ops = {field: getattr(library, name, None) for field, name in NPU_MOE_OPS.items()}
+    return moe_experts.npu_experts(fn, moe_experts.NpuOps(**ops))
+
+
+def _experts_fit(kernel: moe_experts.ExpertsKernel) -> Callable:
+    """Whether a call's arguments suit ``kernel``'s grouped GEMM (torch's CUDA kernel takes
+    bf16 only)."""
+    return lambda module, hidden, index, weights: kernel.fits(hidden.dtype)
 
 
 _CALLS = {
@@ -311,6 +320,21 @@ class KernelSet:
             _compile_forward(layer, self)
         return len(layers)
 
+    def expert_rows(self) -> Callable:
+        """``(rows, gate_up, down, counts, act_fn) -> out``: experts over rows already grouped
+        by expert (``hal.moe_experts.looped_rows``; expert parallelism's local experts)
+        through the chosen experts kernel while it runs and suits the rows' dtype, else the
+        per-expert loop."""
+        kernel = self.calls.get("moe_experts")
+        if kernel is None:
+            return moe_experts.looped_rows
+        return self.guarded(
+            "moe_experts",
+            kernel.rows,
+            moe_experts.looped_rows,
+            when=lambda rows, *_: kernel.fits(rows.dtype),
+        )
+
     def head_kernel(self, hidden, head, targets, *, temperature, chunk_tokens, reference):
         """The LM head's (log-prob, entropy) per token through the fused head while it runs
         and ``head`` is a plain ``nn.Linear``; else (or once it failed) ``reference`` with the
@@ -334,10 +358,7 @@ def _is_swiglu_mlp(module: torch.nn.Module) -> bool:
     """A gated MLP whose activation is SiLU: ``down(act(gate(x)) * up(x))``."""
     if not all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return False
-    return isinstance(module.act_fn, torch.nn.SiLU) or type(module.act_fn).__name__ in (
-        "SiLUActivation",
-        "SiLU",
-    )
+    return moe_experts.is_silu(module.act_fn)
 
 
 def _fused_rms_norm(module, call, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -451,7 +472,7 @@ def choose_kernels(
         chosen[op], calls[op] = provider.name, _CALLS[op](provider, fn)
         conventions[op] = provider.convention
         if op == "moe_experts":
-            fits[op] = _experts_fit(provider)
+            fits[op] = _experts_fit(calls[op])
     if chosen["compile"] != REFERENCE:
         # inductor fuses the eager ops of a compiled layer; an autograd function of a library
         # inside it only breaks the graph

@@ -27,26 +27,56 @@ weight gradient: ``x`` ``[K, M]``, ``weight`` ``[M, N]``, output ``[E, K, N]``);
 ``group_list`` holds the groups' ends (``group_list_type`` 0, a cumulative sum) or their sizes
 (1). The tests run each convention against the reference with a CPU stand-in that follows
 that rule (and torch's own ``F.grouped_mm``, which also runs on the CPU for aligned shapes).
+
+On the NPU the rest of the layer is torch_npu's too, as MindSpeed's FSDP2 MoE calls it
+(``npu_experts``): ``npu_swiglu(h, dim=-1)`` (``Swish(first half) * second half``: the gate
+rows come first in ``gate_up_proj``) for a SiLU layer, and, in bf16 (the only dtype they
+take), ``npu_moe_token_permute(tokens [T, H], indices [T, k] int64) -> (permuted [T*k, H]
+grouped by expert in ascending order, sorted_indices [T*k] int32)`` and
+``npu_moe_token_unpermute(permuted, sorted_indices, probs [T, k]) -> [T, H]`` (each slot's row
+times its weight, summed over the k slots). Both have autograd. crossrl never reads
+``sorted_indices``, only hands it back to the unpermute: its documentation's example shows it
+as the argsort of the flattened indices while vllm-ascend 0.26 treats it as the inverse
+(``reversed_..._permutation_mapping``), and the tests run both readings.
+
+Under expert parallelism (``trainer.loop.ranks.expert_parallel``) the rows arrive at their
+expert's rank already grouped: ``ExpertsKernel.rows`` computes them (the two GEMMs and the
+activation), ``looped_rows`` is its per-expert loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "ExpertsKernel",
     "NpuGroupedMatmul",
+    "NpuOps",
     "grouped_experts",
     "is_fused_experts",
+    "is_silu",
+    "looped_rows",
+    "npu_experts",
     "npu_gmm",
     "reference_experts",
+    "torch_experts",
     "torch_gmm",
 ]
 
 #: ``gmm(x [S, K], weight [E, K, N], counts [E]) -> [S, N]``.
 Gmm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+BF16 = torch.bfloat16
+#: ``swiglu(h [S, 2I]) -> [S, I]``: ``act(first half) * second half`` for a SiLU layer.
+Swiglu = Callable[[torch.Tensor], torch.Tensor]
+
+
+def is_silu(act_fn) -> bool:
+    """``act_fn`` is SiLU (torch's module or transformers' own class)."""
+    return isinstance(act_fn, torch.nn.SiLU) or type(act_fn).__name__ in ("SiLUActivation", "SiLU")
 
 
 def is_fused_experts(module: torch.nn.Module) -> bool:
@@ -87,33 +117,146 @@ def reference_experts(
     return out.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
+def looped_rows(
+    rows: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    counts: torch.Tensor,
+    act_fn: Callable,
+) -> torch.Tensor:
+    """Each expert's gated MLP over its block of ``rows`` (``counts[e]`` rows of expert ``e``,
+    in expert order), one expert at a time in the rows' dtype: ``down(act(gate(x)) * up(x))``
+    with ``gate_up [E, 2I, H]``, ``down [E, H, I]``."""
+    outs = []
+    for e, part in enumerate(torch.split(rows, counts.tolist())):
+        gate, up = F.linear(part, gate_up[e]).chunk(2, dim=-1)
+        outs.append(F.linear(act_fn(gate) * up, down[e]))
+    return torch.cat(outs) if outs else rows
+
+
+def _grouped_rows(rows, gate_up, down, counts, act_fn, gmm: Gmm, swiglu: Swiglu | None):
+    """``looped_rows`` through ``gmm``: both projections one grouped GEMM each, the
+    activation through ``swiglu`` where given (a SiLU layer)."""
+    h = gmm(rows, gate_up.transpose(1, 2), counts)
+    if swiglu is not None:
+        act = swiglu(h)
+    else:
+        gate, up = h.chunk(2, dim=-1)
+        act = act_fn(gate) * up
+    return gmm(act, down.transpose(1, 2), counts)
+
+
+def _expert_counts(slots: torch.Tensor, experts: int) -> torch.Tensor:
+    """Rows per expert, by ``histc`` as transformers counts them (no shape depends on the
+    routing, so it runs on fake tensors too)."""
+    # histc: float input on the CPU (its integer histc is missing), int elsewhere
+    counted = slots.float() if slots.device.type in ("cpu", "mps") else slots.int()
+    return torch.histc(counted, bins=experts, min=0, max=experts - 1).long()
+
+
 def grouped_experts(
     module: torch.nn.Module,
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     gmm: Gmm,
+    swiglu: Swiglu | None = None,
 ) -> torch.Tensor:
     """The experts' output through ``gmm`` (module docstring), in the hidden states' dtype;
-    the k slots are summed in float32. Shapes never depend on the routing (the expert counts
-    by ``histc``, as transformers counts them), so it also runs on fake tensors; a slot
-    routed to no expert here (an id >= E) goes through the last expert with weight 0."""
+    the k slots are summed in float32. Shapes never depend on the routing, so it also runs
+    on fake tensors; a slot routed to no expert here (an id >= E) goes through the last
+    expert with weight 0."""
     tokens, k = top_k_index.shape
     experts = module.gate_up_proj.shape[0]
     slots = top_k_index.reshape(-1)
     routed = slots < experts
     slots = slots.clamp(max=experts - 1)
     order = torch.argsort(slots, stable=True)
-    # histc: float input on the CPU (its integer histc is missing), int elsewhere
-    counted = slots.float() if slots.device.type in ("cpu", "mps") else slots.int()
-    counts = torch.histc(counted, bins=experts, min=0, max=experts - 1).long()
-    x = hidden_states[order // k]
-    gate, up = gmm(x, module.gate_up_proj.transpose(1, 2), counts).chunk(2, dim=-1)
-    y = gmm(module.act_fn(gate) * up, module.down_proj.transpose(1, 2), counts)
+    counts = _expert_counts(slots, experts)
+    y = _grouped_rows(
+        hidden_states[order // k],
+        module.gate_up_proj,
+        module.down_proj,
+        counts,
+        module.act_fn,
+        gmm,
+        swiglu,
+    )
     weights = (top_k_weights.reshape(-1) * routed)[order, None]
     y = y.float() * weights.float()
     out = torch.zeros_like(y).index_copy(0, order, y)
     return out.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _permuted_experts(module, hidden_states, top_k_index, top_k_weights, gmm, swiglu, ops):
+    """``grouped_experts`` with torch_npu's permute and unpermute (``NpuOps``; bf16) in place
+    of the sort and the combine: the unpermute applies the weights and sums the k slots."""
+    experts = module.gate_up_proj.shape[0]
+    routed = top_k_index < experts
+    index = top_k_index.clamp(max=experts - 1).long()
+    rows, sorted_indices = ops.token_permute(hidden_states, index)
+    counts = _expert_counts(index.reshape(-1), experts)
+    y = _grouped_rows(
+        rows, module.gate_up_proj, module.down_proj, counts, module.act_fn, gmm, swiglu
+    )
+    probs = (top_k_weights * routed).to(y.dtype)
+    return ops.token_unpermute(y, sorted_indices, probs=probs).to(hidden_states.dtype)
+
+
+@dataclass(frozen=True)
+class NpuOps:
+    """torch_npu's ops an NPU experts call takes beside ``npu_grouped_matmul`` (None: not in
+    this torch_npu, the generic path instead)."""
+
+    token_permute: Callable | None = None
+    token_unpermute: Callable | None = None
+    swiglu: Callable | None = None
+
+
+@dataclass(frozen=True)
+class ExpertsKernel:
+    """One device's experts computation (the kernel set's ``moe_experts`` call): the whole
+    module's call (``__call__``, as transformers calls experts) and the grouped rows' alone
+    (``rows``, expert parallelism's local experts). ``dtypes``: the only dtypes its GEMM takes
+    (None: any); ``npu``: torch_npu's permute, unpermute and SwiGLU, where they apply."""
+
+    gmm: Gmm
+    dtypes: frozenset | None = None
+    npu: NpuOps | None = None
+
+    def fits(self, dtype: torch.dtype) -> bool:
+        """Whether activations of ``dtype`` suit this kernel's GEMM."""
+        return self.dtypes is None or dtype in self.dtypes
+
+    def _swiglu(self, act_fn) -> Swiglu | None:
+        fn = self.npu.swiglu if self.npu is not None else None
+        return None if fn is None or not is_silu(act_fn) else (lambda h: fn(h, dim=-1))
+
+    def __call__(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        """``module``'s experts over ``hidden_states`` routed by ``top_k_index`` with
+        ``top_k_weights`` (module docstring)."""
+        swiglu = self._swiglu(module.act_fn)
+        npu = self.npu
+        if npu and npu.token_permute and npu.token_unpermute and hidden_states.dtype == BF16:
+            return _permuted_experts(
+                module, hidden_states, top_k_index, top_k_weights, self.gmm, swiglu, npu
+            )
+        return grouped_experts(module, hidden_states, top_k_index, top_k_weights, self.gmm, swiglu)
+
+    def rows(self, rows, gate_up, down, counts, act_fn) -> torch.Tensor:
+        """``looped_rows`` through this kernel's grouped GEMM."""
+        return _grouped_rows(rows, gate_up, down, counts, act_fn, self.gmm, self._swiglu(act_fn))
+
+
+def torch_experts(fn) -> ExpertsKernel:
+    """The experts through torch's ``F.grouped_mm`` (``fn``; its CUDA kernel takes bf16)."""
+    return ExpertsKernel(torch_gmm(fn), dtypes=frozenset({BF16}))
+
+
+def npu_experts(grouped_matmul, ops: NpuOps | None = None) -> ExpertsKernel:
+    """The experts through torch_npu's ``npu_grouped_matmul`` and ``ops`` (permute,
+    unpermute, SwiGLU)."""
+    return ExpertsKernel(npu_gmm(grouped_matmul), npu=ops)
 
 
 def torch_gmm(fn) -> Gmm:

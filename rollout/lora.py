@@ -139,6 +139,38 @@ def target_problem(model: torch.nn.Module, targets: Sequence[str]) -> str | None
             f"model.lora.target_modules={list(targets)}: {target!r} {what} in "
             f"{type(model).__name__}; its linear layers are {have}: name some of them"
         )
+    return _experts_problem(model, modules, targets)
+
+
+#: The names a mixture's experts answer to in peft's targets: transformers 4's per-expert
+#: projections, which peft maps onto transformers 5's fused experts weights.
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _experts_problem(model, modules: dict, targets: Sequence[str]) -> str | None:
+    """Why ``targets`` cannot go on ``model``'s mixture layers, or None: peft (0.21) puts a
+    target naming an expert projection on the fused experts weights themselves
+    (``target_parameters``, its transformers-5 conversion), and crossrl neither pushes such
+    adapters to the engines nor folds them yet."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from hal.moe_experts import is_fused_experts
+
+    experts = [n for n, m in modules.items() if is_fused_experts(m)]
+    for target in targets:
+        config = peft_config(1, 1.0, 0.0, [target])
+        if any(
+            check_target_module_exists(config, f"{container}.{projection}")
+            for container in experts[:1]
+            for projection in EXPERT_PROJECTIONS
+        ):
+            others = [t for t in targets if t not in EXPERT_PROJECTIONS] or ["q_proj", "v_proj"]
+            return (
+                f"model.lora.target_modules={list(targets)}: {target!r} also names the experts "
+                f"of {type(model).__name__}'s mixture layers (peft would put adapters on their "
+                "fused weights), which crossrl cannot push to the engines or fold yet; name "
+                f"the other layers only, e.g. {others}"
+            )
     return None
 
 

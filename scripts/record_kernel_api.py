@@ -26,7 +26,14 @@ LIGER = [
     ("liger_kernel/ops/rope.py", "LigerRopeFunction"),
 ]
 #: torch_npu ops whose schema crossrl relies on; ``_fused_adamw_``: whether the NPU has it.
-NPU_OPS = ("npu_rms_norm", "npu_swiglu", "npu_rotary_mul")
+NPU_OPS = (
+    "npu_rms_norm",
+    "npu_swiglu",
+    "npu_rotary_mul",
+    "npu_grouped_matmul",
+    "npu_moe_token_permute",
+    "npu_moe_token_unpermute",
+)
 
 
 def _forward_args(source: str, cls_name: str) -> list[str]:

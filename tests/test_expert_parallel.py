@@ -21,14 +21,42 @@ from trainer.loop.cluster.group import free_port
 
 MOE = [*(k for k in JOB if not k.startswith("model.path")), "model.path=builtin:tiny-moe"]
 MOE += ["algorithm.router_aux_loss_coef=0.01", "train.grad_clip=1.0"]
+#: LoRA targets a mixture takes (``rollout.lora.target_problem``): the attention's.
+ATTENTION = "[q_proj,k_proj,v_proj,o_proj]"
 
 
-def _run_rank(rank: int, world: int, ep: int, port: int, arrays, queue) -> None:
+def _npu_stand_in_kernels() -> None:
+    """This rank's CPU backend offers the NPU's experts kernel (torch_npu's grouped GEMM and
+    SwiGLU as ``tests.test_kernels``' stand-ins, which follow their rules) as the device's
+    own ``moe_experts``."""
+    import sys
+    import types
+    from dataclasses import replace
+
+    from hal.cpu import CpuBackend
+    from hal.kernels import TORCH_NPU
+    from tests import test_kernels as stand
+
+    module = types.ModuleType(stand.STAND_IN)
+    module.npu_grouped_matmul = stand._npu_grouped_matmul
+    module.npu_swiglu = stand._npu_swiglu
+    sys.modules[stand.STAND_IN] = module
+    CpuBackend.kernel_providers = {
+        "moe_experts": replace(TORCH_NPU["moe_experts"], module=stand.STAND_IN)
+    }
+
+
+def _run_rank(
+    rank: int, world: int, ep: int, port: int, arrays, queue, kernels: bool, extra: list
+) -> None:
+    from tests.test_kernels import SWIGLU_INPUTS
     from trainer.config import load_config
     from trainer.loop.ranks.fsdp_worker import WorkerSpec
     from trainer.loop.ranks.policy import PolicyWorker
 
     torch.set_num_threads(1)
+    if kernels:
+        _npu_stand_in_kernels()
     batch = StepBatch.from_numpy(arrays)
     plan = plan_minibatches(
         batch.row_fields["trajectory_id"].numpy(),
@@ -38,7 +66,7 @@ def _run_rank(rank: int, world: int, ep: int, port: int, arrays, queue) -> None:
         group_ids=batch.row_fields["uid"].numpy(),
     )
     (mini,) = plan.mini_batches
-    overrides = [*MOE, f"train.dp_size={world}", f"train.expert_parallel_size={ep}"]
+    overrides = [*MOE, *extra, f"train.dp_size={world}", f"train.expert_parallel_size={ep}"]
     cfg = load_config(None, overrides, check_environment=False)
     worker = PolicyWorker(WorkerSpec(role="actor", rank=rank, cfg=cfg))
     worker.setup("127.0.0.1", port)
@@ -51,16 +79,24 @@ def _run_rank(rank: int, world: int, ep: int, port: int, arrays, queue) -> None:
         for n, p in worker.model.named_parameters()
         if n.endswith("experts.gate_up_proj")
     }
-    report_and_finish(queue, (rank, (state, dict(report.values), local)))
+    assert worker.kernels.report()["moe_experts"] == (
+        "torch_npu.npu_grouped_matmul" if kernels else "reference"
+    )
+    metrics = dict(report.values, kernel_calls=len(SWIGLU_INPUTS))
+    report_and_finish(queue, (rank, (state, metrics, local)))
 
 
-def _train(world: int, ep: int) -> tuple[dict, dict, dict]:
+def _train(
+    world: int, ep: int, kernels: bool = False, extra: tuple[str, ...] = ()
+) -> tuple[dict, dict, dict]:
     arrays = _recorded_batch().to_numpy()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_run_rank, args=(r, world, ep, port, arrays, queue))
+        ctx.Process(
+            target=_run_rank, args=(r, world, ep, port, arrays, queue, kernels, list(extra))
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -90,17 +126,49 @@ def test_split_experts_train_as_the_unsplit_run(world, ep):
     assert np.abs(state[expert] - initial[expert].numpy()).max() > 1e-4  # the experts moved
 
 
+@pytest.mark.slow
+def test_split_experts_through_the_device_s_grouped_gemm_train_as_the_unsplit_run():
+    """EP 2 whose local experts run the NPU's experts kernel (the stand-ins; the kernel set's
+    ``expert_rows``) against the unsplit run on the reference: same update."""
+    base_state, base_metrics, _ = _train(2, 1)
+    state, metrics, _ = _train(2, 2, kernels=True)
+    assert metrics["kernel_calls"] > 0 and base_metrics["kernel_calls"] == 0
+    _assert_same_params(base_state, state)
+    for key in ("grad_norm", "loss", "router_aux_loss"):
+        assert metrics[key] == pytest.approx(base_metrics[key], rel=1e-5, abs=1e-9), key
+
+
 def test_expert_parallel_size_that_cannot_split_is_refused_by_key():
     from trainer.config import load_config
     from trainer.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"train.expert_parallel_size: got 3; must divide"):
         load_config(None, ["train.dp_size=4", "train.expert_parallel_size=3"])
-    with pytest.raises(ConfigError, match=r"cannot go with train.param_offload=true yet"):
-        load_config(
-            None,
-            ["train.dp_size=2", "train.expert_parallel_size=2", "train.param_offload=true"],
-        )
+    keys = ["train.dp_size=2", "train.expert_parallel_size=2", "train.param_offload=true"]
+    cfg = load_config(None, [*keys, "model.lora.rank=4"], check_environment=False)
+    assert cfg.train.expert_parallel_size == 2 and cfg.model.lora.enabled
+
+
+def test_adapters_on_a_mixture_s_experts_are_refused_before_start_up_naming_the_targets():
+    """peft would put the default targets' ``gate_proj`` / ``up_proj`` / ``down_proj`` on the
+    fused experts weights: refused in one line before start-up (preflight), naming the key
+    and the targets that work; the other layers' adapters go."""
+    from rollout.lora import target_problem
+    from rollout.models import load_model
+    from trainer.config import load_config
+    from trainer.loop.start.preflight import PreflightError, _check_lora_targets
+
+    model = load_model("builtin:tiny-moe", seed=1)
+    assert target_problem(model, ["q_proj", "o_proj"]) is None
+    keys = ["model.path=builtin:tiny-moe", "model.lora.rank=4"]
+    with pytest.raises(PreflightError, match=r"'gate_proj' also names the experts") as err:
+        _check_lora_targets(load_config(None, keys, check_environment=False))
+    assert "model.lora.target_modules=" in str(err.value) and "\n" not in str(err.value)
+    assert "['q_proj', 'k_proj', 'v_proj', 'o_proj']" in str(err.value)
+    fine = load_config(
+        None, [*keys, f"model.lora.target_modules={ATTENTION}"], check_environment=False
+    )
+    _check_lora_targets(fine)
 
 
 def _job(run_dir, steps: int, ep: int, resume: str) -> list[dict]:
@@ -168,3 +236,24 @@ def test_engine_expert_parallelism_needs_vllm_over_several_ranks():
     gpu = "configs/gpu/qwen3-30b-a3b-grpo.yaml"
     cfg = load_config(gpu, ["rollout.expert_parallel=true"], check_environment=False)
     assert cfg.rollout.expert_parallel and cfg.rollout.tensor_parallel_size == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("train.param_offload=true",),
+        ("model.lora.rank=4", f"model.lora.target_modules={ATTENTION}"),
+        ("train.param_offload=true", "model.lora.rank=4", f"model.lora.target_modules={ATTENTION}"),
+    ],
+    ids=["param_offload", "lora", "both"],
+)
+def test_split_experts_with_offload_or_adapters_train_as_the_unsplit_run(extra):
+    """FSDP2's CPU offload of every shard (the experts' over the ``(dp, ep)`` mesh included),
+    LoRA adapters on the attention (the experts frozen, sharded all the same), and both, with
+    EP 2 against the same run unsplit."""
+    base_state, base_metrics, _ = _train(2, 1, extra=extra)
+    state, metrics, _ = _train(2, 2, extra=extra)
+    _assert_same_params(base_state, state)
+    for key in ("grad_norm", "loss", "router_aux_loss"):
+        assert metrics[key] == pytest.approx(base_metrics[key], rel=1e-5, abs=1e-9), key

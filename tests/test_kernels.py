@@ -122,6 +122,47 @@ def _npu_grouped_matmul(x, weight, *, group_list, split_item, group_type, group_
     ]
 
 
+#: How the permute stand-in's ``sorted_indices`` reads (``hal.moe_experts``: torch_npu's
+#: documentation shows the argsort of the flattened indices, vllm-ascend 0.26 reads it as the
+#: inverse); crossrl only hands it back to the unpermute, so both must give the same result.
+PERMUTE_READING = {"now": "argsort"}
+#: The torch_npu MoE ops the stand-ins ran, in call order.
+NPU_MOE_CALLS: list[str] = []
+
+
+def _npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):
+    """torch_npu 2.10.0.post4's ``npu_moe_token_permute`` (its documentation: bf16 tokens
+    ``[N, H]``, int64 indices ``[N, k]``; each slot's row, grouped by expert in ascending
+    order; ``sorted_indices`` int32 ``[N*k]``), with autograd as the real op has."""
+    assert tokens.dtype == torch.bfloat16 and indices.dtype == torch.int64 and not padded_mode
+    assert tokens.dim() == 2 and num_out_tokens in (None, 0)
+    NPU_MOE_CALLS.append("permute")
+    k = indices.shape[1] if indices.dim() == 2 else 1
+    order = torch.argsort(indices.reshape(-1), stable=True)
+    mapping = order if PERMUTE_READING["now"] == "argsort" else torch.argsort(order)
+    return tokens.index_select(0, order // k), mapping.int()
+
+
+def _npu_moe_token_unpermute(
+    permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None
+):
+    """torch_npu 2.10.0.post4's ``npu_moe_token_unpermute``: each slot's row back in token
+    order, times ``probs`` (bf16 ``[N, k]``), summed over the k slots (in bf16)."""
+    assert permuted_tokens.dtype == torch.bfloat16 and sorted_indices.dtype == torch.int32
+    assert probs is None or probs.dtype == torch.bfloat16
+    NPU_MOE_CALLS.append("unpermute")
+    k = 1 if probs is None else probs.shape[1]
+    index = sorted_indices.long()
+    if PERMUTE_READING["now"] == "argsort":  # position i holds slot index[i]
+        slots = torch.zeros_like(permuted_tokens).index_copy(0, index, permuted_tokens)
+    else:  # slot s sits at position index[s]
+        slots = permuted_tokens.index_select(0, index)
+    slots = slots.view(-1, k, permuted_tokens.shape[-1])
+    if probs is not None:
+        slots = slots * probs.unsqueeze(-1)
+    return slots.sum(dim=1)
+
+
 #: Where the stand-ins live: a module name of their own (a fake ``torch_npu`` in
 #: ``sys.modules`` would fool transformers' and accelerate's own NPU checks).
 STAND_IN = "crossrl_test_kernel_stand_ins"
@@ -139,6 +180,8 @@ def stand_ins(monkeypatch):
         npu_swiglu=_npu_swiglu,
         npu_rotary_mul=_npu_rotary_mul,
         npu_grouped_matmul=_npu_grouped_matmul,
+        npu_moe_token_permute=_npu_moe_token_permute,
+        npu_moe_token_unpermute=_npu_moe_token_unpermute,
         grouped_mm=torch.nn.functional.grouped_mm,  # torch's own: it runs on the CPU too
     )
     monkeypatch.setitem(sys.modules, STAND_IN, module)
@@ -371,6 +414,23 @@ def test_the_calls_match_the_pinned_wheels():
     )
     assert API["torch_npu.npu_swiglu"] == "npu_swiglu(Tensor input, int dim=-1) -> Tensor"
     assert API["torch_npu._fused_adamw_"] is True  # the NPU's fused AdamW kernel
+    # the experts (hal.moe_experts): the keywords crossrl passes, the permute pair's arguments
+    gmm = API["torch_npu.npu_grouped_matmul"]
+    assert gmm.startswith("npu_grouped_matmul(Tensor[] x, Tensor[] weight, *,")
+    for keyword in ("Tensor? group_list=None", "int? split_item=0", "int? group_type=None"):
+        assert keyword in gmm
+    assert API["torch_npu.npu_moe_token_permute"] == (
+        "npu_moe_token_permute(Tensor tokens, Tensor indices, int? num_out_tokens=None, "
+        "bool padded_mode=False) -> (Tensor, Tensor)"
+    )
+    assert API["torch_npu.npu_moe_token_unpermute"] == (
+        "npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, "
+        "Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None) -> Tensor"
+    )
+    from hal.kernels import NPU_MOE_OPS
+
+    for name in NPU_MOE_OPS.values():
+        assert API[f"torch_npu.{name}"] is not None, name
 
 
 @pytest.mark.parametrize(

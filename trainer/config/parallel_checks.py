@@ -8,8 +8,9 @@ from trainer.config.schema import Config
 
 
 def expert_parallel_problems(cfg: Config) -> list[Problem]:
-    """``train.expert_parallel_size``: a divisor of ``train.dp_size``; not yet with LoRA
-    adapters or FSDP2's CPU offload (neither is tested beside the experts' own mesh)."""
+    """``train.expert_parallel_size``: a divisor of ``train.dp_size``. It goes with LoRA
+    adapters (on the layers other than the experts: ``rollout.lora.target_problem``) and
+    FSDP2's CPU offload (``train.param_offload``); ``tests/test_expert_parallel.py``."""
     tr, ep = cfg.train, cfg.train.expert_parallel_size
     if ep == 1:
         return []
@@ -22,17 +23,4 @@ def expert_parallel_problems(cfg: Config) -> list[Problem]:
                 f"{ep} ranks; use a divisor of {tr.dp_size}",
             )
         ]
-    for key, on in (
-        ("model.lora.enabled", cfg.model.lora.enabled),
-        ("train.param_offload", tr.param_offload),
-    ):
-        if on:
-            return [
-                problem(
-                    "train.expert_parallel_size",
-                    ep,
-                    f"cannot go with {key}=true yet; set train.expert_parallel_size=1 or "
-                    f"{key}=false",
-                )
-            ]
     return []

@@ -13,7 +13,9 @@ as before (``full_tensor``).
 The forward (``dispatching_forward``) is dropless: each slot's row goes to its expert's rank
 by one all-to-all of the ep group (``all_to_all_single_autograd`` of torch's functional
 collectives, which carries gradients back the same way), the rank computes its experts over
-the rows it got, sorted by expert, and a second all-to-all returns them; the routing weights
+the rows it got, sorted by expert (through the kernel set's experts kernel,
+``hal.kernels.KernelSet.expert_rows``: the device's grouped GEMM, or the per-expert loop), and
+a second all-to-all returns them; the routing weights
 are applied where the token lives. The exchanged sizes are counted first (one all-to-all of
 the per-expert counts), so every collective is of known size, through the HAL's process group
 (each device's collective library; gloo on the CPU).
@@ -32,9 +34,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from hal.moe_experts import is_fused_experts
+from hal.moe_experts import is_fused_experts, looped_rows
 
 __all__ = ["expert_modules", "grad_norm", "shard_experts"]
 
@@ -60,10 +61,13 @@ class _GradScale(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def shard_experts(model: torch.nn.Module, mesh, fsdp: Callable[..., None]) -> int:
+def shard_experts(
+    model: torch.nn.Module, mesh, fsdp: Callable[..., None], compute: Callable = looped_rows
+) -> int:
     """Shard every fused experts module of ``model`` by expert over ``mesh["ep"]``, make it an
     FSDP2 unit over ``mesh["dp"]`` (``fsdp(module, mesh=..., shard_placement_fn=...)``:
-    ``fully_shard`` with the worker's policies) and give it the dispatching forward. Returns
+    ``fully_shard`` with the worker's policies) and give it the dispatching forward, whose
+    local experts run through ``compute`` (``hal.moe_experts.looped_rows``'s signature). Returns
     the modules sharded. ValueError, naming ``train.expert_parallel_size``, when an expert
     count does not divide."""
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -84,13 +88,14 @@ def shard_experts(model: torch.nn.Module, mesh, fsdp: Callable[..., None]) -> in
         # over dp by the hidden dimension: the experts' dim 0 is ep's (two shardings of one
         # dim would make every whole read a strided, two-step gather)
         fsdp(module, mesh=mesh["dp"], shard_placement_fn=lambda _: Shard(1))
-        module.forward = dispatching_forward(module, mesh["ep"].get_group(), ep)
+        module.forward = dispatching_forward(module, mesh["ep"].get_group(), ep, compute)
     return len(modules)
 
 
-def dispatching_forward(module: torch.nn.Module, group, ep: int):
+def dispatching_forward(module: torch.nn.Module, group, ep: int, compute: Callable = looped_rows):
     """``module``'s forward under expert parallelism (module docstring): ``(hidden [T, H],
-    top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` as transformers calls it."""
+    top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` as transformers calls it; the local
+    experts through ``compute``."""
     from torch.distributed import all_to_all_single as exchange_counts
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
@@ -114,7 +119,7 @@ def dispatching_forward(module: torch.nn.Module, group, ep: int):
             torch.arange(local, device=got.device).repeat(ep), per_source.reshape(-1)
         )
         by_expert = torch.argsort(expert_of, stable=True)
-        y = _local_experts(module, got.index_select(0, by_expert), per_source.sum(0).tolist(), ep)
+        y = _local_experts(module, got.index_select(0, by_expert), per_source.sum(0), ep, compute)
         back = torch.empty_like(y).index_copy(0, by_expert, y)
         done = all_to_all_single_autograd(back, send, receive, group)
         out = torch.empty_like(done).index_copy(0, order, done).view(tokens, k, -1)
@@ -123,16 +128,12 @@ def dispatching_forward(module: torch.nn.Module, group, ep: int):
     return forward
 
 
-def _local_experts(module, rows: torch.Tensor, sizes: list[int], ep: int) -> torch.Tensor:
-    """This rank's experts over ``rows`` (``sizes[j]`` rows of its expert j, in order), the
-    weights' gradients scaled by ``1 / ep`` (module docstring)."""
+def _local_experts(module, got: torch.Tensor, counts: torch.Tensor, ep: int, compute):
+    """This rank's experts over ``got`` (``counts[j]`` rows of its expert j, in order) through
+    ``compute``, the weights' gradients scaled by ``1 / ep`` (module docstring)."""
     gate_up = _GradScale.apply(module.gate_up_proj.to_local(), 1.0 / ep)
     down = _GradScale.apply(module.down_proj.to_local(), 1.0 / ep)
-    outs = []
-    for j, part in enumerate(torch.split(rows, sizes)):
-        gate, up = F.linear(part, gate_up[j]).chunk(2, dim=-1)
-        outs.append(F.linear(module.act_fn(gate) * up, down[j]))
-    return torch.cat(outs) if outs else rows
+    return compute(got, gate_up, down, counts, module.act_fn)
 
 
 def grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -64,7 +64,7 @@ def retie(model: torch.nn.Module, tied: list[list[str]]) -> None:
 
 class ModelLoading:
     """Building, sharding and loading a rank's model (``self.spec``, ``self.backend``,
-    ``self.device``: ``FSDPWorker``'s)."""
+    ``self.device``, ``self.kernels``: ``FSDPWorker``'s)."""
 
     def _materialise_model_files(self) -> None:
         """A ``builtin:`` model's files are written on first use: rank 0 writes them while
@@ -131,7 +131,12 @@ class ModelLoading:
                 self.backend.device_type, (world // ep, ep), mesh_dim_names=("dp", "ep")
             )
             policies = {"mp_policy": mp, "offload_policy": offload}
-            sharded = shard_experts(model, grid, lambda m, **kw: fully_shard(m, **kw, **policies))
+            sharded = shard_experts(
+                model,
+                grid,
+                lambda m, **kw: fully_shard(m, **kw, **policies),
+                compute=self.kernels.expert_rows(),
+            )
             if not sharded and self.spec.role == "actor":
                 raise ValueError(
                     f"train.expert_parallel_size={ep}: {self.spec.model_path} has no experts "
