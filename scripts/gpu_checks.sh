@@ -124,7 +124,8 @@ part_cudatests() {
     "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 60 tests/test_hal_attention.py \
         tests/test_shared_prefix_kernels.py tests/test_trainer_offload.py \
         tests/test_rollout_engine_handoff.py tests/test_hal_backends.py tests/test_kernels.py \
-        tests/test_kernels_head.py tests/test_kernels_guard.py tests/test_push_streams.py
+        tests/test_kernels_head.py tests/test_kernels_guard.py tests/test_push_streams.py \
+        tests/test_kernels_moe.py
 }
 
 part_job15() {
