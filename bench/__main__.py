@@ -1,6 +1,6 @@
 """crossrl benchmarks: one table per benchmark, every result in one JSON file.
 
-    python -m bench [planner|stepwise|rollout|train|e2e|pipeline|faults|longtail|gpu|memory|head|peer|all ...] [--quick] [--out FILE]
+    python -m bench [planner|stepwise|rollout|train|e2e|pipeline|faults|longtail|gpu|memory|head|moe|peer|all ...] [--quick] [--out FILE]
     crossrl bench [which ...] [--quick]
 
 ``peer`` (crossrl vs TRL's GRPOTrainer) needs the optional ``bench`` extra and is not part of
@@ -96,6 +96,12 @@ def _head():
     return head.run, head.format_table
 
 
+def _moe():
+    from bench import moe
+
+    return moe.run, moe.format_table
+
+
 def _peer():
     from bench import peer
 
@@ -118,6 +124,7 @@ BENCHMARKS: dict[str, tuple[str, Callable]] = {
         _memory,
     ),
     "head": ("the LM head's log-prob + entropy: fused head vs reference chunks", _head),
+    "moe": ("a mixture's experts: the device's grouped-GEMM kernel vs eager experts", _moe),
     "peer": ("crossrl vs TRL's GRPOTrainer: seconds per step of the same job", _peer),
 }
 #: Benchmarks left out of ``all``, with why: they need an optional extra.

@@ -10,6 +10,9 @@
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier3   # = install vllmnew (260 s): LoRA and
 #     streaming on vLLM (adapters loaded in place, interrupted engine steps), kept out of
 #     tier 2's vllmtests so that tier still fits its window
+#   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier5   # = env cudatests moe (180 s): the
+#     experts kernel against the CPU golden and, timed, against transformers' eager experts at
+#     a cut of Qwen3-30B-A3B's layer (bench.moe: tokens/s and MFU, even and skewed routing)
 #   KIND=<folder> picks configs/<folder>/qwen2.5-0.5b-grpo.yaml for the job (default: gpu)
 #
 # tier1 is the GPU issue's first tier, sized to one 9-minute call (its parts' limits add up to
@@ -44,6 +47,7 @@ for part in "$@"; do
     tier2) parts+=(install vllmtests vllmjob peer) ;;  # after the carry's calls (gpu_carry.sh)
     tier3) parts+=(install vllmnew) ;;
     tier4) parts+=(cudatests mfucompile jobauto probe) ;;  # the kernel set's (issue 48)
+    tier5) parts+=(env cudatests moe) ;;  # mixture-of-experts kernels (issue 58)
     vllm) parts+=(vllmtests vllmjob) ;;
     *) parts+=("$part") ;;
     esac
@@ -205,9 +209,15 @@ part_bench() {
     crossrl bench gpu --out "$RUNS/bench-gpu.json"
 }
 
+part_moe() {
+    # one Qwen3-30B-A3B experts layer (hidden 2048, width 768, 128 experts, top-8; 4,096 and
+    # 16,384 tokens, bf16): the device's experts kernel against transformers' eager experts
+    crossrl bench moe --out "$RUNS/bench-moe.json"
+}
+
 declare -A limit=([install]=60 [env]=20 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=110
     [bench]=200 [vllmtests]=150 [vllmjob]=180 [peer]=200 [cudatests]=70 [job15]=170 [budget7b]=50 [mfu]=150
-    [vllmnew]=200 [mfucompile]=220 [jobauto]=170)
+    [vllmnew]=200 [mfucompile]=220 [jobauto]=170 [moe]=90)
 for part in "${parts[@]}"; do
     if [ -z "${limit[$part]:-}" ]; then
         echo "gpu_checks: no part '$part'; parts: tier1 tier2 vllm ${!limit[*]}" >&2
