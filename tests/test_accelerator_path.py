@@ -193,7 +193,7 @@ class _FutureRef(LocalRef):
 def _stream(rank: int, world: int, port: int, queue, bucket_bytes: int, delay_s: float) -> None:
     import rollout.engines.weights.buckets as buckets_mod
     from trainer.config import load_config
-    from trainer.loop.engines.rollout_host import EngineHost
+    from trainer.loop.engines.engine_host import EngineHost
     from trainer.loop.ranks.fsdp_worker import WorkerSpec
     from trainer.loop.ranks.policy import PolicyWorker
     from trainer.loop.weights.weight_push import full_state
@@ -298,7 +298,7 @@ def test_step_boundary_hands_over_one_stage_at_a_time(tmp_path, monkeypatch):
     them). In one process every call runs when the controller makes it, so the recorded
     order is the controller's, which waits for each stage before starting the next."""
     from trainer.config import load_config
-    from trainer.loop.engines.rollout_host import EngineHost
+    from trainer.loop.engines.engine_host import EngineHost
     from trainer.loop.ranks.fsdp_worker import FSDPWorker
     from trainer.loop.start.run import run_training
 
@@ -349,7 +349,7 @@ def test_engine_host_builds_vllm_with_the_devices_options(monkeypatch, backend_n
     import hal
     import rollout.engines
     from trainer.config import load_config
-    from trainer.loop.engines.rollout_host import EngineHost
+    from trainer.loop.engines.engine_host import EngineHost
 
     backend = hal.backend_class(backend_name)()
     built = {}

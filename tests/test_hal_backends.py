@@ -521,7 +521,7 @@ def test_a_deterministic_vllm_run_turns_on_the_engines_batch_invariant_mode(
     batch-invariant mode is on; the rollout host turns it on exactly where the pinned engine
     has it (vLLM 0.24 on CUDA, vllm-ascend 0.26.0rc1 on Ascend)."""
     from trainer.config import load_config
-    from trainer.loop.engines.rollout_host import engine_batch_invariance
+    from trainer.loop.engines.engine_host import engine_batch_invariance
 
     keys = [f"rollout.engine={engine}", f"run.deterministic={str(deterministic).lower()}"]
     cfg = load_config(None, keys, check_environment=False)

@@ -110,7 +110,7 @@ def test_every_engine_worker_applies_the_deterministic_switches(monkeypatch):
 
 def test_a_worker_that_applied_other_settings_is_named():
     from trainer.loop.cluster.group import WorkerFailedError
-    from trainer.loop.engines.rollout_host import agree_with_engine_workers
+    from trainer.loop.engines.engine_host import agree_with_engine_workers
 
     host = {"seed": "7", "flag": "True"}
     assert agree_with_engine_workers(host, [dict(host), dict(host)], 1) == host
@@ -124,7 +124,7 @@ def test_the_engine_host_sets_its_workers_deterministic(monkeypatch, determinist
     engine is built; without it nothing is asked of them."""
     import rollout.engines
     from trainer.config import load_config
-    from trainer.loop.engines.rollout_host import EngineHost
+    from trainer.loop.engines.engine_host import EngineHost
 
     calls: list = []
     engine = _engine_with_workers(monkeypatch, 2, calls)

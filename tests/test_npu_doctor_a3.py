@@ -156,7 +156,7 @@ def test_engine_host_checks_the_build_before_starting_the_engine(site, monkeypat
     import hal.npu
     import rollout.engines
     from trainer.config import load_config
-    from trainer.loop.engines.rollout_host import EngineHost
+    from trainer.loop.engines.engine_host import EngineHost
 
     fake_vllm_ascend(site, "A2")
     backend = hal.backend_class("npu")()

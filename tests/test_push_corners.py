@@ -97,7 +97,7 @@ def worker():
 
 
 def _host(worker, engine: Engine) -> ThreadHandle:
-    from trainer.loop.engines.rollout_host import EngineHost
+    from trainer.loop.engines.engine_host import EngineHost
 
     host = EngineHost(worker.spec.cfg)
     host.engine = engine

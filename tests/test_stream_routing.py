@@ -14,7 +14,7 @@ import pytest
 
 from rollout.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from rollout.streaming import GroupAborted, VersionedEngine
-from trainer.loop.engines.rollout_host import EngineHost
+from trainer.loop.engines.engine_host import EngineHost
 
 
 def _until(condition, timeout_s: float = 30.0) -> None:

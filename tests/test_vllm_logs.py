@@ -77,7 +77,7 @@ def test_debug_level_shows_everything(engine_loggers, caplog):
 
 def test_the_engine_host_applies_the_key_before_the_engine_starts(engine_loggers, monkeypatch):
     import rollout.engines
-    from trainer.loop.engines.rollout_host import EngineHost
+    from trainer.loop.engines.engine_host import EngineHost
 
     started = {}
 

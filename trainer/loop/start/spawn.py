@@ -97,8 +97,9 @@ class Spawner:
         """Engine replica ``index`` of the layout, on its tp group's first rank's bundle (its
         own bundle when separate): the rollout host for 0, else an ``EngineHost``. Also how a
         lost replica is started again in its place (``trainer.loop.schedule.replicas``)."""
+        from trainer.loop.engines.engine_host import EngineHost
         from trainer.loop.engines.remote_engine import peer_actor_options
-        from trainer.loop.engines.rollout_host import EngineHost, RolloutHost
+        from trainer.loop.engines.rollout_host import RolloutHost
 
         cfg, layout, backend = self.cfg, self.layout, self.engine_backend()
         rep = layout.replicas[index]
