@@ -28,6 +28,8 @@ BAD = [
     (["rollout.temprature=0.5"], "rollout.temprature", "did you mean 'rollout.temperature'"),
     (["algorithm.kl_coeff=0.1"], "algorithm.kl_coeff", "did you mean 'algorithm.kl_coef'"),
     (["devcie=cpu"], "devcie", "did you mean 'device'"),
+    (["rollout.env_concurrency=0"], "rollout.env_concurrency", "or auto"),
+    (["rollout.env_concurrency=many"], "rollout.env_concurrency", "auto"),
     # wrong types
     (["train.batch_size=eight"], "train.batch_size", "'eight'"),
     (["train.batch_size=8.5"], "train.batch_size", "8.5"),
@@ -225,3 +227,28 @@ def test_compiled_blocks_refuse_activation_checkpointing():
     assert info.value.key == "train.compile_blocks"
     assert "train.activation_checkpointing=true" in str(info.value)
     assert load_config(None, both[:1]).train.compile_blocks is True
+
+
+STREAM = ["train.max_staleness=1", "algorithm.rollout_correction=token"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "slots"),
+    [
+        ([], lambda cfg: cfg.train.batch_size * cfg.rollout.n),  # a lag-0 step's episodes
+        (STREAM, lambda cfg: cfg.train.batch_size * cfg.rollout.n * 2),  # groups span 2 steps
+        (["train.batch_size=512", "rollout.n=16"], lambda cfg: 1024),  # the ceiling
+        (["rollout.env_concurrency=3", *STREAM], lambda cfg: 3),  # a number is kept
+    ],
+    ids=["lag0", "stream", "ceiling", "number"],
+)
+def test_env_concurrency_auto_gives_every_episode_in_flight_a_slot(overrides, slots):
+    """``rollout.env_concurrency=auto`` (the default): the episodes the run may have in
+    flight, at most ``ENV_SLOTS_AUTO_MAX``; a number is used as given."""
+    from trainer.config.schema import ENV_SLOTS_AUTO_MAX
+
+    cfg = load_config(None, overrides, check_environment=False)
+    assert cfg.env_call_slots() == slots(cfg) <= ENV_SLOTS_AUTO_MAX
+    assert cfg.rollout.env_concurrency == (
+        3 if "rollout.env_concurrency=3" in overrides else "auto"
+    )

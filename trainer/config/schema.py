@@ -28,6 +28,9 @@ from trainer.config.schema_train import TrainConfig
 
 # Exactly the names hal.get_backend accepts: one name per device, owned by the HAL.
 DeviceName = Literal[BACKEND_NAMES]
+#: ``rollout.env_concurrency=auto``'s ceiling: environment calls (threads for synchronous
+#: environments) at once.
+ENV_SLOTS_AUTO_MAX = 1024
 ModelDtype = Literal["float32", "bfloat16", "float16"]
 
 _ENV_SPEC = re.compile(r"^(?:[A-Za-z_][\w-]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
@@ -206,12 +209,21 @@ class RolloutConfig(BaseModel):
         description="seconds each environment reset/step call may take; past it the "
         "trajectory ends as an environment fault (rollout/env_errors); null = no limit",
     )
-    env_concurrency: int = Field(
-        64,
-        ge=1,
+    env_concurrency: int | Literal["auto"] = Field(
+        "auto",
         description="environment calls (reset/step) running at once, at most; synchronous "
-        "environments run on this many threads",
+        "environments run on this many threads; auto = every episode the run may have in "
+        "flight (train.batch_size x rollout.n, times train.max_staleness + 1 when streamed), "
+        f"at most {ENV_SLOTS_AUTO_MAX}: a tool that waits on I/O never queues behind others",
     )
+
+    @field_validator("env_concurrency")
+    @classmethod
+    def _env_slots(cls, value: int | str) -> int | str:
+        if value != "auto" and value < 1:
+            raise ValueError("must be >= 1 environment call, or auto")
+        return value
+
     max_replica_failures: int = Field(
         3,
         ge=0,
@@ -390,6 +402,16 @@ class Config(BaseModel):
     def engine_device(self) -> str:
         """The engine replicas' device backend: ``rollout.device``, else ``device``."""
         return self.rollout.device or self.device
+
+    def env_call_slots(self) -> int:
+        """Environment calls that may run at once: ``rollout.env_concurrency``, or for
+        ``auto`` the episodes the run may have in flight (prompts x samples, times the
+        streamed steps a group may span), at most ``ENV_SLOTS_AUTO_MAX``."""
+        roll, train = self.rollout, self.train
+        if roll.env_concurrency != "auto":
+            return roll.env_concurrency
+        spans = 1 if train.max_staleness is None else train.max_staleness + 1
+        return min(train.batch_size * roll.n * spans, ENV_SLOTS_AUTO_MAX)
 
     def optimizer_steps_per_step(self) -> int:
         """Optimizer steps per training step: mini-batches per batch times ppo_epochs."""

@@ -43,7 +43,7 @@ class RolloutHost(StreamingHost, EngineHost):
             reward_fn = RewardFunction(
                 cfg.reward.function,
                 timeout_s=cfg.reward.timeout_s,
-                max_workers=roll.env_concurrency,
+                max_workers=cfg.env_call_slots(),
             )
         self.env_factory = bind_env(roll.env, roll.env_kwargs, reward_fn)
         self.prompts = PromptSource(cfg.data.source, seed=cfg.seed)

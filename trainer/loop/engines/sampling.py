@@ -32,7 +32,7 @@ def run_config_rollouts(
         step=step,
         stop_strings=tuple(roll.stop_strings),
         env_timeout_s=roll.env_timeout_s,
-        env_concurrency=roll.env_concurrency,
+        env_concurrency=cfg.env_call_slots(),
         deterministic=cfg.run.deterministic,
         env_slots=env_slots,
     )

@@ -144,7 +144,7 @@ class StreamingHost:
         steps_left = max(1, cfg.train.total_steps - start)
 
         # one pool of environment calls for every group in flight: rollout.env_concurrency
-        env_slots = self.env_slots = EnvSlots(cfg.rollout.env_concurrency)
+        env_slots = self.env_slots = EnvSlots(cfg.env_call_slots())
 
         def sample_group(ordinal: int) -> RolloutOutput:
             # ``step`` seeds the requests: the prompt's ordinal, unique in the run

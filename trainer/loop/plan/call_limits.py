@@ -222,7 +222,7 @@ class CallLimits:
     def _rollout_budget(self, trajectories: int, sample_batches: int) -> float:
         """Seconds for ``trajectories`` trajectories, ``sample_batches`` times over."""
         roll = self.cfg.rollout
-        waves = math.ceil(trajectories / roll.env_concurrency)
+        waves = math.ceil(trajectories / self.cfg.env_call_slots())
         env_call_s = roll.env_timeout_s if roll.env_timeout_s is not None else UNBOUNDED_ENV_CALL_S
         decode_s = self.decode_waves(trajectories) * roll.max_new_tokens * DECODE_STEP_S
         turn_s = decode_s + waves * (env_call_s + self.cfg.reward.timeout_s)
