@@ -61,6 +61,13 @@ SCHEDULES = {
     "stream s=1, whole": [*OWN_ENGINE, "train.max_staleness=1", "rollout.partial_rollout=false"],
     "stream s=2, partial": [*OWN_ENGINE, "train.max_staleness=2", "rollout.partial_rollout=true"],
     "stream s=2, whole": [*OWN_ENGINE, "train.max_staleness=2", "rollout.partial_rollout=false"],
+    # the default before rollout.env_concurrency=auto: 64 environment calls at once
+    "stream s=1, partial, 64 env calls": [
+        *OWN_ENGINE,
+        "train.max_staleness=1",
+        "rollout.partial_rollout=true",
+        "rollout.env_concurrency=64",
+    ],
     "stream s=1, partial, colocated": [
         "algorithm.rollout_correction=token",
         "train.max_staleness=1",
