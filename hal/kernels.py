@@ -170,24 +170,12 @@ def _head_call(provider: Provider, fn) -> Callable:
     )
 
 
-#: torch_npu's ops beside ``npu_grouped_matmul`` that its experts call takes where present
-#: (``hal.moe_experts.NpuOps`` field -> torch_npu's name).
-NPU_MOE_OPS = {
-    "token_permute": "npu_moe_token_permute",
-    "token_unpermute": "npu_moe_token_unpermute",
-    "swiglu": "npu_swiglu",
-}
-
-
 def _experts_call(provider: Provider, fn) -> moe_experts.ExpertsKernel:
-    """The experts (``hal.moe_experts.ExpertsKernel``: the module's call and the grouped
-    rows') through ``provider``'s grouped GEMM; on the NPU with torch_npu's permute,
-    unpermute and SwiGLU from the same module."""
+    """The experts (``hal.moe_experts.ExpertsKernel``) through ``provider``'s grouped GEMM;
+    on the NPU with the rest of torch_npu's MoE ops from the same module."""
     if provider.convention != "torch_npu":
         return moe_experts.torch_experts(fn)
-    library = importlib.import_module(provider.module)
-    ops = {field: getattr(library, name, None) for field, name in NPU_MOE_OPS.items()}
-    return moe_experts.npu_experts(fn, moe_experts.NpuOps(**ops))
+    return moe_experts.npu_experts(fn, importlib.import_module(provider.module))
 
 
 def _experts_fit(kernel: moe_experts.ExpertsKernel) -> Callable:

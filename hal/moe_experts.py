@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,7 @@ import torch.nn.functional as F
 __all__ = [
     "ExpertsKernel",
     "NpuGroupedMatmul",
+    "NPU_MOE_OPS",
     "NpuOps",
     "grouped_experts",
     "is_fused_experts",
@@ -253,9 +255,21 @@ def torch_experts(fn) -> ExpertsKernel:
     return ExpertsKernel(torch_gmm(fn), dtypes=frozenset({BF16}))
 
 
-def npu_experts(grouped_matmul, ops: NpuOps | None = None) -> ExpertsKernel:
+#: torch_npu's ops beside ``npu_grouped_matmul`` that its experts call takes where present
+#: (``NpuOps`` field -> torch_npu's name).
+NPU_MOE_OPS = {
+    "token_permute": "npu_moe_token_permute",
+    "token_unpermute": "npu_moe_token_unpermute",
+    "swiglu": "npu_swiglu",
+}
+
+
+def npu_experts(grouped_matmul, ops: NpuOps | ModuleType | None = None) -> ExpertsKernel:
     """The experts through torch_npu's ``npu_grouped_matmul`` and ``ops`` (permute,
-    unpermute, SwiGLU)."""
+    unpermute, SwiGLU): given, or read from a module (torch_npu) by ``NPU_MOE_OPS``'s names,
+    None where it has no such op."""
+    if isinstance(ops, ModuleType):
+        ops = NpuOps(**{field: getattr(ops, name, None) for field, name in NPU_MOE_OPS.items()})
     return ExpertsKernel(npu_gmm(grouped_matmul), npu=ops)
 
 

@@ -427,7 +427,7 @@ def test_the_calls_match_the_pinned_wheels():
         "npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, "
         "Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None) -> Tensor"
     )
-    from hal.kernels import NPU_MOE_OPS
+    from hal.moe_experts import NPU_MOE_OPS
 
     for name in NPU_MOE_OPS.values():
         assert API[f"torch_npu.{name}"] is not None, name
