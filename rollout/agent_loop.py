@@ -134,6 +134,56 @@ def run_rollouts(
     trajectory order either way. Runs its own event loop (on a helper thread when the caller's
     thread already runs one).
     """
+    params = turn_params(
+        tokenizer,
+        sampling,
+        n=n,
+        max_turns=max_turns,
+        max_new_tokens=max_new_tokens,
+        max_input_len=max_input_len,
+        env_timeout_s=env_timeout_s,
+        env_concurrency=env_concurrency,
+    )
+    ctx = RolloutContext.of(
+        tokenizer,
+        params,
+        stop_strings=stop_strings,
+        max_turns=max_turns,
+        step_wise=step_wise,
+        max_input_len=max_input_len,
+        seed=seed,
+        step=step,
+    )
+    trajs = trajectories(prompts, n, env_factory)
+
+    async def roll_all() -> None:
+        batcher = RequestBatcher(engine, params, waves=deterministic)
+        env_calls = EnvCalls(env_concurrency, env_timeout_s, env_slots)
+        live = [t for t in trajs if not t.done]
+        batcher.join([t.item.index for t in live])
+        try:
+            await roll_trajectories(live, ctx, batcher, env_calls)
+        finally:
+            env_calls.close()
+            batcher.close()
+
+    _run_coroutine(roll_all)
+    return collect(trajs, step_wise=step_wise, merge=merge_stepwise)
+
+
+def turn_params(
+    tokenizer,
+    sampling: SamplingParams | None,
+    *,
+    n: int,
+    max_turns: int,
+    max_new_tokens: int,
+    max_input_len: int,
+    env_timeout_s: float | None,
+    env_concurrency: int,
+) -> SamplingParams:
+    """Every turn's engine settings (``sampling`` with ``max_new_tokens - 1`` tokens, the
+    tokenizer's EOS among the stop tokens), after checking the ``rollout.*`` settings."""
     if n < 1:
         raise ValueError(f"rollout.n={n}: must be >= 1 sample per prompt")
     if max_turns < 1:
@@ -156,18 +206,20 @@ def run_rollouts(
     if not eos_ids:
         raise ValueError("the tokenizer has no eos_token; the agent loop needs one to end turns")
     stops = tuple(dict.fromkeys(eos_ids + tuple(sampling.stop_token_ids)))
-    params = dataclasses.replace(sampling, max_new_tokens=max_new_tokens - 1, stop_token_ids=stops)
-    ctx = _Context(
-        tokenizer=tokenizer,
-        eos=eos_ids[0],
-        stop_strings=tuple(stop_strings),
-        max_turns=max_turns,
-        step_wise=step_wise,
-        max_input_len=max_input_len,
-        seed=seed,
-        step=step,
-    )
+    return dataclasses.replace(sampling, max_new_tokens=max_new_tokens - 1, stop_token_ids=stops)
 
+
+def trajectories(
+    prompts: Sequence[PromptItem | int],
+    n: int,
+    env_factory: Callable[..., object],
+    built: Callable[[int], bool] = lambda uid: True,
+) -> list[Trajectory]:
+    """The ``n`` trajectories of every prompt (group ``uid = j`` of prompt j, ``trajectory_id
+    = j * n + sample``), with their environments built, in trajectory order (a factory may
+    count or share state), for the groups ``built`` names; a constructor's fault ends its
+    trajectory. The others are left without an environment (another process builds them:
+    ``rollout.agent_workers``)."""
     items = [
         p if isinstance(p, PromptItem) else PromptItem(index=i, seed=int(p))
         for i, p in enumerate(prompts)
@@ -177,36 +229,38 @@ def run_rollouts(
         for j, item in enumerate(items)
         for k in range(n)
     ]
-    # Constructors run here, in trajectory order: a factory may count or share state.
     for t in trajs:
+        if not built(t.uid):
+            continue
         try:
             t.env = env_factory(**t.item.env_kwargs)
             t.reward_range = reward_range_of(t.env)
         except Exception as exc:  # noqa: BLE001 - any env fault ends only this trajectory
             t.error, t.done = fault_text("constructor", exc), True
+    return trajs
 
-    async def roll_all() -> None:
-        batcher = RequestBatcher(engine, params, waves=deterministic)
-        env_calls = EnvCalls(env_concurrency, env_timeout_s, env_slots)
-        live = [t for t in trajs if not t.done]
-        batcher.join([t.item.index for t in live])
-        tasks = [asyncio.create_task(_roll_one(t, ctx, batcher, env_calls)) for t in live]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:  # an engine failure: stop the other trajectories, re-raise it
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        finally:
-            env_calls.close()
-            batcher.close()
 
-    _run_coroutine(roll_all)
+async def roll_trajectories(
+    live: list[Trajectory], ctx: RolloutContext, front, env_calls: EnvCalls
+) -> None:
+    """Roll every trajectory of ``live`` as its own task; ``front`` takes their turns
+    (``generate(request, key)``, and ``leave(group)`` as each ends: a ``RequestBatcher``, or
+    its relay in an agent worker). An engine failure stops the others and is raised."""
+    tasks = [asyncio.create_task(_roll_one(t, ctx, front, env_calls)) for t in live]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:  # an engine failure: stop the other trajectories, re-raise it
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
+
+def collect(trajs: list[Trajectory], *, step_wise: bool, merge: bool) -> RolloutOutput:
+    """The rollout's rows in trajectory order, its metrics and its faults."""
     rows: list[Row] = []
     for t in trajs:
-        rows.extend(rows_of(t, step_wise=step_wise, merge=merge_stepwise))
+        rows.extend(rows_of(t, step_wise=step_wise, merge=merge))
     faults = [(t.trajectory_id, t.error) for t in trajs if t.error is not None]
     return RolloutOutput(rows=rows, metrics=rollout_metrics(trajs, rows), faults=faults)
 
@@ -226,8 +280,8 @@ def _keep_routes(t: Trajectory, turn: Turn, routes, *, whole: bool) -> None:
 
 
 @dataclass(frozen=True)
-class _Context:
-    """What every trajectory task of one ``run_rollouts`` call shares (read-only)."""
+class RolloutContext:
+    """What every trajectory task of one rollout shares (read-only)."""
 
     tokenizer: object
     eos: int
@@ -240,6 +294,16 @@ class _Context:
     #: chat -> its prompt token ids: the n samples of a prompt start from the same chat, so
     #: the template is rendered once per prompt, not once per sample
     _rendered: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, tokenizer, params: SamplingParams, **settings) -> RolloutContext:
+        """The context of a rollout whose turns are sampled with ``params`` (``turn_params``);
+        ``settings``: ``stop_strings``, ``max_turns``, ``step_wise``, ``max_input_len``,
+        ``seed``, ``step``."""
+        stop_strings = tuple(settings.pop("stop_strings"))
+        return cls(
+            tokenizer=tokenizer, eos=params.stop_token_ids[0], stop_strings=stop_strings, **settings
+        )
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """``chat_token_ids`` of ``messages`` with the generation prompt (a fresh list)."""
@@ -262,9 +326,7 @@ def _run_coroutine(make: Callable[[], Awaitable[None]]) -> None:
         helper.submit(lambda: asyncio.run(make())).result()
 
 
-async def _roll_one(
-    t: Trajectory, ctx: _Context, batcher: RequestBatcher, env_call: EnvCalls
-) -> None:
+async def _roll_one(t: Trajectory, ctx: RolloutContext, front, env_call: EnvCalls) -> None:
     """One trajectory: reset, then (generate a turn -> env step) until done, truncated, faulty
     or out of turns. Faults are recorded on ``t``; only an engine failure raises."""
     tokenizer = ctx.tokenizer
@@ -285,7 +347,7 @@ async def _roll_one(
                 return
             req_seed = stable_seed(ctx.seed, ctx.step, t.item.index, t.sample, turn)
             request = GenerationRequest(prompt_ids=prompt, seed=req_seed, group=t.item.index)
-            res = await batcher.generate(request, key=t.trajectory_id)
+            res = await front.generate(request, key=t.trajectory_id)
             gen, lps = list(res.token_ids), [float(x) for x in res.logprobs]
             vers = res.extra.get("versions")  # a streamed engine's (rollout.streaming)
             vers = None if vers is None else list(vers)
@@ -323,7 +385,7 @@ async def _roll_one(
                 record.obs_ids = _observation_ids(tokenizer, t.messages[:-1], obs)
                 t.seq = prompt + gen + record.obs_ids
     finally:
-        batcher.leave(t.item.index)
+        front.leave(t.item.index)
 
 
 def stop_string_cut(tokenizer, token_ids: list[int], stop_strings: Sequence[str]) -> int:

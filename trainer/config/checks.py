@@ -54,6 +54,16 @@ def _static_problems(cfg: Config) -> tuple[list[Problem], list[str]]:
     warn: list[str] = []
     tr, ro, alg = cfg.train, cfg.rollout, cfg.algorithm
 
+    if ro.agent_workers > cfg.env_call_slots():
+        p.append(
+            problem(
+                "rollout.agent_workers",
+                ro.agent_workers,
+                f"must be <= the environment calls that may run at once ({cfg.env_call_slots()}"
+                ", rollout.env_concurrency): each worker needs one; use fewer workers or raise "
+                "rollout.env_concurrency",
+            )
+        )
     if tr.mini_batch_size > tr.batch_size:
         p.append(
             problem(

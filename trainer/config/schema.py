@@ -217,6 +217,16 @@ class RolloutConfig(BaseModel):
         f"at most {ENV_SLOTS_AUTO_MAX}: a tool that waits on I/O never queues behind others",
     )
 
+    agent_workers: int = Field(
+        0,
+        ge=0,
+        description="processes that run the agent loops (environment calls, reward calls, "
+        "chat templates), beside the rollout host, which keeps driving the engines; each "
+        "turn comes back to the host's engines, so rows equal those of one process under "
+        "run.deterministic; rollout.env_concurrency is shared out among them; 0 = the agent "
+        "loops run in the rollout host's own process",
+    )
+
     @field_validator("env_concurrency")
     @classmethod
     def _env_slots(cls, value: int | str) -> int | str:

@@ -46,6 +46,15 @@ class RolloutHost(StreamingHost, EngineHost):
                 max_workers=cfg.env_call_slots(),
             )
         self.env_factory = bind_env(roll.env, roll.env_kwargs, reward_fn)
+        self.agent_workers = None
+        if roll.agent_workers:  # the agent loops in processes of their own
+            from rollout.agent_workers import AgentContext, AgentWorkers
+
+            context = AgentContext(
+                self.tokenizer, roll.env, roll.env_kwargs, cfg.reward.function, cfg.reward.timeout_s
+            )
+            self.agent_workers = AgentWorkers(roll.agent_workers, context, cfg.env_call_slots())
+            self.agent_workers.start()
         self.prompts = PromptSource(cfg.data.source, seed=cfg.seed)
         self.prompts_consumed = 0
         self.val_items = []
@@ -86,6 +95,8 @@ class RolloutHost(StreamingHost, EngineHost):
         other replicas' handles while this worker is still connected: ray reports a handle
         still held when the process is killed as a traceback on the driver's stderr."""
         super().shutdown()
+        if self.agent_workers is not None:
+            self.agent_workers.close()
         self.stream = self.versioned = None  # the stream's lanes follow the router
         self.generator, self.peers = self.engine, []
         gc.collect()  # the router, its lanes and their remote engines held the handles too
@@ -230,6 +241,7 @@ class RolloutHost(StreamingHost, EngineHost):
             seed=cfg.seed,
             step=step,
             env_slots=env_slots,
+            agent_workers=self.agent_workers,
         )
         if cfg.reward.overlong_buffer_len:
             rows, shaped = apply_overlong_penalty(
@@ -256,7 +268,13 @@ class RolloutHost(StreamingHost, EngineHost):
         # Beside a stream: its engine, without counting tokens under the stream's prompts.
         engine = self.generator if self.versioned is None else self.versioned.untracked()
         metrics = run_validation(
-            engine, self.tokenizer, self.env_factory, self.val_items, self.cfg, step
+            engine,
+            self.tokenizer,
+            self.env_factory,
+            self.val_items,
+            self.cfg,
+            step,
+            self.agent_workers,
         )
         # The host's own time: a lagged run reads validations queued behind its rollouts.
         return {**metrics, "timing/val_s": time.perf_counter() - started}

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout.agent_loop import RolloutOutput
-from rollout.env_slots import EnvSlots
+from rollout.env_slots import EnvCallsClosed, EnvSlots
 from rollout.streaming import FinishedGroup, StreamSampler, VersionedEngine
 from trainer.loop.engines.rollout_meta import combine_rollout_metrics
 from trainer.loop.plan.call_limits import CallLimits
@@ -106,6 +106,7 @@ class StreamingHost:
     versioned: VersionedEngine | None = None
     stream_bound = 0  # the stream's ``train.max_staleness`` (``stream_start``)
     env_slots: EnvSlots | None = None  # the groups' shared environment calls
+    agent_workers = None  # rollout.agent_workers' processes (RolloutHost.setup), or None
 
     def between_calls(self, load: Callable[[], Any], version: int | None) -> Any:
         """Run ``load`` (weights into the replicas) at once, or while a stream samples: between
@@ -282,6 +283,8 @@ class StreamingHost:
         self.stream.stop()
         if self.env_slots is not None:
             self.env_slots.close()
+        if self.agent_workers is not None:  # the groups' agent loops in workers end too
+            self.agent_workers.cancel_all(EnvCallsClosed("the stream shuts down"))
         late = self.stream.shutdown(timeout_s)
         if late:
             print(

@@ -50,11 +50,14 @@ def validation_metrics(
     return out
 
 
-def run_validation(engine, tokenizer, env_factory, items, cfg: Config, step: int) -> dict:
+def run_validation(
+    engine, tokenizer, env_factory, items, cfg: Config, step: int, agent_workers=None
+) -> dict:
     """Roll out every validation prompt ``rollout.val_n`` times and return ``val/*`` metrics.
 
     ``items``: the validation ``PromptItem``s (``PromptSource.all_records()``); ``step``: the
-    training step just finished (0 before training), which only seeds the sampling.
+    training step just finished (0 before training), which only seeds the sampling;
+    ``agent_workers``: where the agent loops run (``run_config_rollouts``).
     """
     from rollout.engines import SamplingParams
     from trainer.loop.engines.sampling import run_config_rollouts
@@ -78,6 +81,7 @@ def run_validation(engine, tokenizer, env_factory, items, cfg: Config, step: int
         sampling=sampling,
         seed=stable_seed(cfg.seed, VAL_STREAM),
         step=step,
+        agent_workers=agent_workers,
     )
     # A trajectory without rows (its env failed at reset) scores 0, like a failed one.
     scores = [[0.0] * k for _ in items]
