@@ -21,6 +21,9 @@ class GroupAborted(Exception):
         super().__init__(f"group {group} aborted: too stale for any later step to train on")
         self.group = group
 
+    def __reduce__(self):  # crosses processes as itself (rollout.agent_workers' relay)
+        return type(self), (self.group,)
+
 
 class EngineClosed(RuntimeError):
     """The stream's engine was closed (``VersionedEngine.close``, the stream shuts down): no

@@ -30,6 +30,10 @@ BAD = [
     (["devcie=cpu"], "devcie", "did you mean 'device'"),
     (["rollout.env_concurrency=0"], "rollout.env_concurrency", "or auto"),
     (["rollout.env_concurrency=many"], "rollout.env_concurrency", "auto"),
+    (["rollout.agent_workers=-1"], "rollout.agent_workers", "greater than or equal to 0"),
+    # more agent workers than environment-call slots, auto or a number (issue 57)
+    (["rollout.agent_workers=4", "rollout.env_concurrency=3"], "rollout.agent_workers", "(3"),
+    (["rollout.agent_workers=200"], "rollout.agent_workers", "(128"),
     # wrong types
     (["train.batch_size=eight"], "train.batch_size", "'eight'"),
     (["train.batch_size=8.5"], "train.batch_size", "8.5"),
