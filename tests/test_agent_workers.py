@@ -223,9 +223,10 @@ def test_a_run_with_agent_workers_equals_the_run_without(tmp_path, schedule):
 @pytest.mark.slow
 def test_a_streamed_run_with_agent_workers_trains_every_step(tmp_path):
     """A stream (s = 1, partial rollouts, continuous admission) with its groups' agent loops in
-    two workers runs to its end, every group through them, and shuts down cleanly. Late groups
-    are kept (``train.stale_prompts=keep``): the stream's abort path has a livelock of its own,
-    in one process too, noted on issue 57; the abort's relay is tested above."""
+    two workers runs to its end, every group through them, and shuts down cleanly; groups too
+    stale are aborted (``train.stale_prompts=drop``, the default) across the relay. Before the
+    engine server kept each request's group, this run livelocked about one time in two, in one
+    process too (``tests/test_engine_server.py``)."""
     from trainer.config import load_config
     from trainer.loop.start.run import run_training
     from trainer.records.jsonl_files import read_jsonl
@@ -233,7 +234,6 @@ def test_a_streamed_run_with_agent_workers_trains_every_step(tmp_path):
     keys = [
         "train.total_steps=3",
         "train.max_staleness=1",
-        "train.stale_prompts=keep",
         "rollout.partial_rollout=true",
         "algorithm.rollout_correction=token",
         "run.deterministic=false",

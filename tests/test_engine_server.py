@@ -249,3 +249,76 @@ def test_a_wave_is_one_engine_call_of_exactly_its_requests_whatever_else_waits(e
     direct = engine.generate(requests, sampling)
     assert [r.token_ids for r in served] == [r.token_ids for r in direct]
     assert [r.logprobs for r in served] == [r.logprobs for r in direct]
+
+
+class _GroupRecorder(_Recorder):
+    """``_Recorder`` that records the group of every request it is sent; ``abortable`` as
+    given (an engine that ends one request alone by ``abort_groups``)."""
+
+    def __init__(self, abortable: bool) -> None:
+        super().__init__()
+        self.abortable, self.groups = abortable, []
+        self.gate.set()
+
+    def generate(self, requests, sampling, **_):
+        self.groups.append([r.group for r in requests])
+        return super().generate(requests, sampling)
+
+
+@pytest.mark.parametrize("abortable", [False, True])
+def test_an_engine_below_the_server_sees_each_prompt_s_own_group_unless_it_aborts_by_slot(
+    abortable,
+):
+    """A stream's engine (``VersionedEngine``, not abortable) counts tokens, routes and aborts
+    by the prompt's group, so the server must hand each request on with its own group; the
+    server renumbered them by batch slot, and a continuous stream (``run.deterministic=false``)
+    then aborted the wrong prompts: once prompts 0..7 were aborted for staleness, every new
+    group's first request (slots 0..7) was aborted too, for ever. An engine that ends one
+    request alone (``abort_groups``) gets the slot, which is how the server names it."""
+    recorder = _GroupRecorder(abortable)
+    server = EngineServer(recorder)
+    try:
+        sampling = SamplingParams(max_new_tokens=1)
+        pending = [
+            server.submit(GenerationRequest([1], seed=s, group=40 + s), sampling) for s in (1, 2)
+        ]
+        assert [p.result(30).token_ids for p in pending] == [[1], [2]]
+    finally:
+        server.close(timeout_s=30)
+    if abortable:  # each call's slots, from 0
+        assert all(call == list(range(len(call))) for call in recorder.groups)
+    else:
+        assert [g for call in recorder.groups for g in call] == [41, 42]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["continuous", "waves"])
+def test_a_stream_counts_each_prompt_s_tokens_under_that_prompt(engine, tok, deterministic):
+    """Through the agent loop's servers, a stream's engine counts what a prompt sampled under
+    that prompt (what the staleness bound and its aborts read), in both admission orders."""
+    from rollout.agent_loop import run_rollouts
+    from rollout.envs import make_env
+    from rollout.envs.prompts import PromptItem
+    from rollout.versioned import VersionedEngine
+
+    versioned = VersionedEngine(engine, version=3, partial=True)
+    try:
+        out = run_rollouts(
+            versioned,
+            tok,
+            make_env("recall"),
+            [PromptItem(42, 7)],
+            n=4,
+            max_turns=2,
+            step_wise=True,
+            merge_stepwise=False,
+            max_input_len=128,
+            max_new_tokens=4,
+            deterministic=deterministic,
+        )
+        sampled = sum(sum(r.response_mask) for r in out.rows)
+        assert sampled > 0
+        assert all(versioned.tokens_of(g) == {} for g in range(4))  # no slot counted as a prompt
+        counted = versioned.tokens_of(42)
+        assert set(counted) == {3} and counted[3] >= sampled
+    finally:
+        versioned.close(timeout_s=30)

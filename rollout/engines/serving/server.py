@@ -261,11 +261,11 @@ class EngineServer:
                 self.waits.append(now - p.submitted_at)
         first = len(self._slots)
         self._slots += taking
-        # an engine ends a request early by its group (``abort_groups``): here, its index
-        return [
-            dataclasses.replace(continued(p.request, p.tokens, p.sampling), group=first + k)
-            for k, p in enumerate(taking)
-        ]
+        requests = [continued(p.request, p.tokens, p.sampling) for p in taking]
+        if not getattr(self.engine, "abortable", False):
+            return requests  # the prompt's own group: a stream's engine counts and aborts by it
+        # an engine that ends a request early by its group (``abort_groups``): here, its index
+        return [dataclasses.replace(r, group=first + k) for k, r in enumerate(requests)]
 
     def _take_wave(self, wave: int) -> list[GenerationRequest]:
         """Move every request of ``wave`` into the batch, in order (under the lock)."""
