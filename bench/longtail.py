@@ -68,6 +68,23 @@ SCHEDULES = {
         "rollout.partial_rollout=true",
         "rollout.env_concurrency=64",
     ],
+    # run.deterministic=false: each group's turns join the engine's batch as they come, not
+    # in waves (a stream promises no identical runs either way: docs/cluster.md)
+    "stream s=1, partial, continuous": [
+        *OWN_ENGINE,
+        "train.max_staleness=1",
+        "rollout.partial_rollout=true",
+        "run.deterministic=false",
+    ],
+    # ... with the agent loops in two processes of their own (rollout.agent_workers)
+    "stream s=1, partial, continuous, 2 agent workers": [
+        *OWN_ENGINE,
+        "train.max_staleness=1",
+        "rollout.partial_rollout=true",
+        "run.deterministic=false",
+        "rollout.agent_workers=2",
+    ],
+    "lag 0, colocated, 2 agent workers": ["rollout.agent_workers=2"],
     "stream s=1, partial, colocated": [
         "algorithm.rollout_correction=token",
         "train.max_staleness=1",
