@@ -134,26 +134,20 @@ def run_rollouts(
     trajectory order either way. Runs its own event loop (on a helper thread when the caller's
     thread already runs one).
     """
-    params = turn_params(
-        tokenizer,
-        sampling,
+    settings = RolloutSettings(
         n=n,
         max_turns=max_turns,
-        max_new_tokens=max_new_tokens,
-        max_input_len=max_input_len,
-        env_timeout_s=env_timeout_s,
-        env_concurrency=env_concurrency,
-    )
-    ctx = RolloutContext.of(
-        tokenizer,
-        params,
-        stop_strings=stop_strings,
-        max_turns=max_turns,
         step_wise=step_wise,
+        merge_stepwise=merge_stepwise,
         max_input_len=max_input_len,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
         seed=seed,
         step=step,
+        stop_strings=tuple(stop_strings),
+        env_timeout_s=env_timeout_s,
     )
+    params, ctx = settings.prepare(tokenizer, env_concurrency)
     trajs = trajectories(prompts, n, env_factory)
 
     async def roll_all() -> None:
@@ -169,6 +163,57 @@ def run_rollouts(
 
     _run_coroutine(roll_all)
     return collect(trajs, step_wise=step_wise, merge=merge_stepwise)
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """A rollout's ``rollout.*`` settings, as ``run_rollouts`` takes them (its docstring says
+    what each means); what an agent worker is sent (``rollout.agent_workers``)."""
+
+    n: int
+    max_turns: int
+    step_wise: bool
+    merge_stepwise: bool
+    max_input_len: int  # tokens
+    max_new_tokens: int  # tokens
+    sampling: SamplingParams | None = None
+    seed: int = 0
+    step: int = 0
+    stop_strings: tuple[str, ...] = ()
+    env_timeout_s: float | None = None
+
+    def prepare(self, tokenizer, env_concurrency: int) -> tuple[SamplingParams, RolloutContext]:
+        """Every turn's engine settings (``turn_params``, which checks them) and the context
+        the trajectory tasks share."""
+        params = turn_params(
+            tokenizer,
+            self.sampling,
+            n=self.n,
+            max_turns=self.max_turns,
+            max_new_tokens=self.max_new_tokens,
+            max_input_len=self.max_input_len,
+            env_timeout_s=self.env_timeout_s,
+            env_concurrency=env_concurrency,
+        )
+        ctx = RolloutContext.of(
+            tokenizer,
+            params,
+            stop_strings=self.stop_strings,
+            max_turns=self.max_turns,
+            step_wise=self.step_wise,
+            max_input_len=self.max_input_len,
+            seed=self.seed,
+            step=self.step,
+        )
+        return params, ctx
+
+
+def prompt_items(prompts: Sequence[PromptItem | int]) -> list[PromptItem]:
+    """``prompts`` as ``PromptItem``s: a plain env seed at position i is prompt i."""
+    return [
+        p if isinstance(p, PromptItem) else PromptItem(index=i, seed=int(p))
+        for i, p in enumerate(prompts)
+    ]
 
 
 def turn_params(
@@ -220,10 +265,7 @@ def trajectories(
     count or share state), for the groups ``built`` names; a constructor's fault ends its
     trajectory. The others are left without an environment (another process builds them:
     ``rollout.agent_workers``)."""
-    items = [
-        p if isinstance(p, PromptItem) else PromptItem(index=i, seed=int(p))
-        for i, p in enumerate(prompts)
-    ]
+    items = prompt_items(prompts)
     trajs = [
         Trajectory(uid=j, trajectory_id=j * n + k, item=item, sample=k)
         for j, item in enumerate(items)

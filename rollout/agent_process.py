@@ -26,7 +26,7 @@ import itertools
 import threading
 from dataclasses import dataclass
 
-from rollout.agent_loop import RolloutContext, roll_trajectories, trajectories, turn_params
+from rollout.agent_loop import RolloutContext, RolloutSettings, roll_trajectories, trajectories
 from rollout.env_calls import EnvCalls
 from rollout.env_slots import EnvSlots
 
@@ -96,7 +96,7 @@ class _Relay:
 class _Job:
     trajs: list
     ctx: RolloutContext
-    settings: dict
+    settings: RolloutSettings
     calls: dict = dataclasses.field(default_factory=dict)
     task: asyncio.Task | None = None
 
@@ -142,32 +142,15 @@ class _Worker:
             if job is not None and job.task is not None:
                 job.task.cancel()
 
-    def _build(self, job_id: int, prompts: list, groups: list[int], settings: dict) -> None:
+    def _build(
+        self, job_id: int, prompts: list, groups: list[int], settings: RolloutSettings
+    ) -> None:
         try:
             mine = set(groups)
-            params = turn_params(
-                self.tokenizer,
-                settings["sampling"],
-                n=settings["n"],
-                max_turns=settings["max_turns"],
-                max_new_tokens=settings["max_new_tokens"],
-                max_input_len=settings["max_input_len"],
-                env_timeout_s=settings["env_timeout_s"],
-                env_concurrency=self.env_slots,
-            )
-            ctx = RolloutContext.of(
-                self.tokenizer,
-                params,
-                stop_strings=settings["stop_strings"],
-                max_turns=settings["max_turns"],
-                step_wise=settings["step_wise"],
-                max_input_len=settings["max_input_len"],
-                seed=settings["seed"],
-                step=settings["step"],
-            )
+            _, ctx = settings.prepare(self.tokenizer, self.env_slots)
             trajs = [
                 t
-                for t in trajectories(prompts, settings["n"], self.env_factory, mine.__contains__)
+                for t in trajectories(prompts, settings.n, self.env_factory, mine.__contains__)
                 if t.uid in mine
             ]
         except Exception as exc:  # noqa: BLE001 - said to the host, which raises it
@@ -177,7 +160,7 @@ class _Worker:
         self.send(("ready", job_id, [t.item.index for t in trajs if not t.done]))
 
     async def _roll(self, job_id: int, job: _Job) -> None:
-        env_calls = EnvCalls(self.env_slots, job.settings["env_timeout_s"], self.slots)
+        env_calls = EnvCalls(self.env_slots, job.settings.env_timeout_s, self.slots)
         relay = _Relay(job_id, self.send, job.calls)
         try:
             await roll_trajectories([t for t in job.trajs if not t.done], job.ctx, relay, env_calls)

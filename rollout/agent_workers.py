@@ -30,9 +30,15 @@ import multiprocessing
 import threading
 from collections.abc import Sequence
 
-from rollout.agent_loop import RolloutOutput, _run_coroutine, collect, turn_params
+from rollout.agent_loop import (
+    RolloutOutput,
+    RolloutSettings,
+    _run_coroutine,
+    collect,
+    prompt_items,
+)
 from rollout.agent_process import AgentContext, sendable_error, serve_agent_loops
-from rollout.engines.base import Engine, SamplingParams
+from rollout.engines.base import Engine
 from rollout.engines.serving.batcher import RequestBatcher
 from rollout.envs.prompts import PromptItem
 
@@ -182,49 +188,17 @@ class AgentWorkers:
         tokenizer,
         prompts: Sequence[PromptItem | int],
         *,
-        n: int,
-        max_turns: int,
-        step_wise: bool,
-        merge_stepwise: bool,
-        max_input_len: int,
-        max_new_tokens: int,
-        sampling: SamplingParams | None = None,
-        seed: int = 0,
-        step: int = 0,
-        stop_strings: Sequence[str] = (),
-        env_timeout_s: float | None = None,
         deterministic: bool = True,
+        **settings,
     ) -> RolloutOutput:
-        """``rollout.agent_loop.run_rollouts`` with the same settings, the agent loops in the
-        workers and their turns on ``engine`` here (module docstring); ``tokenizer``: the one
-        the workers hold, for the engine's stop tokens. Raises what the engine raised for a
-        turn, or ``AgentWorkerLost``."""
-        params = turn_params(
-            tokenizer,
-            sampling,
-            n=n,
-            max_turns=max_turns,
-            max_new_tokens=max_new_tokens,
-            max_input_len=max_input_len,
-            env_timeout_s=env_timeout_s,
-            env_concurrency=min(self.shares),
-        )
-        prompts = [
-            p if isinstance(p, PromptItem) else PromptItem(index=i, seed=int(p))
-            for i, p in enumerate(prompts)
-        ]
-        settings = {
-            "n": n,
-            "max_turns": max_turns,
-            "step_wise": step_wise,
-            "max_input_len": max_input_len,
-            "max_new_tokens": max_new_tokens,
-            "sampling": sampling or SamplingParams(),
-            "seed": seed,
-            "step": step,
-            "stop_strings": tuple(stop_strings),
-            "env_timeout_s": env_timeout_s,
-        }
+        """``rollout.agent_loop.run_rollouts`` with the same settings (``settings``: the fields
+        of ``RolloutSettings``), the agent loops in the workers and their turns on ``engine``
+        here (module docstring); ``tokenizer``: the one the workers hold, for the engine's stop
+        tokens. Raises what the engine raised for a turn, or ``AgentWorkerLost``."""
+        settings = RolloutSettings(**settings)
+        params, _ = settings.prepare(tokenizer, min(self.shares))
+        prompts = prompt_items(prompts)
+        n = settings.n
         dealt = self._deal(len(prompts), n)
         trajs: list = []
 
@@ -278,7 +252,7 @@ class AgentWorkers:
 
         _run_coroutine(roll)
         trajs.sort(key=lambda t: t.trajectory_id)
-        return collect(trajs, step_wise=step_wise, merge=merge_stepwise)
+        return collect(trajs, step_wise=settings.step_wise, merge=settings.merge_stepwise)
 
     def cancel_all(self, error: BaseException) -> None:
         """End every rollout running now with ``error`` (a stream shutting down), and tell the

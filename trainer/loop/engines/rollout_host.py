@@ -46,7 +46,6 @@ class RolloutHost(StreamingHost, EngineHost):
                 max_workers=cfg.env_call_slots(),
             )
         self.env_factory = bind_env(roll.env, roll.env_kwargs, reward_fn)
-        self.agent_workers = None
         if roll.agent_workers:  # the agent loops in processes of their own
             from rollout.agent_workers import AgentContext, AgentWorkers
 
