@@ -245,14 +245,18 @@ def _first_prompts(run_dir) -> dict[int, list[list[int]]]:
 
 
 @pytest.mark.slow
-def test_the_agent_configs_determinism_settings_keep_the_documented_promise(data, tmp_path):
+@pytest.mark.parametrize("engines", [1, 2])
+def test_the_agent_configs_determinism_settings_keep_the_documented_promise(
+    data, tmp_path, engines
+):
     # configs/base/agent-grpo.yaml runs with run.deterministic=false: docs/cluster.md
     # ("What makes two runs identical") promises the schedule, not the samples: every step
     # is sampled by the weights its number names and takes the same prompts, whatever the
-    # engine's timing; the tokens sampled (and so the fingerprints) may differ.
+    # engine's timing; the tokens sampled (and so the fingerprints) may differ. With two
+    # engines the peer replica serves its turns from its own engine server (issue 57).
     keys = [
         "train.rollout_lag=1",
-        "rollout.engine_devices=1",
+        f"rollout.engine_devices={engines}",
         "algorithm.rollout_correction=token",
         "train.batch_size=4",
         "train.mini_batch_size=2",

@@ -16,6 +16,7 @@ import pytest
 
 from rollout.engines import GenerationRequest, GenerationResult, SamplingParams
 from rollout.engines.serving.router import ReplicaLostError, ReplicaRouter, deal_prompt
+from trainer.loop.engines.engine_host import EngineHost
 
 
 class _Replica:
@@ -157,6 +158,103 @@ class _TokenReplica(_Replica):
         ]
 
 
+class _ServedPeer:
+    """A peer replica as the rollout host sees one with an engine server in its own process
+    (``RemoteEngine.engine_server``; here the server runs in this process over ``inner``, a
+    ``_TokenReplica``). ``direct``: calls the host made to its ``generate`` itself."""
+
+    def __init__(self, tok, dies_after: int | None = None) -> None:
+        from rollout.engines.serving.server import EngineServer
+
+        self.inner = _TokenReplica(tok, dies_after)
+        self.server = EngineServer(self.inner, name="peer-server")
+        self.direct = 0
+        self.opened = 0
+
+    def engine_server(self, version: int):
+        self.opened += 1
+        return self.server
+
+    def generate(self, requests, sampling):
+        self.direct += 1
+        return self.inner.generate(requests, sampling)
+
+
+def _recall_rollout(router, tok, deterministic: bool):
+    from rollout.agent_loop import run_rollouts
+    from rollout.envs import bind_env
+
+    return run_rollouts(
+        router,
+        tok,
+        bind_env("recall", {}),
+        list(range(6)),
+        n=2,
+        max_turns=3,
+        step_wise=True,
+        merge_stepwise=False,
+        max_input_len=200,
+        max_new_tokens=4,
+        sampling=SamplingParams(max_new_tokens=4),
+        seed=1,
+        step=1,
+        deterministic=deterministic,
+    )
+
+
+@pytest.mark.parametrize("dies_after", [None, 1])
+def test_continuous_turns_go_to_a_peer_s_own_server_and_fail_over_counted(dies_after):
+    """With continuous admission a peer's turns go to the engine server in its own process,
+    each a request of its own, never through a call of the host's (lag runs' peers served
+    per call before); once the peer is lost, the requests it held are sent again to the
+    replica the router deals their prompt to, counted, and its later turns go there too."""
+    from rollout.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("builtin")
+    local, peer = _TokenReplica(tok), _ServedPeer(tok, dies_after)
+    router = ReplicaRouter([local, peer])
+    try:
+        out = _recall_rollout(router, tok, deterministic=False)
+        reference = _recall_rollout(ReplicaRouter([_TokenReplica(tok)]), tok, True)
+    finally:
+        router.shutdown()
+        peer.server.close()
+    assert out.rows and not out.faults
+    # the same tokens as one replica sampling every request in waves (seeded per request)
+    assert [r.response_ids for r in out.rows] == [r.response_ids for r in reference.rows]
+    assert peer.direct == 0 and peer.opened == 1
+    peers_prompts = {g for g in range(6) if deal_prompt(g, 2) == 1}
+    assert peers_prompts <= set(peer.inner.seen)  # its first turns at least
+    if dies_after is None:
+        assert set(peer.inner.seen) == peers_prompts and set(local.seen).isdisjoint(peers_prompts)
+        assert router.take_lost() == [] and router.take_resubmitted() == 0
+    else:
+        assert peer.inner.calls > dies_after  # it died while serving
+        assert peers_prompts <= set(local.seen)  # the rest of their turns on replica 0
+        assert router.take_lost() == [1]
+        assert router.take_resubmitted() >= 1  # the requests it held when it died
+
+
+def test_waves_still_call_a_peer_per_wave_and_count_what_the_router_moves():
+    """Under ``run.deterministic`` (waves) the peer's share of a wave stays one call of the
+    host's, its own server unused; a lost peer's call is dealt again by the router, and
+    those requests are counted too."""
+    from rollout.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("builtin")
+    peer = _ServedPeer(tok, dies_after=1)
+    router = ReplicaRouter([_TokenReplica(tok), peer])
+    try:
+        out = _recall_rollout(router, tok, deterministic=True)
+    finally:
+        router.shutdown()
+        peer.server.close()
+    assert out.rows and not out.faults
+    assert peer.opened == 0 and peer.direct >= 2
+    assert router.take_lost() == [1]
+    assert router.take_resubmitted() == 2 * len({g for g in range(6) if deal_prompt(g, 2) == 1})
+
+
 # ---------------------------------------------------------------------------- on Ray
 
 SHORT = ["train.batch_size=4", "train.mini_batch_size=2", "rollout.n=4"]
@@ -259,6 +357,78 @@ OWN_LAG1 = [
     "train.rollout_lag=1",
     "algorithm.rollout_correction=token",
 ]
+
+
+class _SlowTokenReplica(_TokenReplica):
+    """``_TokenReplica`` whose every call takes ``CALL_S`` seconds (a peer busy decoding)."""
+
+    CALL_S = 0.15
+
+    def generate(self, requests, sampling):
+        time.sleep(self.CALL_S)
+        return super().generate(requests, sampling)
+
+
+class _RayPeer(EngineHost):
+    """The shipped ``EngineHost`` over a slow token engine (imported by Ray's worker as
+    ``tests.test_replica_failover``)."""
+
+    def setup(self):
+        from rollout.tokenizer import load_tokenizer
+
+        self.engine = _SlowTokenReplica(load_tokenizer("builtin"))
+
+    def engine_calls(self) -> int:
+        return self.engine.calls
+
+
+@pytest.mark.slow
+def test_a_lag_run_s_peer_serves_each_turn_in_its_own_process_and_its_loss_is_counted(
+    local_ray, tmp_path
+):
+    """A fixed-lag run with continuous admission: its peer replica's actor has the serve and
+    control groups, each turn dealt to it is a request to the engine server in its process
+    (``EngineHost.serve``, none of the host's ``generate`` calls), and when the actor is
+    killed mid-rollout its requests go to replica 0, counted, and the rollout finishes."""
+    import ray
+
+    from rollout.tokenizer import load_tokenizer
+    from tests.test_replica_failover import _RayPeer  # by a name Ray's workers import
+    from trainer.config import load_config
+    from trainer.loop.engines.remote_engine import RemoteEngine, peer_actor_options
+
+    cfg = load_config(
+        None,
+        [*OWN_LAG1, "run.deterministic=false", f"run.dir={tmp_path}"],
+    )
+    options = peer_actor_options(cfg)
+    assert set(options["concurrency_groups"]) == {"control", "serve"}
+    tok = load_tokenizer("builtin")
+    for kill in (False, True):
+        peer = ray.remote(**options)(_RayPeer).options(num_cpus=0).remote(cfg, 1, 1)
+        ray.get(peer.setup.remote())
+        local = _TokenReplica(tok)
+        router = ReplicaRouter([local, RemoteEngine(peer, 1, controllable=True)])
+        if kill:
+            threading.Timer(0.3, lambda handle=peer: ray.kill(handle, no_restart=True)).start()
+        try:
+            out = _recall_rollout(router, tok, deterministic=False)
+            assert out.rows and not out.faults
+            peers_prompts = {g for g in range(6) if deal_prompt(g, 2) == 1}
+            if not kill:
+                assert ray.get(peer.engine_calls.remote()) >= 1  # its turns, on its server
+                batches = ray.get(peer.server_batches.options(concurrency_group="control").remote())
+                turns = [row for row in out.rows if row.uid in peers_prompts]  # a row a turn
+                assert sum(b.requests for b in batches) == len(turns) > 0
+                assert set(local.seen).isdisjoint(peers_prompts)
+                assert router.take_lost() == [] and router.take_resubmitted() == 0
+            else:
+                assert router.take_lost() == [1]
+                assert router.take_resubmitted() >= 1  # it died decoding their turns
+                assert peers_prompts <= set(local.seen)
+        finally:
+            router.shutdown()
+            ray.kill(peer)
 
 
 @pytest.mark.slow

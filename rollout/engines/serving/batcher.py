@@ -22,6 +22,12 @@ Two admission orders, per lane:
   ``key`` (the trajectory id): exactly the replica's share of a lockstep loop's call, so
   logprobs repeat bit for bit whatever the environments' timing. Environment steps still
   overlap.
+
+A replica in a process of its own that runs an engine server there (``peer_server``: a peer
+whose actor has the ``serve`` group) takes, in continuous mode, each turn as a request to that
+server, so turns join its running batch between decode steps rather than between calls from
+here; when it is lost, the requests it held go to the replica the router deals their prompt
+to (``ReplicaRouter.survivor_of``), counted. Waves stay one call from here.
 """
 
 from __future__ import annotations
@@ -31,17 +37,21 @@ import itertools
 
 from rollout.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams
 from rollout.engines.serving.requests import BatchStats, Pending
+from rollout.engines.serving.router import ReplicaLostError
 from rollout.engines.serving.server import EngineServer
 
 
 class _Lane:
-    """One lane's server, and in waves mode its waiting requests and live trajectories."""
+    """One lane's server (``server``: this process's, over the lane; or ``peer``: the engine
+    server of a peer replica in its own process), and in waves mode its waiting requests and
+    live trajectories."""
 
-    def __init__(self, server: EngineServer) -> None:
-        self.server = server
+    def __init__(self, engine: Engine, server: EngineServer | None, peer=None) -> None:
+        self.engine, self.server, self.peer = engine, server, peer
         self.pending: list[tuple[int, GenerationRequest, asyncio.Future]] = []
         self.live = 0  # trajectories of this lane that will still ask for a turn (waves mode)
         self.flush_scheduled = False
+        self.in_flight: set[str] = set()  # request ids on the peer's server, not back yet
 
 
 class RequestBatcher:
@@ -54,10 +64,17 @@ class RequestBatcher:
     def __init__(self, engine: Engine, sampling: SamplingParams, *, waves: bool) -> None:
         self.engine, self.sampling, self.waves = engine, sampling, waves
         self.calls: list[int] = []
-        self._lanes = [
-            _Lane(EngineServer(e, name=f"rollout-server-{i}", on_batch=self._on_batch))
-            for i, e in enumerate(engine.lanes())
-        ]
+        self._ids = itertools.count()
+        self._lanes = [self._open(i, e) for i, e in enumerate(engine.lanes())]
+
+    def _open(self, index: int, lane: Engine) -> _Lane:
+        """Lane ``index``'s server: in continuous mode a peer replica's own, where it has one
+        (``peer_server``); else one here, over the lane."""
+        peer = None if self.waves else getattr(lane, "peer_server", lambda: None)()
+        if peer is not None:
+            return _Lane(lane, None, peer)
+        server = EngineServer(lane, name=f"rollout-server-{index}", on_batch=self._on_batch)
+        return _Lane(lane, server)
 
     def _on_batch(self, stats: BatchStats) -> None:
         self.calls.append(stats.requests)  # from the server's thread (list.append is atomic)
@@ -87,14 +104,48 @@ class RequestBatcher:
         if self.waves:
             lane.pending.append((key, request, future))
             self._schedule_flush(lane)
+        elif lane.peer is not None:
+            return await self._on_peer(request)
         else:
             _relay(lane.server.submit(request, self.sampling), future, loop)
         return await future
 
+    async def _on_peer(self, request: GenerationRequest) -> GenerationResult:
+        """``request`` on the peer server of its lane; while that replica is lost (or waiting
+        to join), on the one the router deals its prompt to instead. A request whose replica
+        is lost while it runs is sent again there, counted (``count_resubmitted``)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            lane = self._lane(request.group)
+            router = lane.engine.router
+            if not router.serving(lane.engine.index):
+                lane = self._lanes[router.survivor_of(request.group)]
+                if lane.peer is None:  # this process's own replica
+                    future = loop.create_future()
+                    _relay(lane.server.submit(request, self.sampling), future, loop)
+                    return await future
+            request_id = f"b{next(self._ids)}"
+            future = loop.create_future()
+            lane.in_flight.add(request_id)
+            try:
+                pending = lane.peer.submit_many([request], self.sampling, [request_id])[0]
+                _relay(pending, future, loop)
+                return await future
+            except ReplicaLostError:
+                lane.engine.mark_lost()
+                router.count_resubmitted(1)
+            finally:
+                lane.in_flight.discard(request_id)
+
     def close(self) -> None:
         """Stop the engine servers once their calls in flight end (a joinable or interruptible
-        engine's after its current decode step)."""
+        engine's after its current decode step); a peer's server goes on serving others, and
+        this batcher's requests still on it end (aborted) after its current decode step."""
         for lane in self._lanes:
+            if lane.peer is not None:
+                if lane.in_flight:
+                    lane.peer.abort(sorted(lane.in_flight))
+                continue
             lane.server.close(timeout_s=None)
 
     def _schedule_flush(self, lane: _Lane) -> None:

@@ -16,7 +16,11 @@ rollout finishes. A lane keeps its place in the batcher and forwards its calls. 
 their own sampling seeds, so a re-dealt request samples the same tokens; with one survivor a
 lost lane's call reaches it whole, the same batch the lost replica had, so its log-probs repeat
 bit for bit too (with several survivors the call is split, and log-probs may move in the last
-float bits with the batch's shape). ``take_lost`` tells the rollout which replicas were lost.
+float bits with the batch's shape). ``take_lost`` tells the rollout which replicas were lost,
+``take_resubmitted`` how many requests went to the survivors. A caller that serves a peer's
+turns through the peer's own engine server (``_Lane.peer_server``: the agent loop's batcher
+with continuous admission) resubmits a lost peer's requests itself, to ``survivor_of`` their
+prompt, and counts them here (``count_resubmitted``).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class ReplicaRouter(Engine):
         self._out: set[int] = set(waiting)  # not dealt to: lost, or waiting to join
         self._lost: list[int] = []  # lost since the last take_lost, in order
         self._gone: set[int] = set()  # every replica ever lost: none comes back
+        self._resubmitted = 0  # requests moved off a lost replica (take_resubmitted)
 
     def generate(
         self, requests: list[GenerationRequest], sampling: SamplingParams
@@ -99,9 +104,22 @@ class ReplicaRouter(Engine):
                 self.mark_lost(lane)
                 if not failover:
                     raise
+                self.count_resubmitted(len(requests))
         elif not failover and lane in self._gone:
             raise ReplicaLostError(f"engine replica {lane} is lost")
         return self._redeal(requests, sampling)
+
+    def count_resubmitted(self, count: int) -> None:
+        """``count`` requests of a lost replica were sent again to the survivors (by the
+        router, or by a caller that serves the replicas itself: ``take_resubmitted``)."""
+        with self._state:
+            self._resubmitted += count
+
+    def take_resubmitted(self) -> int:
+        """Requests moved off lost replicas since the last call."""
+        with self._state:
+            count, self._resubmitted = self._resubmitted, 0
+        return count
 
     def mark_lost(self, replica: int) -> None:
         """Replica ``replica`` is gone (found by its ``generate``, or by its owner, e.g. while
@@ -120,15 +138,20 @@ class ReplicaRouter(Engine):
         """Whether replica ``replica`` is lost (it never serves again)."""
         return replica in self._gone
 
-    def _redeal(
-        self, requests: list[GenerationRequest], sampling: SamplingParams
-    ) -> list[GenerationResult]:
+    def survivor_of(self, group: int) -> int:
+        """The replica that serves prompt ``group`` while its own is lost or waiting: dealt
+        over the replicas that serve (``deal_prompt``); ``ReplicaLostError`` when none does."""
         survivors = [i for i in range(len(self.replicas)) if i not in self._out]
         if not survivors:
             raise ReplicaLostError("every engine replica is lost; none is left to generate")
+        return survivors[deal_prompt(group, len(survivors))]
+
+    def _redeal(
+        self, requests: list[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]:
         shares: dict[int, list[int]] = {}
         for i, req in enumerate(requests):
-            shares.setdefault(survivors[deal_prompt(req.group, len(survivors))], []).append(i)
+            shares.setdefault(self.survivor_of(req.group), []).append(i)
         results: list[GenerationResult | None] = [None] * len(requests)
         # A pool of its own: the calls may nest (a survivor lost while serving a re-deal).
         with ThreadPoolExecutor(max_workers=len(shares)) as pool:
@@ -187,6 +210,13 @@ class _Lane(Engine):
     def mark_lost(self) -> None:
         """This lane's replica is gone (found by its engine server's caller)."""
         self.router.mark_lost(self.index)
+
+    def peer_server(self):
+        """The engine server of this lane's replica in the replica's own process (a peer
+        that has one: ``RemoteEngine.engine_server``), or None: the caller serves the lane
+        itself."""
+        open_server = getattr(self.router.replicas[self.index], "engine_server", None)
+        return None if open_server is None else open_server(0)
 
     @property
     def replica_engine(self) -> Engine:

@@ -61,7 +61,9 @@ class EngineHost(EngineWeights):
         self.replica = replica
         self.engine = None
         self.calls = CallSignals()  # what the rollout host asks of its calls in flight
-        self.server = None  # a streamed run's peer: its engine server (start_server)
+        self.server = (
+            None  # a peer's engine server (start_server): a stream's, or continuous turns'
+        )
 
     def setup(self) -> dict[str, Any]:
         """Load tokenizer, model and engine."""
@@ -159,6 +161,14 @@ class EngineHost(EngineWeights):
         pending = self.server.submit_many(requests, sampling, request_ids)
         return [p.result() for p in pending]
 
+    def settle_server(self) -> None:
+        """Wait until the engine server, if any, has no batch running (its requests ended:
+        a lag run's rollout aborts those it leaves behind), so the engine may sleep or take
+        weights; a stream pauses the server itself around those and this returns at once."""
+        if self.server is not None:
+            self.server.pause(wait=True)
+            self.server.resume()
+
     def abort_requests(self, request_ids: list[str]) -> int:
         """``EngineServer.abort``."""
         return self.server.abort(request_ids)
@@ -192,6 +202,7 @@ class EngineHost(EngineWeights):
         """Free the devices for the training ranks (weights and KV cache); ``discard_weights``:
         a weight push follows before the next rollout, so the weights are dropped rather than
         kept in host memory (``Engine.sleep``)."""
+        self.settle_server()
         self.engine.sleep(discard_weights)
 
     def wake_up(self, tags: list[str] | None = None) -> None:

@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass
 
 from rollout.engines.base import Engine
+from rollout.engines.serving.requests import SERVER_KEYS
 from rollout.engines.serving.router import ReplicaLostError
 from trainer.loop.cluster.local import LocalHandle, LocalRef, fetch
 
@@ -40,14 +41,27 @@ POLL_S = 0.01
 _CALL_IDS = itertools.count()
 
 
+#: Jobs of a lag run's rollout that one peer's ``serve`` group runs at once, at most (one
+#: request each); more wait in the actor's queue for a thread.
+MAX_LAG_JOBS = 1024
+
+
 def peer_actor_options(cfg) -> dict:
-    """``ray.remote`` options of a peer replica's actor (``trainer.loop.start.spawn``): a
-    ``control`` concurrency group in a streamed run (``train.max_staleness``), where calls can
-    be interrupted; none otherwise, so its tasks keep running on the actor's main thread."""
-    if cfg.train.max_staleness is None:
+    """``ray.remote`` options of a peer replica's actor (``trainer.loop.start.spawn``): the
+    ``serve`` and ``control`` concurrency groups where the peer serves from an engine server of
+    its own: in a streamed run (``train.max_staleness``), and at lag 0 or a fixed lag with
+    continuous admission (``run.deterministic: false``: each turn a request of its own, which
+    joins the peer's running batch); none otherwise (waves: one call per wave, on the actor's
+    main thread, as before)."""
+    train = cfg.train
+    if train.max_staleness is not None:
+        # every group the stream may run at once can wait on one peer (and validation's beside)
+        jobs = 2 * train.batch_size * (train.max_staleness + 1) + 8
+    elif not cfg.run.deterministic:
+        # one request per trajectory in flight (and validation's beside)
+        jobs = min(train.batch_size * cfg.rollout.n, MAX_LAG_JOBS) + 8
+    else:
         return {}
-    # every group the stream may run at once can wait on one peer (and validation's beside)
-    jobs = 2 * cfg.train.batch_size * (cfg.train.max_staleness + 1) + 8
     return {"concurrency_groups": {CONTROL_GROUP: 1, SERVE_GROUP: jobs}}
 
 
@@ -111,29 +125,55 @@ class RemoteEngine(Engine):
 
 
 class _Call:
-    """One ``EngineHost.serve`` call in flight: its results, fetched once."""
+    """One ``EngineHost.serve`` call in flight: its results, fetched once (or handed over by
+    ``add_done_callback``)."""
 
     def __init__(self, ref, replica: int | None) -> None:
         self.ref, self.replica = ref, replica
         self._lock = threading.Lock()
         self._out: list | BaseException | None = None
 
-    def get(self) -> list:
+    def _keep(self, value=None, error: BaseException | None = None) -> None:
+        """Keep the call's outcome (under the lock): a dead actor's error as
+        ``ReplicaLostError``."""
         import ray
 
+        if self._out is not None:
+            return
+        if isinstance(error, ray.exceptions.RayActorError):
+            text = str(error).strip()
+            first = text.splitlines()[0] if text else type(error).__name__
+            error = ReplicaLostError(f"engine replica {self.replica} is lost: {first}")
+        self._out = error if error is not None else value
+
+    def get(self) -> list:
+        """The call's results (waiting for them); its error raised, a lost peer's as
+        ``ReplicaLostError``."""
         with self._lock:
             if self._out is None:
                 try:
-                    self._out = fetch(self.ref)
-                except ray.exceptions.RayActorError as err:
-                    text = str(err).strip()
-                    first = text.splitlines()[0] if text else type(err).__name__
-                    self._out = ReplicaLostError(f"engine replica {self.replica} is lost: {first}")
+                    value, error = fetch(self.ref), None
                 except BaseException as exc:  # noqa: BLE001 - each request's caller raises it
-                    self._out = exc
+                    value, error = None, exc
+                self._keep(value, error)
         if isinstance(self._out, BaseException):
             raise self._out
         return self._out
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn()`` once the call has ended (at once in this process; else on Ray's
+        thread, with its outcome kept, so ``get`` no longer waits)."""
+        if isinstance(self.ref, LocalRef):
+            fn()
+            return
+
+        def ended(future) -> None:
+            error = future.exception()
+            with self._lock:
+                self._keep(None if error is not None else future.result(), error)
+            fn()
+
+        self.ref.future().add_done_callback(ended)
 
 
 @dataclass
@@ -148,6 +188,18 @@ class RemotePending:
         """Its ``GenerationResult`` once the peer's call for its job has come back;
         ``ReplicaLostError`` when the peer's process is gone."""
         return self.call.get()[self.index]
+
+    def outcome(self, timeout: float | None = None):
+        """``result`` without the server's keys in its ``extra`` (``SERVER_KEYS``), as a
+        local server's ``Pending.outcome`` gives it."""
+        out = self.result(timeout)
+        for key in SERVER_KEYS:
+            out.extra.pop(key, None)
+        return out
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(self)`` once the peer's call has come back (``Pending``'s)."""
+        self.call.add_done_callback(lambda: fn(self))
 
 
 class RemoteServer:

@@ -75,15 +75,16 @@ class RolloutHost(StreamingHost, EngineHost):
         that do not hold the weights this host holds (a replacement, whose engines load
         snapshots: ``take_weights``); they serve once the next snapshot is loaded into them."""
         from rollout.engines.serving.router import ReplicaRouter
-        from trainer.loop.engines.remote_engine import RemoteEngine
+        from trainer.loop.engines.remote_engine import RemoteEngine, peer_actor_options
 
         self.peers = list(peers)
         self.waiting = sorted(waiting or [])
         if self.waiting and getattr(self, "push_receiver", None) is not None:
             self.push_receiver.include(self.waiting)  # members of the next transfer group
         if peers:
-            streamed = self.cfg.train.max_staleness is not None  # peers take interrupts
-            remotes = [RemoteEngine(h, i, streamed) for i, h in enumerate(peers, start=1)]
+            # peers with engine servers of their own (a stream; continuous admission)
+            served = bool(peer_actor_options(self.cfg))
+            remotes = [RemoteEngine(h, i, served) for i, h in enumerate(peers, start=1)]
             self.generator = ReplicaRouter([self.engine, *remotes], self.waiting)
             if self.versioned is not None:  # a stream samples: its lanes follow the new router
                 self.versioned.follow(self.generator)
@@ -208,6 +209,8 @@ class RolloutHost(StreamingHost, EngineHost):
         lost = self.generator.take_lost() if self.peers else []
         meta["lost_replicas"] = lost
         meta["metrics"]["rollout/replicas_lost"] = float(len(lost))
+        moved = self.generator.take_resubmitted() if self.peers else 0
+        meta["metrics"]["rollout/requests_resubmitted"] = float(moved)
         if self.cfg.rollout.engine_devices:  # seconds this rollout waited for its weights
             meta["metrics"]["rollout/weight_load_s"] = self.weight_load_s
             self.weight_load_s = 0.0

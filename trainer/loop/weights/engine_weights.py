@@ -25,7 +25,14 @@ from trainer.loop.cluster.local import fetch
 
 
 class EngineWeights:
-    """The weight-loading calls of an engine replica (``self.engine``, ``self.replica``)."""
+    """The weight-loading calls of an engine replica (``self.engine``, ``self.replica``,
+    ``self.settle_server``)."""
+
+    def wake_weights(self) -> None:
+        """Before new weights go in: the engine idle (``settle_server``), its weights awake
+        (its KV cache stays asleep)."""
+        self.settle_server()
+        self.engine.wake_up(["weights"])
 
     def load_shared_bucket(self, handles: list, specs: list) -> int:
         """Load one bucket of new weights that this replica's training ranks put in memory
@@ -35,7 +42,7 @@ class EngineWeights:
         from rollout.engines.weights.buckets import TensorSpec
 
         specs = [TensorSpec(*s) for s in specs]
-        self.engine.wake_up(["weights"])
+        self.wake_weights()
         self.engine.load_shared_bucket(hal.open_shared_buffer, handles, specs)
         return len(specs)
 
@@ -46,7 +53,7 @@ class EngineWeights:
         returns the tensor count."""
         from rollout.engines.weights.stream import receive_weight_stream
 
-        self.engine.wake_up(["weights"])
+        self.wake_weights()
         return receive_weight_stream(self.engine, hal.open_shared_buffer, slots, doorbell, buckets)
 
     def load_host_buckets(self, refs: list, specs: list) -> int:
@@ -55,7 +62,7 @@ class EngineWeights:
         bucket's tensor specs), one bucket at a time: every rank's bucket b, read here from
         this node's copy, joined into whole tensors (``assemble_pieces``). Returns the tensor
         count."""
-        self.engine.wake_up(["weights"])
+        self.wake_weights()
         count = 0
         for bucket in range(len(refs[0])):
             named = read_snapshot_bucket(refs, specs, bucket)
@@ -74,14 +81,14 @@ class EngineWeights:
     def load_pushed(self, seq: int) -> int:
         """Load push ``seq`` into the engine through its transfer API (``PushReceiver``).
         Returns the tensor count."""
-        self.engine.wake_up(["weights"])
+        self.wake_weights()
         return self.push_receiver.receive(self.engine, seq)
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load new weights handed over in this process (``ray.in_process``: the training
         rank's own tensors, copied once into the engine); wakes them first, as
         ``load_shared_bucket`` does. Returns the tensor count."""
-        self.engine.wake_up(["weights"])
+        self.wake_weights()
         self.engine.update_weights(named_tensors)
         return len(named_tensors)
 
@@ -89,7 +96,7 @@ class EngineWeights:
         """Load one bucket of new weights (HF names -> arrays) sent through Ray's object
         store: the path before in-node sync, kept for ``bench e2e``'s comparison only. Wakes
         the weights first, as ``load_shared_bucket`` does."""
-        self.engine.wake_up(["weights"])
+        self.wake_weights()
         self.engine.update_weights(
             (name, torch.from_numpy(array)) for name, array in bucket.items()
         )
@@ -98,7 +105,7 @@ class EngineWeights:
     def start_transfer(self) -> None:
         """Open a push through the engine's weight-transfer API (colocated vLLM engines,
         ``Layout.weight_transport == "ipc"``): wake the weights, start the update."""
-        self.engine.wake_up(["weights"])
+        self.wake_weights()
         self.engine.begin_transfer()
 
     def receive_chunk(self, update_info: dict) -> int:
