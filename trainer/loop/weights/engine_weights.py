@@ -25,8 +25,11 @@ from trainer.loop.cluster.local import fetch
 
 
 class EngineWeights:
-    """The weight-loading calls of an engine replica (``self.engine``, ``self.replica``,
-    ``self.settle_server``)."""
+    """The weight-loading calls of an engine replica (``self.engine``, ``self.replica``)."""
+
+    def settle_server(self) -> None:
+        """Wait until no decode batch runs on the engine: nothing to wait for without an
+        engine server (``EngineHost.settle_server`` waits for its own)."""
 
     def wake_weights(self) -> None:
         """Before new weights go in: the engine idle (``settle_server``), its weights awake
