@@ -7,6 +7,7 @@ during step 2's rollout finishes with the fingerprints of an uninterrupted run, 
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -161,12 +162,12 @@ class _TokenReplica(_Replica):
 class _ServedPeer:
     """A peer replica as the rollout host sees one with an engine server in its own process
     (``RemoteEngine.engine_server``; here the server runs in this process over ``inner``, a
-    ``_TokenReplica``). ``direct``: calls the host made to its ``generate`` itself."""
+    ``_TokenReplica`` unless given). ``direct``: calls the host made to its ``generate``."""
 
-    def __init__(self, tok, dies_after: int | None = None) -> None:
+    def __init__(self, tok, dies_after: int | None = None, inner=None) -> None:
         from rollout.engines.serving.server import EngineServer
 
-        self.inner = _TokenReplica(tok, dies_after)
+        self.inner = inner if inner is not None else _TokenReplica(tok, dies_after)
         self.server = EngineServer(self.inner, name="peer-server")
         self.direct = 0
         self.opened = 0
@@ -233,6 +234,57 @@ def test_continuous_turns_go_to_a_peer_s_own_server_and_fail_over_counted(dies_a
         assert peers_prompts <= set(local.seen)  # the rest of their turns on replica 0
         assert router.take_lost() == [1]
         assert router.take_resubmitted() >= 1  # the requests it held when it died
+
+
+class _UntilAborted:
+    """An engine whose requests decode until aborted (``abort_groups``) or interrupted."""
+
+    interruptible = abortable = True
+
+    def generate(self, requests, sampling, interrupt=None, abort_groups=None):
+        wanted = set(range(len(requests)))  # the server numbers them by batch slot
+        while not interrupt() and not wanted <= set(abort_groups()):
+            time.sleep(0.005)
+        return [GenerationResult([1], [0.0], "interrupted") for _ in requests]
+
+
+# the peer server's thread must survive the aborted requests' end after the rollout's loop
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_rollout_that_ends_early_aborts_its_requests_on_a_peer_s_server():
+    """A rollout cancelled while a peer decodes its turns (a time limit, a failed
+    trajectory): closing its batcher aborts them by id on the peer's server, which goes on
+    serving others; they would otherwise decode on until their budget."""
+    from rollout.engines.serving.batcher import RequestBatcher
+
+    peer = _ServedPeer(None, inner=_UntilAborted())
+    router = ReplicaRouter([_Replica(), peer])
+
+    async def cancelled() -> None:
+        batcher = RequestBatcher(router, SamplingParams(max_new_tokens=64), waves=False)
+        turns = [
+            asyncio.ensure_future(batcher.generate(GenerationRequest([1], seed=g, group=g), g))
+            for g in (1, 3)  # both dealt to the peer
+        ]
+        for _ in range(400):
+            if peer.server.running() == 2:
+                break
+            await asyncio.sleep(0.005)
+        assert peer.server.running() == 2
+        for turn in turns:
+            turn.cancel()
+        await asyncio.gather(*turns, return_exceptions=True)
+        batcher.close()
+
+    try:
+        asyncio.run(cancelled())
+        deadline = time.monotonic() + 10
+        while peer.server.running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert peer.server.running() == 0 and peer.server.queued() == 0
+        assert peer.direct == 0
+    finally:
+        router.shutdown()
+        peer.server.close()
 
 
 def test_waves_still_call_a_peer_per_wave_and_count_what_the_router_moves():

@@ -40,6 +40,9 @@ from rollout.engines.serving.requests import BatchStats, Pending
 from rollout.engines.serving.router import ReplicaLostError
 from rollout.engines.serving.server import EngineServer
 
+#: Ids of the requests batchers send to peers' servers (an abort names them).
+_REQUEST_IDS = itertools.count()
+
 
 class _Lane:
     """One lane's server (``server``: this process's, over the lane; or ``peer``: the engine
@@ -64,7 +67,6 @@ class RequestBatcher:
     def __init__(self, engine: Engine, sampling: SamplingParams, *, waves: bool) -> None:
         self.engine, self.sampling, self.waves = engine, sampling, waves
         self.calls: list[int] = []
-        self._ids = itertools.count()
         self._lanes = [self._open(i, e) for i, e in enumerate(engine.lanes())]
 
     def _open(self, index: int, lane: Engine) -> _Lane:
@@ -124,18 +126,23 @@ class RequestBatcher:
                     future = loop.create_future()
                     _relay(lane.server.submit(request, self.sampling), future, loop)
                     return await future
-            request_id = f"b{next(self._ids)}"
+            request_id = f"b{next(_REQUEST_IDS)}"  # unique in this process
             future = loop.create_future()
             lane.in_flight.add(request_id)
+            ended = True
             try:
                 pending = lane.peer.submit_many([request], self.sampling, [request_id])[0]
                 _relay(pending, future, loop)
                 return await future
+            except asyncio.CancelledError:
+                ended = False  # still on the peer's server: close() aborts it there
+                raise
             except ReplicaLostError:
                 lane.engine.mark_lost()
                 router.count_resubmitted(1)
             finally:
-                lane.in_flight.discard(request_id)
+                if ended:
+                    lane.in_flight.discard(request_id)
 
     def close(self) -> None:
         """Stop the engine servers once their calls in flight end (a joinable or interruptible
@@ -167,7 +174,7 @@ class RequestBatcher:
 
         def ended(_: Pending) -> None:  # the last of the wave wakes the loop, once for all
             if next(left) == 0:
-                loop.call_soon_threadsafe(_settle_all, futures, pending)
+                _on_loop(loop, _settle_all, futures, pending)
 
         for p in pending:
             p.add_done_callback(ended)
@@ -175,7 +182,17 @@ class RequestBatcher:
 
 def _relay(pending: Pending, future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
     """Settle ``future`` (on ``loop``) once ``pending`` ends."""
-    pending.add_done_callback(lambda p: loop.call_soon_threadsafe(_settle, future, p))
+    pending.add_done_callback(lambda p: _on_loop(loop, _settle, future, p))
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Run ``fn(*args)`` on ``loop`` (from a server's thread); nothing once the loop is closed
+    (its rollout has ended and nobody waits for the request: an aborted peer request's end
+    must not raise in the peer server's thread)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop is closed
+        pass
 
 
 def _settle_all(futures: list[asyncio.Future], pending: list[Pending]) -> None:
