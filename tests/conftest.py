@@ -23,3 +23,15 @@ def local_ray():
     yield
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tok, tmp_path_factory):
+    """The HF engine over ``builtin:tiny`` (float32, seed 1) with the module's ``tok``."""
+    from rollout.engines import make_engine
+    from rollout.models import load_model
+
+    os.environ.setdefault("CROSSRL_CACHE", str(tmp_path_factory.mktemp("cache")))
+    model = load_model("builtin:tiny", dtype="float32", seed=1, device="cpu")
+    model.eval()
+    return make_engine("hf", model, tok)

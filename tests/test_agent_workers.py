@@ -32,19 +32,6 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(tok, tmp_path_factory):
-    import os
-
-    from rollout.engines import make_engine
-    from rollout.models import load_model
-
-    os.environ.setdefault("CROSSRL_CACHE", str(tmp_path_factory.mktemp("cache")))
-    model = load_model("builtin:tiny", dtype="float32", seed=1, device="cpu")
-    model.eval()
-    return make_engine("hf", model, tok)
-
-
-@pytest.fixture(scope="module")
 def workers(tok):
     kwargs = {"turns": 3, "max_delay_s": 0.02, "bad_seed": 52, "slow_seed": 53, "slow_s": 3.0}
     pool = AgentWorkers(2, AgentContext(tok, ENV, kwargs), env_slots=5)

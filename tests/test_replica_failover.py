@@ -113,8 +113,6 @@ def test_a_waiting_replica_serves_only_once_told():
 
 def test_the_agent_loop_finishes_a_rollout_whose_replica_is_lost(tmp_path):
     """The batcher's lanes (waves and continuous) over a real tokenizer and environment."""
-    from rollout.agent_loop import run_rollouts
-    from rollout.envs import bind_env
     from rollout.tokenizer import load_tokenizer
 
     tok = load_tokenizer("builtin")
@@ -122,22 +120,7 @@ def test_the_agent_loop_finishes_a_rollout_whose_replica_is_lost(tmp_path):
         replicas = [_TokenReplica(tok), _TokenReplica(tok, dies_after=1)]
         router = ReplicaRouter(replicas)
         try:
-            out = run_rollouts(
-                router,
-                tok,
-                bind_env("recall", {}),
-                [0, 1, 2, 3],
-                n=2,
-                max_turns=3,
-                step_wise=True,
-                merge_stepwise=False,
-                max_input_len=200,
-                max_new_tokens=4,
-                sampling=SamplingParams(max_new_tokens=4),
-                seed=1,
-                step=1,
-                deterministic=deterministic,
-            )
+            out = _recall_rollout(router, tok, deterministic, prompts=4)
         finally:
             router.shutdown()
         assert out.rows and not out.faults
@@ -181,7 +164,8 @@ class _ServedPeer:
         return self.inner.generate(requests, sampling)
 
 
-def _recall_rollout(router, tok, deterministic: bool):
+def _recall_rollout(router, tok, deterministic: bool, prompts: int = 6):
+    """``prompts`` recall prompts x 2 samples, up to 3 turns of 4 tokens, on ``router``."""
     from rollout.agent_loop import run_rollouts
     from rollout.envs import bind_env
 
@@ -189,7 +173,7 @@ def _recall_rollout(router, tok, deterministic: bool):
         router,
         tok,
         bind_env("recall", {}),
-        list(range(6)),
+        list(range(prompts)),
         n=2,
         max_turns=3,
         step_wise=True,

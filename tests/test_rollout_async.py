@@ -250,19 +250,6 @@ def test_bad_settings_name_the_key(tok):
 # ------------------------------------------------------------------ equal to the lockstep loop
 
 
-@pytest.fixture(scope="module")
-def tiny_engine(tok, tmp_path_factory):
-    import os
-
-    from rollout.engines import make_engine
-    from rollout.models import load_model
-
-    os.environ.setdefault("CROSSRL_CACHE", str(tmp_path_factory.mktemp("cache")))
-    model = load_model("builtin:tiny", dtype="float32", seed=1, device="cpu")
-    model.eval()
-    return make_engine("hf", model, tok)
-
-
 def _golden_step_1(tok, engine, **kw):
     """Step 1 of the golden recording's job (tests/golden/tiny_cpu_fp32/config.yaml)."""
     items = PromptSource("env", seed=1).take(0, 4)

@@ -100,40 +100,33 @@ class RequestBatcher:
     async def generate(self, request: GenerationRequest, key: int) -> GenerationResult:
         """Continue ``request`` on its lane's server (waves mode: in its lane's next wave, where
         ``key`` orders it)."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
         lane = self._lane(request.group)
-        if self.waves:
-            lane.pending.append((key, request, future))
-            self._schedule_flush(lane)
-        elif lane.peer is not None:
-            return await self._on_peer(request)
-        else:
-            _relay(lane.server.submit(request, self.sampling), future, loop)
+        if not self.waves:
+            if lane.peer is not None:
+                return await self._on_peer(request)
+            return await _outcome(lane.server.submit(request, self.sampling))
+        future = asyncio.get_running_loop().create_future()
+        lane.pending.append((key, request, future))
+        self._schedule_flush(lane)
         return await future
 
     async def _on_peer(self, request: GenerationRequest) -> GenerationResult:
         """``request`` on the peer server of its lane; while that replica is lost (or waiting
         to join), on the one the router deals its prompt to instead. A request whose replica
         is lost while it runs is sent again there, counted (``count_resubmitted``)."""
-        loop = asyncio.get_running_loop()
         while True:
             lane = self._lane(request.group)
             router = lane.engine.router
             if not router.serving(lane.engine.index):
                 lane = self._lanes[router.survivor_of(request.group)]
                 if lane.peer is None:  # this process's own replica
-                    future = loop.create_future()
-                    _relay(lane.server.submit(request, self.sampling), future, loop)
-                    return await future
+                    return await _outcome(lane.server.submit(request, self.sampling))
             request_id = f"b{next(_REQUEST_IDS)}"  # unique in this process
-            future = loop.create_future()
             lane.in_flight.add(request_id)
             ended = True
             try:
                 pending = lane.peer.submit_many([request], self.sampling, [request_id])[0]
-                _relay(pending, future, loop)
-                return await future
+                return await _outcome(pending)
             except asyncio.CancelledError:
                 ended = False  # still on the peer's server: close() aborts it there
                 raise
@@ -180,9 +173,13 @@ class RequestBatcher:
             p.add_done_callback(ended)
 
 
-def _relay(pending: Pending, future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
-    """Settle ``future`` (on ``loop``) once ``pending`` ends."""
+async def _outcome(pending: Pending) -> GenerationResult:
+    """What ``pending`` (a request on a server here or a peer's) returns, awaited on the
+    running event loop without a thread waiting for it."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
     pending.add_done_callback(lambda p: _on_loop(loop, _settle, future, p))
+    return await future
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
