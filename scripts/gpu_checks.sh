@@ -10,9 +10,15 @@
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier3   # = install vllmnew (260 s): LoRA and
 #     streaming on vLLM (adapters loaded in place, interrupted engine steps), kept out of
 #     tier 2's vllmtests so that tier still fits its window
-#   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier5   # = env cudatests moe (180 s): the
-#     experts kernel against the CPU golden and, timed, against transformers' eager experts at
-#     a cut of Qwen3-30B-A3B's layer (bench.moe: tokens/s and MFU, even and skewed routing)
+#   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier5   # = install servers (500 s): the engine
+#     servers (issue 57) at the 1.5B shape on 2 vLLM replicas sharing the card: the per-call
+#     path against the server path, steps and AsyncLLM, even and mixed budgets (tokens/s and
+#     seconds per set of multi-turn groups, bench.stream_engine)
+#   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier6   # = env cudatests moe install moevllm
+#     moejob (510 s): the experts kernel against the CPU golden and, timed, against
+#     transformers' eager experts at a cut of Qwen3-30B-A3B's layer (bench.moe: tokens/s and
+#     MFU, even and skewed routing); vLLM's MoE on the card: a push read back through what it
+#     samples, its routed experts against the trainer's routers; a tiny-MoE job replaying them
 #   KIND=<folder> picks configs/<folder>/qwen2.5-0.5b-grpo.yaml for the job (default: gpu)
 #
 # tier1 is the GPU issue's first tier, sized to one 9-minute call (its parts' limits add up to
@@ -47,7 +53,8 @@ for part in "$@"; do
     tier2) parts+=(install vllmtests vllmjob peer) ;;  # after the carry's calls (gpu_carry.sh)
     tier3) parts+=(install vllmnew) ;;
     tier4) parts+=(cudatests mfucompile jobauto probe) ;;  # the kernel set's (issue 48)
-    tier5) parts+=(env cudatests moe) ;;  # mixture-of-experts kernels (issue 58)
+    tier5) parts+=(install servers) ;;  # the engine servers (issue 57)
+    tier6) parts+=(env cudatests moe install moevllm moejob) ;;  # mixture of experts (issue 58)
     vllm) parts+=(vllmtests vllmjob) ;;
     *) parts+=("$part") ;;
     esac
@@ -215,12 +222,54 @@ part_moe() {
     crossrl bench moe --out "$RUNS/bench-moe.json"
 }
 
+part_servers() {
+    # issue 57's GPU half: 2 vLLM replicas on the 1.5B shape (random weights, bf16), sharing
+    # the card (each engine 0.8 / 4 of its memory), 32 groups x 8 samples x 4 turns x 256
+    # tokens; the per-call path (`batched`: each replica's waiting turns as one call) against
+    # the engine servers (`served`: turns join the running batch; `served-async`: the same
+    # through AsyncLLM) and one whole call per turn (`ceiling`), even and mixed budgets on the
+    # same engines: tokens/s, seconds per set, turn waits, the least favourable ratio
+    # (SERVERS_MODEL: another model directory, as the CPU dry run's builtin:tiny)
+    local model=${SERVERS_MODEL:-$WORK/qwen2.5-1.5b-random}
+    [ -f "$model/config.json" ] || "$PY" -m rollout.models random qwen2.5-1.5b "$model" --seed 0
+    "$PY" -m bench.stream_engine --engine vllm --model "$model" --replicas 2 \
+        --groups "${SERVERS_GROUPS:-32}" --n 8 --turns 4 --new-tokens "${SERVERS_TOKENS:-256}" \
+        --repeats 2 --budgets even,mixed --modes batched,served,served-async,ceiling \
+        --json "$OUT/servers.json"
+}
+
+part_moevllm() {
+    # vLLM's MoE on the card (builtin:tiny-moe, fp32): a push in the trainer's fused names
+    # read back through what the engine samples and its log-probs, and the routed experts it
+    # returns against the trainer's own routers for the same tokens
+    "$PY" -m pytest -q -rs -s -p no:cacheprovider -m vllm \
+        -k "mixture_of_experts or routed_experts" tests/test_rollout_vllm.py
+}
+
+part_moejob() {
+    # Three steps of the default job on builtin:tiny-moe with the trainer in bf16 and the
+    # engine's routing replayed (algorithm.routing_replay=rollout): the flip rate (tokens the
+    # trainer's routers would have sent elsewhere), the engine/trainer log-prob gap per step
+    crossrl train model.path=builtin:tiny-moe device=auto rollout.engine="${MOE_ENGINE:-vllm}" \
+        algorithm.routing_replay=rollout train.param_dtype=bfloat16 train.total_steps=3 \
+        run.save_every=0 run.resume=never run.overwrite=true run.dir="$RUNS/moe-replay" || return 1
+    "$PY" scripts/summarize_run.py "$RUNS/moe-replay"
+    "$PY" - "$RUNS/moe-replay/metrics.jsonl" <<'PYEOF'
+import json, sys
+for line in open(sys.argv[1]):
+    m = json.loads(line)
+    print(f"step {m['step']}: routing flip rate {m.get('actor/routing_flip_rate')}, "
+          f"engine/trainer logprob |diff| {m.get('rollout/logprob_abs_diff')}")
+PYEOF
+}
+
 declare -A limit=([install]=60 [env]=20 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=110
     [bench]=200 [vllmtests]=150 [vllmjob]=180 [peer]=200 [cudatests]=70 [job15]=170 [budget7b]=50 [mfu]=150
-    [vllmnew]=200 [mfucompile]=220 [jobauto]=170 [moe]=90)
+    [vllmnew]=200 [mfucompile]=220 [jobauto]=170 [moe]=90 [servers]=440 [moevllm]=120
+    [moejob]=150)
 for part in "${parts[@]}"; do
     if [ -z "${limit[$part]:-}" ]; then
-        echo "gpu_checks: no part '$part'; parts: tier1 tier2 vllm ${!limit[*]}" >&2
+        echo "gpu_checks: no part '$part'; parts: tier1-tier6 vllm ${!limit[*]}" >&2
         exit 2
     fi
 done

