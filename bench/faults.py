@@ -2,6 +2,11 @@
 ends with the fingerprints of an uninterrupted one.
 
     python -m bench faults [--quick]
+    python -m bench.faults [--quick] [--faults 'NAME,...'] [--keys 'KEY=VALUE ...']
+
+``--keys`` go after the job's own (the GPU tiers run ``rank-killed`` with ``device=auto
+train.dp_size=1``: on one device the only rank is the last one, which the fault kills);
+``--faults`` runs some of ``FAULTS`` only.
 
 A deterministic dp-2 run of the CPU default job (``FAULT_JOB``, two colocated engine replicas)
 in an agent-like environment (``SLOW_ENV``: each step a seeded 0-0.4 s wait, so a rollout
@@ -10,7 +15,8 @@ moment (the step and the delay into its phase drawn from ``random.Random(seed)``
 
 - ``replica-killed``: engine replica 1's process killed (SIGKILL) during a rollout: its
   requests are dealt to replica 0 and a successor replaces it (no restart);
-- ``rank-killed``: training rank 1's process killed (SIGKILL) during an update;
+- ``rank-killed``: the last training rank's process (rank 1 at dp 2) killed (SIGKILL) during
+  an update;
 - ``rollout-host-killed``: the rollout host's process killed during a rollout;
 - ``rank-hung``: training rank 1 made to sleep before a step, so rank 0 waits for it inside a
   collective until ``run.collective_timeout_s`` (20 s here) breaks it.
@@ -45,6 +51,7 @@ FAULT_JOB = [
     "train.dp_size=2",
     "run.deterministic=true",
     "run.resume=never",
+    "ray.in_process=false",  # a fault kills a worker's process: never the driver's own
 ]
 #: What the bench adds: an agent-like environment (each step a seeded 0-0.4 s wait, 3 turns),
 #: so a rollout lasts about a second and a kill lands inside it.
@@ -56,7 +63,7 @@ SLOW_ENV = [
 #: name -> (target, the Trainer method the fault waits for, extra overrides)
 FAULTS = {
     "replica-killed": ("engine replica 1", "_rollout", []),
-    "rank-killed": ("actor rank 1", "_update", []),
+    "rank-killed": ("last actor rank", "_update", []),
     "rollout-host-killed": ("rollout host", "_rollout", []),
     "rank-hung": ("hang", "_update", ["run.collective_timeout_s=20"]),
 }
@@ -118,7 +125,10 @@ class Fault:
     def _pids(trainer) -> dict[str, int]:
         import ray
 
-        handles = {"actor rank 1": trainer.actor.handles[1], "rollout host": trainer.rollout}
+        ranks = trainer.actor.handles
+        handles = {"last actor rank": ranks[-1], "rollout host": trainer.rollout}
+        if len(ranks) > 1:
+            handles["actor rank 1"] = ranks[1]
         if len(trainer.replicas) > 1:
             handles["engine replica 1"] = trainer.replicas[1]
         return {name: ray.get(h.__ray_call__.remote(_pid)) for name, h in handles.items()}
@@ -154,18 +164,35 @@ def _train(run_dir: Path, overrides: list[str]) -> dict:
     }
 
 
-def run(quick: bool = False) -> dict:
-    """The uninterrupted run, then each fault of ``FAULTS``; see the module docstring."""
+def run(
+    quick: bool = False, faults: tuple[str, ...] | None = None, keys: tuple[str, ...] = ()
+) -> dict:
+    """The uninterrupted run, then each fault of ``faults`` (default: all of ``FAULTS``), the
+    job's ``keys`` after its own; see the module docstring."""
+    from trainer.config import load_config
     from trainer.loop.cluster.group import start_ray
 
+    chosen = list(FAULTS) if faults is None else list(faults)
+    unknown = [name for name in chosen if name not in FAULTS]
+    if unknown or not chosen:
+        raise ValueError(f"faults={chosen}: use some of {list(FAULTS)}")
     steps, save_every = (6, 2) if quick else (12, 4)
-    job = [*FAULT_JOB, *SLOW_ENV, f"train.total_steps={steps}", f"run.save_every={save_every}"]
+    job = [
+        *FAULT_JOB,
+        *SLOW_ENV,
+        f"train.total_steps={steps}",
+        f"run.save_every={save_every}",
+        *keys,
+    ]
+    dp_size = load_config(None, job).train.dp_size  # a bad key fails here, in one line
     started_ray = start_ray(None, num_cpus=8)
     try:
         with tempfile.TemporaryDirectory(prefix="crossrl-faults-") as tmp:
             base = _train(Path(tmp) / "straight", job)
             rows = []
             for seed, (name, (target, phase, extra)) in enumerate(FAULTS.items(), start=1):
+                if name not in chosen:
+                    continue  # the seeds stay each fault's own
                 step = random.Random(seed).randint(save_every + 1, steps - 1)
                 fault = Fault(setattr, step=step, phase=phase, target=target, seed=seed)
                 try:
@@ -191,13 +218,21 @@ def run(quick: bool = False) -> dict:
             import ray
 
             ray.shutdown()
-    return {"steps": steps, "save_every": save_every, "base_wall_s": base["wall_s"], "rows": rows}
+    return {
+        "steps": steps,
+        "save_every": save_every,
+        "dp_size": dp_size,
+        "keys": list(keys),
+        "base_wall_s": base["wall_s"],
+        "rows": rows,
+    }
 
 
 def format_table(result: dict) -> str:
     """The faults as a markdown table."""
     lines = [
-        f"dp 2, {result['steps']} steps, a checkpoint every {result['save_every']}; "
+        f"dp {result.get('dp_size', 2)}, {result['steps']} steps, a checkpoint every "
+        f"{result['save_every']}{''.join(f', {k}' for k in result.get('keys', []))}; "
         f"uninterrupted: {result['base_wall_s']:.1f} s",
         "",
         "| fault | at step | exit | seconds lost | restart down (s) | steps redone | replicas "
@@ -213,3 +248,32 @@ def format_table(result: dict) -> str:
             f"{down} | {redone} | {row['replicas_lost']:.0f} | {same} |"
         )
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.faults``: the table (``--json``: the result)."""
+    import argparse
+    import json
+    import shlex
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="6 steps, a checkpoint every 2")
+    parser.add_argument("--faults", help=f"comma list of: {', '.join(FAULTS)}")
+    parser.add_argument("--keys", default="", help="config keys after the job's, KEY=VALUE ...")
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    args = parser.parse_args(argv)
+    faults = None if args.faults is None else tuple(f.strip() for f in args.faults.split(","))
+    if faults is not None and (set(faults) - set(FAULTS) or not all(faults)):
+        parser.error(f"--faults {args.faults}: a comma list of {', '.join(FAULTS)}")
+    try:
+        result = run(args.quick, faults, tuple(shlex.split(args.keys)))
+    except ValueError as err:  # a bad key, in the config's own one-line words
+        parser.error(f"--keys: {err}")
+    print(format_table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

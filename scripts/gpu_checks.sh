@@ -7,9 +7,12 @@
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier4   # = cudatests mfucompile jobauto probe
 #     (570 s): the kernel set's MFU, fused against reference and compiled, the budget's auto
 #     sizes on the 1.5B job, the fused set against the CPU golden
-#   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier3   # = install vllmnew (260 s): LoRA and
-#     streaming on vLLM (adapters loaded in place, interrupted engine steps), kept out of
-#     tier 2's vllmtests so that tier still fits its window
+#   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier3   # = install vllmnew streamjob rankkill
+#     (560 s): LoRA and streaming on vLLM (adapters loaded in place, interrupted engine steps),
+#     kept out of tier 2's vllmtests so that tier still fits its window; a streamed 1.5B job
+#     with partial rollouts on the colocated vLLM engine; the only training rank killed
+#     mid-update and the run recovering by itself. (The lagged job's `nccl` push needs two
+#     devices: NCCL refuses two ranks of one communicator on one GPU.)
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier5   # = install servers (500 s): the engine
 #     servers (issue 57) at the 1.5B shape on 2 vLLM replicas sharing the card: the per-call
 #     path against the server path, steps and AsyncLLM, even and mixed budgets (tokens/s and
@@ -51,7 +54,7 @@ for part in "$@"; do
         parts+=(env cudatests job15 budget7b mfu probe)
         ;;
     tier2) parts+=(install vllmtests vllmjob peer) ;;  # after the carry's calls (gpu_carry.sh)
-    tier3) parts+=(install vllmnew) ;;
+    tier3) parts+=(install vllmnew streamjob rankkill) ;;
     tier4) parts+=(cudatests mfucompile jobauto probe) ;;  # the kernel set's (issue 48)
     tier5) parts+=(install servers) ;;  # the engine servers (issue 57)
     tier6) parts+=(env cudatests moe install moevllm moejob) ;;  # mixture of experts (issue 58)
@@ -222,6 +225,23 @@ part_moe() {
     crossrl bench moe --out "$RUNS/bench-moe.json"
 }
 
+part_streamjob() {
+    # Three steps of the 1.5B job streamed (train.max_staleness=1, token-level importance
+    # weights) with partial rollouts on the colocated vLLM engine: trajectories in flight
+    # across the engine's sleeps and weight pushes, each phase against the budget.
+    job_15b vllm 3 stream-1.5b train.max_staleness=1 rollout.partial_rollout=true \
+        algorithm.rollout_correction=token
+}
+
+part_rankkill() {
+    # The training rank (at dp 1 the only one) SIGKILLed mid-update on the card: the run
+    # restarts its workers and resumes from its last checkpoint by itself; its fingerprints
+    # against the uninterrupted run's (bench.faults: the CPU default job, deterministic,
+    # 6 steps, a checkpoint every 2, on the device)
+    "$PY" -m bench.faults --quick --faults rank-killed --keys "device=auto train.dp_size=1" \
+        --json "$OUT/rankkill.json"
+}
+
 part_servers() {
     # issue 57's GPU half: 2 vLLM replicas on the 1.5B shape (random weights, bf16), sharing
     # the card (each engine 0.8 / 4 of its memory), 32 groups x 8 samples x 4 turns x 256
@@ -266,7 +286,7 @@ PYEOF
 declare -A limit=([install]=60 [env]=20 [tests]=${TESTS_LIMIT_S:-420} [job]=240 [probe]=110
     [bench]=200 [vllmtests]=150 [vllmjob]=180 [peer]=200 [cudatests]=70 [job15]=170 [budget7b]=50 [mfu]=150
     [vllmnew]=200 [mfucompile]=220 [jobauto]=170 [moe]=90 [servers]=440 [moevllm]=120
-    [moejob]=150)
+    [moejob]=150 [streamjob]=180 [rankkill]=120)
 for part in "${parts[@]}"; do
     if [ -z "${limit[$part]:-}" ]; then
         echo "gpu_checks: no part '$part'; parts: tier1-tier6 vllm ${!limit[*]}" >&2

@@ -251,3 +251,32 @@ def test_rendezvous_ports_stay_out_of_the_ephemeral_range():
     ports = {free_port() for _ in range(20)}
     assert all(port in RENDEZVOUS_PORTS for port in ports)
     assert RENDEZVOUS_PORTS.stop <= 32768 and RENDEZVOUS_PORTS.start >= 20000
+
+
+def test_the_faults_bench_refuses_an_unknown_fault_and_a_bad_key_in_one_line(capsys):
+    """``python -m bench.faults``: a fault it does not have and a config key that is wrong are
+    refused before anything starts, each naming what to give instead."""
+    from bench import faults
+
+    for argv, said in (
+        (["--faults", "rank-killed,meteor"], "--faults rank-killed,meteor: a comma list of"),
+        (["--keys", "train.dp_siz=1"], "--keys: train.dp_siz: unknown key"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            faults.main(argv)
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_only_rank_killed_at_dp_1_is_restarted_and_the_run_is_exact(local_ray):
+    """What the GPU tiers' tier 3 runs on its one device (``bench.faults --faults rank-killed
+    --keys 'device=auto train.dp_size=1'``): the last rank, here the only one, killed
+    mid-update; the run restarts its workers (in Ray, never the driver's own process) and ends
+    with the uninterrupted run's fingerprints."""
+    from bench import faults
+
+    result = faults.run(quick=True, faults=("rank-killed",), keys=("train.dp_size=1",))
+    assert result["dp_size"] == 1
+    (row,) = result["rows"]
+    assert row["fault"] == "rank-killed" and row["status"] == 0
+    assert row["steps_redone"] is not None and row["identical"]
