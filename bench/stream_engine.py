@@ -24,14 +24,19 @@ timed alternately (A B C A B C), median of ``repeats``. With ``replicas=2`` the 
 runs two HF engines behind a ``ReplicaRouter`` (one lane each) against one.
 
     python -m bench.stream_engine [--groups 16] [--n 8] [--new-tokens 32] [--turns 4]
-        [--replicas 1] [--mixed] [--engine vllm] [--model DIR] [--modes 'batched,served,...']
+        [--replicas 1] [--mixed | --shapes even,mixed,longtail] [--tool-wait-ms 20]
+        [--engine vllm] [--model DIR] [--modes 'batched,served,...'] [--json FILE]
 
 ``--model``: a model directory in place of ``builtin:tiny`` (the GPU tiers time a random-weight
 Qwen2.5-1.5B). The engines run on ``hal.get_backend("auto")``'s device: on the CPU in float32
 (vLLM: eager, a 256 MiB KV cache each), on an accelerator in bfloat16 with vLLM's own defaults
 (compiled graphs) and an equal share of the device's memory for every engine the run builds.
 ``--modes`` leaves modes out (``serial`` at engine scale takes minutes); ratios are reported
-between the modes that ran.
+between the modes that ran. ``--shapes`` runs each shape in turn on the same engines:
+``longtail`` is the long-tail agent workload at engine level (``_tail_plan``: each group's turn
+count and the tool wait after each turn drawn as ``rollout.envs.longtail`` draws them), where
+``ceiling`` becomes a wave: turn k of every group in one call, then the slowest of their tool
+waits. The least favourable ratios over the shapes close the output.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["MODES", "Built", "build", "format_table", "run"]
+__all__ = ["MODES", "SHAPES", "Built", "build", "format_table", "least_favourable", "run"]
 
 
 #: Every mode, in the order each repeat times them (``served-async``: vLLM only).
@@ -85,6 +90,28 @@ def _engine(
         return make_engine("vllm", directory, tok, **options), tok
     built = load_model(model or "builtin:tiny", seed=0, dtype=dtype, device=backend.device())
     return make_engine("hf", built, tok), tok
+
+
+def _tail_plan(groups: int, turns: int, tool_wait_ms: float) -> list[list[float]]:
+    """Per group, the seconds its tool waits after each of its turns: ``turns`` turns and no
+    wait when ``tool_wait_ms`` is 0; else the long-tail environment's draws
+    (``rollout.envs.longtail.LongTailEnv``'s defaults, seeded by the group): ``1 +
+    floor(Pareto(1.2))`` turns, at most ``turns``, each followed by ``tool_wait_ms x
+    LogNormal(0, 1.5)`` milliseconds, at most 2 s."""
+    if tool_wait_ms <= 0:
+        return [[0.0] * turns for _ in range(groups)]
+    import random
+
+    from rollout.envs.longtail import LongTailEnv, pareto_count
+
+    env = LongTailEnv(max_turns=turns, median_delay_s=tool_wait_ms / 1000)
+    plan = []
+    for g in range(groups):
+        rng = random.Random(f"stream_engine/{g}")
+        count = pareto_count(rng, env.turn_alpha, turns)
+        draws = [rng.lognormvariate(0.0, env.delay_sigma) for _ in range(count)]
+        plan.append([min(env.max_delay_s, env.median_delay_s * d) for d in draws])
+    return plan
 
 
 def _requests(tok, groups: int, n: int, new_tokens: int, mixed: bool):
@@ -183,10 +210,13 @@ def run(
     model: str | None = None,
     modes: tuple[str, ...] = MODES,
     built: Built | None = None,
+    tool_wait_ms: float = 0.0,
 ) -> dict:
     """Tokens per second and seconds per set (every group's turns) of each mode in ``modes``,
     the ratios between those that ran, and the batched and served modes' requests per engine
-    call. ``built``: engines from ``build`` (kept running after); None builds and ends them."""
+    call. ``built``: engines from ``build`` (kept running after); None builds and shuts them
+    down. ``tool_wait_ms`` > 0: the long tail (``_tail_plan``): each group's turns and the tool
+    waits after them drawn as the long-tail environment draws them."""
     import torch
 
     from rollout.engines import SamplingParams
@@ -207,24 +237,30 @@ def run(
     async_engines = built.async_engines if "served-async" in modes else []
     replicas = len(engines)
     per_group = _requests(tok, groups, n, new_tokens, mixed)
+    plan = _tail_plan(groups, turns, tool_wait_ms)  # per group: the wait after each turn
     sampling = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=())
     lock = threading.Lock()
 
     def serial(requests):
-        for _ in range(turns):
+        for wait_s in plan[requests[0].group]:
             with lock:
                 engine.generate(requests, sampling)
+            time.sleep(wait_s)
 
     def batched(versioned):
         def each(requests):
-            for _ in range(turns):
+            for wait_s in plan[requests[0].group]:
                 versioned.generate(requests, sampling)
+                time.sleep(wait_s)
 
         return each
 
-    def ceiling(everything):
-        for _ in range(turns):
-            engine.generate(everything, sampling)
+    def ceiling(_):
+        # turn k of every group that has one in one call, then (a wave) the slowest tool
+        for k in range(max(map(len, plan))):
+            asking = [g for g in range(groups) if len(plan[g]) > k]
+            engine.generate([r for g in asking for r in per_group[g]], sampling)
+            time.sleep(max(plan[g][k] for g in asking))
 
     def fronts():
         per_call = [_PerCall(e) for e in engines]
@@ -248,8 +284,7 @@ def run(
 
             yield name, timed, versioned
         if "ceiling" in modes:
-            everything = [r for requests in per_group for r in requests]
-            yield "ceiling", lambda: _threads(ceiling, [everything]), None
+            yield "ceiling", lambda: _threads(ceiling, [None]), None
 
     for warm in [*engines, *async_engines]:
         warm.generate(per_group[0], sampling)  # warm-up
@@ -270,7 +305,10 @@ def run(
     finally:
         if owned:
             built.shutdown()
-    tokens = turns * sum(r.budget(sampling) for requests in per_group for r in requests)
+    tokens = sum(
+        len(plan[g]) * sum(r.budget(sampling) for r in requests)
+        for g, requests in enumerate(per_group)
+    )
     rate = {name: tokens / statistics.median(s) for name, s in seconds.items()}
     return {
         "groups": groups,
@@ -282,6 +320,8 @@ def run(
         "engine": engine_name,
         "model": model or "builtin:tiny",
         "mixed": mixed,
+        "tool_wait_ms": tool_wait_ms,
+        "turns_asked": sum(map(len, plan)),
         "tokens_per_s": rate,
         "seconds_per_set": {name: statistics.median(s) for name, s in seconds.items()},
         **_ratios(rate),
@@ -326,12 +366,22 @@ def _wait_ms(waits: list[float]) -> dict[str, float]:
     }
 
 
+def _shape_words(result: dict) -> str:
+    """How the table's first line names the shape."""
+    if result.get("tool_wait_ms"):
+        return (
+            f" (long tail: {result['turns_asked']} turns asked, mixed budgets, tool waits of "
+            f"median {result['tool_wait_ms']:g} ms)"
+        )
+    return " (mixed budgets)" if result.get("mixed") else ""
+
+
 def format_table(result: dict) -> str:
     """One line per mode (tokens per second, seconds per set, requests per engine call, turn
     wait), then every ratio between modes that ran."""
     lines = [
         f"{result['groups']} groups x n {result['n']} x {result['turns']} turns x "
-        f"{result['new_tokens']} new tokens{' (mixed budgets)' if result.get('mixed') else ''}, "
+        f"{result['new_tokens']} new tokens{_shape_words(result)}, "
         f"{result['replicas']} replica(s), {result['engine']} engine on "
         f"{result.get('model', 'builtin:tiny')}, median of {result['repeats']} (alternating)",
         "| mode | generated tokens / s | seconds per set | requests per call | turn wait median, p99 |",
@@ -357,15 +407,31 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+#: shape -> (mixed budgets, long-tail turns and tool waits): what ``--shapes`` runs.
+SHAPES = {"even": (False, False), "mixed": (True, False), "longtail": (True, True)}
+
+
+def shape_of(result: dict) -> str:
+    """The name in ``SHAPES`` of the shape ``result`` ran."""
+    key = (bool(result["mixed"]), bool(result.get("tool_wait_ms")))
+    return next(name for name, shape in SHAPES.items() if shape == key)
+
+
 def least_favourable(results: list[dict]) -> str:
-    """The lowest served / ceiling (and served-async / ceiling) over ``results``, by shape."""
+    """The lowest served / ceiling and served / batched (the same through AsyncLLM) over
+    ``results``, each with its shape."""
     lines = []
-    for key in ("served_over_ceiling", "served_async_over_ceiling"):
+    for key in (
+        "served_over_ceiling",
+        "served_over_batched",
+        "served_async_over_ceiling",
+        "served_async_over_batched",
+    ):
         have = [r for r in results if key in r]
         if have:
             worst = min(have, key=lambda r: r[key])
-            shape = "mixed budgets" if worst["mixed"] else "even budgets"
-            lines.append(f"least favourable {key.replace('_', ' ')}: {worst[key]:.2f} ({shape})")
+            name = key.replace("_over_", " / ").replace("_", "-")
+            lines.append(f"least favourable {name}: {worst[key]:.2f} ({shape_of(worst)})")
     return "\n".join(lines)
 
 
@@ -386,8 +452,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     parser.add_argument("--mixed", action="store_true", help="budgets of 1/4 to 4/4 a request")
     parser.add_argument(
-        "--budgets",
-        help="comma list of even, mixed: each shape in turn on the same engines (over --mixed)",
+        "--shapes",
+        help="comma list of even, mixed, longtail: each in turn on the same engines (over "
+        "--mixed); longtail: mixed budgets, Pareto turns, a tool wait after each",
+    )
+    parser.add_argument(
+        "--tool-wait-ms",
+        type=float,
+        default=20.0,
+        help="longtail: the median tool wait, milliseconds (the long-tail environment's 20)",
     )
     parser.add_argument("--model", help="a model directory (default: builtin:tiny)")
     parser.add_argument(
@@ -399,15 +472,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown or not modes:
         parser.error(f"--modes {args.modes}: use some of {', '.join(MODES)}")
-    budgets = [b.strip() for b in (args.budgets or ("mixed" if args.mixed else "even")).split(",")]
-    if not budgets or set(budgets) - {"even", "mixed"}:
-        parser.error(f"--budgets {args.budgets}: a comma list of even, mixed")
+    shapes = [b.strip() for b in (args.shapes or ("mixed" if args.mixed else "even")).split(",")]
+    if not shapes or set(shapes) - set(SHAPES):
+        parser.error(f"--shapes {args.shapes}: a comma list of {', '.join(SHAPES)}")
+    if not 0 < args.tool_wait_ms <= 2000:
+        parser.error(f"--tool-wait-ms {args.tool_wait_ms}: give 0 < ms <= 2000 (waits cap at 2 s)")
     if args.model and not (Path(args.model) / "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json there; give a model directory")
     built = build(args.engine, args.replicas, args.model, "served-async" in modes, args.new_tokens)
     results = []
     try:
-        for budget in budgets:
+        for shape in shapes:
+            mixed, tail = SHAPES[shape]
             result = run(
                 args.groups,
                 args.n,
@@ -416,10 +492,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.repeats,
                 turns=args.turns,
                 engine_name=args.engine,
-                mixed=budget == "mixed",
+                mixed=mixed,
                 model=args.model,
                 modes=modes,
                 built=built,
+                tool_wait_ms=args.tool_wait_ms if tail else 0.0,
             )
             print(format_table(result), flush=True)
             results.append(result)

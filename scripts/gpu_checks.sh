@@ -15,8 +15,8 @@
 #     devices: NCCL refuses two ranks of one communicator on one GPU.)
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier5   # = install servers (500 s): the engine
 #     servers (issue 57) at the 1.5B shape on 2 vLLM replicas sharing the card: the per-call
-#     path against the server path, steps and AsyncLLM, even and mixed budgets (tokens/s and
-#     seconds per set of multi-turn groups, bench.stream_engine)
+#     path against the server path, steps and AsyncLLM, even and mixed budgets and the long
+#     tail (tokens/s and seconds per set of multi-turn groups, bench.stream_engine)
 #   OUT=/tmp/gpu-out bash scripts/gpu_checks.sh tier6   # = env cudatests moe install moevllm
 #     moejob (510 s): the experts kernel against the CPU golden and, timed, against
 #     transformers' eager experts at a cut of Qwen3-30B-A3B's layer (bench.moe: tokens/s and
@@ -243,19 +243,22 @@ part_rankkill() {
 }
 
 part_servers() {
-    # issue 57's GPU half: 2 vLLM replicas on the 1.5B shape (random weights, bf16), sharing
-    # the card (each engine 0.8 / 4 of its memory), 32 groups x 8 samples x 4 turns x 256
-    # tokens; the per-call path (`batched`: each replica's waiting turns as one call) against
-    # the engine servers (`served`: turns join the running batch; `served-async`: the same
-    # through AsyncLLM) and one whole call per turn (`ceiling`), even and mixed budgets on the
-    # same engines: tokens/s, seconds per set, turn waits, the least favourable ratio
-    # (SERVERS_MODEL: another model directory, as the CPU dry run's builtin:tiny)
+    # tier 5, issue 57's GPU half: 2 vLLM replicas on the 1.5B shape (random weights, bf16)
+    # sharing the card (each of the 4 engines 0.8 / 4 of its memory), 32 groups x 8 samples,
+    # up to 4 turns of 192 tokens; the per-call path (`batched`: each replica's waiting turns
+    # as one call) against the engine servers (`served`: turns join the running batch;
+    # `served-async`: the same through AsyncLLM) and one call per turn of every group
+    # (`ceiling`; a wave under the long tail), on the same engines for each shape: even
+    # budgets, mixed budgets, the long tail (Pareto turns, a tool wait after each, median
+    # 20 ms); tokens/s, seconds per set, turn waits, the least favourable ratios.
+    # SERVERS_MODEL: another model directory (the CPU dry run's builtin:tiny); SERVERS_GROUPS,
+    # SERVERS_TOKENS, SERVERS_SHAPES: a smaller run for a rerun in a short window.
     local model=${SERVERS_MODEL:-$WORK/qwen2.5-1.5b-random}
     [ -f "$model/config.json" ] || "$PY" -m rollout.models random qwen2.5-1.5b "$model" --seed 0
     "$PY" -m bench.stream_engine --engine vllm --model "$model" --replicas 2 \
-        --groups "${SERVERS_GROUPS:-32}" --n 8 --turns 4 --new-tokens "${SERVERS_TOKENS:-256}" \
-        --repeats 2 --budgets even,mixed --modes batched,served,served-async,ceiling \
-        --json "$OUT/servers.json"
+        --groups "${SERVERS_GROUPS:-32}" --n 8 --turns 4 --new-tokens "${SERVERS_TOKENS:-192}" \
+        --repeats 2 --shapes "${SERVERS_SHAPES:-even,mixed,longtail}" \
+        --modes batched,served,served-async,ceiling --json "$OUT/servers.json"
 }
 
 part_moevllm() {

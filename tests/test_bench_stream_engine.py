@@ -29,7 +29,8 @@ def test_mixed_budgets_end_turns_at_different_steps_and_the_served_mode_reports(
 
 def test_modes_left_out_are_not_timed_and_the_ratios_are_those_between_modes_that_ran():
     """``modes`` times only those given (``serial`` at engine scale takes minutes); the same
-    engines (``build``) serve even then mixed budgets, as ``--budgets even,mixed`` runs them."""
+    engines (``build``) serve every shape in turn, as ``--shapes even,mixed,longtail`` runs
+    them, and the least favourable ratio names its shape."""
     built = stream_engine.build("hf", replicas=2, new_tokens=4)
     try:
         results = [
@@ -38,12 +39,13 @@ def test_modes_left_out_are_not_timed_and_the_ratios_are_those_between_modes_tha
                 n=2,
                 new_tokens=4,
                 repeats=1,
-                turns=2,
+                turns=3,
                 mixed=mixed,
                 built=built,
                 modes=("batched", "served", "served-async", "ceiling"),
+                tool_wait_ms=wait_ms,
             )
-            for mixed in (False, True)
+            for mixed, wait_ms in ((False, 0.0), (True, 0.0), (True, 5.0))
         ]
     finally:
         built.shutdown()
@@ -55,21 +57,40 @@ def test_modes_left_out_are_not_timed_and_the_ratios_are_those_between_modes_tha
             result["tokens_per_s"]["served"] / result["tokens_per_s"]["batched"]
         )
         assert set(result["seconds_per_set"]) == set(result["tokens_per_s"])
-    worst = min(results, key=lambda r: r["served_over_ceiling"])
-    shape = "mixed" if worst["mixed"] else "even"
-    assert f"served over ceiling: {worst['served_over_ceiling']:.2f} ({shape} budgets)" in (
-        stream_engine.least_favourable(results)
+    assert [stream_engine.shape_of(r) for r in results] == ["even", "mixed", "longtail"]
+    assert results[0]["turns_asked"] == 4 * 3 and results[2]["turns_asked"] == sum(
+        map(len, stream_engine._tail_plan(4, 3, 5.0))
     )
+    worst = min(results, key=lambda r: r["served_over_ceiling"])
+    assert (
+        f"least favourable served / ceiling: {worst['served_over_ceiling']:.2f} "
+        f"({stream_engine.shape_of(worst)})"
+    ) in stream_engine.least_favourable(results)
     with pytest.raises(ValueError, match=r"modes=\['warp'\]: use some of"):
         stream_engine.run(groups=1, n=1, new_tokens=1, repeats=1, modes=("warp",), built=built)
 
 
-def test_the_command_refuses_a_bad_mode_a_bad_budget_and_a_model_that_is_not_a_directory(
+def test_the_long_tail_plan_draws_as_the_long_tail_environment_and_is_seeded():
+    """Each group's turns (1 to ``turns``, most groups few) and the waits after them (median
+    near ``tool_wait_ms``, none over 2 s) are the same on every call; no waits and every turn
+    when ``tool_wait_ms`` is 0."""
+    plan = stream_engine._tail_plan(200, 6, 20.0)
+    assert plan == stream_engine._tail_plan(200, 6, 20.0)
+    counts = [len(waits) for waits in plan]
+    assert min(counts) >= 1 and max(counts) == 6 and sorted(counts)[100] <= 2
+    waits = sorted(w for group in plan for w in group)
+    assert 0 < waits[0] and waits[-1] <= 2.0
+    assert 0.01 < waits[len(waits) // 2] < 0.04  # LogNormal(0, 1.5) x 20 ms: median 20 ms
+    assert stream_engine._tail_plan(3, 4, 0.0) == [[0.0] * 4] * 3
+
+
+def test_the_command_refuses_a_bad_mode_shape_wait_and_a_model_that_is_not_a_directory(
     tmp_path, capsys
 ):
     for argv, said in (
         (["--modes", "served,warp"], "--modes served,warp: use some of"),
-        (["--budgets", "even,odd"], "--budgets even,odd: a comma list of even, mixed"),
+        (["--shapes", "even,odd"], "--shapes even,odd: a comma list of even, mixed, longtail"),
+        (["--tool-wait-ms", "0"], "--tool-wait-ms 0.0: give 0 < ms <= 2000"),
         (["--model", str(tmp_path)], f"--model {tmp_path}: no config.json there"),
     ):
         with pytest.raises(SystemExit) as exit_:
