@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import stream_engine
+from bench import stream_engine, stream_engine_table
 
 
 def test_the_three_modes_generate_the_same_tokens_and_the_batched_calls_merge_groups():
@@ -57,14 +57,14 @@ def test_modes_left_out_are_not_timed_and_the_ratios_are_those_between_modes_tha
             result["tokens_per_s"]["served"] / result["tokens_per_s"]["batched"]
         )
         assert set(result["seconds_per_set"]) == set(result["tokens_per_s"])
-    assert [stream_engine.shape_of(r) for r in results] == ["even", "mixed", "longtail"]
+    assert [stream_engine_table.shape_of(r) for r in results] == ["even", "mixed", "longtail"]
     assert results[0]["turns_asked"] == 4 * 3 and results[2]["turns_asked"] == sum(
         map(len, stream_engine._tail_plan(4, 3, 5.0))
     )
     worst = min(results, key=lambda r: r["served_over_ceiling"])
     assert (
         f"least favourable served / ceiling: {worst['served_over_ceiling']:.2f} "
-        f"({stream_engine.shape_of(worst)})"
+        f"({stream_engine_table.shape_of(worst)})"
     ) in stream_engine.least_favourable(results)
     with pytest.raises(ValueError, match=r"modes=\['warp'\]: use some of"):
         stream_engine.run(groups=1, n=1, new_tokens=1, repeats=1, modes=("warp",), built=built)
