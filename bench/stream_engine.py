@@ -1,6 +1,6 @@
 """The stream's engine side: G groups of n requests, each group asking ``turns`` turns one
 after another from its own thread, all groups at once (as a streamed run's groups ask),
-served three ways on the HF engine (``--engine vllm``: the CPU lane's vLLM):
+served in up to five modes (``--modes``) on the HF engine or, ``--engine vllm``, on vLLM:
 
 - ``serial``: one engine call at a time, each carrying one group's n requests (the stream's
   engine before issue 49: a lock around the engine);
@@ -13,15 +13,16 @@ served three ways on the HF engine (``--engine vllm``: the CPU lane's vLLM):
   request) is reported as median and p99;
 - ``served-async`` (``--engine vllm`` only): ``served`` on a second vLLM engine built with
   ``engine_loop="async"`` (``AsyncLLM``, its engine core in its own process), what a vLLM run
-  ships by default (``rollout.engine_loop``);
+  serves with ``rollout.engine_loop: async`` (``steps``, the default, is ``served``);
 - ``ceiling``: per turn one plain engine call with all G x n requests, from one worker thread
   (the best any batching of these requests can do).
 
 Every request samples ``new_tokens`` tokens (no stop token; ``--mixed``: the requests of group g
 (1 + g % 4) quarters of them, so groups end their turns at different steps), so the
 modes generate the same tokens; the figure is generated tokens per second of wall time for the whole set, each mode
-timed alternately (A B C A B C), median of ``repeats``. With ``replicas=2`` the batched mode
-runs two HF engines behind a ``ReplicaRouter`` (one lane each) against one.
+timed alternately (A B C A B C), median of ``repeats``. With ``replicas=2`` every front but
+``serial`` and ``ceiling`` runs two engines behind a ``ReplicaRouter`` (one lane each); vLLM's
+step loops then each run their engine core in a process of their own.
 
     python -m bench.stream_engine [--groups 16] [--n 8] [--new-tokens 32] [--turns 4]
         [--replicas 1] [--mixed | --shapes even,mixed,longtail] [--tool-wait-ms 20]
