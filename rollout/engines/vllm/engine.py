@@ -31,7 +31,9 @@ Facts about the V1 engine this file relies on:
   refresh. The prefix cache is reset after each update.
 - In-process. With ``in_process=True`` (default) we set ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
   and, for one device, the ``uni`` executor: scheduler, worker and model live in this process.
-  vLLM caches its environment once the first engine starts: later ones share its choice.
+  ``in_process=False`` sets it to 1: the engine core runs in a process of its own. vLLM caches
+  its environment once an engine has started, so each engine clears that cache as it sets its
+  choice (``choose_engine_process``): the choice holds per engine, not only for the first.
 - Sleep mode exists on GPU (and on Ascend through vllm-ascend); the CPU platform has none
   (``enable_sleep_mode`` is switched off with a warning; ``sleep``/``wake_up`` record state).
 - LoRA (``lora``): updates are adapters, served in place (``rollout.engines.vllm.lora``).
@@ -81,6 +83,21 @@ def executor_backend(tensor_parallel_size: int, in_process: bool) -> str | None:
     if tensor_parallel_size > 1:
         return "mp"
     return "uni" if in_process else None
+
+
+def choose_engine_process(in_process: bool) -> None:
+    """Have the next vLLM engine built in this process run its engine core here
+    (``in_process``) or in a process of its own. vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING``
+    when an engine is built, through an environment cache it turns on once an engine core has
+    started (``vllm.envs.enable_envs_cache``: a ``functools.cache`` on its module
+    ``__getattr__``); that cache is cleared here so that the value set now is the one read.
+    Nothing reads it after an engine's construction, so engines already built keep theirs."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    import vllm.envs
+
+    clear = getattr(getattr(vllm.envs, "__getattr__", None), "cache_clear", None)
+    if clear is not None:
+        clear()
 
 
 def resolve_model_dir(model: str | os.PathLike, seed: int) -> str:
@@ -175,8 +192,7 @@ class VLLMEngine(VLLMTransfer, Engine):
         self.model_dir = resolve_model_dir(model, seed)
         self.tokenizer = tokenizer
         self.in_process = in_process
-        if in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        choose_engine_process(in_process)
 
         from vllm import LLM
         from vllm.platforms import current_platform
