@@ -265,9 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     faults = None if args.faults is None else tuple(f.strip() for f in args.faults.split(","))
     if faults is not None and (set(faults) - set(FAULTS) or not all(faults)):
         parser.error(f"--faults {args.faults}: a comma list of {', '.join(FAULTS)}")
+    from trainer.config.errors import ConfigError
+
     try:
         result = run(args.quick, faults, tuple(shlex.split(args.keys)))
-    except ValueError as err:  # a bad key, in the config's own one-line words
+    except ConfigError as err:  # a bad key, in the config's own one-line words
         parser.error(f"--keys: {err}")
     print(format_table(result))
     if args.json:
